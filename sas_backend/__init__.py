@@ -1,0 +1,2 @@
+"""SAS block-sparse decode attention for SGLang."""
+__version__ = "0.1.0"

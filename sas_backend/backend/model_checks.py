@@ -1,0 +1,68 @@
+"""Which served models the sas backend can run, decided at startup with a clear message."""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "Llama",
+    "Qwen2ForCausalLM": "Qwen2",
+    "Qwen3ForCausalLM": "Qwen3",
+    "Qwen3MoeForCausalLM": "Qwen3-MoE",
+}
+
+
+class SASUnsupportedModel(ValueError):
+    """The served model (or a server setting) is outside what the sas backend supports."""
+
+
+def check_model_supported(hf_config, *, use_mla: bool = False) -> None:
+    """Refuse MLA, sliding-window layers, encoder-decoder and unknown architectures.
+
+    hf_config: the served model's transformers config.
+    """
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    name = archs[0] if archs else type(hf_config).__name__
+    if use_mla or getattr(hf_config, "kv_lora_rank", None):
+        raise SASUnsupportedModel(
+            f"sas: {name} uses multi-head latent attention (MLA); the sas backend supports "
+            "GQA/MHA models only (Llama, Qwen2, Qwen3)"
+        )
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise SASUnsupportedModel(f"sas: {name} is an encoder-decoder model; sas supports decoder-only LMs")
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    uses_swa = getattr(hf_config, "use_sliding_window", False) or any(
+        t != "full_attention" for t in layer_types
+    )
+    if archs and archs[0] in ("MistralForCausalLM",) and getattr(hf_config, "sliding_window", None):
+        uses_swa = True
+    if uses_swa:
+        raise SASUnsupportedModel(
+            f"sas: {name} has sliding-window (or non-full) attention layers; sas needs full attention "
+            "in every layer"
+        )
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise SASUnsupportedModel(
+            f"sas: architecture {name} is not supported; supported: "
+            + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        )
+
+
+def find_model_rope_table(model: torch.nn.Module, head_dim: int) -> torch.Tensor:
+    """The served model's own RoPE table `[max_pos, head_dim]` (cos|sin), to undo its rotation.
+
+    SGLang's rotary modules keep it as `cos_sin_cache`; all layers of Llama/Qwen share one.
+    Partial rotary and non-neox layouts are refused: the inverse rotation would not be exact.
+    """
+    for module in model.modules():
+        table = getattr(module, "cos_sin_cache", None)
+        if isinstance(table, torch.Tensor) and table.dim() == 2:
+            if getattr(module, "is_neox_style", True) is not True:
+                raise SASUnsupportedModel("sas: the model's RoPE is not neox-style (rotate-half)")
+            if table.shape[-1] != head_dim:
+                raise SASUnsupportedModel(
+                    f"sas: the model rotates {table.shape[-1]} of {head_dim} head dims (partial "
+                    "rotary); sas needs full-dim RoPE"
+                )
+            return table
+    raise SASUnsupportedModel("sas: could not find the model's RoPE table (cos_sin_cache)")

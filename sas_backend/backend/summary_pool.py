@@ -1,0 +1,29 @@
+"""Per-layer block summaries keyed by physical KV page, allocated once at startup."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class SummaryPool:
+    """`summaries[layer]`: `[num_pages, H_kv, Dg]` fp32, row = physical page (slot // block size).
+
+    With page size = block size, logical block m of a request lives in page
+    `req_to_token[r, m*b] // b`, so radix-shared prefix pages share their summaries for free.
+    Page 0 is SGLang's padding page (never allocated to a request): masked writes land there.
+    """
+
+    def __init__(self, layer_ids, num_pages: int, num_kv_heads: int, gate_dim: int, device):
+        self.num_pages = num_pages
+        self.summaries = {
+            lid: torch.zeros(num_pages, num_kv_heads, gate_dim, dtype=torch.float32, device=device)
+            for lid in layer_ids
+        }
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.summaries.values())
+
+    def __getitem__(self, layer_id: int) -> torch.Tensor:
+        return self.summaries[layer_id]

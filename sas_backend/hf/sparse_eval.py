@@ -1,0 +1,168 @@
+"""SAS sparse attention inside a transformers causal LM (Llama, Qwen2, Qwen3), for evaluation.
+
+Queries at positions >= `sparse_from` attend exactly what a `sas` decode step would attend at
+that position: their selected Top-K complete blocks plus their own block up to themselves;
+earlier queries attend densely (as after a dense prefill). The selection uses the same ops as
+the serving backend (gate query, block summaries, Top-K), on q/k with the model's RoPE undone
+by the model's own cos/sin. This is the independent oracle for the server's decode logits and
+the engine of the perplexity tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Dict, Optional
+
+import torch
+
+from sas_backend.gate.module import AttnGate
+from sas_backend.ops.gate.naive import gate_query
+from sas_backend.ops.rope import invert_rope
+from sas_backend.ops.summary.naive import summarize_blocks
+from sas_backend.ops.topk.naive import select_blocks
+
+ATTN_NAME = "sas_sparse_eval"
+SELECTORS = ("gate", "window", "dense")
+
+
+@dataclasses.dataclass
+class SparseEvalSpec:
+    """How queries select blocks.
+
+    top_k: previous complete blocks each sparse query attends (its own block comes on top).
+    selector: "gate" (AttnGate scores), "window" (sink + local blocks only), "dense" (no sparsity).
+    gates: `{layer: AttnGate}` for the "gate" selector. sparse_from: first sparse query position.
+    """
+
+    top_k: int
+    block_size: int = 64
+    selector: str = "gate"
+    gates: Optional[Dict[int, AttnGate]] = None
+    sink_blocks: int = 0
+    local_blocks: int = 0
+    sparse_from: int = 0
+    first_sparse_layer: int = 0
+
+    def __post_init__(self):
+        if self.selector not in SELECTORS:
+            raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
+        if self.selector == "gate" and not self.gates:
+            raise ValueError("the gate selector needs gates")
+
+
+def model_rope_table(model, max_pos: int, device=None) -> torch.Tensor:
+    """`[max_pos, D]` fp32 cos|sin table from the model's own rotary module."""
+    rotary = model.model.rotary_emb
+    pos = torch.arange(max_pos, device=device)[None]
+    x = torch.zeros(1, dtype=torch.float32, device=device)
+    cos, sin = rotary(x, pos)
+    half = cos.shape[-1] // 2
+    return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).float()
+
+
+def select_for_queries(spec: SparseEvalSpec, layer_idx: int, q_pre, k_pre, positions, gate_table):
+    """Selected blocks `[P, H_kv, K]` (ascending, -1 padded) for the queries at `positions` `[P]`.
+
+    q_pre: `[P, H_q, D]`, k_pre: `[T, H_kv, D]` pre-RoPE; gate_table: the gate's `[max_pos, Dg]` table.
+    """
+    b = spec.block_size
+    t, h_kv, _ = k_pre.shape
+    n_blocks = t // b
+    n_cand = torch.div(positions, b, rounding_mode="floor")
+    if spec.selector == "window" or n_blocks == 0:
+        scores = torch.zeros(positions.numel(), h_kv, max(n_blocks, 1), device=q_pre.device)
+    else:
+        gate = spec.gates[layer_idx]
+        kg = summarize_blocks(
+            k_pre[: n_blocks * b].reshape(n_blocks, b, h_kv, -1),
+            gate.attngate_linear_k.weight,
+            gate.attngate_knorm.weight,
+            gate_table[torch.arange(n_blocks, device=q_pre.device) * b],
+        )  # [NB, H_kv, Dg]
+        qg = gate_query(q_pre, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, gate_table[positions])
+        scores = torch.einsum("phd,mhd->phm", qg, kg) / (qg.shape[-1] ** 0.5)
+    return select_blocks(scores, n_cand, spec.top_k, spec.sink_blocks, spec.local_blocks)
+
+
+def _sparse_rows_mask(selected, positions, t: int, b: int) -> torch.Tensor:
+    """`[H_kv, P, T]` bool: key j allowed for query p (selected block, or own block up to p)."""
+    p_cnt, h_kv, _ = selected.shape
+    key_block = torch.arange(t, device=selected.device) // b  # [T]
+    own = (key_block[None, :] == (positions // b)[:, None]) & (torch.arange(t, device=selected.device)[None, :] <= positions[:, None])
+    n_blocks = (t + b - 1) // b
+    chosen = torch.zeros(p_cnt, h_kv, n_blocks + 1, dtype=torch.bool, device=selected.device)
+    chosen.scatter_(-1, torch.where(selected >= 0, selected.long(), n_blocks), True)
+    sel = chosen[..., :n_blocks][..., key_block]  # [P, H_kv, T]
+    return (sel | own[:, None, :]).permute(1, 0, 2)
+
+
+def sparse_eval_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers attention function: dense causal rows, then the sparse rows recomputed.
+
+    query `[1, H_q, T, D]`, key/value `[1, H_kv, T, D]` (post-RoPE). Returns (`[1, T, H_q, D]`, None).
+    """
+    ctx = module._sas_eval
+    spec: SparseEvalSpec = ctx["spec"]
+    if query.shape[0] != 1:
+        raise ValueError("sparse evaluation runs one sequence at a time")
+    h_q, t = query.shape[1], query.shape[2]
+    h_kv = key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling, enable_gqa=h_q != h_kv
+    )
+    layer = module.layer_idx
+    start = spec.sparse_from
+    if spec.selector == "dense" or layer < spec.first_sparse_layer or start >= t:
+        return out.transpose(1, 2), None
+    positions = torch.arange(start, t, device=query.device)
+    table = ctx["model_table"]
+    q_pre = invert_rope(query[0, :, start:].transpose(0, 1), table[positions])  # [P, H_q, D]
+    k_pre = invert_rope(key[0].transpose(0, 1), table[:t])  # [T, H_kv, D]
+    selected = select_for_queries(spec, layer, q_pre, k_pre, positions, ctx["gate_table"])
+    allowed = _sparse_rows_mask(selected, positions, t, spec.block_size)  # [H_kv, P, T]
+    g = h_q // h_kv
+    allowed = allowed.repeat_interleave(g, dim=0)  # [H_q, P, T]
+    k_rep = key[0].repeat_interleave(g, dim=0).float()
+    v_rep = value[0].repeat_interleave(g, dim=0).float()
+    logits = torch.einsum("hpd,htd->hpt", query[0, :, start:].float(), k_rep) * scaling
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    sparse = torch.einsum("hpt,htd->hpd", probs, v_rep).to(out.dtype)
+    out = out.clone()
+    out[0, :, start:] = sparse
+    if ctx.get("record") is not None:
+        ctx["record"][layer] = selected
+    return out.transpose(1, 2), None
+
+
+@contextlib.contextmanager
+def sparse_eval(model, spec: SparseEvalSpec, max_pos: Optional[int] = None, record: Optional[dict] = None):
+    """Within the block, `model(...)` runs SAS sparse attention per `spec`.
+
+    record: optional dict filled with `{layer: selected [P, H_kv, K]}` of the last forward.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, sparse_eval_attention)
+    device = next(model.parameters()).device
+    max_pos = max_pos or model.config.max_position_embeddings
+    table = model_rope_table(model, max_pos, device)
+    gate_table = None
+    if spec.gates:
+        from sas_backend.ops.rope import rope_cos_sin_table
+        from sas_backend.geometry import ModelGeometry
+
+        geo = ModelGeometry.from_hf_config(model.config)
+        dg = next(iter(spec.gates.values())).gate_dim
+        gate_table = rope_cos_sin_table(dg, max_pos, geo.rope_theta, geo.rope_scaling, device=device)
+    attn_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+    for m in attn_modules:
+        m._sas_eval = {"spec": spec, "model_table": table, "gate_table": gate_table, "record": record}
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+        for m in attn_modules:
+            del m._sas_eval

@@ -1,0 +1,25 @@
+"""GET /sas/info: the SAS configuration and gate checkpoint identity of the running server."""
+
+from __future__ import annotations
+
+from sas_backend import __version__
+from sas_backend.config import SASConfig, SASConfigError
+
+
+def sas_info() -> dict:
+    """JSON body: package version, SAS config (from the same env the schedulers read), gate identity."""
+    import sglang
+
+    try:
+        cfg = SASConfig.from_env()
+        body = {"sas_backend": __version__, "sglang": sglang.__version__, "config": cfg.as_dict()}
+    except SASConfigError as e:
+        return {"sas_backend": __version__, "error": str(e)}
+    if cfg.gate_path:
+        try:
+            from sas_backend.gate.checkpoint import checkpoint_identity
+
+            body["gate"] = checkpoint_identity(cfg.gate_path)
+        except Exception as e:  # report, never break the route
+            body["gate"] = {"path": cfg.gate_path, "error": str(e)}
+    return body

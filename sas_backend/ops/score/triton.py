@@ -1,0 +1,124 @@
+"""Block scores (Triton): gate query against the paged block summaries of each request.
+
+Same semantics as `sas_backend.ops.score.naive.score_blocks`. One program per
+(request, kv head, tile of logical blocks). Sequence lengths are read on device and
+`max_blocks` is a fixed Python int, so the launch is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _score_blocks_kernel(
+    q_ptr,
+    summ_ptr,
+    r2t_ptr,
+    rpi_ptr,
+    seq_ptr,
+    out_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_sp,
+    stride_sh,
+    stride_sd,
+    stride_r2t,
+    stride_ob,
+    stride_oh,
+    max_blocks,
+    sm_scale,
+    DG: tl.constexpr,
+    BLOCK_DG: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+
+    seq_len = tl.load(seq_ptr + r).to(tl.int64)
+    # Candidates are the complete blocks before the one holding the newest token.
+    n_cand = tl.maximum(seq_len - 1, 0) // BLOCK_SIZE
+    valid = m < n_cand
+    req = tl.load(rpi_ptr + r).to(tl.int64)
+
+    # Logical block m lives in physical page req_to_token[req, m*b] // b.
+    slot = tl.load(r2t_ptr + req * stride_r2t + m.to(tl.int64) * BLOCK_SIZE, mask=valid, other=0)
+    page = slot.to(tl.int64) // BLOCK_SIZE
+
+    d = tl.arange(0, BLOCK_DG)
+    dmask = d < DG
+    q = tl.load(q_ptr + r * stride_qb + h * stride_qh + d * stride_qd, mask=dmask, other=0.0).to(tl.float32)
+    kg = tl.load(
+        summ_ptr + page[:, None] * stride_sp + h * stride_sh + d[None, :] * stride_sd,
+        mask=valid[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    s = tl.sum(kg * q[None, :], axis=1) * sm_scale
+    s = tl.where(valid, s, float("-inf"))
+    tl.store(out_ptr + r * stride_ob + h * stride_oh + m, s, mask=m < max_blocks)
+
+
+def score_blocks_triton(
+    gate_q: torch.Tensor,
+    summaries: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_blocks: int,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Scores of every candidate block, `-inf` elsewhere (Triton; same result as `score_blocks`).
+
+    gate_q: `[bs, H_kv, Dg]` (any float dtype); summaries: `[num_pages, H_kv, Dg]` (fp32 or bf16,
+    row = physical page); req_to_token: `[max_reqs, max_context]` (last axis contiguous);
+    req_pool_indices, seq_lens: `[bs]` (read on device, no host sync).
+    out: optional preallocated `[bs, H_kv, max_blocks]` fp32 (last axis contiguous) for CUDA graphs.
+    Returns `[bs, H_kv, max_blocks]` fp32 with
+    `s[r,h,m] = gate_q[r,h] . summaries[page(r,m),h] / sqrt(Dg)` for m < candidate count.
+    """
+    bs, h_kv, dg = gate_q.shape
+    if summaries.shape[1:] != (h_kv, dg):
+        raise ValueError(f"summaries {tuple(summaries.shape)} do not match gate_q {tuple(gate_q.shape)}")
+    if req_to_token.stride(-1) != 1:
+        raise ValueError("req_to_token must be contiguous along its last axis")
+    if out is None:
+        out = torch.empty(bs, h_kv, max_blocks, dtype=torch.float32, device=gate_q.device)
+    elif out.shape != (bs, h_kv, max_blocks) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError("out must be [bs, H_kv, max_blocks] fp32 with a contiguous last axis")
+    if bs == 0 or max_blocks == 0:
+        return out
+    block_m = min(64, triton.next_power_of_2(max_blocks))
+    grid = (bs, h_kv, triton.cdiv(max_blocks, block_m))
+    _score_blocks_kernel[grid](
+        gate_q,
+        summaries,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        out,
+        gate_q.stride(0),
+        gate_q.stride(1),
+        gate_q.stride(2),
+        summaries.stride(0),
+        summaries.stride(1),
+        summaries.stride(2),
+        req_to_token.stride(0),
+        out.stride(0),
+        out.stride(1),
+        max_blocks,
+        1.0 / math.sqrt(dg),
+        DG=dg,
+        BLOCK_DG=triton.next_power_of_2(dg),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+    )
+    return out

@@ -1,0 +1,130 @@
+"""SGLang plugin entry point (group `sglang.srt.plugins`): makes `--attention-backend sas` work.
+
+SGLang calls `register()` in the launcher and in every scheduler process. It
+- adds "sas" to the attention-backend choices and registers the backend factory;
+- adds the `--sas-*` launch flags and turns them into `SAS_*` environment variables before
+  the scheduler processes start (flags win over variables);
+- sets the page size to the SAS block size when none is given, and refuses any other;
+- serves the SAS configuration and gate identity at GET /sas/info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+
+from sas_backend.config import CLI_FLAGS, ENV_NAMES, INT_FIELDS, SASConfig, SASConfigError
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "sas"
+_UNSET = None  # --page-size default while parsing, so "not given" can be told from "1"
+_page_size_default = {}
+
+
+def register() -> None:
+    """Plugin hook: called by `sglang.srt.plugins.load_plugins()` in every SGLang process."""
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import add_attention_backend_choices
+
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    register_attention_backend(BACKEND_NAME)(_create_backend)
+
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.add_cli_args", _add_cli_args, HookType.AROUND
+    )
+    HookRegistry.register(
+        "sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args, HookType.AROUND
+    )
+    if multiprocessing.current_process().name == "MainProcess":
+        _add_info_route()
+
+
+def _create_backend(runner):
+    # Imported lazily: the backend pulls in torch/triton pieces the launcher never needs.
+    from sas_backend.backend.factory import create_sas_backend
+
+    return create_sas_backend(runner)
+
+
+def _add_cli_args(original, parser: argparse.ArgumentParser):
+    original(parser)
+    group = parser.add_argument_group("SAS sparse decode (--attention-backend sas)")
+    for flag, field, help_text in CLI_FLAGS:
+        group.add_argument(
+            flag,
+            dest=f"sas_{field}",
+            type=int if field in INT_FIELDS else str,
+            default=None,
+            help=f"{help_text} Env: {ENV_NAMES[field]}.",
+        )
+    action = parser._option_string_actions.get("--page-size")
+    if action is not None:
+        _page_size_default["value"] = action.default
+        action.default = _UNSET
+
+
+def _from_cli_args(original, cls, args: argparse.Namespace):
+    try:
+        _apply_sas_args(args)
+    except SASConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    return original(cls, args)
+
+
+def _apply_sas_args(args: argparse.Namespace) -> None:
+    """Flags -> environment (for the scheduler processes), page size, unsupported features."""
+    for _flag, field, _help in CLI_FLAGS:
+        value = getattr(args, f"sas_{field}", None)
+        if value is not None:
+            os.environ[ENV_NAMES[field]] = str(value)
+    page_size_given = getattr(args, "page_size", _UNSET) is not _UNSET
+    if getattr(args, "attention_backend", None) != BACKEND_NAME:
+        if not page_size_given and "value" in _page_size_default:
+            args.page_size = _page_size_default["value"]
+        return
+    cfg = SASConfig.from_env().validate()
+    if cfg.gate_path and not os.path.isdir(cfg.gate_path):
+        raise SASConfigError(f"gate checkpoint directory {cfg.gate_path!r} does not exist")
+    if not page_size_given:
+        args.page_size = cfg.block_size
+        logger.info("sas: page size set to the SAS block size %d", cfg.block_size)
+    elif args.page_size != cfg.block_size:
+        raise SASConfigError(
+            f"the sas backend stores one block summary per KV page, so the page size must equal "
+            f"the SAS block size {cfg.block_size}; got --page-size {args.page_size}. "
+            f"Drop --page-size (sas sets it) or pass --page-size {cfg.block_size}."
+        )
+    for attr, what in (
+        ("speculative_algorithm", "speculative decoding"),
+        ("enable_hierarchical_cache", "the hierarchical (host) KV cache"),
+    ):
+        if getattr(args, attr, None):
+            raise SASConfigError(f"the sas backend does not support {what} yet; drop that flag")
+    for attr in ("prefill_attention_backend", "decode_attention_backend"):
+        other = getattr(args, attr, None)
+        if other not in (None, BACKEND_NAME):
+            raise SASConfigError(
+                f"--{attr.replace('_', '-')} {other} cannot be combined with --attention-backend sas "
+                "(sas runs dense prefill itself)"
+            )
+
+
+def _add_info_route() -> None:
+    try:
+        from sglang.srt.entrypoints.http_server import app
+    except Exception as e:  # the HTTP server is optional (e.g. offline Engine use)
+        logger.debug("sas: no HTTP app to add /sas/info to: %s", e)
+        return
+    if any(getattr(r, "path", None) == "/sas/info" for r in app.routes):
+        return
+
+    from sas_backend.info import sas_info
+
+    app.add_api_route("/sas/info", sas_info, methods=["GET"])

@@ -1,0 +1,1 @@
+"""Gate training for SAS (frozen backbone, trainable gates)."""

@@ -1,0 +1,1 @@
+"""Training-time ops (differentiable kernels and their torch references)."""

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Install sas-backend with SGLang into a virtual environment (default: ./.venv).
+#
+#   bash serve/install.sh            # GPU host: stock `pip install` of SGLang + FlashInfer
+#                                    # CPU host: the CPU recipe below
+#   SAS_VENV=/path bash serve/install.sh
+#   SAS_SGLANG_VERSION=0.5.21 ...    # pin another SGLang release
+#   SAS_EXTRAS=test,train ...        # optional extras of sas-backend
+#
+# CPU recipe (verified on a 2-core CPU-only box, see ../shared/FACTS.md in the dev repo):
+#   torch 2.13.0 CPU wheel, `sglang --no-deps` (its metadata pins CUDA-only packages that
+#   do not install without NVIDIA's index), then sglang's own requirements minus the
+#   CUDA-only ones, with torch held by a constraints file, then a tiny `sgl_kernel`
+#   stand-in for the CPU helpers SGLang imports at load time.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SAS_VENV:-$here/.venv}"
+extras="${SAS_EXTRAS:-}"
+py="${PYTHON:-python3}"
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  has_gpu=1
+else
+  has_gpu=0
+fi
+
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pip="$venv/bin/python -m pip"
+$pip install -q --upgrade pip setuptools wheel
+
+spec="."
+[ -n "$extras" ] && spec=".[$extras]"
+
+if [ "$has_gpu" = 1 ]; then
+  sgl="${SAS_SGLANG_VERSION:-0.5.15}"
+  echo "[install] GPU found: sglang==$sgl with its own CUDA requirements"
+  $pip install "sglang==$sgl"
+  (cd "$here" && $pip install -e "$spec")
+  exit 0
+fi
+
+sgl="${SAS_SGLANG_VERSION:-0.5.21}"
+torch_v="${SAS_TORCH_VERSION:-2.13.0}"
+echo "[install] no GPU: CPU recipe, torch==$torch_v (CPU wheel), sglang==$sgl"
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+echo "torch==$torch_v" >"$constraints"
+
+# Elsewhere than this project's machines, the CPU wheel lives on the PyTorch CPU index.
+$pip install -q "torch==$torch_v" || $pip install -q "torch==$torch_v" --index-url https://download.pytorch.org/whl/cpu
+$pip install -q --no-deps "sglang==$sgl"
+
+# sglang's Requires-Dist, minus extras, markers that do not apply, and CUDA-only packages.
+reqs="$("$venv/bin/python" - <<'PY'
+import re
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+
+cuda_only = re.compile(
+    r"^(cuda-python|cuda-tile|flash-attn-4|flashinfer.*|humming-kernels|nvidia-.*|nvshmem4py.*"
+    r"|quack-kernels|sgl-deep-ep|sgl-deep-gemm|sgl-flash-mla|sglang-kernel|tilelang"
+    r"|torch-memory-saver|torch_memory_saver|torchaudio|torchcodec|tokenspeed.mla|torch)$",
+    re.I,
+)
+for line in requires("sglang") or []:
+    r = Requirement(line)
+    if r.marker is not None and not r.marker.evaluate({"extra": ""}):
+        continue
+    if cuda_only.match(r.name):
+        continue
+    print(str(Requirement(f"{r.name}{r.specifier}")))
+PY
+)"
+# triton runs kernels on CPU only under TRITON_INTERPRET=1, which is how our tests use it.
+# accelerate lets transformers load the GGUF of the default model (serve/prepare_model.py).
+# shellcheck disable=SC2086
+$pip install -q -c "$constraints" $reqs triton accelerate
+$pip install -q "$here/serve/cpu_shim"
+# PyPI's torchvision is a CUDA build: with CPU torch its import dies registering fake kernels for
+# ops its missing C extension never defined (transformers/sglang import it). Guard those two.
+"$venv/bin/python" "$here/serve/patch_torchvision_cpu.py"
+(cd "$here" && $pip install -q -c "$constraints" --no-deps -e "$spec")
+if [ -n "$extras" ]; then
+  # The extras' own requirements (pytest, ...), still with torch held.
+  extra_reqs="$("$venv/bin/python" - "$extras" <<'PY'
+import sys
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+wanted = set(sys.argv[1].split(","))
+for line in requires("sas-backend") or []:
+    r = Requirement(line)
+    if r.marker is not None and any(r.marker.evaluate({"extra": e}) for e in wanted):
+        print(str(Requirement(f"{r.name}{r.specifier}")))
+PY
+)"
+  # shellcheck disable=SC2086
+  [ -z "$extra_reqs" ] || $pip install -q -c "$constraints" $extra_reqs
+fi
+"$venv/bin/python" -c "import torch, sglang, sas_backend; print('[install] ok: torch', torch.__version__, 'sglang', sglang.__version__)"

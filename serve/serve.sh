@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One command on a fresh machine: install, prepare the default model and gate, serve with
+# `--attention-backend sas`, and print the URL and an example request once it answers.
+#
+#   bash serve/serve.sh                         # default model (SmolLM2-135M-Instruct), CPU if no GPU
+#   SAS_MODEL=/path/to/Qwen3-8B SAS_GATE=/path/to/gate bash serve/serve.sh --tp 1   # your own
+#   PORT=30000 SAS_BUDGET=512 bash serve/serve.sh [extra sglang flags...]
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SAS_VENV:-$here/.venv}"
+py="$venv/bin/python"
+
+if ! [ -x "$py" ] || ! "$py" -c "import sas_backend, sglang" 2>/dev/null; then
+  bash "$here/serve/install.sh"
+fi
+
+model="${SAS_MODEL:-$here/models/SmolLM2-135M-Instruct}"
+if [ -z "${SAS_MODEL:-}" ] && ! [ -f "$model/config.json" ]; then
+  "$py" "$here/serve/prepare_model.py" --out "$model"
+fi
+gate="${SAS_GATE:-}"
+if [ -z "$gate" ]; then
+  gate="$("$py" "$here/serve/default_gate.py" --model "$model")"
+fi
+budget="${SAS_BUDGET:-512}"
+port="${PORT:-30000}"
+
+args=(--model-path "$model" --attention-backend sas --sas-gate "$gate" --sas-budget "$budget"
+      --host 127.0.0.1 --port "$port")
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "[serve] GPU found: FlashInfer dense prefill, Triton + FlashInfer sparse decode"
+else
+  echo "[serve] no GPU: serving on CPU (torch reference ops; SGLang's Triton helpers interpreted)"
+  export SGLANG_USE_CPU_ENGINE=1 TRITON_INTERPRET=1
+  args+=(--device cpu --max-total-tokens "${SAS_MAX_TOTAL_TOKENS:-16384}")
+fi
+
+"$py" -m sglang.launch_server "${args[@]}" "$@" &
+server=$!
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' INT TERM EXIT
+url="http://127.0.0.1:$port"
+for _ in $(seq 1 600); do
+  if curl -sf "$url/health" >/dev/null 2>&1; then break; fi
+  if ! kill -0 $server 2>/dev/null; then echo "[serve] the server exited during startup (see above)"; exit 1; fi
+  sleep 1
+done
+cat <<MSG
+
+[serve] sas backend serving $(basename "$model") at $url   (SAS config: $url/sas/info)
+[serve] try:
+  curl -s $url/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "default", "messages": [{"role": "user", "content": "Name three primes."}], "max_tokens": 32}'
+[serve] Ctrl-C stops it.
+MSG
+wait $server

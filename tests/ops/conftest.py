@@ -1,0 +1,57 @@
+"""Triton kernels run on CPU under the interpreter: the variable must be set before triton
+decorates any kernel, i.e. before the first `sas_backend.ops.*.triton` import."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+class PagedCase:
+    """A decode batch over an SGLang-style paged cache with page size = block size b.
+
+    Pages 1..num_pages hold tokens (page 0 is SGLang's padding page); each request's pages are
+    drawn at random, request 1 shares request 0's first page (a radix-cache prefix) when both
+    have one, and req_pool_indices is not the identity.
+    """
+
+    def __init__(self, seq_lens, block_size, num_kv_heads, head_dim, seed=0, extra_pages=3):
+        g = torch.Generator().manual_seed(seed)
+        b = block_size
+        self.block_size = b
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        bs = len(seq_lens)
+        pages_per_req = [-(-n // b) for n in seq_lens]
+        self.num_pages = sum(pages_per_req) + extra_pages
+        self.max_blocks = max(max(pages_per_req), 1) + 2
+        max_ctx = self.max_blocks * b + b
+        max_reqs = bs + 3
+        perm = torch.randperm(self.num_pages, generator=g) + 1
+        self.req_pool_indices = torch.randperm(max_reqs, generator=g)[:bs]
+        # Unused entries hold garbage page-aligned slots: kernels must never follow them.
+        self.req_to_token = torch.randint(0, self.num_pages, (max_reqs, max_ctx), generator=g, dtype=torch.int32) * b
+        used = 0
+        offs = torch.arange(b, dtype=torch.int32)
+        for r, np_ in enumerate(pages_per_req):
+            req = int(self.req_pool_indices[r])
+            for m in range(np_):
+                page = int(perm[used])
+                used += 1
+                if r == 1 and m == 0 and pages_per_req[0] > 0 and seq_lens[1] > b:
+                    page = int(self.req_to_token[int(self.req_pool_indices[0]), 0]) // b
+                self.req_to_token[req, m * b : (m + 1) * b] = page * b + offs
+        self.slots = (self.num_pages + 1) * b
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.gen = g
+
+    def randn(self, *shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=self.gen).to(dtype)
+
+
+@pytest.fixture
+def paged_case():
+    """Factory: paged_case(seq_lens, block_size, num_kv_heads, head_dim, seed=0) -> PagedCase."""
+    return PagedCase

@@ -1,0 +1,145 @@
+"""select_blocks_triton vs the plain-torch select_blocks: integer outputs must be identical."""
+
+import pytest
+import torch
+
+from sas_backend.ops.topk.naive import select_blocks
+from sas_backend.ops.topk.triton import select_blocks_triton
+
+
+def _both(scores, n_cand, k, sink=0, local=0):
+    n_cand = torch.as_tensor(n_cand, dtype=torch.int64)
+    ref = select_blocks(scores, n_cand, k, sink, local)
+    out = select_blocks_triton(scores, n_cand, k, sink, local)
+    assert out.dtype == torch.int32 and out.shape == ref.shape
+    assert torch.equal(out, ref), f"\nref={ref}\nout={out}"
+    return out
+
+
+def _structure_ok(sel, n_cand, k):
+    """Ascending, -1 padded, exactly min(n, K) distinct candidates per row."""
+    for r, n in enumerate(n_cand):
+        for row in sel[r]:
+            take = row[row >= 0]
+            assert take.numel() == min(int(n), k)
+            assert torch.all(row[take.numel():] == -1)
+            assert torch.all(take[1:] > take[:-1]) and (take.numel() == 0 or int(take[-1]) < int(n))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_topk_random(seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(5, 3, 70, generator=g)
+    k = 8
+    # 0 candidates, fewer than K, exactly K, K + 1, many, all M
+    n_cand = [0, 5, k, k + 1, 40, 70]
+    n_cand = (n_cand[seed:] + n_cand[:seed])[:5]
+    out = _both(scores, n_cand, k)
+    _structure_ok(out, n_cand, k)
+
+
+def test_topk_exact_fewer_more_than_k():
+    scores = torch.randn(3, 2, 32)
+    out = _both(scores, [4, 6, 20], 6)
+    assert out[0, 0].tolist() == [0, 1, 2, 3, -1, -1]  # fewer than K: all, padded
+    assert out[1, 1].tolist() == [0, 1, 2, 3, 4, 5]  # exactly K: all
+    _structure_ok(out, [4, 6, 20], 6)
+
+
+def test_topk_ties_go_to_lower_index():
+    scores = torch.zeros(1, 2, 16)
+    scores[0, 0, [3, 9]] = 1.0  # two winners, then the 2 lowest of the zero ties
+    scores[0, 1] = torch.tensor([1.0, 2, 2, 1, 2, 0, 2, 2, 1, 1, 2, 0, 0, 0, 0, 0])  # 6 twos for K=4
+    out = _both(scores, [16], 4)
+    assert out[0, 0].tolist() == [0, 1, 3, 9]
+    assert out[0, 1].tolist() == [1, 2, 4, 6]
+
+
+def test_topk_heavy_ties_random():
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randint(0, 4, (4, 3, 300), generator=g).float()
+    scores[1] = 0.5  # a row of all-equal scores
+    _both(scores, [300, 257, 100, 33], 32)
+
+
+def test_topk_special_values():
+    scores = torch.randn(2, 2, 24)
+    scores[0, 0, [1, 5]] = float("nan")  # NaN counts as -inf
+    scores[0, 0, 2:5] = float("-inf")
+    scores[0, 0, 6:20] = float("nan")
+    scores[0, 1, [0, 7]] = float("inf")
+    scores[1, 0] = 0.0
+    scores[1, 0, 1::2] = -0.0  # -0.0 ties with +0.0: lower index wins
+    scores[1, 1, :] = float("-inf")
+    out = _both(scores, [24, 24], 10)
+    assert out[1, 0].tolist() == list(range(10))
+    assert out[1, 1].tolist() == list(range(10))
+
+
+def test_topk_ignores_non_candidates():
+    scores = torch.randn(2, 2, 40)
+    scores[:, :, 20:] = 100.0  # beyond num_candidates: never chosen
+    scores[:, :, 25] = float("nan")
+    out = _both(scores, [20, 30], 5)
+    assert (out[0] < 20).all()
+
+
+@pytest.mark.parametrize(
+    "n,k,sink,local,expected",
+    [
+        (10, 3, 2, 3, [0, 1, 9]),  # more forced than K: sinks, then the nearest local block
+        (10, 4, 2, 3, [0, 1, 8, 9]),
+        (10, 1, 2, 3, [0]),  # K below the sink count: lowest sinks
+        (4, 3, 2, 3, [0, 1, 3]),  # sink and local overlap at block 1 (counts as a sink)
+        (10, 5, 0, 7, [5, 6, 7, 8, 9]),  # local only, more than K: nearest ones
+        (3, 5, 2, 2, [0, 1, 2, -1, -1]),  # fewer candidates than K: all
+    ],
+)
+def test_topk_forced_priority(n, k, sink, local, expected):
+    # Scores favour the non-forced middle blocks, to show forced blocks still win.
+    scores = torch.full((1, 2, 12), 5.0)
+    scores[0, 1] = float("inf")  # forced blocks outrank even +inf scores
+    out = _both(scores, [n], k, sink, local)
+    assert out[0, 0].tolist() == expected
+    assert out[0, 1].tolist() == expected
+
+
+@pytest.mark.parametrize("sink,local", [(1, 0), (0, 2), (2, 2), (3, 5)])
+def test_topk_forced_plus_scores(sink, local):
+    g = torch.Generator().manual_seed(sink * 10 + local)
+    scores = torch.randn(4, 3, 64, generator=g)
+    n_cand = [64, 17, 9, 3]
+    out = _both(scores, n_cand, 12, sink, local)
+    _structure_ok(out, n_cand, 12)
+    for r, n in enumerate(n_cand):
+        forced = set(range(min(sink, n))) | set(range(max(n - local, 0), n))
+        for h in range(3):
+            assert forced <= set(out[r, h].tolist())
+
+
+def test_topk_k_edge_cases():
+    scores = torch.randn(2, 2, 6)
+    _both(scores, [6, 2], 10)  # K > M: all candidates, padded
+    _both(scores, [9, 6], 4)  # num_candidates > M is clamped to M
+    assert select_blocks_triton(scores, torch.tensor([6, 2]), 0).shape == (2, 2, 0)
+
+
+def test_topk_non_contiguous_and_preallocated():
+    big = torch.randn(3, 4, 50)
+    scores = big[:, 1:3, :40]  # strided rows
+    out = torch.full((3, 2, 7), 99, dtype=torch.int32)
+    res = select_blocks_triton(scores, torch.tensor([40, 7, 3]), 7, out=out)
+    assert res is out
+    assert torch.equal(out, select_blocks(scores, torch.tensor([40, 7, 3]), 7))
+
+
+def test_topk_large_m():
+    # Several chunks per row: thresholds and tie ranks carry across chunks.
+    g = torch.Generator().manual_seed(5)
+    m = 8192
+    scores = torch.randn(2, 2, m, generator=g)
+    scores[1, 0] = torch.randint(0, 50, (m,), generator=g).float()  # ties spanning chunks
+    scores[1, 1, 100:] = scores[1, 1, :100].repeat(m // 100 + 1)[: m - 100]
+    out = _both(scores, [m, m - 77], 64, sink=1, local=2)
+    _structure_ok(out, [m, m - 77], 64)
+    _both(scores, [m, 5000], 300)
