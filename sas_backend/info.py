@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from sas_backend import __version__
 from sas_backend.config import SASConfig, SASConfigError
 
@@ -12,7 +14,12 @@ def sas_info() -> dict:
 
     try:
         cfg = SASConfig.from_env()
-        body = {"sas_backend": __version__, "sglang": sglang.__version__, "config": cfg.as_dict()}
+        body = {
+            "sas_backend": __version__,
+            "sglang": sglang.__version__,
+            "active": os.environ.get("SAS_ACTIVE") == "1",  # --attention-backend sas on this server
+            "config": cfg.as_dict(),
+        }
     except SASConfigError as e:
         return {"sas_backend": __version__, "error": str(e)}
     if cfg.gate_path:

@@ -73,7 +73,7 @@ def _add_cli_args(original, parser: argparse.ArgumentParser):
 def _from_cli_args(original, cls, args: argparse.Namespace):
     try:
         _apply_sas_args(args)
-    except SASConfigError as e:
+    except ValueError as e:  # SASConfigError, GateCheckpointError: a message for the user
         raise SystemExit(f"error: {e}") from None
     return original(cls, args)
 
@@ -89,9 +89,9 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
         if not page_size_given and "value" in _page_size_default:
             args.page_size = _page_size_default["value"]
         return
+    os.environ["SAS_ACTIVE"] = "1"
     cfg = SASConfig.from_env().validate()
-    if cfg.gate_path and not os.path.isdir(cfg.gate_path):
-        raise SASConfigError(f"gate checkpoint directory {cfg.gate_path!r} does not exist")
+    _check_gate_fits(cfg, getattr(args, "model_path", None))
     if not page_size_given:
         args.page_size = cfg.block_size
         logger.info("sas: page size set to the SAS block size %d", cfg.block_size)
@@ -114,6 +114,26 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
                 f"--{attr.replace('_', '-')} {other} cannot be combined with --attention-backend sas "
                 "(sas runs dense prefill itself)"
             )
+
+
+def _check_gate_fits(cfg: SASConfig, model_path) -> None:
+    """Fail in the launcher, in a second, on a gate that is missing, corrupt or for another model.
+
+    The scheduler checks again (it is the only check for the offline Engine API); this one
+    spares the user the model load before the error.
+    """
+    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_model
+    from sas_backend.geometry import ModelGeometry
+
+    if not os.path.isdir(cfg.gate_path):
+        raise SASConfigError(f"gate checkpoint directory {cfg.gate_path!r} does not exist")
+    gate_cfg, layers = load_gate_checkpoint(cfg.gate_path)  # GateCheckpointError is a ValueError
+    if model_path and os.path.isfile(os.path.join(model_path, "config.json")):
+        geo = ModelGeometry.from_model_dir(model_path)
+        validate_for_model(
+            gate_cfg, layers, num_layers=geo.num_layers, num_q_heads=geo.num_q_heads,
+            num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, block_size=cfg.block_size,
+        )
 
 
 def _add_info_route() -> None:

@@ -431,11 +431,10 @@ def _run(*args):
                           timeout=300)
 
 
-def test_convert_cli(tmp_path):
+def test_convert_cli(tmp_path, capsys):
     _, tensors = _init(seed=4, dtype=torch.bfloat16)
     src = _write_seer(tmp_path / "seer", tensors)
-    r = _run("sas_backend.gate.convert", "--help")
-    assert r.returncode == 0 and "SRC" in r.stdout.upper()
+    # The real command line, in a subprocess (torch import makes each one take seconds, so only one).
     r = _run("sas_backend.gate.convert", src, str(tmp_path / "out"), "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     assert "wrote" in r.stdout and "gate.safetensors" in r.stdout and "float32" in r.stdout
@@ -444,16 +443,21 @@ def test_convert_cli(tmp_path):
     for layer in tensors:
         for name, t in tensors[layer].items():
             assert torch.equal(loaded[layer][name], t.float())
+
+    from sas_backend.gate.convert import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "SRC" in capsys.readouterr().out.upper()
     # Refuses to overwrite without --force; canonical -> canonical re-save with --dtype.
-    r = _run("sas_backend.gate.convert", src, str(tmp_path / "out"))
-    assert r.returncode == 1 and "--force" in r.stderr
-    r = _run("sas_backend.gate.convert", str(tmp_path / "out"), str(tmp_path / "bf16"), "--dtype", "bfloat16")
-    assert r.returncode == 0, r.stderr
+    assert main([src, str(tmp_path / "out")]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert main([str(tmp_path / "out"), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     _, again = load_gate_checkpoint(tmp_path / "bf16")
     _assert_same(tensors, again)
     # A broken source is a clear one-line error, not a traceback.
-    r = _run("sas_backend.gate.convert", str(tmp_path / "missing"), str(tmp_path / "x"))
-    assert r.returncode == 1 and "no such gate checkpoint" in r.stderr and "Traceback" not in r.stderr
+    assert main([str(tmp_path / "missing"), str(tmp_path / "x")]) == 1
+    assert "no such gate checkpoint" in capsys.readouterr().err
 
 
 def test_init_cli(tmp_path):

@@ -30,8 +30,9 @@ class PagedCase:
         max_reqs = bs + 3
         perm = torch.randperm(self.num_pages, generator=g) + 1
         self.req_pool_indices = torch.randperm(max_reqs, generator=g)[:bs]
-        # Unused entries hold garbage page-aligned slots: kernels must never follow them.
-        self.req_to_token = torch.randint(0, self.num_pages, (max_reqs, max_ctx), generator=g, dtype=torch.int32) * b
+        # Unused entries hold garbage (but in-range, page-aligned) slots: results must not depend on them.
+        garbage = torch.randint(0, self.num_pages, (max_reqs, max_ctx), generator=g, dtype=torch.int32)
+        self.req_to_token = garbage * b
         used = 0
         offs = torch.arange(b, dtype=torch.int32)
         for r, np_ in enumerate(pages_per_req):

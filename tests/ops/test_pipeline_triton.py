@@ -44,10 +44,14 @@ def _run(paged_case, group, k, kv_dtype=torch.float32, lens=None, seed=0):
             starts.append(m * b)
     pages, starts = torch.tensor(pages), torch.tensor(starts)
     results = []
-    for summarize, score, select, gather in [
-        (summarize_pages, score_blocks, select_blocks, build_kv_indices),
-        (summarize_pages_triton, score_blocks_triton, select_blocks_triton, build_kv_indptr_and_indices_triton),
-    ]:
+    naive = (summarize_pages, score_blocks, select_blocks, build_kv_indices)
+    kernels = (
+        summarize_pages_triton,
+        score_blocks_triton,
+        select_blocks_triton,
+        build_kv_indptr_and_indices_triton,
+    )
+    for summarize, score, select, gather in (naive, kernels):
         summ = torch.zeros(case.num_pages + 1, h_kv, dg)
         summ[pages] = summarize(k_buf, pages, starts, model_cs, gate_cs, w_k, k_norm, b)
         r2t, rpi, seq = case.req_to_token, case.req_pool_indices, case.seq_lens

@@ -12,7 +12,8 @@ def _check(case, dg, q_dtype=torch.float32, s_dtype=torch.float32, max_blocks=No
     gate_q = case.randn(bs, h, dg, dtype=q_dtype)
     summaries = case.randn(case.num_pages + 1, h, dg, dtype=s_dtype)
     max_blocks = case.max_blocks if max_blocks is None else max_blocks
-    args = (gate_q, summaries, case.req_to_token, case.req_pool_indices, case.seq_lens, case.block_size, max_blocks)
+    args = (gate_q, summaries, case.req_to_token, case.req_pool_indices, case.seq_lens, case.block_size)
+    args = args + (max_blocks,)
     ref = score_blocks(*args)
     out = score_blocks_triton(*args)
     assert out.dtype == torch.float32 and out.shape == ref.shape
@@ -30,7 +31,10 @@ def test_score_mixed_lengths(paged_case, h_kv, block_size):
     _check(case, dg=16)
 
 
-@pytest.mark.parametrize("q_dtype,s_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+BF16_CASES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("q_dtype,s_dtype", BF16_CASES)
 def test_score_bf16(paged_case, q_dtype, s_dtype):
     case = paged_case([7, 33, 20], 4, 2, 32, seed=3)
     _check(case, dg=32, q_dtype=q_dtype, s_dtype=s_dtype)

@@ -104,6 +104,20 @@ def test_topk_forced_priority(n, k, sink, local, expected):
     assert out[0, 1].tolist() == expected
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_topk_forced_priority_ignores_scores(seed):
+    # Random scores inside the forced sets must not change which forced blocks are kept.
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(2, 3, 30, generator=g)
+    out = _both(scores, [30, 12], 4, sink=3, local=4)
+    assert out[0].tolist() == [[0, 1, 2, 29]] * 3
+    assert out[1].tolist() == [[0, 1, 2, 11]] * 3
+    out = _both(scores, [30, 12], 2, sink=3, local=4)
+    assert out[0].tolist() == [[0, 1]] * 3
+    out = _both(scores, [30, 12], 3, sink=0, local=6)
+    assert out[0].tolist() == [[27, 28, 29]] * 3
+
+
 @pytest.mark.parametrize("sink,local", [(1, 0), (0, 2), (2, 2), (3, 5)])
 def test_topk_forced_plus_scores(sink, local):
     g = torch.Generator().manual_seed(sink * 10 + local)
@@ -143,3 +157,22 @@ def test_topk_large_m():
     out = _both(scores, [m, m - 77], 64, sink=1, local=2)
     _structure_ok(out, [m, m - 77], 64)
     _both(scores, [m, 5000], 300)
+
+
+def test_topk_stress_distributions():
+    # Rows that end the radix search at different passes: distinct magnitudes (decided by the
+    # top byte), continuous values (usually a middle byte), exact ties (all four bytes), and
+    # mixes of +-inf, NaN, negatives and denormals.
+    g = torch.Generator().manual_seed(123)
+    m, rows = 96, []
+    rows.append(10.0 ** torch.linspace(-30, 30, m))  # one value per top-byte bucket
+    rows.append(-(10.0 ** torch.linspace(-30, 30, m)))
+    rows.append(torch.randn(m, generator=g))
+    rows.append(torch.randn(m, generator=g) * 1e-3 - 5)
+    rows.append(torch.randint(-2, 3, (m,), generator=g).float())
+    rows.append(torch.where(torch.rand(m, generator=g) < 0.5, float("-inf"), torch.randn(m, generator=g)))
+    rows.append(torch.where(torch.rand(m, generator=g) < 0.3, float("nan"), torch.randn(m, generator=g)))
+    rows.append(torch.randint(0, 3, (m,), generator=g).float() * 1e-40)  # denormals and zeros
+    scores = torch.stack(rows).reshape(4, 2, m)
+    for k in (1, 7, 31, 95):
+        _both(scores, [m, m - 1, 50, 40], k)

@@ -19,8 +19,11 @@ _TILE_BLOCKS = 16  # blocks per program; tl.dot needs at least 16 rows
 
 
 @triton.jit
-def _w_dot(a, w_ptr, row0, col0, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD: tl.constexpr, BLOCK_HDG: tl.constexpr):
-    """a `[BN, BLOCK_HD]` @ w[row0 : row0+HALF_D, col0 : col0+HALF_DG] in fp32."""
+def _w_dot(
+    a, acc, w_ptr, row0, col0, stride_wr, stride_wc, HALF_D, HALF_DG,
+    BLOCK_HD: tl.constexpr, BLOCK_HDG: tl.constexpr,
+):
+    """acc + a `[BN, BLOCK_HD]` @ w[row0 : row0+HALF_D, col0 : col0+HALF_DG], fp32."""
     i = tl.arange(0, BLOCK_HD)
     j = tl.arange(0, BLOCK_HDG)
     w = tl.load(
@@ -28,7 +31,7 @@ def _w_dot(a, w_ptr, row0, col0, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD
         mask=(i < HALF_D)[:, None] & (j < HALF_DG)[None, :],
         other=0.0,
     ).to(tl.float32)
-    return tl.dot(a, w, input_precision="ieee")
+    return tl.dot(a, w, acc, input_precision="ieee")
 
 
 @triton.jit
@@ -55,6 +58,7 @@ def _summarize_tile(
     stride_wc,
     eps,
     n_tok,
+    n_seg,
     BLOCK_SIZE: tl.constexpr,
     HALF_D: tl.constexpr,
     HALF_DG: tl.constexpr,
@@ -94,20 +98,21 @@ def _summarize_tile(
     av1 = sm1 / BLOCK_SIZE
     av2 = sm2 / BLOCK_SIZE
 
-    # Project cat(max, min, mean) [3D] with w_k[h] [3D, Dg], one output half at a time.
+    # Project cat(max, min, mean) [3D] with w_k[h] [3D, Dg]: six row segments of D/2 (the RoPE
+    # halves of each statistic), two output halves. A runtime loop over segments keeps only two
+    # w tiles live at a time (unrolled, every tile load is hoisted and spills).
     w_ptr = wk_ptr + h * stride_wh
-    p1 = _w_dot(mx1, w_ptr, 0, 0, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
-    p1 += _w_dot(mx2, w_ptr, HALF_D, 0, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
-    p1 += _w_dot(mn1, w_ptr, 2 * HALF_D, 0, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
-    p1 += _w_dot(mn2, w_ptr, 3 * HALF_D, 0, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
-    p1 += _w_dot(av1, w_ptr, 4 * HALF_D, 0, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
-    p1 += _w_dot(av2, w_ptr, 5 * HALF_D, 0, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
-    p2 = _w_dot(mx1, w_ptr, 0, HALF_DG, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
-    p2 += _w_dot(mx2, w_ptr, HALF_D, HALF_DG, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
-    p2 += _w_dot(mn1, w_ptr, 2 * HALF_D, HALF_DG, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
-    p2 += _w_dot(mn2, w_ptr, 3 * HALF_D, HALF_DG, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
-    p2 += _w_dot(av1, w_ptr, 4 * HALF_D, HALF_DG, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
-    p2 += _w_dot(av2, w_ptr, 5 * HALF_D, HALF_DG, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
+    p1 = tl.zeros([BN, BLOCK_HDG], tl.float32)
+    p2 = tl.zeros([BN, BLOCK_HDG], tl.float32)
+    for seg in range(n_seg):
+        a = tl.where(seg == 4, av1, av2)
+        a = tl.where(seg == 3, mn2, a)
+        a = tl.where(seg == 2, mn1, a)
+        a = tl.where(seg == 1, mx2, a)
+        a = tl.where(seg == 0, mx1, a)
+        row0 = seg * HALF_D
+        p1 = _w_dot(a, p1, w_ptr, row0, 0, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
+        p2 = _w_dot(a, p2, w_ptr, row0, HALF_DG, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG)
 
     # RMSNorm over Dg in fp32 (padded columns are 0).
     j = tl.arange(0, BLOCK_HDG)
@@ -134,7 +139,8 @@ def _summarize_tile(
 @triton.jit
 def _summarize_pages_kernel(
     k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, pages_ptr, starts_ptr, N,
-    stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc, eps, n_tok,
+    stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc,
+    eps, n_tok, n_seg,
     BLOCK_SIZE: tl.constexpr, HALF_D: tl.constexpr, HALF_DG: tl.constexpr,
     BLOCK_HD: tl.constexpr, BLOCK_HDG: tl.constexpr, BN: tl.constexpr,
 ):
@@ -145,7 +151,8 @@ def _summarize_pages_kernel(
     starts = tl.load(starts_ptr + rows, mask=ok, other=0).to(tl.int64)
     _summarize_tile(
         k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, pages, starts, rows.to(tl.int64), ok, h,
-        stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc, eps, n_tok,
+        stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc,
+        eps, n_tok, n_seg,
         BLOCK_SIZE, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG, BN,
     )
 
@@ -153,7 +160,8 @@ def _summarize_pages_kernel(
 @triton.jit
 def _summary_update_decode_kernel(
     k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, r2t_ptr, rpi_ptr, seq_ptr, bs, stride_r2t,
-    stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc, eps, n_tok,
+    stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc,
+    eps, n_tok, n_seg,
     BLOCK_SIZE: tl.constexpr, HALF_D: tl.constexpr, HALF_DG: tl.constexpr,
     BLOCK_HD: tl.constexpr, BLOCK_HDG: tl.constexpr, BN: tl.constexpr,
 ):
@@ -170,7 +178,8 @@ def _summary_update_decode_kernel(
     if tl.sum(done.to(tl.int32), axis=0) > 0:
         _summarize_tile(
             k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, pages, starts, pages, done, h,
-            stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc, eps, n_tok,
+            stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs,
+            stride_wh, stride_wr, stride_wc, eps, n_tok, n_seg,
             BLOCK_SIZE, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG, BN,
         )
 
@@ -180,7 +189,7 @@ def _check_geometry(k_buffer, model_cos_sin, gate_cos_sin, w_k, k_norm):
     _, h_kv, d = k_buffer.shape
     dg = w_k.shape[-1]
     if w_k.shape != (h_kv, 3 * d, dg):
-        raise ValueError(f"w_k {tuple(w_k.shape)} does not fit keys [.., {h_kv}, {d}] (want [H_kv, 3D, Dg])")
+        raise ValueError(f"w_k {tuple(w_k.shape)} does not fit keys [.., {h_kv}, {d}]: want [H_kv, 3D, Dg]")
     if d % 2 or dg % 2:
         raise ValueError(f"RoPE needs even dims, got D={d}, Dg={dg}")
     if model_cos_sin.shape[-1] != d or gate_cos_sin.shape[-1] != dg or k_norm.shape != (dg,):
@@ -198,6 +207,7 @@ def _meta(block_size: int, d: int, dg: int) -> dict:
         BLOCK_HD=max(16, triton.next_power_of_2(d // 2)),
         BLOCK_HDG=max(16, triton.next_power_of_2(dg // 2)),
         BN=_TILE_BLOCKS,
+        num_warps=8,  # fp32 FMA dots: 8 warps stay within registers (4 spill)
     )
 
 
@@ -232,7 +242,8 @@ def summarize_pages_triton(
     _summarize_pages_kernel[grid](
         k_buffer, out, mcs, gcs, w_k, k_norm, pages.reshape(-1), block_starts.reshape(-1), n,
         k_buffer.stride(0), k_buffer.stride(1), out.stride(0), out.stride(1),
-        mcs.stride(0), gcs.stride(0), w_k.stride(0), w_k.stride(1), w_k.stride(2), GATE_NORM_EPS, block_size,
+        mcs.stride(0), gcs.stride(0), w_k.stride(0), w_k.stride(1), w_k.stride(2),
+        GATE_NORM_EPS, block_size, 6,
         **_meta(block_size, d, dg),
     )
     return out
@@ -257,11 +268,15 @@ def summary_update_decode_triton(
     `summaries_out[page]` (`[num_pages + 1, H_kv, Dg]`, fp32 or bf16; last axis contiguous).
     Requests that completed no block write NOTHING (not even the padding row 0), so CUDA-graph
     padding entries are harmless. k_buffer must already hold the new token's key.
-    seq_lens, req_pool_indices: `[bs]` on device (no host sync, no allocation). Returns summaries_out.
+    seq_lens, req_pool_indices: `[bs]` on device (no host sync, no allocation).
+    Returns summaries_out.
     """
     h_kv, d, dg = _check_geometry(k_buffer, model_cos_sin, gate_cos_sin, w_k, k_norm)
     if summaries_out.shape[1:] != (h_kv, dg) or summaries_out.stride(-1) != 1:
-        raise ValueError(f"summaries_out {tuple(summaries_out.shape)} must be [num_pages+1, {h_kv}, {dg}], last axis contiguous")
+        raise ValueError(
+            f"summaries_out {tuple(summaries_out.shape)} must be [num_pages+1, {h_kv}, {dg}]"
+            " with a contiguous last axis"
+        )
     if req_to_token.stride(-1) != 1:
         raise ValueError("req_to_token must be contiguous along its last axis")
     bs = seq_lens.numel()
@@ -274,7 +289,8 @@ def summary_update_decode_triton(
         k_buffer, summaries_out, mcs, gcs, w_k, k_norm, req_to_token, req_pool_indices, seq_lens,
         bs, req_to_token.stride(0),
         k_buffer.stride(0), k_buffer.stride(1), summaries_out.stride(0), summaries_out.stride(1),
-        mcs.stride(0), gcs.stride(0), w_k.stride(0), w_k.stride(1), w_k.stride(2), GATE_NORM_EPS, block_size,
+        mcs.stride(0), gcs.stride(0), w_k.stride(0), w_k.stride(1), w_k.stride(2),
+        GATE_NORM_EPS, block_size, 6,
         **_meta(block_size, d, dg),
     )
     return summaries_out

@@ -54,9 +54,11 @@ def select_blocks(
     valid = torch.arange(m, device=scores.device)[None, :] < num_candidates[:, None]
     tier = forced_tier(num_candidates, m, sink_blocks, local_blocks)
     key = torch.nan_to_num(scores.float(), nan=float("-inf"))
-    # Local blocks rank among themselves by nearness to the current block (larger m first).
+    # Within the forced tiers scores do not matter: sinks tie (so the lowest index wins) and
+    # local blocks rank by nearness to the current block (larger m first).
     block_idx = torch.arange(m, device=scores.device, dtype=key.dtype)
     key = torch.where((tier == 1)[:, None, :], block_idx, key)
+    key = torch.where((tier == 2)[:, None, :], 0.0, key)
     # Stable descending sorts keep the lower index first among equal keys (the tie rule):
     # by key first, then by tier, so the tier dominates and the key orders within a tier.
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices

@@ -7,9 +7,10 @@ registers):
 1. Each score becomes an order-preserving int32 key (NaN -> -inf, -0.0 -> +0.0). Forced
    blocks get keys above +inf: sink blocks the top key (ties -> lowest index first), local
    blocks one key each, larger for blocks nearer the current one.
-2. The K-th largest key T is found MSB-first, 8 bits per pass (4 passes): each pass histograms
-   the next byte of the keys that share the bytes fixed so far and keeps the largest byte whose
-   ">=" count still reaches K.
+2. The K-th largest key T is found MSB-first, 8 bits per pass (at most 4 passes): each pass
+   histograms the next byte of the keys that share the bytes fixed so far and keeps the largest
+   byte whose ">=" count still reaches K. When that count is exactly K the bucket is taken whole
+   and the remaining passes are skipped (usually after 2 passes for continuous scores).
 3. One more pass emits, in ascending block order, every key > T plus the lowest-index keys == T
    until K are taken; output positions come from running prefix counts (cumsum).
 
@@ -24,13 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-# Key space (signed int32, order-preserving for fp32 bit patterns):
-#   -inf -> _NEG_INF_KEY, +inf -> 0x7F800000; NaN bit patterns are mapped away, so the keys
-#   above +inf are free for forced blocks: local blocks from _LOCAL_KEY_BASE up, sinks at INT32_MAX.
-_NEG_INF_KEY = -2139095041  # int32(0xFF800000) ^ 0x7FFFFFFF
-_LOCAL_KEY_BASE = 0x7F800001
-_SINK_KEY = 0x7FFFFFFF
-_BELOW_ALL_KEYS = -2147483648  # threshold that selects every candidate
+# Key space (signed int32, order-preserving for fp32 bit patterns): -inf -> _NEG_INF_KEY,
+# +inf -> 0x7F800000. NaN bit patterns are mapped away, so the keys above +inf are free for
+# forced blocks: local blocks from _LOCAL_KEY_BASE up, sink blocks at _SINK_KEY.
+_NEG_INF_KEY = tl.constexpr(-2139095041)  # int32(0xFF800000) ^ 0x7FFFFFFF
+_LOCAL_KEY_BASE = tl.constexpr(0x7F800001)
+_SINK_KEY = tl.constexpr(0x7FFFFFFF)
+_INT32_MIN = tl.constexpr(-2147483648)  # the bits of -0.0; also a threshold below every key
 
 
 @triton.jit
@@ -39,13 +40,13 @@ def _row_keys(row_ptr, idx, n, sink_blocks, local_blocks):
     valid = idx < n
     x = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32)
     bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 ties with +0.0, as in torch.sort
+    bits = tl.where(bits == _INT32_MIN, 0, bits)  # -0.0 ties with +0.0, as in torch.sort
     is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = tl.where(is_nan, -2139095041, key)  # NaN counts as -inf
+    key = tl.where(is_nan, _NEG_INF_KEY, key)  # NaN counts as -inf
     local_lo = n - local_blocks
-    key = tl.where(idx >= local_lo, 0x7F800001 + (idx - local_lo), key)
-    key = tl.where(idx < sink_blocks, 0x7FFFFFFF, key)
+    key = tl.where(idx >= local_lo, _LOCAL_KEY_BASE + (idx - local_lo), key)
+    key = tl.where(idx < sink_blocks, _SINK_KEY, key)
     return key, valid
 
 
@@ -78,16 +79,17 @@ def _select_blocks_kernel(
         pos = k0 + tl.arange(0, K_CHUNK)
         tl.store(o_ptr + pos, tl.full([K_CHUNK], -1, tl.int32), mask=(pos >= count) & (pos < K))
 
-    thresh = tl.full([], -2147483648, tl.int32)  # below every key: take all candidates
+    thresh = tl.full([], _INT32_MIN, tl.int32)  # below every key: take all candidates
     need_ties = tl.full([], 0, tl.int32)
     if n > K:
         bins = tl.arange(0, 256)
         above = tl.full([], 0, tl.int32)  # keys whose already-fixed bytes beat the prefix
         prefix = tl.full([], 0, tl.int32)  # fixed high bytes of T, as an arithmetic shift of T
+        done = tl.full([], 0, tl.int32)
         for p in tl.static_range(4):
             shift = 24 - 8 * p  # p is a compile-time constant
             hist = tl.zeros([256], dtype=tl.int32)
-            for start in range(0, n, CHUNK):
+            for start in range(0, tl.where(done != 0, 0, n), CHUNK):
                 idx = start + tl.arange(0, CHUNK)
                 key, valid = _row_keys(row_ptr, idx, n, sink_blocks, local_blocks)
                 digit = (key >> shift) & 255
@@ -100,13 +102,22 @@ def _select_blocks_kernel(
             # count_ge[d]: keys >= (prefix, d); non-increasing in d, count_ge[0] >= K.
             count_ge = above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
             d_star = tl.sum((count_ge >= K).to(tl.int32), axis=0) - 1
-            above += tl.sum(tl.where(bins > d_star, hist, 0), axis=0)
+            n_above = above + tl.sum(tl.where(bins > d_star, hist, 0), axis=0)
+            n_ge = n_above + tl.sum(tl.where(bins == d_star, hist, 0), axis=0)
             if p == 0:
-                prefix = d_star - 128
+                new_prefix = d_star - 128
             else:
-                prefix = prefix * 256 + d_star
-        thresh = prefix
-        need_ties = K - above
+                new_prefix = prefix * 256 + d_star
+            # Exactly K keys reach the chosen bucket: take all of them (every key >= the
+            # bucket's lowest key) and skip the remaining passes. Typical for continuous scores.
+            finish = (done == 0) & (n_ge == K)
+            thresh = tl.where(finish, new_prefix * (1 << shift), thresh)
+            need_ties = tl.where(finish, K, need_ties)
+            prefix = tl.where(done != 0, prefix, new_prefix)
+            above = tl.where(done != 0, above, n_above)
+            done = done | finish.to(tl.int32)
+        thresh = tl.where(done != 0, thresh, prefix)
+        need_ties = tl.where(done != 0, need_ties, K - above)
 
     # Emit in ascending block order: keys > T, then the lowest-index keys == T.
     taken = tl.full([], 0, tl.int32)
@@ -168,8 +179,8 @@ def select_blocks_triton(
         out.stride(1),
         m,
         k,
-        max(sink_blocks, 0),
-        max(local_blocks, 0),
+        min(max(sink_blocks, 0), m),  # clamped so forced keys stay inside their key range
+        min(max(local_blocks, 0), m),
         CHUNK=chunk,
         K_CHUNK=k_chunk,
         num_warps=8 if chunk >= 2048 else 4,

@@ -1,0 +1,81 @@
+"""Fixtures for the end-to-end tests: the default model, a seeded gate, essay tokens, servers."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from .harness import DEFAULT_MODEL, REPO, Server
+
+ESSAYS = REPO / "models" / "text" / "essays"
+DENSE_ARGS = ["--page-size", "64", "--enable-cache-report"]
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/server/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.server)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> pathlib.Path:
+    if not (DEFAULT_MODEL / "config.json").exists():
+        pytest.fail(f"default model missing: run `python serve/prepare_model.py` (expected {DEFAULT_MODEL})")
+    return DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def seed_gate(model_dir, tmp_path_factory) -> pathlib.Path:
+    """A seeded-init gate for the default model (same code path as a trained one)."""
+    from sas_backend.gate.checkpoint import init_gate_checkpoint
+
+    out = tmp_path_factory.mktemp("gates") / "smollm2-seed0"
+    init_gate_checkpoint(out, model_dir=model_dir, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def essay_ids(tokenizer) -> list:
+    """Token ids of the essays, concatenated (about 150K tokens of real English)."""
+    paths = sorted(ESSAYS.glob("*.txt"))
+    if not paths:
+        pytest.fail("essays missing: run `python serve/prepare_text.py`")
+    text = "\n\n".join(p.read_text() for p in paths[:12])
+    return tokenizer(text)["input_ids"]
+
+
+@pytest.fixture(scope="session")
+def dense_server(model_dir):
+    with Server(model_dir, backend="torch_native", extra_args=DENSE_ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def sas_full_server(model_dir, seed_gate):
+    """sas with a budget above the context length: every block is selected."""
+    args = ["--sas-gate", seed_gate, "--sas-budget", "8192", "--enable-cache-report"]
+    with Server(model_dir, backend="sas", extra_args=args) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def sparse_debug_dir(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("sas-debug")
+
+
+@pytest.fixture(scope="session")
+def sas_sparse_server(model_dir, seed_gate, sparse_debug_dir):
+    """sas at a 256-token budget, fp32 (tight comparison with the oracle), selection log on."""
+    args = [
+        "--sas-gate", seed_gate, "--sas-budget", "256", "--dtype", "float32", "--enable-cache-report",
+    ]
+    with Server(model_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(sparse_debug_dir)}) as s:
+        yield s

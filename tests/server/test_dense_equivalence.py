@@ -1,0 +1,36 @@
+"""With a budget >= the context, sas decodes exactly like SGLang's dense torch-native backend."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from .harness import complete
+
+# Within one block; exactly on a block boundary; many blocks. 40 new tokens make the first
+# prompt complete a block during decode (the decode-time summary update).
+PROMPT_LENGTHS = [40, 128, 1500]
+
+
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_greedy_tokens_identical_to_dense(length, essay_ids, dense_server, sas_full_server):
+    offset = 1000 + 7 * length  # different text per case
+    prompt = essay_ids[offset : offset + length]
+    args = dict(max_tokens=40, logprobs=1)
+    dense = complete(dense_server.url, prompt, **args)["choices"][0]
+    sas = complete(sas_full_server.url, prompt, **args)["choices"][0]
+    assert dense["logprobs"]["tokens"] == sas["logprobs"]["tokens"]
+    assert dense["text"] == sas["text"]
+    assert len(sas["logprobs"]["tokens"]) == 40
+
+
+def test_sas_info_reports_config_and_gate(sas_full_server, seed_gate):
+    info = requests.get(f"{sas_full_server.url}/sas/info", timeout=30).json()
+    assert info["active"] is True
+    assert info["config"]["budget"] == 8192 and info["config"]["block_size"] == 64
+    assert info["config"]["top_k"] == 128
+    assert info["gate"]["format"] == "canonical"
+    assert info["gate"]["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert len(info["gate"]["sha256"]) == 64
+    assert "sas: 30 sparse layers" in sas_full_server.log_text()
+    assert "summary pool" in sas_full_server.log_text()
