@@ -1,12 +1,11 @@
-"""Triton kernels run on CPU under the interpreter: the variable must be set before triton
-decorates any kernel, i.e. before the first `sas_backend.ops.*.triton` import."""
+"""TRITON_INTERPRET=1 (Triton kernels on CPU) is set by the top-level tests/conftest.py only
+where CUDA is unavailable, before any `sas_backend.ops.*.triton` import; on a GPU the kernels
+compile. Kernel tests build their inputs on tests.devices.DEVICE."""
 
-import os
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from tests.devices import DEVICE, _no_tf32  # noqa: F401  (_no_tf32: autouse fixture)
 
 
 class PagedCase:
@@ -14,7 +13,8 @@ class PagedCase:
 
     Pages 1..num_pages hold tokens (page 0 is SGLang's padding page); each request's pages are
     drawn at random, request 1 shares request 0's first page (a radix-cache prefix) when both
-    have one, and req_pool_indices is not the identity.
+    have one, and req_pool_indices is not the identity. Built on CPU (same data on every
+    device), then moved to DEVICE.
     """
 
     def __init__(self, seq_lens, block_size, num_kv_heads, head_dim, seed=0, extra_pages=3):
@@ -43,13 +43,16 @@ class PagedCase:
                 if r == 1 and m == 0 and pages_per_req[0] > 0 and seq_lens[1] > b:
                     page = int(self.req_to_token[int(self.req_pool_indices[0]), 0]) // b
                 self.req_to_token[req, m * b : (m + 1) * b] = page * b + offs
+        self.seq_lens = self.seq_lens.to(DEVICE)
+        self.req_pool_indices = self.req_pool_indices.to(DEVICE)
+        self.req_to_token = self.req_to_token.to(DEVICE)
         self.slots = (self.num_pages + 1) * b
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.gen = g
 
     def randn(self, *shape, dtype=torch.float32):
-        return torch.randn(*shape, generator=self.gen).to(dtype)
+        return torch.randn(*shape, generator=self.gen).to(DEVICE, dtype)
 
 
 @pytest.fixture

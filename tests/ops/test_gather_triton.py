@@ -7,6 +7,7 @@ from sas_backend.ops.gather.naive import build_kv_indices, kv_indptr_for
 from sas_backend.ops.gather.triton import build_kv_indices_triton, build_kv_indptr_and_indices_triton
 from sas_backend.ops.score.naive import candidate_counts
 from sas_backend.ops.topk.naive import select_blocks
+from tests.devices import DEVICE
 
 
 def _selection(case, k, sink=0, local=0):
@@ -50,7 +51,7 @@ def test_gather_fills_preallocated_buffer_only(paged_case):
     sel = _selection(case, 3)
     ref_ptr, ref_idx = _check(case, sel)
     indptr = kv_indptr_for(case.seq_lens, 3, 4, 2)
-    buf = torch.full((ref_idx.numel() + 50,), -7, dtype=torch.int32)  # fixed-size CUDA-graph buffer
+    buf = torch.full((ref_idx.numel() + 50,), -7, dtype=torch.int32, device=DEVICE)  # fixed-size CUDA-graph buffer
     common = (case.seq_lens, case.req_to_token, case.req_pool_indices, 4)
     res = build_kv_indices_triton(sel, *common, indptr, buf)
     assert res is buf
@@ -60,7 +61,7 @@ def test_gather_fills_preallocated_buffer_only(paged_case):
 
 def test_gather_k_zero_and_empty_rows(paged_case):
     case = paged_case([5, 12], 4, 2, 16, seed=12)
-    sel = torch.full((2, 2, 0), -1, dtype=torch.int32)  # K = 0: current block only
+    sel = torch.full((2, 2, 0), -1, dtype=torch.int32, device=DEVICE)  # K = 0: current block only
     _check(case, sel)
     zero = paged_case([0, 6], 4, 1, 16, seed=13)  # seq_len 0: an empty row
     _check(zero, _selection(zero, 2))

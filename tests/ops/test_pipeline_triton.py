@@ -15,6 +15,7 @@ from sas_backend.ops.summary.naive import summarize_pages
 from sas_backend.ops.summary.triton import summarize_pages_triton
 from sas_backend.ops.topk.naive import select_blocks
 from sas_backend.ops.topk.triton import select_blocks_triton
+from tests.devices import DEVICE
 
 
 def _run(paged_case, group, k, kv_dtype=torch.float32, lens=None, seed=0):
@@ -22,18 +23,24 @@ def _run(paged_case, group, k, kv_dtype=torch.float32, lens=None, seed=0):
     lens = lens or [1, b, b + 3, 6 * b, 9 * b + 1]
     case = paged_case(lens, b, h_kv, d, seed=seed + group)
     g = case.gen
-    model_cs, gate_cs = rope_cos_sin_table(d, 256, 10000.0), rope_cos_sin_table(dg, 256, 10000.0)
+
+    def randn(*shape):  # drawn on the CPU generator (same data on every device), on DEVICE
+        return torch.randn(*shape, generator=g).to(DEVICE)
+
+    model_cs = rope_cos_sin_table(d, 256, 10000.0, device=DEVICE)
+    gate_cs = rope_cos_sin_table(dg, 256, 10000.0, device=DEVICE)
     # Cache of post-RoPE keys and values at the positions the slots hold.
-    slot_pos = torch.zeros(case.slots, dtype=torch.int64)
+    slot_pos = torch.zeros(case.slots, dtype=torch.int64, device=DEVICE)
     for r, n in enumerate(lens):
-        slot_pos[case.req_to_token[int(case.req_pool_indices[r]), :n].long()] = torch.arange(n)
-    k_buf = apply_rope(torch.randn(case.slots, h_kv, d, generator=g), model_cs[slot_pos]).to(kv_dtype)
-    v_buf = torch.randn(case.slots, h_kv, d, generator=g).to(kv_dtype)
-    w_q = torch.randn(h_kv, group, d, dg, generator=g) / (group * d) ** 0.5
-    w_k = torch.randn(h_kv, 3 * d, dg, generator=g) / (3 * d) ** 0.5
-    q_norm, k_norm = torch.rand(dg, generator=g) + 0.5, torch.rand(dg, generator=g) + 0.5
+        slot_pos[case.req_to_token[int(case.req_pool_indices[r]), :n].long()] = torch.arange(n, device=DEVICE)
+    k_buf = apply_rope(randn(case.slots, h_kv, d), model_cs[slot_pos]).to(kv_dtype)
+    v_buf = randn(case.slots, h_kv, d).to(kv_dtype)
+    w_q = randn(h_kv, group, d, dg) / (group * d) ** 0.5
+    w_k = randn(h_kv, 3 * d, dg) / (3 * d) ** 0.5
+    q_norm = torch.rand(dg, generator=g).to(DEVICE) + 0.5
+    k_norm = torch.rand(dg, generator=g).to(DEVICE) + 0.5
     bs = len(lens)
-    q = torch.randn(bs, h_kv * group, d, generator=g)
+    q = randn(bs, h_kv * group, d)
     gq = gate_query(q, w_q, q_norm, gate_cs[case.seq_lens - 1])
 
     # Summaries of every page that holds a complete block (block start from the page's slots).
@@ -42,7 +49,7 @@ def _run(paged_case, group, k, kv_dtype=torch.float32, lens=None, seed=0):
         for m in range(n // b):
             pages.append(int(case.req_to_token[int(case.req_pool_indices[r]), m * b]) // b)
             starts.append(m * b)
-    pages, starts = torch.tensor(pages), torch.tensor(starts)
+    pages, starts = torch.tensor(pages, device=DEVICE), torch.tensor(starts, device=DEVICE)
     results = []
     naive = (summarize_pages, score_blocks, select_blocks, build_kv_indices)
     kernels = (
@@ -52,7 +59,7 @@ def _run(paged_case, group, k, kv_dtype=torch.float32, lens=None, seed=0):
         build_kv_indptr_and_indices_triton,
     )
     for summarize, score, select, gather in (naive, kernels):
-        summ = torch.zeros(case.num_pages + 1, h_kv, dg)
+        summ = torch.zeros(case.num_pages + 1, h_kv, dg, device=DEVICE)
         summ[pages] = summarize(k_buf, pages, starts, model_cs, gate_cs, w_k, k_norm, b)
         r2t, rpi, seq = case.req_to_token, case.req_pool_indices, case.seq_lens
         scores = score(gq, summ, r2t, rpi, seq, b, case.max_blocks)

@@ -1,10 +1,11 @@
-"""score_blocks_triton vs the plain-torch score_blocks (TRITON_INTERPRET=1 on CPU)."""
+"""score_blocks_triton vs the plain-torch score_blocks (on DEVICE; TRITON_INTERPRET=1 on CPU)."""
 
 import pytest
 import torch
 
 from sas_backend.ops.score.naive import score_blocks
 from sas_backend.ops.score.triton import score_blocks_triton
+from tests.devices import DEVICE
 
 
 def _check(case, dg, q_dtype=torch.float32, s_dtype=torch.float32, max_blocks=None):
@@ -62,7 +63,7 @@ def test_score_into_preallocated_out(paged_case):
     q = case.randn(2, 2, 16)
     summ = case.randn(case.num_pages + 1, 2, 16)
     args = (q, summ, case.req_to_token, case.req_pool_indices, case.seq_lens, 4, case.max_blocks)
-    out = torch.full((2, 2, case.max_blocks), 123.0)
+    out = torch.full((2, 2, case.max_blocks), 123.0, device=DEVICE)
     res = score_blocks_triton(*args, out=out)
     assert res is out
     torch.testing.assert_close(out, score_blocks(*args), rtol=1e-5, atol=1e-6)

@@ -1,6 +1,5 @@
-"""Triton kernels run on CPU under the interpreter: the variable must be set before triton
-decorates any kernel, i.e. before the first `sas_backend.training.ops.*` import."""
+"""TRITON_INTERPRET=1 (Triton kernels on CPU) is set by the top-level tests/conftest.py only
+where CUDA is unavailable, before any `sas_backend.training.ops.*` import; on a GPU the kernels
+compile. Kernel tests build their inputs on tests.devices.DEVICE."""
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.devices import DEVICE, _no_tf32  # noqa: F401  (_no_tf32: autouse fixture)

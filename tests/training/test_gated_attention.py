@@ -115,13 +115,18 @@ def test_naive_no_blocks_is_block_local_causal():
 
 @pytest.mark.parametrize("bs", [4, 5])
 def test_naive_gradcheck(bs):
-    lens = [14, 9]
+    lens = [13, 7]
     q, k, v, log_g, thr, cu = _case(lens, 2, 1, 4, bs, torch.float64, seed=1)
     # the selection is a step in log_g: keep every entry off its threshold by more than eps
     assert (log_g - thr[..., None]).abs().min() > 1e-4
     inputs = [x.clone().requires_grad_() for x in (q, k, v, log_g)]
     fn = lambda q_, k_, v_, g_: gated_attention_naive(q_, k_, v_, g_, thr, cu, bs)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of tiny ops: intra-op threads only add contention
+    try:
+        assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_naive_log_g_grad_only_on_selected_blocks():

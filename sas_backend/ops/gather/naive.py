@@ -44,15 +44,17 @@ def build_kv_indices(
     indptr = kv_indptr_for(seq_lens, k, block_size, h_kv)
     parts = []
     offs = torch.arange(block_size, device=selected.device)
+    heads = torch.arange(h_kv, device=selected.device)[:, None]
     for r in range(bs):
         row_slots = req_to_token[int(req_pool_indices[r])].long()
         n = int(seq_lens[r])
         cur = max(n - 1, 0) // block_size  # n = 0 (an empty row) must not wrap to block -1
-        for h in range(h_kv):
-            blocks = selected[r, h][selected[r, h] >= 0].long()
-            pos = (blocks[:, None] * block_size + offs[None, :]).reshape(-1)
-            pos = torch.cat([pos, torch.arange(cur * block_size, n, device=pos.device)])
-            parts.append(row_slots[pos] * h_kv + h)
+        # Every kv head of a request selects min(K, candidates) blocks: one [H_kv, L] gather.
+        blocks = selected[r, :, : min(k, cur)].long()  # [H_kv, n_sel]
+        pos = (blocks[..., None] * block_size + offs).reshape(h_kv, -1)
+        tail = torch.arange(cur * block_size, n, device=pos.device).expand(h_kv, -1)
+        pos = torch.cat([pos, tail], dim=1)
+        parts.append((row_slots[pos] * h_kv + heads).reshape(-1))
     indices = (
         torch.cat(parts).to(torch.int32)
         if parts

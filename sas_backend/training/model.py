@@ -1,0 +1,339 @@
+"""AttnGates attached to a transformers causal LM (Llama, Qwen2, Qwen3) for training.
+
+`attach_gates(model, spec)` freezes the backbone, adds one trainable `AttnGate` per layer as
+`model.model.layers[i].self_attn.attn_gate` (so the model's parameter names are the checkpoint's
+tensor names) and switches the model to the training attention function registered under
+`ATTN_NAME`. Per layer, that function:
+
+1. undoes the model's RoPE on q/k with the model's own cos/sin table (as `sas_backend.hf.sparse_eval`
+   and the serving backend do), giving the pre-RoPE q/k the gate reads;
+2. scores the blocks (`scoring.score_gate`: `log g` over the previous blocks + Top-K threshold);
+3. objective "lm" (SAS): attention = the gated sparse-scope attention
+   `softmax(q K_S^T * scale + log g_S) V_S` (Triton kernel on CUDA, torch reference on CPU), so the
+   next-token loss trains the gates through `log g`; q/k/v keep their autograd graph, which carries
+   the loss gradient back through the residual stream to the earlier layers' gates;
+   objective "distill" (SeerAttention-R style): attention stays dense; the layer adds
+   `KL(target || softmax_prev(s))` to the loss, target = the backbone's dense attention
+   probabilities (no grad), max-pooled over each block's keys and over the G query heads of a kv
+   group, renormalized over the previous blocks.
+
+Inputs are fixed-length rows `[B, L]` without padding (no attention_mask; positions 0..L-1 per
+row); the rows become packed sequences with `cu_seqlens = [0, L, 2L, ...]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Mapping, Optional
+
+import torch
+
+from sas_backend.gate.module import AttnGate
+from sas_backend.geometry import ModelGeometry
+from sas_backend.hf.sparse_eval import model_rope_table
+from sas_backend.ops.rope import invert_rope, rope_cos_sin_table
+from sas_backend.training.scoring import DEFAULT_QUERY_CHUNK, score_gate, seq_bounds
+
+ATTN_NAME = "sas_gate_train"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+OBJECTIVES = ("lm", "distill")
+KERNELS = ("auto", "triton", "naive")
+# Distill targets are built from dense attention rows in chunks of at most this many fp32 logits.
+_DENSE_CHUNK_ELEMS = 1 << 26
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not a Llama / Qwen2 / Qwen3 causal LM this trainer knows how to gate."""
+
+
+@dataclasses.dataclass
+class GateTrainSpec:
+    """How the gates train.
+
+    block_size b; budget B tokens per query (its own block included), so K = B // b - 1 previous
+    blocks are selected; objective "lm" (SAS) or "distill"; kernel "auto" (Triton on CUDA, torch
+    reference on CPU), "triton" or "naive"; query_chunk: queries scored at a time (memory bound).
+    """
+
+    block_size: int = 64
+    budget: int = 512
+    objective: str = "lm"
+    kernel: str = "auto"
+    query_chunk: int = DEFAULT_QUERY_CHUNK
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.budget < self.block_size:
+            raise ValueError(
+                f"budget {self.budget} is smaller than one block ({self.block_size}): the query's own "
+                "block alone uses a whole block of the budget"
+            )
+
+    @property
+    def top_k(self) -> int:
+        """K previous blocks per query: the budget minus the query's own block."""
+        return self.budget // self.block_size - 1
+
+
+def check_supported(model) -> None:
+    """Raise UnsupportedModelError unless `model` is a Llama / Qwen2 / Qwen3 causal LM we can gate."""
+    cfg = getattr(model, "config", None)
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"gate training supports model types {', '.join(SUPPORTED_MODEL_TYPES)} "
+            f"(Llama, Qwen2, Qwen3 families); this model is {mtype!r} "
+            f"({type(model).__name__})"
+        )
+    if getattr(cfg, "use_sliding_window", False) or (getattr(cfg, "layer_types", None) and any(
+            t != "full_attention" for t in cfg.layer_types)):
+        raise UnsupportedModelError(
+            f"{mtype} model uses sliding-window attention layers; gate training needs full attention"
+        )
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is not a causal-LM wrapper (expected .model.layers and .model.rotary_emb)"
+        )
+
+
+def attention_modules(model) -> List[torch.nn.Module]:
+    """The `self_attn` module of every decoder layer, in layer order."""
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """"triton" or "naive" for `kernel` on `device`; refuses Triton where it cannot run."""
+    import os
+
+    if kernel == "auto":
+        return "triton" if device.type == "cuda" else "naive"
+    if kernel == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--kernel triton needs a CUDA device (or TRITON_INTERPRET=1 to run it on CPU, slowly)")
+    return kernel
+
+
+def gated_attention_op(q, k, v, log_g, threshold, cu_seqlens, block_size: int, scale: float, kernel: str):
+    """Dispatch to the fused Triton kernel or the torch reference (same signature and result).
+
+    q `[T, Hq, D]`, k/v `[T, Hkv, D]`, log_g `[Hkv, T, NB]`, threshold `[Hkv, T]`. Returns `[T, Hq, D]`.
+    """
+    from sas_backend.training.ops.gated_attention import gated_attention, gated_attention_naive
+
+    fn = gated_attention if kernel == "triton" else gated_attention_naive
+    return fn(q, k, v, log_g, threshold, cu_seqlens, block_size, scale)
+
+
+class _TrainContext:
+    """Shared per-model state the attention function reads (one object, referenced by every layer)."""
+
+    def __init__(self, spec: GateTrainSpec, kernel: str, model_table, gate_table):
+        self.spec = spec
+        self.kernel = kernel
+        self.model_table = model_table  # [max_pos, D] the model's cos|sin (to undo its RoPE)
+        self.gate_table = gate_table  # [max_pos, Dg] the gate's RoPE table
+        self.aux_losses: List[torch.Tensor] = []  # distill: one KL per layer of the last forward
+
+
+def _pooled_attention_target(q, k, bounds, block_size, num_blocks, scale) -> torch.Tensor:
+    """Distill target `[Hkv, T, NB]` (no grad): dense causal attention probabilities, max-pooled
+    over each block's keys and the G query heads of a group, renormalized over previous blocks.
+
+    q `[T, Hq, D]`, k `[T, Hkv, D]` post-RoPE. Rows without a previous block are all zero.
+    Dense rows are built a chunk of queries at a time (memory O(Hq * chunk * L)).
+    """
+    t, h_q, _ = q.shape
+    h_kv = k.shape[1]
+    g = h_q // h_kv
+    out = q.new_zeros(h_kv, t, num_blocks, dtype=torch.float32)
+    for bos, eos in bounds:
+        n = eos - bos
+        full = n // block_size
+        if full == 0:
+            continue
+        ks = k[bos:eos].float().transpose(0, 1).repeat_interleave(g, 0)  # [Hq, L, D]
+        chunk = max(1, min(n, _DENSE_CHUNK_ELEMS // max(1, h_q * n)))
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            qs = q[bos + c0:bos + c1].float().transpose(0, 1)  # [Hq, C, D]
+            logits = torch.einsum("hcd,hld->hcl", qs, ks) * scale
+            pos = torch.arange(c0, c1, device=q.device)
+            causal = torch.arange(n, device=q.device)[None, :] <= pos[:, None]
+            probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+            pooled = probs[..., : full * block_size].reshape(h_q, c1 - c0, full, block_size).amax(-1)
+            pooled = pooled.reshape(h_kv, g, c1 - c0, full).amax(1)  # [Hkv, C, full]
+            valid = torch.arange(full, device=q.device)[None, :] < (pos // block_size)[:, None]
+            pooled = pooled * valid
+            denom = pooled.sum(-1, keepdim=True)
+            out[:, bos + c0:bos + c1, :full] = torch.where(denom > 0, pooled / denom.clamp_min(1e-30), 0.0)
+    return out
+
+
+def _distill_kl(target: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
+    """Mean over queries with previous blocks of KL(target || exp(log_g)), both `[Hkv, T, NB]`."""
+    has_prev = target.sum(-1) > 0  # [Hkv, T]
+    safe_lg = torch.where(target > 0, log_g, torch.zeros_like(log_g))  # avoid 0 * -inf
+    kl = (torch.xlogy(target, target) - target * safe_lg).sum(-1)  # [Hkv, T]
+    return kl.sum() / has_prev.sum().clamp_min(1)
+
+
+def training_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers attention function for gate training (registered as `ATTN_NAME`).
+
+    query `[B, Hq, L, D]`, key/value `[B, Hkv, L, D]` post-RoPE. Returns (`[B, L, Hq, D]`, None).
+    """
+    ctx: _TrainContext = module._sas_train
+    spec = ctx.spec
+    if attention_mask is not None:
+        raise ValueError(
+            "gate training runs unpadded fixed-length rows: call the model without attention_mask "
+            "(positions 0..L-1 per row)"
+        )
+    bsz, h_q, seqlen, d = query.shape
+    h_kv = key.shape[1]
+    q = query.transpose(1, 2).reshape(bsz * seqlen, h_q, d)
+    k = key.transpose(1, 2).reshape(bsz * seqlen, h_kv, d)
+    v = value.transpose(1, 2).reshape(bsz * seqlen, h_kv, d)
+    if seqlen > ctx.model_table.shape[0]:
+        raise ValueError(f"sequence length {seqlen} exceeds the RoPE table ({ctx.model_table.shape[0]} positions)")
+    cu = torch.arange(bsz + 1, device=query.device, dtype=torch.int32) * seqlen
+    pos_table = ctx.model_table[:seqlen].repeat(bsz, 1)  # [T, D]
+    q_pre = invert_rope(q.detach(), pos_table)  # exact inverse rotation: the gate's inputs
+    k_pre = invert_rope(k.detach(), pos_table)
+    scores = score_gate(
+        module.attn_gate, q_pre, k_pre, cu, spec.block_size, spec.top_k, ctx.gate_table,
+        query_chunk=spec.query_chunk,
+    )
+    if spec.objective == "lm":
+        out = gated_attention_op(q, k, v, scores.log_g, scores.threshold, cu, spec.block_size,
+                                 scaling, ctx.kernel)
+        return out.view(bsz, seqlen, h_q, d), None
+    # distill: dense attention for the forward, KL on the side (target carries no gradient)
+    with torch.no_grad():
+        target = _pooled_attention_target(q, k, seq_bounds(cu), spec.block_size, scores.num_blocks, scaling)
+    ctx.aux_losses.append(_distill_kl(target, scores.log_g))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling, enable_gqa=h_q != h_kv
+    )
+    return out.transpose(1, 2), None
+
+
+def gate_rope_table(model, gate_dim: int, max_pos: int, device=None) -> torch.Tensor:
+    """The gate's `[max_pos, Dg]` RoPE table: the model's rotary formula and theta on Dg dims."""
+    geo = ModelGeometry.from_hf_config(model.config)
+    return rope_cos_sin_table(gate_dim, max_pos, geo.rope_theta, geo.rope_scaling, device=device)
+
+
+def attach_gates(
+    model,
+    spec: GateTrainSpec,
+    gates: Optional[Mapping[int, object]] = None,
+    *,
+    gate_dim: int = 128,
+    max_pos: Optional[int] = None,
+) -> Dict[int, AttnGate]:
+    """Freeze `model`, attach one trainable fp32 AttnGate per layer and switch to the training
+    attention. Returns `{layer: AttnGate}`.
+
+    gates: `{layer: AttnGate or state dict}` (e.g. from `init_gate_state` / `load_gate_checkpoint`)
+    for every layer; None keeps AttnGate's default init. max_pos: RoPE table length (default the
+    model's max_position_embeddings).
+    """
+    from transformers import AttentionInterface
+
+    check_supported(model)
+    geo = ModelGeometry.from_hf_config(model.config)
+    device = next(model.parameters()).device
+    kernel = resolve_kernel(spec.kernel, device)
+    if kernel == "triton" and (spec.block_size < 16 or spec.block_size & (spec.block_size - 1)):
+        raise ValueError(f"the Triton kernel needs a block size that is a power of two >= 16, got {spec.block_size}")
+    modules = attention_modules(model)
+    if gates is not None:
+        missing = [i for i in range(len(modules)) if i not in gates]
+        if missing:
+            raise ValueError(f"gates given for layers {sorted(gates)[:4]}..., missing layers {missing[:8]}")
+        first = gates[0]
+        if isinstance(first, AttnGate):
+            gate_dim = first.gate_dim
+        else:
+            gate_dim = int(first["attngate_linear_q.weight"].shape[-1])
+    model.requires_grad_(False)
+    max_pos = max_pos or geo.max_position_embeddings or 8192
+    ctx = _TrainContext(
+        spec, kernel,
+        model_rope_table(model, max_pos, device),
+        gate_rope_table(model, gate_dim, max_pos, device),
+    )
+    out: Dict[int, AttnGate] = {}
+    for i, attn in enumerate(modules):
+        gate = AttnGate(geo.num_kv_heads, geo.group_size, geo.head_dim, gate_dim)
+        if gates is not None:
+            src = gates[i]
+            state = src.state_dict() if isinstance(src, torch.nn.Module) else src
+            gate.load_state_dict({n: t.float() for n, t in state.items()})
+        gate = gate.to(device=device, dtype=torch.float32).requires_grad_(True)
+        attn.attn_gate = gate  # submodule: parameter names = checkpoint tensor names
+        attn._sas_train = ctx
+        out[i] = gate
+    AttentionInterface.register(ATTN_NAME, training_attention)
+    model._sas_previous_attn = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    return out
+
+
+def detach_gates(model) -> Dict[int, AttnGate]:
+    """Undo `attach_gates`: remove the gates, restore the attention implementation. Returns the gates
+    (the backbone stays frozen)."""
+    gates = {}
+    for i, attn in enumerate(attention_modules(model)):
+        if hasattr(attn, "attn_gate"):
+            gates[i] = attn.attn_gate
+            del attn.attn_gate
+        if hasattr(attn, "_sas_train"):
+            del attn._sas_train
+    previous = getattr(model, "_sas_previous_attn", None)
+    if previous is not None:
+        model.set_attn_implementation(previous)
+        del model._sas_previous_attn
+    return gates
+
+
+def gates_of(model) -> Dict[int, AttnGate]:
+    """`{layer: AttnGate}` currently attached to `model`."""
+    return {i: a.attn_gate for i, a in enumerate(attention_modules(model)) if hasattr(a, "attn_gate")}
+
+
+def gate_parameters(model) -> List[torch.nn.Parameter]:
+    """The trainable parameters (all gates' tensors), in layer order."""
+    return [p for g in gates_of(model).values() for p in g.parameters()]
+
+
+def _context(model) -> _TrainContext:
+    mods = attention_modules(model)
+    if not mods or not hasattr(mods[0], "_sas_train"):
+        raise ValueError("no gates attached: call attach_gates(model, spec) first")
+    return mods[0]._sas_train
+
+
+def objective_loss(model, input_ids: torch.Tensor, runner=None) -> torch.Tensor:
+    """The training loss of one batch `[B, L]` for the attached spec's objective (a scalar).
+
+    lm: mean next-token cross-entropy of the gated model. distill: sum over layers of the mean
+    per-query KL. runner: what to call for the forward (a DDP wrapper of `model`); default `model`.
+    """
+    ctx = _context(model)
+    runner = model if runner is None else runner
+    ctx.aux_losses = []
+    if ctx.spec.objective == "lm":
+        return runner(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    runner(input_ids=input_ids, use_cache=False, logits_to_keep=1)  # the LM head is not needed
+    losses, ctx.aux_losses = ctx.aux_losses, []
+    if not losses:
+        raise RuntimeError("distill forward produced no layer losses")
+    return torch.stack(losses).sum()
+

@@ -1,0 +1,212 @@
+"""Gate scoring for training: block log-gates over previous blocks and the per-query Top-K threshold.
+
+For packed sequences (`cu_seqlens`), per kv head h, query token t (in-sequence position p, own
+block c = p // b) and in-sequence block m:
+
+    kg[m]      = AttnGate.summarize(keys of block m, RoPE at m*b)          (complete blocks only)
+    qg[t]      = AttnGate.query(q[t], RoPE at p)
+    s[h, t, m] = qg[t, h] . kg[m, h] / sqrt(Dg)
+    log_g[h, t, :] = log_softmax(s[h, t, :]) over the blocks m < c; -inf for m >= c
+    threshold[h, t] = the K-th largest log_g[h, t, m] over m < c; -inf if fewer than K blocks
+                      (all are taken); +inf if K == 0 (none is taken)
+
+so the gated attention selects `{m < c : log_g >= threshold}` (exactly K blocks unless gates
+tie at the threshold). The inputs q/k are detached: the backbone is frozen and the scores only
+train the gate; gradients reach the gate parameters through qg and kg.
+
+Memory: `log_g` `[Hkv, T, NB]` fp32 is the only O(T * NB) tensor kept for backward (the gated
+attention saves the same tensor). The scores are built and reduced in chunks of `query_chunk`
+queries; backward recomputes the softmax from `log_g` chunk by chunk and saves nothing else of
+that size (see `BlockLogGate`). Everything else is O(T * Hkv * Dg).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import List, Tuple
+
+import torch
+
+from sas_backend.gate.module import AttnGate
+
+DEFAULT_QUERY_CHUNK = 4096
+
+
+@dataclasses.dataclass
+class GateScores:
+    """log_g `[Hkv, T, NB]` fp32 (differentiable in the gate parameters), threshold `[Hkv, T]`
+    fp32 (no gradient), top_k, block_size, num_blocks NB = ceil(max_seqlen / block_size)."""
+
+    log_g: torch.Tensor
+    threshold: torch.Tensor
+    top_k: int
+    block_size: int
+    num_blocks: int
+
+
+def seq_bounds(cu_seqlens: torch.Tensor | List[int]) -> List[Tuple[int, int]]:
+    """`[(bos, eos), ...]` of the packed sequences (host ints)."""
+    cu = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def num_blocks_for(bounds: List[Tuple[int, int]], block_size: int) -> int:
+    """NB = ceil(max_seqlen / block_size), the block axis the gated attention expects."""
+    longest = max((e - s for s, e in bounds), default=0)
+    return -(-longest // block_size)
+
+
+def in_sequence_positions(bounds: List[Tuple[int, int]], total: int, device) -> torch.Tensor:
+    """`[T]` int64: position of each token inside its own sequence (0 outside every sequence)."""
+    pos = torch.zeros(total, dtype=torch.int64, device=device)
+    for bos, eos in bounds:
+        pos[bos:eos] = torch.arange(eos - bos, device=device)
+    return pos
+
+
+def block_summaries(
+    gate: AttnGate,
+    k_pre: torch.Tensor,
+    bounds: List[Tuple[int, int]],
+    block_size: int,
+    num_blocks: int,
+    gate_table: torch.Tensor,
+) -> torch.Tensor:
+    """Summaries of every complete block of every sequence, zero-padded.
+
+    k_pre: `[T, Hkv, D]` pre-RoPE keys; gate_table: the gate's `[max_pos, Dg]` RoPE table.
+    Returns `[N, NB, Hkv, Dg]` fp32; row (i, m) is block m of sequence i (zeros if incomplete).
+    One `AttnGate.summarize` call covers all blocks (RoPE at each block's first position).
+    """
+    n_seq = len(bounds)
+    h_kv, dg = gate.num_kv_heads, gate.gate_dim
+    starts, firsts, slots = [], [], []
+    for i, (bos, eos) in enumerate(bounds):
+        for m in range((eos - bos) // block_size):
+            starts.append(bos + m * block_size)
+            firsts.append(m * block_size)
+            slots.append(i * num_blocks + m)
+    out = k_pre.new_zeros(n_seq * num_blocks, h_kv, dg, dtype=torch.float32)
+    if starts:
+        dev = k_pre.device
+        tok = torch.tensor(starts, device=dev)[:, None] + torch.arange(block_size, device=dev)[None, :]
+        kg = gate.summarize(k_pre[tok], gate_table[torch.tensor(firsts, device=dev)])  # [NBtot, Hkv, Dg]
+        out = out.index_copy(0, torch.tensor(slots, device=dev), kg)  # differentiable in kg
+    return out.view(n_seq, num_blocks, h_kv, dg)
+
+
+def _valid(pos: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """`[C, NB]` bool: block m is strictly before the own block of the query at position pos."""
+    m = torch.arange(num_blocks, device=pos.device)
+    return m[None, :] < (pos // block_size)[:, None]
+
+
+def _kth_largest(log_g: torch.Tensor, k: int) -> torch.Tensor:
+    """`[..., NB]` -> `[...]`: K-th largest entry (-inf entries are the masked blocks, so this is
+    -inf when fewer than K are valid); +inf for K == 0 (select nothing)."""
+    if k <= 0:
+        return log_g.new_full(log_g.shape[:-1], float("inf"))
+    if k > log_g.shape[-1]:
+        return log_g.new_full(log_g.shape[:-1], float("-inf"))
+    return torch.topk(log_g, k, dim=-1, sorted=True).values[..., -1]
+
+
+class BlockLogGate(torch.autograd.Function):
+    """`(qg, kg) -> (log_g, threshold)`, chunked over queries, memory-bounded backward.
+
+    qg `[T, Hkv, Dg]` fp32, kg `[N, NB, Hkv, Dg]` fp32. Saves qg, kg and log_g only; backward
+    recomputes p = exp(log_g) per chunk: ds = (g - p * sum_valid(g)) / sqrt(Dg).
+    """
+
+    @staticmethod
+    def forward(ctx, qg, kg, bounds, block_size, top_k, query_chunk):
+        t, h_kv, dg = qg.shape
+        nb = kg.shape[1]
+        inv = 1.0 / math.sqrt(dg)
+        log_g = qg.new_full((h_kv, t, nb), float("-inf"))
+        thr = qg.new_full((h_kv, t), float("-inf"))
+        for i, (bos, eos) in enumerate(bounds):
+            kgi = kg[i].transpose(0, 1)  # [Hkv, NB, Dg]
+            for c0 in range(bos, eos, query_chunk):
+                c1 = min(eos, c0 + query_chunk)
+                valid = _valid(torch.arange(c0 - bos, c1 - bos, device=qg.device), nb, block_size)
+                s = torch.einsum("chd,hmd->hcm", qg[c0:c1], kgi) * inv
+                s = s.masked_fill(~valid, float("-inf"))
+                lg = s - torch.logsumexp(s, dim=-1, keepdim=True)
+                lg = lg.masked_fill(~valid, float("-inf"))  # also rows with no valid block (nan)
+                log_g[:, c0:c1] = lg
+                thr[:, c0:c1] = _kth_largest(lg, top_k)
+        ctx.save_for_backward(qg, kg, log_g)
+        ctx.bounds, ctx.block_size, ctx.query_chunk = bounds, block_size, query_chunk
+        ctx.mark_non_differentiable(thr)
+        return log_g, thr
+
+    @staticmethod
+    def backward(ctx, grad_log_g, _grad_thr):
+        qg, kg, log_g = ctx.saved_tensors
+        nb = kg.shape[1]
+        inv = 1.0 / math.sqrt(qg.shape[-1])
+        dqg = torch.zeros_like(qg)
+        dkg = torch.zeros_like(kg)
+        if grad_log_g is None:
+            return dqg, dkg, None, None, None, None
+        for i, (bos, eos) in enumerate(ctx.bounds):
+            kgi = kg[i].transpose(0, 1)  # [Hkv, NB, Dg]
+            for c0 in range(bos, eos, ctx.query_chunk):
+                c1 = min(eos, c0 + ctx.query_chunk)
+                valid = _valid(torch.arange(c0 - bos, c1 - bos, device=qg.device), nb, ctx.block_size)
+                g = grad_log_g[:, c0:c1].float().masked_fill(~valid, 0.0)  # masked entries are constants
+                p = log_g[:, c0:c1].exp()  # 0 on masked entries
+                ds = (g - p * g.sum(dim=-1, keepdim=True)) * inv  # [Hkv, C, NB]
+                dqg[c0:c1] = torch.einsum("hcm,hmd->chd", ds, kgi)
+                dkg[i] += torch.einsum("hcm,chd->mhd", ds, qg[c0:c1])
+        return dqg, dkg, None, None, None, None
+
+
+def score_gate(
+    gate: AttnGate,
+    q_pre: torch.Tensor,
+    k_pre: torch.Tensor,
+    cu_seqlens: torch.Tensor | List[int],
+    block_size: int,
+    top_k: int,
+    gate_table: torch.Tensor,
+    *,
+    query_chunk: int = DEFAULT_QUERY_CHUNK,
+) -> GateScores:
+    """Block log-gates and Top-K thresholds of one layer for packed sequences.
+
+    q_pre: `[T, Hq, D]`, k_pre: `[T, Hkv, D]` pre-RoPE (after the model's q/k norm), detached here.
+    cu_seqlens: `[N+1]`; top_k: K previous blocks per query (budget // block_size - 1);
+    gate_table: the gate's `[max_pos, Dg]` RoPE table (positions are in-sequence).
+    Runs in fp32 whatever the autocast state (the gate was designed for fp32 scoring).
+    """
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if query_chunk < 1:
+        raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
+    bounds = seq_bounds(cu_seqlens)
+    t = q_pre.shape[0]
+    if k_pre.shape[0] != t or (bounds and bounds[-1][1] > t):
+        raise ValueError(f"q has {t} tokens, k has {k_pre.shape[0]}, cu_seqlens ends at {bounds[-1][1] if bounds else 0}")
+    longest = max((e - s for s, e in bounds), default=0)
+    if longest > gate_table.shape[0]:
+        raise ValueError(f"a sequence of {longest} tokens exceeds the gate RoPE table ({gate_table.shape[0]} positions)")
+    nb = num_blocks_for(bounds, block_size)
+    q_pre, k_pre = q_pre.detach(), k_pre.detach()  # frozen backbone: scores train the gate only
+    with torch.autocast(q_pre.device.type, enabled=False):
+        pos = in_sequence_positions(bounds, t, q_pre.device)
+        qg = gate.query(q_pre, gate_table[pos])  # [T, Hkv, Dg]
+        kg = block_summaries(gate, k_pre, bounds, block_size, nb, gate_table)
+        log_g, thr = BlockLogGate.apply(qg, kg, bounds, block_size, top_k, query_chunk)
+    return GateScores(log_g=log_g, threshold=thr, top_k=top_k, block_size=block_size, num_blocks=nb)
+
+
+def scoring_state_bytes(tokens: int, num_kv_heads: int, block_size: int, *, layers: int = 1) -> int:
+    """Bytes of the O(T * NB) state the scoring keeps per layer (log_g fp32, shared with the
+    gated attention) times `layers`: `4 * Hkv * T * ceil(T / b)` each. Its gradient, of the same
+    size, lives only during that layer's backward."""
+    return 4 * num_kv_heads * tokens * (-(-tokens // block_size)) * layers
