@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -14,22 +15,27 @@ from sas_backend.ops.score.naive import candidate_counts
 class DecodePlan:
     """Tensors for one decode step, built once per batch and read by every sparse layer.
 
-    positions, seq_lens, req_pool_indices: `[bs]` (device). model_cos_sin: `[bs, D]` rows of the
-    model's RoPE table at each new token; gate_cos_sin: `[bs, Dg]`. num_candidates: `[bs]`.
-    kv_indptr: `[bs*H_kv + 1]` int32 row offsets (rows = (request, kv head)); kv_indices: a
-    buffer of at least kv_indptr[-1] entries that each layer refills. max_blocks: fixed width of
-    the score matrix (CUDA-graph friendly).
+    Made outside any CUDA graph (host planning). Under CUDA graphs every tensor here must keep
+    its address from capture to replay: positions, seq_lens, req_pool_indices are the runner's
+    static buffers; kv_indptr and kv_indices are slices of the backend's persistent buffers.
+    positions, seq_lens, req_pool_indices: `[bs]`; kv_indptr: `[bs*H_kv + 1]` int32 row offsets
+    (rows = (request, kv head)); kv_indices: at least kv_indptr[-1] entries, refilled per layer;
+    max_blocks: fixed width of the score matrix.
+
+    The per-step tensors derived on the device (`model_cos_sin` `[bs, D]`, `gate_cos_sin`
+    `[bs, Dg]`, `num_candidates` `[bs]`) are computed by the first sparse layer of the step,
+    inside the captured region, and shared by the later layers.
     """
 
     positions: torch.Tensor
     seq_lens: torch.Tensor
     req_pool_indices: torch.Tensor
-    model_cos_sin: torch.Tensor
-    gate_cos_sin: torch.Tensor
-    num_candidates: torch.Tensor
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     max_blocks: int
+    model_cos_sin: Optional[torch.Tensor] = None
+    gate_cos_sin: Optional[torch.Tensor] = None
+    num_candidates: Optional[torch.Tensor] = None
 
 
 def host_kv_indptr(seq_lens_cpu: torch.Tensor, top_k: int, block_size: int, num_kv_heads: int) -> torch.Tensor:

@@ -33,6 +33,8 @@ def create_sas_backend(runner) -> SASAttnBackend:
             "on CPU, SGLang's paged KV allocator runs Triton kernels, which need TRITON_INTERPRET=1 "
             "in the environment (serve/serve.sh sets it)"
         )
+    if cfg.debug_dir and device.type == "cuda" and not getattr(runner.server_args, "disable_cuda_graph", False):
+        raise SASConfigError("SAS_DEBUG_DIR reads selections on the host each step: add --disable-cuda-graph")
     hf_config = runner.model_config.hf_config
     check_model_supported(hf_config, use_mla=getattr(runner, "use_mla_backend", False))
     geo = ModelGeometry.from_hf_config(hf_config)

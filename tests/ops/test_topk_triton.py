@@ -5,10 +5,11 @@ import torch
 
 from sas_backend.ops.topk.naive import select_blocks
 from sas_backend.ops.topk.triton import select_blocks_triton
+from tests.devices import DEVICE
 
 
 def _both(scores, n_cand, k, sink=0, local=0):
-    n_cand = torch.as_tensor(n_cand, dtype=torch.int64)
+    n_cand = torch.as_tensor(n_cand, dtype=torch.int64, device=DEVICE)
     ref = select_blocks(scores, n_cand, k, sink, local)
     out = select_blocks_triton(scores, n_cand, k, sink, local)
     assert out.dtype == torch.int32 and out.shape == ref.shape
@@ -29,7 +30,7 @@ def _structure_ok(sel, n_cand, k):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_topk_random(seed):
     g = torch.Generator().manual_seed(seed)
-    scores = torch.randn(5, 3, 70, generator=g)
+    scores = torch.randn(5, 3, 70, generator=g).to(DEVICE)
     k = 8
     # 0 candidates, fewer than K, exactly K, K + 1, many, all M
     n_cand = [0, 5, k, k + 1, 40, 70]
@@ -39,7 +40,7 @@ def test_topk_random(seed):
 
 
 def test_topk_exact_fewer_more_than_k():
-    scores = torch.randn(3, 2, 32)
+    scores = torch.randn(3, 2, 32, device=DEVICE)
     out = _both(scores, [4, 6, 20], 6)
     assert out[0, 0].tolist() == [0, 1, 2, 3, -1, -1]  # fewer than K: all, padded
     assert out[1, 1].tolist() == [0, 1, 2, 3, 4, 5]  # exactly K: all
@@ -47,9 +48,10 @@ def test_topk_exact_fewer_more_than_k():
 
 
 def test_topk_ties_go_to_lower_index():
-    scores = torch.zeros(1, 2, 16)
+    scores = torch.zeros(1, 2, 16, device=DEVICE)
     scores[0, 0, [3, 9]] = 1.0  # two winners, then the 2 lowest of the zero ties
-    scores[0, 1] = torch.tensor([1.0, 2, 2, 1, 2, 0, 2, 2, 1, 1, 2, 0, 0, 0, 0, 0])  # 6 twos for K=4
+    twos = [1.0, 2, 2, 1, 2, 0, 2, 2, 1, 1, 2, 0, 0, 0, 0, 0]  # 6 twos for K=4
+    scores[0, 1] = torch.tensor(twos, device=DEVICE)
     out = _both(scores, [16], 4)
     assert out[0, 0].tolist() == [0, 1, 3, 9]
     assert out[0, 1].tolist() == [1, 2, 4, 6]
@@ -57,13 +59,13 @@ def test_topk_ties_go_to_lower_index():
 
 def test_topk_heavy_ties_random():
     g = torch.Generator().manual_seed(11)
-    scores = torch.randint(0, 4, (4, 3, 300), generator=g).float()
+    scores = torch.randint(0, 4, (4, 3, 300), generator=g).float().to(DEVICE)
     scores[1] = 0.5  # a row of all-equal scores
     _both(scores, [300, 257, 100, 33], 32)
 
 
 def test_topk_special_values():
-    scores = torch.randn(2, 2, 24)
+    scores = torch.randn(2, 2, 24, device=DEVICE)
     scores[0, 0, [1, 5]] = float("nan")  # NaN counts as -inf
     scores[0, 0, 2:5] = float("-inf")
     scores[0, 0, 6:20] = float("nan")
@@ -77,7 +79,7 @@ def test_topk_special_values():
 
 
 def test_topk_ignores_non_candidates():
-    scores = torch.randn(2, 2, 40)
+    scores = torch.randn(2, 2, 40, device=DEVICE)
     scores[:, :, 20:] = 100.0  # beyond num_candidates: never chosen
     scores[:, :, 25] = float("nan")
     out = _both(scores, [20, 30], 5)
@@ -97,7 +99,7 @@ def test_topk_ignores_non_candidates():
 )
 def test_topk_forced_priority(n, k, sink, local, expected):
     # Scores favour the non-forced middle blocks, to show forced blocks still win.
-    scores = torch.full((1, 2, 12), 5.0)
+    scores = torch.full((1, 2, 12), 5.0, device=DEVICE)
     scores[0, 1] = float("inf")  # forced blocks outrank even +inf scores
     out = _both(scores, [n], k, sink, local)
     assert out[0, 0].tolist() == expected
@@ -108,7 +110,7 @@ def test_topk_forced_priority(n, k, sink, local, expected):
 def test_topk_forced_priority_ignores_scores(seed):
     # Random scores inside the forced sets must not change which forced blocks are kept.
     g = torch.Generator().manual_seed(seed)
-    scores = torch.randn(2, 3, 30, generator=g)
+    scores = torch.randn(2, 3, 30, generator=g).to(DEVICE)
     out = _both(scores, [30, 12], 4, sink=3, local=4)
     assert out[0].tolist() == [[0, 1, 2, 29]] * 3
     assert out[1].tolist() == [[0, 1, 2, 11]] * 3
@@ -121,7 +123,7 @@ def test_topk_forced_priority_ignores_scores(seed):
 @pytest.mark.parametrize("sink,local", [(1, 0), (0, 2), (2, 2), (3, 5)])
 def test_topk_forced_plus_scores(sink, local):
     g = torch.Generator().manual_seed(sink * 10 + local)
-    scores = torch.randn(4, 3, 64, generator=g)
+    scores = torch.randn(4, 3, 64, generator=g).to(DEVICE)
     n_cand = [64, 17, 9, 3]
     out = _both(scores, n_cand, 12, sink, local)
     _structure_ok(out, n_cand, 12)
@@ -132,27 +134,28 @@ def test_topk_forced_plus_scores(sink, local):
 
 
 def test_topk_k_edge_cases():
-    scores = torch.randn(2, 2, 6)
+    scores = torch.randn(2, 2, 6, device=DEVICE)
     _both(scores, [6, 2], 10)  # K > M: all candidates, padded
     _both(scores, [9, 6], 4)  # num_candidates > M is clamped to M
-    assert select_blocks_triton(scores, torch.tensor([6, 2]), 0).shape == (2, 2, 0)
+    assert select_blocks_triton(scores, torch.tensor([6, 2], device=DEVICE), 0).shape == (2, 2, 0)
 
 
 def test_topk_non_contiguous_and_preallocated():
-    big = torch.randn(3, 4, 50)
+    big = torch.randn(3, 4, 50, device=DEVICE)
     scores = big[:, 1:3, :40]  # strided rows
-    out = torch.full((3, 2, 7), 99, dtype=torch.int32)
-    res = select_blocks_triton(scores, torch.tensor([40, 7, 3]), 7, out=out)
+    out = torch.full((3, 2, 7), 99, dtype=torch.int32, device=DEVICE)
+    n_cand = torch.tensor([40, 7, 3], device=DEVICE)
+    res = select_blocks_triton(scores, n_cand, 7, out=out)
     assert res is out
-    assert torch.equal(out, select_blocks(scores, torch.tensor([40, 7, 3]), 7))
+    assert torch.equal(out, select_blocks(scores, n_cand, 7))
 
 
 def test_topk_large_m():
     # Several chunks per row: thresholds and tie ranks carry across chunks.
     g = torch.Generator().manual_seed(5)
     m = 8192
-    scores = torch.randn(2, 2, m, generator=g)
-    scores[1, 0] = torch.randint(0, 50, (m,), generator=g).float()  # ties spanning chunks
+    scores = torch.randn(2, 2, m, generator=g).to(DEVICE)
+    scores[1, 0] = torch.randint(0, 50, (m,), generator=g).float().to(DEVICE)  # ties spanning chunks
     scores[1, 1, 100:] = scores[1, 1, :100].repeat(m // 100 + 1)[: m - 100]
     out = _both(scores, [m, m - 77], 64, sink=1, local=2)
     _structure_ok(out, [m, m - 77], 64)
@@ -173,6 +176,6 @@ def test_topk_stress_distributions():
     rows.append(torch.where(torch.rand(m, generator=g) < 0.5, float("-inf"), torch.randn(m, generator=g)))
     rows.append(torch.where(torch.rand(m, generator=g) < 0.3, float("nan"), torch.randn(m, generator=g)))
     rows.append(torch.randint(0, 3, (m,), generator=g).float() * 1e-40)  # denormals and zeros
-    scores = torch.stack(rows).reshape(4, 2, m)
+    scores = torch.stack(rows).reshape(4, 2, m).to(DEVICE)  # drawn on CPU: same data everywhere
     for k in (1, 7, 31, 95):
         _both(scores, [m, m - 1, 50, 40], k)

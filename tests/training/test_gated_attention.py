@@ -1,7 +1,8 @@
 """Gated sparse-scope attention: the torch oracle against independent formulations and
 gradcheck, then the fused Triton kernel (forward and all four gradients) against the oracle.
 
-Kernels run under TRITON_INTERPRET=1 on CPU (set in conftest.py), so sizes stay tiny.
+Inputs live on tests.devices.DEVICE: on a GPU the kernels compile; on CPU they run under
+TRITON_INTERPRET=1 (set in tests/conftest.py), so sizes stay tiny.
 """
 
 from __future__ import annotations
@@ -13,39 +14,48 @@ import torch
 import torch.nn.functional as F
 
 from sas_backend.training.ops.gated_attention import gated_attention, gated_attention_naive
+from tests.devices import DEVICE
 
 JUNK = 30.0  # planted in ignored log_g entries (own and later blocks): above every threshold
 
 
 def _cu(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
 
 
 def _positions(lens):
     """In-sequence position of every packed token, `[T]`."""
-    return torch.cat([torch.arange(n) for n in lens]) if lens else torch.zeros(0, dtype=torch.long)
+    if not lens:
+        return torch.zeros(0, dtype=torch.long, device=DEVICE)
+    return torch.cat([torch.arange(n, device=DEVICE) for n in lens])
 
 
 def _case(lens, h_q, h_kv, d, bs, dtype=torch.float32, thr="quantile", seed=0, dead_block=None):
-    """Random inputs. thr: 'quantile' (per-row mix of selected / not), '-inf' (all), '+inf' (none)."""
+    """Random inputs on DEVICE, drawn on a CPU generator (the same data on every device).
+
+    thr: 'quantile' (per-row mix of selected / not), '-inf' (all), '+inf' (none)."""
     g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE)
+
     t = sum(lens)
     nb = max(1, -(-max(lens) // bs))
-    q = torch.randn(t, h_q, d, generator=g).to(dtype)
-    k = torch.randn(t, h_kv, d, generator=g).to(dtype)
-    v = torch.randn(t, h_kv, d, generator=g).to(dtype)
+    q = randn(t, h_q, d).to(dtype)
+    k = randn(t, h_kv, d).to(dtype)
+    v = randn(t, h_kv, d).to(dtype)
     gate_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    log_g = torch.log_softmax(2 * torch.randn(h_kv, t, nb, generator=g), -1).to(gate_dtype)
+    log_g = torch.log_softmax(2 * randn(h_kv, t, nb), -1).to(gate_dtype)
     if dead_block is not None:  # a block no query selects: the kernels must skip it everywhere
         log_g[:, :, dead_block] = -100.0
     own = _positions(lens) // bs  # [T]
-    ignored = torch.arange(nb)[None, :] >= own[:, None]  # [T, NB]: own and later blocks
+    ignored = torch.arange(nb, device=DEVICE)[None, :] >= own[:, None]  # [T, NB]: own and later blocks
     if thr == "quantile":
         valid = log_g.masked_fill(ignored, float("nan"))
         threshold = torch.nanquantile(valid, 0.5, dim=-1).nan_to_num(0.0)
-        threshold += 0.05 * torch.randn(threshold.shape, generator=g).to(gate_dtype)  # no ties
+        threshold += 0.05 * randn(threshold.shape).to(gate_dtype)  # no ties
     else:
-        threshold = torch.full((h_kv, t), float(thr), dtype=gate_dtype)
+        threshold = torch.full((h_kv, t), float(thr), dtype=gate_dtype, device=DEVICE)
     log_g = log_g.masked_fill(ignored, JUNK)  # must never be selected nor biased
     return q, k, v, log_g, threshold, _cu(lens)
 
@@ -69,8 +79,8 @@ def _per_query_loop(q, k, v, log_g, threshold, lens, bs, scale):
                     if log_g[h, t, m] >= threshold[h, t]:
                         keys += range(m * bs, (m + 1) * bs)
                         bias += [float(log_g[h, t, m])] * bs
-                idx = torch.tensor(keys) + bos
-                s = k[idx, h] @ q[t, qh] * scale + torch.tensor(bias, dtype=q.dtype)
+                idx = torch.tensor(keys, device=q.device) + bos
+                s = k[idx, h] @ q[t, qh] * scale + torch.tensor(bias, dtype=q.dtype, device=q.device)
                 out[t, qh] = torch.softmax(s, 0) @ v[idx, h]
         bos += n
     return out
@@ -88,7 +98,7 @@ def test_naive_matches_per_query_loop():
 def test_naive_all_blocks_is_causal_attention(group):
     lens, bs, h_kv, d = [17, 30, 6], 4, 2, 8
     q, k, v, log_g, _, cu = _case(lens, h_kv * group, h_kv, d, bs, torch.float64)
-    thr = torch.full(log_g.shape[:2], float("-inf"), dtype=torch.float64)
+    thr = torch.full(log_g.shape[:2], float("-inf"), dtype=torch.float64, device=DEVICE)
     out = gated_attention_naive(q, k, v, torch.zeros_like(log_g), thr, cu, bs)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         qs = q[a:b].transpose(0, 1)
@@ -101,10 +111,10 @@ def test_naive_all_blocks_is_causal_attention(group):
 def test_naive_no_blocks_is_block_local_causal():
     lens, bs = [17, 30, 6], 4
     q, k, v, log_g, _, cu = _case(lens, 4, 2, 8, bs, torch.float64)
-    thr = torch.full(log_g.shape[:2], float("inf"), dtype=torch.float64)
+    thr = torch.full(log_g.shape[:2], float("inf"), dtype=torch.float64, device=DEVICE)
     out = gated_attention_naive(q, k, v, log_g, thr, cu, bs)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        pos = torch.arange(b - a)
+        pos = torch.arange(b - a, device=DEVICE)
         mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] // bs == pos[:, None] // bs)
         qs = q[a:b].transpose(0, 1)
         ks = k[a:b].transpose(0, 1).repeat_interleave(2, 0)
@@ -135,7 +145,8 @@ def test_naive_log_g_grad_only_on_selected_blocks():
     log_g.requires_grad_()
     gated_attention_naive(q, k, v, log_g, thr, cu, bs).square().sum().backward()
     own = _positions(lens) // bs
-    selected = (log_g.detach() >= thr[..., None]) & (torch.arange(log_g.shape[2]) < own[:, None])
+    blocks = torch.arange(log_g.shape[2], device=DEVICE)
+    selected = (log_g.detach() >= thr[..., None]) & (blocks < own[:, None])
     assert (log_g.grad[~selected] == 0).all()
     assert (log_g.grad[selected] != 0).all()
 
@@ -166,7 +177,7 @@ KERNEL_CASES = {
 def test_kernel_matches_naive(name):
     lens, h_q, h_kv, d, bs, dtype, thr_mode, dead = KERNEL_CASES[name]
     q, k, v, log_g, thr, cu = _case(lens, h_q, h_kv, d, bs, dtype, thr_mode, dead_block=dead)
-    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
 
     ins = [x.clone().requires_grad_() for x in (q, k, v, log_g)]
     out = gated_attention(*ins, thr, cu, bs)
@@ -184,7 +195,7 @@ def test_kernel_matches_naive(name):
         _max_err_ok(got.grad, want.grad, tol)
     # unselected and ignored entries of d(log_g) are exactly zero
     own = _positions(lens) // bs
-    selected = (log_g >= thr[..., None]) & (torch.arange(log_g.shape[2]) < own[:, None])
+    selected = (log_g >= thr[..., None]) & (torch.arange(log_g.shape[2], device=DEVICE) < own[:, None])
     assert (ins[3].grad[~selected] == 0).all()
     if thr_mode == "inf":
         assert not selected.any()

@@ -1,0 +1,180 @@
+"""Perplexity of the last tokens of held-out windows under SAS sparse attention.
+
+    python -m sas_backend.training.eval_ppl --model DIR --data PATH [PATH ...] [--window 4096]
+        [--last 512] [--budgets 256 512 1024] [--gate NAME=DIR ...] [--window-baseline]
+        [--block-size 64] [--max-windows N] [--json OUT.json]
+
+Each held-out row has window + 1 tokens: the model reads the first `window`; the queries at the
+last `last` positions (window-last .. window-1) are sparse and each predicts the next token,
+so the score is the perplexity of the last `last` tokens. A sparse query attends its own block
+(causal) plus K previous complete blocks, K = budget // block - 1 (the budget counts the own
+block, as in training); earlier positions attend densely, as after a dense prefill. Selectors:
+dense; every `--gate` checkpoint (Top-K by gate score, the serving path's ops, via
+`sas_backend.hf.sparse_eval`); with `--window-baseline` the sink + local window (block 0 plus
+the K-1 blocks right before the own block). Held-out rows come from the same deterministic
+document split as training (`data.split_documents`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sas_backend.training.eval_ppl",
+                                description="Held-out perplexity under SAS sparse attention: dense vs gates vs window.")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--data", required=True, nargs="+", help="same sources as training (files, dirs, @essays, @stdlib)")
+    p.add_argument("--window", type=int, default=4096, help="context tokens per window")
+    p.add_argument("--last", type=int, default=512, help="sparse queries at the end of each window (scored)")
+    p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024], help="token budgets (own block included)")
+    p.add_argument("--gate", action="append", default=[], metavar="NAME=DIR", help="a gate checkpoint to evaluate")
+    p.add_argument("--window-baseline", action="store_true", help="also evaluate the sink + local window")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--max-windows", type=int, default=None, help="evaluate at most this many windows")
+    p.add_argument("--split", choices=("heldout", "train"), default="heldout")
+    p.add_argument("--heldout-fraction", type=float, default=None, help="must match training (default 0.2)")
+    p.add_argument("--seed", type=int, default=0, help="document order of the packed windows")
+    p.add_argument("--json", default=None, help="write the results here (default: print only)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    return p
+
+
+def parse_gates(specs: List[str]) -> Dict[str, str]:
+    """`["NAME=DIR", ...]` -> `{NAME: DIR}` (ordered); clear errors on malformed or repeated names."""
+    out: Dict[str, str] = {}
+    for s in specs:
+        name, sep, path = s.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"error: --gate expects NAME=DIR, got {s!r}")
+        if name in out or name in ("dense", "window"):
+            raise SystemExit(f"error: --gate name {name!r} is repeated or reserved")
+        out[name] = path
+    return out
+
+
+def load_gates(path: str, model, block_size: int, device):
+    """`{layer: AttnGate}` from a checkpoint, refused unless it fits `model` and `block_size`."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_model
+    from sas_backend.gate.module import gates_from_tensors
+    from sas_backend.geometry import ModelGeometry
+
+    config, tensors = load_gate_checkpoint(path)
+    geo = ModelGeometry.from_hf_config(model.config)
+    validate_for_model(config, tensors, num_layers=geo.num_layers, num_q_heads=geo.num_q_heads,
+                       num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, block_size=block_size,
+                       rope_theta=geo.rope_theta)
+    return gates_from_tensors(tensors, range(geo.num_layers), gate_dim=config.gate_dim, device=device)
+
+
+@torch.no_grad()
+def window_nll(model, ids: torch.Tensor, last: int, spec=None) -> float:
+    """Summed NLL of the last `last` tokens of `ids` `[window + 1]` given the first `window`;
+    `spec` (a SparseEvalSpec) makes the attention sparse, None keeps the model dense."""
+    from sas_backend.hf.sparse_eval import sparse_eval
+
+    inp = ids[:-1][None]
+    tgt = ids[-last:]
+    if spec is None:
+        logits = model(input_ids=inp, use_cache=False, logits_to_keep=last).logits
+    else:
+        with sparse_eval(model, spec, max_pos=inp.shape[1]):
+            logits = model(input_ids=inp, use_cache=False, logits_to_keep=last).logits
+    return float(torch.nn.functional.cross_entropy(logits[0].float(), tgt, reduction="sum"))
+
+
+def markdown_table(results: Dict[str, Dict[int, float]], dense: float, budgets: List[int], block: int) -> str:
+    head = "| selector | " + " | ".join(f"budget {b} (K={b // block - 1})" for b in budgets) + " |"
+    lines = [head, "|" + "---|" * (len(budgets) + 1), "| dense | " + " | ".join(f"{dense:.3f}" for _ in budgets) + " |"]
+    for name, per in results.items():
+        lines.append(f"| {name} | " + " | ".join(f"{per[b]:.3f}" for b in budgets) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sas_backend.hf.sparse_eval import SparseEvalSpec
+    from sas_backend.training.data import DEFAULT_HELDOUT_FRACTION, load_packed
+
+    b = args.block_size
+    if args.last < 1 or args.window <= args.last:
+        raise SystemExit("error: need 1 <= --last < --window")
+    bad = [x for x in args.budgets if x < b]
+    if bad:
+        raise SystemExit(f"error: budgets {bad} are smaller than one block ({b} tokens)")
+    gate_paths = parse_gates(args.gate)
+    frac = DEFAULT_HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    data = load_packed(args.data, tokenizer, args.window + 1, split=args.split, heldout_fraction=frac, seed=args.seed)
+    rows = data.rows if args.max_windows is None else data.rows[: args.max_windows]
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+    gates = {name: load_gates(path, model, b, device) for name, path in gate_paths.items()}
+    sparse_from = args.window - args.last
+
+    selectors = list(gates) + (["sink+local window"] if args.window_baseline else [])
+    top_k = {bud: bud // b - 1 for bud in args.budgets}
+    print(f"[eval_ppl] {rows.shape[0]} {args.split} windows of {args.window} tokens (+1 target), last {args.last} "
+          f"scored; block {b}; " + ", ".join(f"budget {bud} -> top_k {k}" for bud, k in top_k.items()), flush=True)
+
+    nll_dense = 0.0
+    nll = {s: {bud: 0.0 for bud in args.budgets} for s in selectors}
+    t0 = time.time()
+    for w in range(rows.shape[0]):
+        ids = rows[w].to(device)
+        nll_dense += window_nll(model, ids, args.last)
+        for bud in args.budgets:
+            k = top_k[bud]
+            for name in gates:
+                spec = SparseEvalSpec(top_k=k, block_size=b, selector="gate", gates=gates[name], sparse_from=sparse_from)
+                nll[name][bud] += window_nll(model, ids, args.last, spec)
+            if args.window_baseline:
+                spec = SparseEvalSpec(top_k=k, block_size=b, selector="window", sink_blocks=min(1, k),
+                                      local_blocks=max(0, k - 1), sparse_from=sparse_from)
+                nll["sink+local window"][bud] += window_nll(model, ids, args.last, spec)
+        print(f"[eval_ppl] window {w + 1}/{rows.shape[0]} done ({time.time() - t0:.0f} s)", flush=True)
+
+    n_tok = rows.shape[0] * args.last
+    dense = math.exp(nll_dense / n_tok)
+    results = {s: {bud: math.exp(v / n_tok) for bud, v in per.items()} for s, per in nll.items()}
+    table = markdown_table(results, dense, args.budgets, b)
+    print(table)
+    if args.json:
+        out = {
+            "model": args.model,
+            "data": data.record(),
+            "split": args.split,
+            "windows": int(rows.shape[0]),
+            "window": args.window,
+            "last": args.last,
+            "scored_tokens": n_tok,
+            "block_size": b,
+            "budgets": [{"budget": bud, "top_k": top_k[bud]} for bud in args.budgets],
+            "gates": gate_paths,
+            "dense": dense,
+            "results": {s: {str(bud): v for bud, v in per.items()} for s, per in results.items()},
+            "table_markdown": table,
+            "seconds": round(time.time() - t0, 1),
+            "command": "python -m sas_backend.training.eval_ppl " + shlex.join(sys.argv[1:] if argv is None else argv),
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""Gate scoring for training: log g over exactly the previous blocks, the Top-K threshold, gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sas_backend.gate.module import AttnGate
+from sas_backend.ops.rope import rope_cos_sin_table
+from sas_backend.training.scoring import BlockLogGate, score_gate
+
+H_Q, H_KV, D, DG, B = 4, 2, 16, 32, 16
+LENS = [70, 37, 16, 9, 50]  # partial last blocks, a one-block and a sub-block sequence
+
+
+def _setup(seed=0, lens=LENS):
+    g = torch.Generator().manual_seed(seed)
+    gate = AttnGate(H_KV, H_Q // H_KV, D, DG)
+    gate.reset_parameters(generator=g)
+    t = sum(lens)
+    q = torch.randn(t, H_Q, D, generator=g)
+    k = torch.randn(t, H_KV, D, generator=g)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    table = rope_cos_sin_table(DG, 128, 10000.0)
+    return gate, q, k, cu, table
+
+
+def _reference_scores(gate, q, k, cu, table):
+    """Per sequence and own block: s[h, t, m] for m < own block from AttnGate.query / summarize."""
+    nb = math.ceil(max(LENS) / B)
+    out = []
+    for bos, eos in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        n = eos - bos
+        qg = gate.query(q[bos:eos], table[:n])  # [n, Hkv, Dg]
+        full = n // B
+        kg = gate.summarize(k[bos:bos + full * B].reshape(full, B, H_KV, D), table[torch.arange(full) * B])
+        rows = torch.full((H_KV, n, nb), float("-inf"))
+        for c in range(1, math.ceil(n / B)):  # queries of own block c see blocks 0..c-1
+            s = torch.einsum("phd,mhd->hpm", qg[c * B:(c + 1) * B], kg[:c]) / math.sqrt(DG)
+            rows[:, c * B:(c + 1) * B, :c] = torch.log_softmax(s, dim=-1)
+        out.append(rows)
+    return torch.cat(out, 1)  # [Hkv, T, NB]
+
+
+def test_log_g_is_log_softmax_over_previous_blocks():
+    gate, q, k, cu, table = _setup()
+    sc = score_gate(gate, q, k, cu, B, top_k=2, gate_table=table)
+    ref = _reference_scores(gate, q, k, cu, table)
+    assert sc.log_g.shape == ref.shape == (H_KV, q.shape[0], math.ceil(max(LENS) / B))
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(sc.log_g), finite)  # exactly the previous blocks
+    torch.testing.assert_close(sc.log_g[finite], ref[finite], rtol=1e-5, atol=1e-5)
+    # a distribution over the previous blocks wherever there is one
+    has_prev = finite.any(-1)
+    sums = sc.log_g.exp().sum(-1)
+    torch.testing.assert_close(sums[has_prev], torch.ones_like(sums[has_prev]))
+    assert (sums[~has_prev] == 0).all()
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 3, 10])
+def test_threshold_picks_exactly_k(top_k):
+    gate, q, k, cu, table = _setup(seed=1)
+    sc = score_gate(gate, q, k, cu, B, top_k=top_k, gate_table=table)
+    n_prev = torch.isfinite(sc.log_g).sum(-1)  # [Hkv, T] previous blocks per query
+    chosen = (torch.isfinite(sc.log_g) & (sc.log_g >= sc.threshold[..., None])).sum(-1)
+    torch.testing.assert_close(chosen, n_prev.clamp(max=top_k))
+    few = n_prev < top_k
+    assert torch.isneginf(sc.threshold[few]).all()  # fewer than K: everything is taken
+    if top_k == 0:
+        assert torch.isposinf(sc.threshold).all()
+    else:
+        assert torch.isfinite(sc.threshold[~few]).all()
+    assert not sc.threshold.requires_grad
+
+
+def test_query_chunking_does_not_change_results_or_grads():
+    gate, q, k, cu, table = _setup(seed=2)
+    res = []
+    for chunk in (5, 4096):
+        gate.zero_grad()
+        sc = score_gate(gate, q, k, cu, B, top_k=2, gate_table=table, query_chunk=chunk)
+        (sc.log_g.masked_fill(~torch.isfinite(sc.log_g), 0) * torch.linspace(-1, 1, sc.log_g.numel()).view_as(sc.log_g)).sum().backward()
+        res.append((sc.log_g.detach(), sc.threshold, [p.grad.clone() for p in gate.parameters()]))
+    torch.testing.assert_close(res[0][0], res[1][0])
+    torch.testing.assert_close(res[0][1], res[1][1])
+    for a, b in zip(res[0][2], res[1][2]):
+        torch.testing.assert_close(a, b)
+
+
+def test_block_log_gate_gradcheck():
+    """The memory-bounded backward equals autograd's derivative (float64 gradcheck)."""
+    g = torch.Generator().manual_seed(3)
+    bounds = [(0, 13), (13, 20)]  # block 4: a partial block in each sequence
+    qg = torch.randn(20, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    kg = torch.randn(2, 4, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def fn(qg, kg):
+        lg, _ = BlockLogGate.apply(qg, kg, bounds, 4, 2, 5)
+        return torch.where(torch.isfinite(lg), lg, torch.zeros_like(lg))
+
+    assert torch.autograd.gradcheck(fn, (qg, kg), eps=1e-6, atol=1e-6)
+
+
+def test_gradients_reach_gate_only():
+    gate, q, k, cu, table = _setup(seed=4)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    sc = score_gate(gate, q, k, cu, B, top_k=2, gate_table=table)
+    sc.log_g.masked_fill(~torch.isfinite(sc.log_g), 0).square().sum().backward()
+    assert q.grad is None and k.grad is None  # backbone inputs are detached
+    for name, p in gate.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
