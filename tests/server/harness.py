@@ -33,9 +33,14 @@ def cpu_env(extra=None) -> dict:
     return env
 
 
-def server_cmd(model, backend: str, port: int, extra_args=()) -> list:
+def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_server") -> list:
+    """`python -m sglang.launch_server ...`, or `sglang serve ...` with entry="serve"."""
+    if entry == "serve":
+        launcher = [str(pathlib.Path(sys.executable).parent / "sglang"), "serve"]
+    else:
+        launcher = [sys.executable, "-m", "sglang.launch_server"]
     return [
-        sys.executable, "-m", "sglang.launch_server",
+        *launcher,
         "--model-path", str(model),
         "--attention-backend", backend,
         "--device", "cpu",
@@ -50,12 +55,13 @@ def server_cmd(model, backend: str, port: int, extra_args=()) -> list:
 class Server:
     """A running `python -m sglang.launch_server` on this machine; its log goes to a temp file."""
 
-    def __init__(self, model=DEFAULT_MODEL, backend="sas", extra_args=(), env=None, startup_timeout=600):
+    def __init__(self, model=DEFAULT_MODEL, backend="sas", extra_args=(), env=None, startup_timeout=600,
+                 entry="launch_server"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"sglang-{backend}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            server_cmd(model, backend, self.port, extra_args),
+            server_cmd(model, backend, self.port, extra_args, entry),
             stdout=self.log, stderr=subprocess.STDOUT, env=cpu_env(env), start_new_session=True,
         )
         self._wait_ready(startup_timeout)

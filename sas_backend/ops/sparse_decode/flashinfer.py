@@ -32,8 +32,9 @@ class FlashInferSparseDecode:
         self.indptr_buf = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
         self.indices_buf = torch.zeros(max_indices, dtype=torch.int32, device=device)
         self.last_page_len_buf = torch.ones(max_rows, dtype=torch.int32, device=device)
-        # Tensor cores pay off for wider groups (FlashInfer's own advice for GQA >= 4).
-        self.use_tensor_cores = group_size >= 4
+        # Tensor cores pay off for wider groups (FlashInfer's advice for GQA >= 4), and the
+        # prefill-based path also takes group sizes the CUDA-core decode kernel has no build for.
+        self.use_tensor_cores = group_size >= 4 or group_size not in (1, 2)
         self._eager = self._make_wrapper(cuda_graph=False, rows=None)
         self._graph_wrappers = {}
         self._active = self._eager
