@@ -22,6 +22,7 @@ uninterrupted one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -289,8 +290,8 @@ def main(argv: Optional[list] = None) -> int:
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        runner = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                     broadcast_buffers=False)
+        # gradients exist only for the gate parameters, so only they are all-reduced
+        runner = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, args.warmup, args.steps, args.min_lr_ratio))
@@ -332,13 +333,14 @@ def main(argv: Optional[list] = None) -> int:
                              n_rows=rows.shape[0], seed=args.seed)
             ids = rows[idx].to(device)
             sync = world == 1 or micro == args.grad_accum - 1
-            ctx = runner.no_sync() if not sync else _null()
+            ctx = runner.no_sync() if not sync else contextlib.nullcontext()
             with ctx:
                 with autocast:
                     loss = objective_loss(model, ids, runner) / args.grad_accum
                 loss.backward()
             total += float(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf"))
+        lr_used = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -346,7 +348,7 @@ def main(argv: Optional[list] = None) -> int:
         losses.append(loss_val)
         dt = time.time() - t0
         if rank == 0:
-            rec = {"step": step + 1, "loss": loss_val, "lr": optimizer.param_groups[0]["lr"],
+            rec = {"step": step + 1, "loss": loss_val, "lr": lr_used,
                    "grad_norm": float(grad_norm), "seconds": round(dt, 3), "tokens_per_s": round(tokens_per_step / dt, 1)}
             with open(log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -374,14 +376,6 @@ def main(argv: Optional[list] = None) -> int:
 
         dist.destroy_process_group()
     return 0
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

@@ -48,8 +48,10 @@ def essay_ids(tokenizer) -> list:
     paths = sorted(ESSAYS.glob("*.txt"))
     if not paths:
         pytest.fail("essays missing: run `python serve/prepare_text.py`")
-    text = "\n\n".join(p.read_text() for p in paths[:12])
-    return tokenizer(text)["input_ids"]
+    text = "\n\n".join(p.read_text() for p in paths)
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > 120_000, len(ids)  # the tests slice up to ~95K
+    return ids
 
 
 @pytest.fixture(scope="session")

@@ -134,3 +134,56 @@ def test_triton_kernel_matches_reference():
     torch.testing.assert_close(res["triton"][0], res["naive"][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(res["triton"][1], res["naive"][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    res = []
+    for ckpt in (False, True):
+        model = tiny_llama()
+        attach_gates(model, GateTrainSpec(block_size=16, budget=32))
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        objective_loss(model, _ids()).backward()
+        res.append([p.grad for p in gate_parameters(model)])
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_qwen3_gate_reads_post_norm_pre_rope(monkeypatch):
+    """Qwen3: the gate input is q/k after the model's q_norm/k_norm and before RoPE."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256)).eval()
+    attach_gates(model, GateTrainSpec(block_size=16, budget=32))
+    attn = model.model.layers[0].self_attn
+    seen, normed = {}, {}
+    attn.q_norm.register_forward_hook(lambda m, i, o: normed.__setitem__("q", o))
+    attn.k_norm.register_forward_hook(lambda m, i, o: normed.__setitem__("k", o))
+    real = tm.score_gate
+
+    def spy(gate, q_pre, k_pre, *a, **kw):
+        if gate is attn.attn_gate:
+            seen["q"], seen["k"] = q_pre, k_pre
+        return real(gate, q_pre, k_pre, *a, **kw)
+
+    monkeypatch.setattr(tm, "score_gate", spy)
+    loss = objective_loss(model, _ids())
+    loss.backward()
+    torch.testing.assert_close(seen["q"], normed["q"].reshape(2 * SEQ, 4, 16), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(seen["k"], normed["k"].reshape(2 * SEQ, 2, 16), rtol=1e-5, atol=1e-5)
+    assert all(p.grad is not None for p in gate_parameters(model))
+
+
+def test_qwen2_is_supported():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256)).eval()
+    attach_gates(model, GateTrainSpec(block_size=16, budget=32))
+    objective_loss(model, _ids()).backward()
+    assert all(p.grad is not None for p in gate_parameters(model))

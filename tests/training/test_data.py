@@ -1,0 +1,61 @@
+"""Training data: sources, the deterministic held-out split, EOS packing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sas_backend.training.data import DataError, Document, pack, read_documents, split_documents, tokenize_documents
+
+
+class _Tok:
+    """A whitespace 'tokenizer' with a chat template, enough for the data helpers."""
+
+    eos_token_id = 0
+    chat_template = "x"
+
+    def __call__(self, texts, add_special_tokens=False, verbose=False):
+        return {"input_ids": [[len(w) for w in t.split()] for t in texts]}
+
+    def apply_chat_template(self, messages, tokenize=False):
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+
+
+def test_sources_text_jsonl_and_directories(tmp_path):
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "a.txt").write_text("alpha beta")
+    (tmp_path / "d" / "sub" / "b.py").write_text("x = 1")
+    (tmp_path / "d" / "skip.bin").write_text("not text")
+    recs = [{"text": "one two"}, {"messages": [{"role": "user", "content": "hi"}]}]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    docs = read_documents([str(tmp_path / "d"), str(tmp_path / "c.jsonl")], _Tok())
+    assert [d.name for d in docs] == ["d/a.txt", "d/sub/b.py", f"{tmp_path.name}/c.jsonl:1", f"{tmp_path.name}/c.jsonl:2"]
+    assert docs[3].text == "<user>hi\n"
+    with pytest.raises(DataError, match="no such file"):
+        read_documents([str(tmp_path / "missing")])
+    (tmp_path / "bad.jsonl").write_text('{"other": 1}\n')
+    with pytest.raises(DataError, match="bad.jsonl:1"):
+        read_documents([str(tmp_path / "bad.jsonl")])
+
+
+def test_split_is_deterministic_disjoint_and_sized():
+    docs = [Document(f"src/{i}.txt", "w " * (10 + i), source="src") for i in range(100)]
+    train, held = split_documents(docs, 0.2)
+    train2, held2 = split_documents(list(reversed(docs)), 0.2)
+    assert {d.name for d in held} == {d.name for d in held2}  # order-independent
+    assert not {d.name for d in held} & {d.name for d in train}
+    share = sum(len(d.text) for d in held) / sum(len(d.text) for d in docs)
+    assert 0.15 < share <= 0.2
+    # a source's split does not depend on other sources listed with it
+    other = [Document(f"o/{i}", "z " * 50, source="o") for i in range(30)]
+    _, held3 = split_documents(docs + other, 0.2)
+    assert {d.name for d in held3 if d.source == "src"} == {d.name for d in held}
+
+
+def test_pack_with_eos():
+    ids = tokenize_documents([Document("a", "aa b"), Document("b", "ccc")], _Tok())
+    assert ids == [[2, 1, 0], [3, 0]]
+    rows = pack(ids, 2, seed=None)
+    assert torch.equal(rows, torch.tensor([[2, 1], [0, 3]]))  # the short tail [0] is dropped
