@@ -75,13 +75,15 @@ def sparse_debug_dir(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def sas_sparse_server(model_dir, seed_gate, sparse_debug_dir):
-    """sas at a 256-token budget, fp32 (tight comparison with the oracle), selection log on.
+    """sas at a 256-token budget (1 sink + 1 local + 2 gate-chosen blocks per kv head, as one
+    would run an untrained gate), fp32 (tight comparison with the oracle), selection log on.
 
     Started with `sglang serve` (the other servers use `python -m sglang.launch_server`), so both
     entry points load the plugin in every test run.
     """
     args = [
-        "--sas-gate", seed_gate, "--sas-budget", "256", "--dtype", "float32", "--enable-cache-report",
+        "--sas-gate", seed_gate, "--sas-budget", "256", "--sas-sink-blocks", "1", "--sas-local-blocks", "1",
+        "--dtype", "float32", "--enable-cache-report",
     ]
     env = {"SAS_DEBUG_DIR": str(sparse_debug_dir)}
     with Server(model_dir, backend="sas", extra_args=args, env=env, entry="serve") as s:

@@ -7,21 +7,22 @@ import requests
 
 from .harness import complete
 
-# Within one block; exactly on a block boundary; many blocks. 40 new tokens make the first
+# Within one block; exactly on a block boundary; many blocks. 30 new tokens make the first
 # prompt complete a block during decode (the decode-time summary update).
 PROMPT_LENGTHS = [40, 128, 1500]
+NEW_TOKENS = 30
 
 
 @pytest.mark.parametrize("length", PROMPT_LENGTHS)
 def test_greedy_tokens_identical_to_dense(length, essay_ids, dense_server, sas_full_server):
     offset = 1000 + 7 * length  # different text per case
     prompt = essay_ids[offset : offset + length]
-    args = dict(max_tokens=40, logprobs=1, return_token_ids=True)
+    args = dict(max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
     dense = complete(dense_server.url, prompt, **args)["choices"][0]
     sas = complete(sas_full_server.url, prompt, **args)["choices"][0]
     assert dense["token_ids"] == sas["token_ids"]
     assert dense["text"] == sas["text"]
-    assert len(sas["token_ids"]) == 40
+    assert len(sas["token_ids"]) == NEW_TOKENS
 
 
 def test_sas_info_reports_config_and_gate(sas_full_server, seed_gate):

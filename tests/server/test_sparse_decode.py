@@ -45,6 +45,7 @@ def test_selection_is_sparse(sparse_run):
             chosen = [m for m in head if m >= 0]
             assert len(chosen) == k < n_cand  # far fewer blocks than exist were attended
             assert chosen == sorted(set(chosen)) and all(0 <= m < n_cand for m in chosen)
+            assert chosen[0] == 0 and chosen[-1] == n_cand - 1  # the sink and the local block
     # The kv heads do not all pick the same blocks: the selection is per (request, kv head).
     assert any(len({tuple(h) for h in rec["selected"][0]}) > 1 for rec in records)
 
@@ -66,7 +67,9 @@ def test_decode_logits_match_independent_oracle(sparse_run, model_dir, seed_gate
     gates = gates_from_tensors(layers, range(gate_cfg.num_hidden_layers), gate_dim=gate_cfg.gate_dim)
     # Decode step i (i >= 1) reads the token at position PROMPT_LEN - 1 + i; the prefill's own
     # last position (i = 0) is dense in both.
-    spec = SparseEvalSpec(top_k=BUDGET // BLOCK, block_size=BLOCK, gates=gates, sparse_from=PROMPT_LEN)
+    spec = SparseEvalSpec(
+        top_k=BUDGET // BLOCK, block_size=BLOCK, gates=gates, sparse_from=PROMPT_LEN, sink_blocks=1, local_blocks=1
+    )
     record = {}
     with torch.no_grad():
         with sparse_eval(model, spec, record=record):
