@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from .harness import DEFAULT_MODEL, REPO, Server
+from .harness import DEFAULT_MODEL, ON_GPU, REPO, Server
 
 ESSAYS = REPO / "models" / "text" / "essays"
 DENSE_ARGS = ["--page-size", "64", "--enable-cache-report"]
@@ -56,7 +56,8 @@ def essay_ids(tokenizer) -> list:
 
 @pytest.fixture(scope="session")
 def dense_server(model_dir):
-    with Server(model_dir, backend="torch_native", extra_args=DENSE_ARGS) as s:
+    """SGLang's own dense backend: torch-native on CPU (what sas wraps there), FlashInfer on GPU."""
+    with Server(model_dir, backend="flashinfer" if ON_GPU else "torch_native", extra_args=DENSE_ARGS) as s:
         yield s
 
 

@@ -12,6 +12,10 @@ import tempfile
 import time
 
 import requests
+import torch
+
+# On a GPU host the servers run on CUDA (FlashInfer, Triton, CUDA graphs); otherwise on CPU.
+ON_GPU = torch.cuda.is_available()
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
@@ -24,8 +28,13 @@ def free_port() -> int:
 
 
 def cpu_env(extra=None) -> dict:
+    """The server's environment: the CPU engine switches (not on GPU), no inherited SAS_* vars."""
     env = dict(os.environ)
-    env.update({"SGLANG_USE_CPU_ENGINE": "1", "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"})
+    env["PYTHONUNBUFFERED"] = "1"
+    if ON_GPU:
+        env.pop("TRITON_INTERPRET", None)
+    else:
+        env.update({"SGLANG_USE_CPU_ENGINE": "1", "TRITON_INTERPRET": "1"})
     for k in list(env):  # flags, not inherited variables, configure each test server
         if k.startswith("SAS_"):
             del env[k]
@@ -43,9 +52,8 @@ def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_serv
         *launcher,
         "--model-path", str(model),
         "--attention-backend", backend,
-        "--device", "cpu",
+        *([] if ON_GPU else ["--device", "cpu", "--max-total-tokens", "16384"]),
         "--host", "127.0.0.1", "--port", str(port),
-        "--max-total-tokens", "16384",
         "--random-seed", "0",
         "--log-level", "info",
         *map(str, extra_args),

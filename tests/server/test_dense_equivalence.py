@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from .harness import complete
+from .harness import ON_GPU, complete
 
 # Within one block; exactly on a block boundary; many blocks. 30 new tokens make the first
 # prompt complete a block during decode (the decode-time summary update).
@@ -17,11 +17,18 @@ NEW_TOKENS = 30
 def test_greedy_tokens_identical_to_dense(length, essay_ids, dense_server, sas_full_server):
     offset = 1000 + 7 * length  # different text per case
     prompt = essay_ids[offset : offset + length]
-    args = dict(max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
+    args = dict(max_tokens=NEW_TOKENS, logprobs=2, return_token_ids=True)
     dense = complete(dense_server.url, prompt, **args)["choices"][0]
     sas = complete(sas_full_server.url, prompt, **args)["choices"][0]
-    assert dense["token_ids"] == sas["token_ids"]
-    assert dense["text"] == sas["text"]
+    if not ON_GPU:  # same torch ops in the same order: bit-identical
+        assert dense["token_ids"] == sas["token_ids"]
+        assert dense["text"] == sas["text"]
+    else:  # different CUDA kernels: identical up to the first near-tie of the dense model
+        for i, (a, b) in enumerate(zip(dense["token_ids"], sas["token_ids"])):
+            if a != b:
+                top2 = sorted(dense["logprobs"]["top_logprobs"][i].values())[-2:]
+                assert top2[1] - top2[0] < 0.05, (i, top2)
+                break
     assert len(sas["token_ids"]) == NEW_TOKENS
 
 
