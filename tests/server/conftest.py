@@ -84,8 +84,11 @@ def sas_sparse_server(model_dir, seed_gate, sparse_debug_dir):
     """
     args = [
         "--sas-gate", seed_gate, "--sas-budget", "256", "--sas-sink-blocks", "1", "--sas-local-blocks", "1",
-        "--dtype", "float32", "--enable-cache-report",
+        # fp32 on CPU for a tight oracle comparison; FlashInfer decodes in half precision on GPU.
+        "--dtype", "bfloat16" if ON_GPU else "float32", "--enable-cache-report",
     ]
+    if ON_GPU:  # the selection log reads the host each step; sas_full_server covers CUDA graphs
+        args.append("--disable-cuda-graph")
     env = {"SAS_DEBUG_DIR": str(sparse_debug_dir)}
     with Server(model_dir, backend="sas", extra_args=args, env=env, entry="serve") as s:
         yield s
