@@ -143,8 +143,14 @@ class SASAttnBackend(AttentionBackend):
         )
 
     # ------------------------------------------------------------------ metadata
+    def _inner_needed(self, forward_batch) -> bool:
+        # Dense decode metadata (a full-KV FlashInfer plan and index build per step) is only read
+        # by layers below first_sparse_layer; without such layers it would be wasted work.
+        return self.cfg.first_sparse_layer > 0 or not forward_batch.forward_mode.is_decode()
+
     def init_forward_metadata(self, forward_batch):
-        self.inner.init_forward_metadata(forward_batch)
+        if self._inner_needed(forward_batch):
+            self.inner.init_forward_metadata(forward_batch)
         self._prepare(forward_batch, graph_bs=None)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
@@ -154,11 +160,13 @@ class SASAttnBackend(AttentionBackend):
         return self.inner.get_cuda_graph_seq_len_fill_value()
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        if self._inner_needed(forward_batch):
+            self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         self._prepare(forward_batch, graph_bs=forward_batch.batch_size)
 
     def init_forward_metadata_in_graph(self, forward_batch):
-        self.inner.init_forward_metadata_in_graph(forward_batch)
+        if self._inner_needed(forward_batch):
+            self.inner.init_forward_metadata_in_graph(forward_batch)
 
     def _prepare(self, fb, graph_bs):
         mode = fb.forward_mode
