@@ -55,14 +55,8 @@ def test_gradients_reach_gates_only(objective):
     assert model.config._attn_implementation != tm.ATTN_NAME
 
 
-def test_gate_reads_pre_rope_q_and_k(monkeypatch):
-    """The inverse rotation recovers the projections the model rotated (Llama: q_proj / k_proj)."""
-    model = tiny_llama()
-    attach_gates(model, GateTrainSpec(block_size=16, budget=32))
-    attn = model.model.layers[1].self_attn
-    seen, proj = {}, {}
-    attn.q_proj.register_forward_hook(lambda m, i, o: proj.__setitem__("q", o))
-    attn.k_proj.register_forward_hook(lambda m, i, o: proj.__setitem__("k", o))
+def _spy_gate_inputs(monkeypatch, attn, seen: dict) -> None:
+    """Record the pre-RoPE q/k that `attn`'s gate is scored on, into seen["q"], seen["k"]."""
     real = tm.score_gate
 
     def spy(gate, q_pre, k_pre, *a, **kw):
@@ -71,6 +65,17 @@ def test_gate_reads_pre_rope_q_and_k(monkeypatch):
         return real(gate, q_pre, k_pre, *a, **kw)
 
     monkeypatch.setattr(tm, "score_gate", spy)
+
+
+def test_gate_reads_pre_rope_q_and_k(monkeypatch):
+    """The inverse rotation recovers the projections the model rotated (Llama: q_proj / k_proj)."""
+    model = tiny_llama()
+    attach_gates(model, GateTrainSpec(block_size=16, budget=32))
+    attn = model.model.layers[1].self_attn
+    seen, proj = {}, {}
+    attn.q_proj.register_forward_hook(lambda m, i, o: proj.__setitem__("q", o))
+    attn.k_proj.register_forward_hook(lambda m, i, o: proj.__setitem__("k", o))
+    _spy_gate_inputs(monkeypatch, attn, seen)
     with torch.no_grad():
         objective_loss(model, _ids())
     t = 2 * SEQ
@@ -163,14 +168,7 @@ def test_qwen3_gate_reads_post_norm_pre_rope(monkeypatch):
     seen, normed = {}, {}
     attn.q_norm.register_forward_hook(lambda m, i, o: normed.__setitem__("q", o))
     attn.k_norm.register_forward_hook(lambda m, i, o: normed.__setitem__("k", o))
-    real = tm.score_gate
-
-    def spy(gate, q_pre, k_pre, *a, **kw):
-        if gate is attn.attn_gate:
-            seen["q"], seen["k"] = q_pre, k_pre
-        return real(gate, q_pre, k_pre, *a, **kw)
-
-    monkeypatch.setattr(tm, "score_gate", spy)
+    _spy_gate_inputs(monkeypatch, attn, seen)
     loss = objective_loss(model, _ids())
     loss.backward()
     torch.testing.assert_close(seen["q"], normed["q"].reshape(2 * SEQ, 4, 16), rtol=1e-5, atol=1e-5)
