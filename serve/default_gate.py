@@ -1,7 +1,8 @@
 """Print the gate checkpoint the default serve command uses for a model directory.
 
-The trained SAS gate shipped under gate_checkpoints/ when its base model matches; otherwise a
-seeded-init gate (same code path, untrained selection) made once under models/gates/.
+The gate shipped under gate_checkpoints/ whose base model matches (an SAS-trained one, objective
+"lm", before any other); otherwise a seeded-init gate (same code path, untrained selection) made once
+under models/gates/.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def main() -> int:
     from sas_backend.geometry import ModelGeometry
 
     geo = ModelGeometry.from_model_dir(args.model)
+    fitting = []
     for cfg_path in sorted((REPO / "gate_checkpoints").glob("*/config.json")):
         cfg = json.loads(cfg_path.read_text())
         same = (
@@ -31,9 +33,12 @@ def main() -> int:
             and cfg.get("num_attention_heads") == geo.num_q_heads
             and cfg.get("head_dim") == geo.head_dim
         )
-        if same and (REPO / "gate_checkpoints" / cfg_path.parent.name / "gate.safetensors").exists():
-            print(cfg_path.parent)
-            return 0
+        if same and (cfg_path.parent / "gate.safetensors").exists():
+            sas = (cfg.get("training") or {}).get("objective") == "lm"
+            fitting.append((not sas, cfg_path.parent))
+    if fitting:
+        print(min(fitting)[1])
+        return 0
     out = REPO / "models" / "gates" / f"{pathlib.Path(args.model).name}-seed{args.seed}"
     if not (out / "gate.safetensors").exists():
         from sas_backend.gate.checkpoint import init_gate_checkpoint

@@ -97,27 +97,41 @@ def _sparse_rows_mask(selected, positions, t: int, b: int) -> torch.Tensor:
     return (sel | own[:, None, :]).permute(1, 0, 2)
 
 
+def causal_sdpa(query, key, value, scale: float):
+    """Causal attention of `[B, Hq, Lq, D]` queries that are the LAST Lq positions of the
+    `[B, Hkv, L, D]` keys (Lq < L after a cached prefix), GQA allowed. Returns `[B, Hq, Lq, D]`."""
+    h_q, l_q, l_k = query.shape[1], query.shape[2], key.shape[2]
+    gqa = h_q != key.shape[1]
+    if l_q == l_k:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
+    # SDPA's is_causal aligns top-left; these queries sit at the end of the keys
+    allowed = torch.arange(l_k, device=query.device)[None, :] <= torch.arange(l_k - l_q, l_k, device=query.device)[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+
+
 def sparse_eval_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """transformers attention function: dense causal rows, then the sparse rows recomputed.
 
-    query `[1, H_q, T, D]`, key/value `[1, H_kv, T, D]` (post-RoPE). Returns (`[1, T, H_q, D]`, None).
+    query `[1, H_q, Tq, D]`, key/value `[1, H_kv, T, D]` (post-RoPE); Tq < T when the queries are the
+    last Tq positions after a cached prefix. Returns (`[1, Tq, H_q, D]`, None).
     """
     ctx = module._sas_eval
     spec: SparseEvalSpec = ctx["spec"]
     if query.shape[0] != 1:
         raise ValueError("sparse evaluation runs one sequence at a time")
-    h_q, t = query.shape[1], query.shape[2]
+    h_q, t_q, t = query.shape[1], query.shape[2], key.shape[2]
     h_kv = key.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, is_causal=True, scale=scaling, enable_gqa=h_q != h_kv
-    )
+    offset = t - t_q  # position of the first query
     layer = module.layer_idx
-    start = spec.sparse_from
+    start = max(spec.sparse_from, offset)
     if spec.selector == "dense" or layer < spec.first_sparse_layer or start >= t:
-        return out.transpose(1, 2), None
+        return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
     positions = torch.arange(start, t, device=query.device)
+    rows = slice(start - offset, t_q)  # the sparse queries among the given ones
     table = ctx["model_table"]
-    q_pre = invert_rope(query[0, :, start:].transpose(0, 1), table[positions])  # [P, H_q, D]
+    q_pre = invert_rope(query[0, :, rows].transpose(0, 1), table[positions])  # [P, H_q, D]
     k_pre = invert_rope(key[0].transpose(0, 1), table[:t])  # [T, H_kv, D]
     selected = select_for_queries(spec, layer, q_pre, k_pre, positions, ctx["gate_table"])
     allowed = _sparse_rows_mask(selected, positions, t, spec.block_size)  # [H_kv, P, T]
@@ -125,11 +139,14 @@ def sparse_eval_attention(module, query, key, value, attention_mask, scaling, dr
     allowed = allowed.repeat_interleave(g, dim=0)  # [H_q, P, T]
     k_rep = key[0].repeat_interleave(g, dim=0).float()
     v_rep = value[0].repeat_interleave(g, dim=0).float()
-    logits = torch.einsum("hpd,htd->hpt", query[0, :, start:].float(), k_rep) * scaling
+    logits = torch.einsum("hpd,htd->hpt", query[0, :, rows].float(), k_rep) * scaling
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-    sparse = torch.einsum("hpt,htd->hpd", probs, v_rep).to(out.dtype)
-    out = out.clone()
-    out[0, :, start:] = sparse
+    sparse = torch.einsum("hpt,htd->hpd", probs, v_rep).to(query.dtype)
+    if start == offset:  # every given query is sparse: no dense rows to keep
+        out = sparse[None]
+    else:
+        out = causal_sdpa(query, key, value, scaling).clone()
+        out[0, :, rows] = sparse
     if ctx.get("record") is not None:
         ctx["record"][layer] = selected
     return out.transpose(1, 2), None

@@ -254,8 +254,10 @@ def load_packed(
 ) -> PackedData:
     """Read, split, tokenize and pack one split ("train" or "heldout") of `sources`.
 
-    max_tokens: keep only the first documents (after shuffling with `seed`) up to about this many
-    tokens (for quick runs). Raises DataError if the split yields no full row.
+    max_tokens: per source, keep only its first documents (after shuffling with `seed`) up to about
+    this many tokens, so a large source (@stdlib) cannot crowd out a small one (@essays); the kept
+    documents of all sources are then packed in one seeded order. Raises DataError if the split
+    yields no full row.
     """
     if split not in ("train", "heldout"):
         raise DataError(f"split must be 'train' or 'heldout', got {split!r}")
@@ -264,8 +266,14 @@ def load_packed(
     if seed is not None:
         docs = list(docs)
         random.Random(seed).shuffle(docs)
-    ids = tokenize_documents(docs, tokenizer, max_tokens=max_tokens)
-    rows = pack(ids, seq_len, seed=None)  # already shuffled above
+    if max_tokens is None:
+        ids = tokenize_documents(docs, tokenizer)
+        rows = pack(ids, seq_len, seed=None)  # already shuffled above
+    else:
+        ids = []
+        for src in sources:  # the cap is per source
+            ids += tokenize_documents([d for d in docs if d.source == src], tokenizer, max_tokens=max_tokens)
+        rows = pack(ids, seq_len, seed=seed)
     if rows.shape[0] == 0:
         raise DataError(
             f"the {split} split of {list(sources)} has {sum(map(len, ids))} tokens in {len(ids)} documents: "

@@ -77,18 +77,36 @@ def load_gates(path: str, model, block_size: int, device):
 
 
 @torch.no_grad()
-def window_nll(model, ids: torch.Tensor, last: int, spec=None) -> float:
+def prefix_cache(model, ids: torch.Tensor, last: int):
+    """The dense KV cache of the first `window - last` tokens of `ids` `[window + 1]` (shared by
+    every selector: the earlier positions are dense, as after a dense prefill)."""
+    inp = ids[:-1][None]
+    return model(input_ids=inp[:, :-last], use_cache=True, logits_to_keep=1).past_key_values
+
+
+@torch.no_grad()
+def window_nll(model, ids: torch.Tensor, last: int, spec=None, cache=None) -> float:
     """Summed NLL of the last `last` tokens of `ids` `[window + 1]` given the first `window`;
-    `spec` (a SparseEvalSpec) makes the attention sparse, None keeps the model dense."""
+    `spec` (a SparseEvalSpec) makes the attention sparse, None keeps the model dense.
+    cache: `prefix_cache(model, ids, last)` to run only the last `last` queries on top of it (left
+    as it was on return); None runs the whole window."""
     from sas_backend.hf.sparse_eval import sparse_eval
 
     inp = ids[:-1][None]
     tgt = ids[-last:]
-    if spec is None:
-        logits = model(input_ids=inp, use_cache=False, logits_to_keep=last).logits
+    if cache is None:
+        kw = dict(input_ids=inp, use_cache=False, logits_to_keep=last)
     else:
-        with sparse_eval(model, spec, max_pos=inp.shape[1]):
-            logits = model(input_ids=inp, use_cache=False, logits_to_keep=last).logits
+        kw = dict(input_ids=inp[:, -last:], past_key_values=cache, use_cache=True)
+    try:
+        if spec is None:
+            logits = model(**kw).logits
+        else:
+            with sparse_eval(model, spec, max_pos=inp.shape[1]):
+                logits = model(**kw).logits
+    finally:
+        if cache is not None:
+            cache.crop(inp.shape[1] - last)  # drop the queries' own K/V: the prefix again
     return float(torch.nn.functional.cross_entropy(logits[0].float(), tgt, reduction="sum"))
 
 
@@ -134,16 +152,17 @@ def main(argv: Optional[list] = None) -> int:
     t0 = time.time()
     for w in range(rows.shape[0]):
         ids = rows[w].to(device)
-        nll_dense += window_nll(model, ids, args.last)
+        cache = prefix_cache(model, ids, args.last)
+        nll_dense += window_nll(model, ids, args.last, cache=cache)
         for bud in args.budgets:
             k = top_k[bud]
             for name in gates:
                 spec = SparseEvalSpec(top_k=k, block_size=b, selector="gate", gates=gates[name], sparse_from=sparse_from)
-                nll[name][bud] += window_nll(model, ids, args.last, spec)
+                nll[name][bud] += window_nll(model, ids, args.last, spec, cache)
             if args.window_baseline:
                 spec = SparseEvalSpec(top_k=k, block_size=b, selector="window", sink_blocks=min(1, k),
                                       local_blocks=max(0, k - 1), sparse_from=sparse_from)
-                nll["sink+local window"][bud] += window_nll(model, ids, args.last, spec)
+                nll["sink+local window"][bud] += window_nll(model, ids, args.last, spec, cache)
         print(f"[eval_ppl] window {w + 1}/{rows.shape[0]} done ({time.time() - t0:.0f} s)", flush=True)
 
     n_tok = rows.shape[0] * args.last

@@ -30,7 +30,7 @@ import torch
 
 from sas_backend.gate.module import AttnGate
 from sas_backend.geometry import ModelGeometry
-from sas_backend.hf.sparse_eval import model_rope_table
+from sas_backend.hf.sparse_eval import causal_sdpa, model_rope_table
 from sas_backend.ops.rope import invert_rope, rope_cos_sin_table
 from sas_backend.training.scoring import DEFAULT_QUERY_CHUNK, score_gate, seq_bounds
 
@@ -53,6 +53,11 @@ class GateTrainSpec:
     block_size b; budget B tokens per query (its own block included), so K = B // b - 1 previous
     blocks are selected; objective "lm" (SAS) or "distill"; kernel "auto" (Triton on CUDA, torch
     reference on CPU), "triton" or "naive"; query_chunk: queries scored at a time (memory bound).
+    train_last: None trains every position of a row; N trains only the last N positions: the
+    first L - N run dense without gradient (as after a dense prefill, the serving regime) and
+    their K/V are the keys of the N gated queries. Far cheaper per trained query at long L
+    (the torch reference then materializes `[Hq, N, L]`, not `[Hq, L, L]`); the Triton kernel
+    covers full rows only, so "auto" picks the reference.
     """
 
     block_size: int = 64
@@ -60,6 +65,7 @@ class GateTrainSpec:
     objective: str = "lm"
     kernel: str = "auto"
     query_chunk: int = DEFAULT_QUERY_CHUNK
+    train_last: Optional[int] = None
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -68,6 +74,12 @@ class GateTrainSpec:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.train_last is not None and self.train_last < 2:
+            raise ValueError(f"train_last must be >= 2 (one next-token prediction inside the tail) or None "
+                             f"for whole rows, got {self.train_last}")
+        if self.train_last is not None and self.kernel == "triton":
+            raise ValueError("the Triton kernel trains whole rows; train_last runs the torch reference "
+                             "(kernel 'naive' or 'auto')")
         if self.budget < self.block_size:
             raise ValueError(
                 f"budget {self.budget} is smaller than one block ({self.block_size}): the query's own "
@@ -107,24 +119,30 @@ def attention_modules(model) -> List[torch.nn.Module]:
     return [layer.self_attn for layer in model.model.layers]
 
 
-def resolve_kernel(kernel: str, device: torch.device) -> str:
+def resolve_kernel(kernel: str, device: torch.device, train_last: Optional[int] = None) -> str:
     """"triton" or "naive" for `kernel` on `device`; refuses Triton where it cannot run."""
     import os
 
     if kernel == "auto":
-        return "triton" if device.type == "cuda" else "naive"
+        return "triton" if device.type == "cuda" and train_last is None else "naive"
     if kernel == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--kernel triton needs a CUDA device (or TRITON_INTERPRET=1 to run it on CPU, slowly)")
     return kernel
 
 
-def gated_attention_op(q, k, v, log_g, threshold, cu_seqlens, block_size: int, scale: float, kernel: str):
+def gated_attention_op(q, k, v, log_g, threshold, cu_seqlens, block_size: int, scale: float, kernel: str,
+                       query_start: int = 0):
     """Dispatch to the fused Triton kernel or the torch reference (same signature and result).
 
-    q `[T, Hq, D]`, k/v `[T, Hkv, D]`, log_g `[Hkv, T, NB]`, threshold `[Hkv, T]`. Returns `[T, Hq, D]`.
+    q `[Tq, Hq, D]`, k/v `[T, Hkv, D]`, log_g `[Hkv, Tq, NB]`, threshold `[Hkv, Tq]`. Returns
+    `[Tq, Hq, D]`. Tq = T unless query_start > 0 (torch reference only, see gated_attention_naive).
     """
     from sas_backend.training.ops.gated_attention import gated_attention, gated_attention_naive
 
+    if query_start:
+        if kernel == "triton":
+            raise ValueError("the Triton gated kernel has no query_start: train whole rows or use the reference")
+        return gated_attention_naive(q, k, v, log_g, threshold, cu_seqlens, block_size, scale, query_start)
     fn = gated_attention if kernel == "triton" else gated_attention_naive
     return fn(q, k, v, log_g, threshold, cu_seqlens, block_size, scale)
 
@@ -138,29 +156,35 @@ class _TrainContext:
         self.model_table = model_table  # [max_pos, D] the model's cos|sin (to undo its RoPE)
         self.gate_table = gate_table  # [max_pos, Dg] the gate's RoPE table
         self.aux_losses: List[torch.Tensor] = []  # distill: one KL per layer of the last forward
+        self.dense_pass = False  # True while the no-grad dense prefix of train_last runs
 
 
-def _pooled_attention_target(q, k, bounds, block_size, num_blocks, scale) -> torch.Tensor:
-    """Distill target `[Hkv, T, NB]` (no grad): dense causal attention probabilities, max-pooled
+def _pooled_attention_target(q, k, bounds, block_size, num_blocks, scale, query_start: int = 0) -> torch.Tensor:
+    """Distill target `[Hkv, Tq, NB]` (no grad): dense causal attention probabilities, max-pooled
     over each block's keys and the G query heads of a group, renormalized over previous blocks.
 
-    q `[T, Hq, D]`, k `[T, Hkv, D]` post-RoPE. Rows without a previous block are all zero.
-    Dense rows are built a chunk of queries at a time (memory O(Hq * chunk * L)).
+    q `[Tq, Hq, D]` (the positions >= query_start of each sequence, packed), k `[T, Hkv, D]`
+    post-RoPE. Rows without a previous block are all zero. Dense rows are built a chunk of queries
+    at a time (memory O(Hq * chunk * L)).
     """
     t, h_q, _ = q.shape
     h_kv = k.shape[1]
     g = h_q // h_kv
     out = q.new_zeros(h_kv, t, num_blocks, dtype=torch.float32)
+    qbos = 0
     for bos, eos in bounds:
         n = eos - bos
         full = n // block_size
-        if full == 0:
+        n_q = max(0, n - query_start)
+        if full == 0 or n_q == 0:
+            qbos += n_q
             continue
         ks = k[bos:eos].float().transpose(0, 1).repeat_interleave(g, 0)  # [Hq, L, D]
         chunk = max(1, min(n, _DENSE_CHUNK_ELEMS // max(1, h_q * n)))
-        for c0 in range(0, n, chunk):
+        for c0 in range(query_start, n, chunk):
             c1 = min(n, c0 + chunk)
-            qs = q[bos + c0:bos + c1].float().transpose(0, 1)  # [Hq, C, D]
+            r0, r1 = qbos + c0 - query_start, qbos + c1 - query_start  # rows of these queries in q
+            qs = q[r0:r1].float().transpose(0, 1)  # [Hq, C, D]
             logits = torch.einsum("hcd,hld->hcl", qs, ks) * scale
             pos = torch.arange(c0, c1, device=q.device)
             causal = torch.arange(n, device=q.device)[None, :] <= pos[:, None]
@@ -170,7 +194,8 @@ def _pooled_attention_target(q, k, bounds, block_size, num_blocks, scale) -> tor
             valid = torch.arange(full, device=q.device)[None, :] < (pos // block_size)[:, None]
             pooled = pooled * valid
             denom = pooled.sum(-1, keepdim=True)
-            out[:, bos + c0:bos + c1, :full] = torch.where(denom > 0, pooled / denom.clamp_min(1e-30), 0.0)
+            out[:, r0:r1, :full] = torch.where(denom > 0, pooled / denom.clamp_min(1e-30), 0.0)
+        qbos += n_q
     return out
 
 
@@ -185,42 +210,44 @@ def _distill_kl(target: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
 def training_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """transformers attention function for gate training (registered as `ATTN_NAME`).
 
-    query `[B, Hq, L, D]`, key/value `[B, Hkv, L, D]` post-RoPE. Returns (`[B, L, Hq, D]`, None).
+    query `[B, Hq, Lq, D]`, key/value `[B, Hkv, L, D]` post-RoPE; Lq < L when the queries are the
+    last Lq positions after a cached dense prefix (`GateTrainSpec.train_last`).
+    Returns (`[B, Lq, Hq, D]`, None).
     """
     ctx: _TrainContext = module._sas_train
     spec = ctx.spec
-    if attention_mask is not None:
+    if ctx.dense_pass:  # the no-grad dense prefix of train_last
+        return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
+    bsz, h_q, q_len, d = query.shape
+    h_kv, seqlen = key.shape[1], key.shape[2]
+    if attention_mask is not None and q_len == seqlen:
         raise ValueError(
             "gate training runs unpadded fixed-length rows: call the model without attention_mask "
             "(positions 0..L-1 per row)"
         )
-    bsz, h_q, seqlen, d = query.shape
-    h_kv = key.shape[1]
-    q = query.transpose(1, 2).reshape(bsz * seqlen, h_q, d)
+    q_start = seqlen - q_len  # in-row position of the first query (0: whole rows)
+    q = query.transpose(1, 2).reshape(bsz * q_len, h_q, d)
     k = key.transpose(1, 2).reshape(bsz * seqlen, h_kv, d)
     v = value.transpose(1, 2).reshape(bsz * seqlen, h_kv, d)
     if seqlen > ctx.model_table.shape[0]:
         raise ValueError(f"sequence length {seqlen} exceeds the RoPE table ({ctx.model_table.shape[0]} positions)")
     cu = torch.arange(bsz + 1, device=query.device, dtype=torch.int32) * seqlen
-    pos_table = ctx.model_table[:seqlen].repeat(bsz, 1)  # [T, D]
-    q_pre = invert_rope(q.detach(), pos_table)  # exact inverse rotation: the gate's inputs
-    k_pre = invert_rope(k.detach(), pos_table)
+    q_pre = invert_rope(q.detach(), ctx.model_table[q_start:seqlen].repeat(bsz, 1))  # the gate's inputs
+    k_pre = invert_rope(k.detach(), ctx.model_table[:seqlen].repeat(bsz, 1))
     scores = score_gate(
         module.attn_gate, q_pre, k_pre, cu, spec.block_size, spec.top_k, ctx.gate_table,
-        query_chunk=spec.query_chunk,
+        query_chunk=spec.query_chunk, query_start=q_start,
     )
     if spec.objective == "lm":
         out = gated_attention_op(q, k, v, scores.log_g, scores.threshold, cu, spec.block_size,
-                                 scaling, ctx.kernel)
-        return out.view(bsz, seqlen, h_q, d), None
+                                 scaling, ctx.kernel, q_start)
+        return out.view(bsz, q_len, h_q, d), None
     # distill: dense attention for the forward, KL on the side (target carries no gradient)
     with torch.no_grad():
-        target = _pooled_attention_target(q, k, seq_bounds(cu), spec.block_size, scores.num_blocks, scaling)
+        target = _pooled_attention_target(q, k, seq_bounds(cu), spec.block_size, scores.num_blocks, scaling,
+                                          q_start)
     ctx.aux_losses.append(_distill_kl(target, scores.log_g))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, is_causal=True, scale=scaling, enable_gqa=h_q != h_kv
-    )
-    return out.transpose(1, 2), None
+    return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
 
 
 def gate_rope_table(model, gate_dim: int, max_pos: int, device=None) -> torch.Tensor:
@@ -249,7 +276,7 @@ def attach_gates(
     check_supported(model)
     geo = ModelGeometry.from_hf_config(model.config)
     device = next(model.parameters()).device
-    kernel = resolve_kernel(spec.kernel, device)
+    kernel = resolve_kernel(spec.kernel, device, spec.train_last)
     if kernel == "triton" and (spec.block_size < 16 or spec.block_size & (spec.block_size - 1)):
         raise ValueError(f"the Triton kernel needs a block size that is a power of two >= 16, got {spec.block_size}")
     modules = attention_modules(model)
@@ -325,15 +352,29 @@ def objective_loss(model, input_ids: torch.Tensor, runner=None) -> torch.Tensor:
 
     lm: mean next-token cross-entropy of the gated model. distill: sum over layers of the mean
     per-query KL. runner: what to call for the forward (a DDP wrapper of `model`); default `model`.
+    With `spec.train_last = N` the first L - N tokens run dense without gradient into a KV cache and
+    only the last N are gated queries (lm: the loss of their N - 1 next-token predictions).
     """
     ctx = _context(model)
     runner = model if runner is None else runner
     ctx.aux_losses = []
+    cache = None
+    n_last = ctx.spec.train_last
+    if n_last is not None:
+        if n_last >= input_ids.shape[1]:
+            raise ValueError(f"train_last {n_last} must be smaller than the row length {input_ids.shape[1]}")
+        prefix, input_ids = input_ids[:, :-n_last], input_ids[:, -n_last:]
+        ctx.dense_pass = True
+        try:
+            with torch.no_grad():
+                cache = runner(input_ids=prefix, use_cache=True, logits_to_keep=1).past_key_values
+        finally:
+            ctx.dense_pass = False
+    extra = {"past_key_values": cache, "use_cache": True} if cache is not None else {"use_cache": False}
     if ctx.spec.objective == "lm":
-        return runner(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-    runner(input_ids=input_ids, use_cache=False, logits_to_keep=1)  # the LM head is not needed
+        return runner(input_ids=input_ids, labels=input_ids, **extra).loss
+    runner(input_ids=input_ids, logits_to_keep=1, **extra)  # the LM head is not needed
     losses, ctx.aux_losses = ctx.aux_losses, []
     if not losses:
         raise RuntimeError("distill forward produced no layer losses")
     return torch.stack(losses).sum()
-

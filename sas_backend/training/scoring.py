@@ -11,7 +11,9 @@ block c = p // b) and in-sequence block m:
                       (all are taken); +inf if K == 0 (none is taken)
 
 so the gated attention selects `{m < c : log_g >= threshold}` (exactly K blocks unless gates
-tie at the threshold). The inputs q/k are detached: the backbone is frozen and the scores only
+tie at the threshold). With `query_start` = s > 0 only the positions s.. of each sequence are
+queries (the earlier ones ran dense, as after a dense prefill): q and the outputs are packed over
+those query tokens, k over every token. The inputs q/k are detached: the backbone is frozen and the scores only
 train the gate; gradients reach the gate parameters through qg and kg.
 
 Memory: `log_g` `[Hkv, T, NB]` fp32 is the only O(T * NB) tensor kept for backward (the gated
@@ -98,6 +100,16 @@ def block_summaries(
     return out.view(n_seq, num_blocks, h_kv, dg)
 
 
+def query_bounds(bounds: List[Tuple[int, int]], query_start: int) -> List[Tuple[int, int]]:
+    """Packed `[(qbos, qeos), ...]` of the queries at in-sequence positions >= `query_start`."""
+    out, at = [], 0
+    for bos, eos in bounds:
+        n = max(0, eos - bos - query_start)
+        out.append((at, at + n))
+        at += n
+    return out
+
+
 def _valid(pos: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
     """`[C, NB]` bool: block m is strictly before the own block of the query at position pos."""
     m = torch.arange(num_blocks, device=pos.device)
@@ -122,17 +134,18 @@ class BlockLogGate(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qg, kg, bounds, block_size, top_k, query_chunk):
+    def forward(ctx, qg, kg, bounds, block_size, top_k, query_chunk, query_start=0):
         t, h_kv, dg = qg.shape
         nb = kg.shape[1]
         inv = 1.0 / math.sqrt(dg)
         log_g = qg.new_full((h_kv, t, nb), float("-inf"))
         thr = qg.new_full((h_kv, t), float("-inf"))
-        for i, (bos, eos) in enumerate(bounds):
+        for i, (qbos, qeos) in enumerate(query_bounds(bounds, query_start)):
             kgi = kg[i].transpose(0, 1)  # [Hkv, NB, Dg]
-            for c0 in range(bos, eos, query_chunk):
-                c1 = min(eos, c0 + query_chunk)
-                valid = _valid(torch.arange(c0 - bos, c1 - bos, device=qg.device), nb, block_size)
+            for c0 in range(qbos, qeos, query_chunk):
+                c1 = min(qeos, c0 + query_chunk)
+                pos = torch.arange(c0 - qbos, c1 - qbos, device=qg.device) + query_start
+                valid = _valid(pos, nb, block_size)
                 s = torch.einsum("chd,hmd->hcm", qg[c0:c1], kgi) * inv
                 s = s.masked_fill(~valid, float("-inf"))
                 lg = s - torch.logsumexp(s, dim=-1, keepdim=True)
@@ -141,6 +154,7 @@ class BlockLogGate(torch.autograd.Function):
                 thr[:, c0:c1] = _kth_largest(lg, top_k)
         ctx.save_for_backward(qg, kg, log_g)
         ctx.bounds, ctx.block_size, ctx.query_chunk = bounds, block_size, query_chunk
+        ctx.query_start = query_start
         ctx.mark_non_differentiable(thr)
         return log_g, thr
 
@@ -152,18 +166,19 @@ class BlockLogGate(torch.autograd.Function):
         dqg = torch.zeros_like(qg)
         dkg = torch.zeros_like(kg)
         if grad_log_g is None:
-            return dqg, dkg, None, None, None, None
-        for i, (bos, eos) in enumerate(ctx.bounds):
+            return dqg, dkg, None, None, None, None, None
+        for i, (qbos, qeos) in enumerate(query_bounds(ctx.bounds, ctx.query_start)):
             kgi = kg[i].transpose(0, 1)  # [Hkv, NB, Dg]
-            for c0 in range(bos, eos, ctx.query_chunk):
-                c1 = min(eos, c0 + ctx.query_chunk)
-                valid = _valid(torch.arange(c0 - bos, c1 - bos, device=qg.device), nb, ctx.block_size)
+            for c0 in range(qbos, qeos, ctx.query_chunk):
+                c1 = min(qeos, c0 + ctx.query_chunk)
+                pos = torch.arange(c0 - qbos, c1 - qbos, device=qg.device) + ctx.query_start
+                valid = _valid(pos, nb, ctx.block_size)
                 g = grad_log_g[:, c0:c1].float().masked_fill(~valid, 0.0)  # masked entries are constants
                 p = log_g[:, c0:c1].exp()  # 0 on masked entries
                 ds = (g - p * g.sum(dim=-1, keepdim=True)) * inv  # [Hkv, C, NB]
                 dqg[c0:c1] = torch.einsum("hcm,hmd->chd", ds, kgi)
                 dkg[i] += torch.einsum("hcm,chd->mhd", ds, qg[c0:c1])
-        return dqg, dkg, None, None, None, None
+        return dqg, dkg, None, None, None, None, None
 
 
 def score_gate(
@@ -176,10 +191,14 @@ def score_gate(
     gate_table: torch.Tensor,
     *,
     query_chunk: int = DEFAULT_QUERY_CHUNK,
+    query_start: int = 0,
 ) -> GateScores:
     """Block log-gates and Top-K thresholds of one layer for packed sequences.
 
-    q_pre: `[T, Hq, D]`, k_pre: `[T, Hkv, D]` pre-RoPE (after the model's q/k norm), detached here.
+    q_pre: `[Tq, Hq, D]`, k_pre: `[T, Hkv, D]` pre-RoPE (after the model's q/k norm), detached here.
+    query_start: the queries are the in-sequence positions >= query_start of every sequence
+    (packed, Tq = sum(max(0, len - query_start))); 0: every token (Tq = T).
+    log_g `[Hkv, Tq, NB]` and threshold `[Hkv, Tq]` are packed over the queries.
     cu_seqlens: `[N+1]`; top_k: K previous blocks per query (budget // block_size - 1);
     gate_table: the gate's `[max_pos, Dg]` RoPE table (positions are in-sequence).
     Runs in fp32 whatever the autocast state (the gate was designed for fp32 scoring).
@@ -188,20 +207,25 @@ def score_gate(
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     if query_chunk < 1:
         raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
+    if query_start < 0:
+        raise ValueError(f"query_start must be >= 0, got {query_start}")
     bounds = seq_bounds(cu_seqlens)
-    t = q_pre.shape[0]
-    if k_pre.shape[0] != t or (bounds and bounds[-1][1] > t):
-        raise ValueError(f"q has {t} tokens, k has {k_pre.shape[0]}, cu_seqlens ends at {bounds[-1][1] if bounds else 0}")
+    t = k_pre.shape[0]
+    qb = query_bounds(bounds, query_start)
+    t_q = t if query_start == 0 else (qb[-1][1] if qb else 0)  # tokens after the last sequence: no blocks
+    if q_pre.shape[0] != t_q or (bounds and bounds[-1][1] > t):
+        raise ValueError(f"q has {q_pre.shape[0]} tokens (expected {t_q} queries from position {query_start}), "
+                         f"k has {t}, cu_seqlens ends at {bounds[-1][1] if bounds else 0}")
     longest = max((e - s for s, e in bounds), default=0)
     if longest > gate_table.shape[0]:
         raise ValueError(f"a sequence of {longest} tokens exceeds the gate RoPE table ({gate_table.shape[0]} positions)")
     nb = num_blocks_for(bounds, block_size)
     q_pre, k_pre = q_pre.detach(), k_pre.detach()  # frozen backbone: scores train the gate only
     with torch.autocast(q_pre.device.type, enabled=False):
-        pos = in_sequence_positions(bounds, t, q_pre.device)
-        qg = gate.query(q_pre, gate_table[pos])  # [T, Hkv, Dg]
+        pos = in_sequence_positions(qb, t_q, q_pre.device) + query_start
+        qg = gate.query(q_pre, gate_table[pos])  # [Tq, Hkv, Dg]
         kg = block_summaries(gate, k_pre, bounds, block_size, nb, gate_table)
-        log_g, thr = BlockLogGate.apply(qg, kg, bounds, block_size, top_k, query_chunk)
+        log_g, thr = BlockLogGate.apply(qg, kg, bounds, block_size, top_k, query_chunk, query_start)
     return GateScores(log_g=log_g, threshold=thr, top_k=top_k, block_size=block_size, num_blocks=nb)
 
 

@@ -3,13 +3,16 @@
     python -m sas_backend.training.train --model DIR --data PATH [PATH ...] --out DIR
         [--seq-len 4096] [--block-size 64] [--budget 512] [--objective lm|distill] [--steps 200]
         [--lr 1e-3] [--warmup 20] [--batch-size 1] [--grad-accum 1] [--clip 1.0] [--bf16]
-        [--save-every 50] [--resume] [--seed 0] [--kernel auto|triton|naive]
+        [--save-every 50] [--resume] [--seed 0] [--kernel auto|triton|naive] [--train-last N]
+        [--init-gate DIR]
 
 Multi-GPU: `torchrun --nproc-per-node N -m sas_backend.training.train ...` (DDP over the gate
 parameters; WORLD_SIZE / RANK / LOCAL_RANK come from torchrun; only rank 0 writes).
 
 The gates start from the seeded init (`init_gate_state(--seed)`, the same tensors as
-`python -m sas_backend.gate.init --seed`), so "before training" is exactly that init. Only the
+`python -m sas_backend.gate.init --seed`), so "before training" is exactly that init; or, with
+`--init-gate DIR`, from an earlier gate checkpoint (a curriculum stage, a fine-tune), whose training
+record is kept in the new record's `init`. Only the
 gates train (AdamW, linear warmup then cosine decay, gradient clipping); the backbone is frozen.
 
 Output in --out: `config.json` + `gate.safetensors` (canonical format, config `training` = the
@@ -22,6 +25,7 @@ uninterrupted one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import json
 import math
@@ -38,7 +42,7 @@ LOG_FILE = "train_log.jsonl"
 # Arguments a resumed run must share with the run that wrote the state.
 _RESUME_KEYS = ("model", "seq_len", "block_size", "budget", "objective", "gate_dim", "steps", "seed",
                 "batch_size", "grad_accum", "lr", "warmup", "min_lr_ratio", "weight_decay", "clip", "data",
-                "heldout_fraction", "max_tokens", "max_rows")
+                "heldout_fraction", "max_tokens", "max_rows", "train_last", "init_gate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,13 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel", choices=("auto", "triton", "naive"), default="auto",
                    help="gated attention: Triton kernel (CUDA) or torch reference; auto picks by device")
     p.add_argument("--gate-dim", type=int, default=128)
+    p.add_argument("--init-gate", default=None, metavar="DIR",
+                   help="start from this gate checkpoint (must fit the model and --block-size) instead of the seeded init")
     p.add_argument("--heldout-fraction", type=float, default=None,
                    help="share of each source's text held out as whole documents (by name hash), never trained on (default 0.2)")
-    p.add_argument("--max-tokens", type=int, default=None, help="use only about this many training tokens")
+    p.add_argument("--max-tokens", type=int, default=None, help="use only about this many training tokens of each source")
     p.add_argument("--max-rows", type=int, default=None, help="use only the first N packed rows (smoke tests)")
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute each decoder layer in backward (lm objective; saves activation memory)")
     p.add_argument("--query-chunk", type=int, default=4096, help="queries scored at a time (memory bound)")
+    p.add_argument("--train-last", type=int, default=None, metavar="N",
+                   help="gate only the last N tokens of each row: the first seq-len - N run dense without "
+                        "gradient (as after a dense prefill) and serve as their keys; the loss is over those N. "
+                        "Cheap long-context training with the torch reference (CPU); default: whole rows")
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this step as if interrupted (state saved; continue with --resume)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines only)")
@@ -199,6 +209,7 @@ def training_record(args, argv, data, rows_used, spec, kernel, step, losses, wor
         "data": {**data.record(), "rows_used": rows_used},
         "steps": step,
         "seq_len": args.seq_len,
+        "train_last": args.train_last,
         "batch_size": args.batch_size,
         "grad_accum": args.grad_accum,
         "world_size": world,
@@ -210,7 +221,7 @@ def training_record(args, argv, data, rows_used, spec, kernel, step, losses, wor
         "clip": args.clip,
         "bf16": args.bf16,
         "kernel": kernel,
-        "init": {"seed": args.seed, "method": "init_gate_state(seed) (sas_backend.gate.checkpoint)"},
+        "init": args.init_record,
         "initial_loss": losses[0] if losses else None,
         "final_loss": (sum(tail) / len(tail)) if tail else None,
         "final_loss_window": len(tail),
@@ -233,6 +244,23 @@ def write_checkpoint(out: str, config, model, record: dict) -> None:
 # ---- main -----------------------------------------------------------------------------------
 
 
+def load_init_gate(path: str, geometry, block_size: int):
+    """`(tensors, init record)` of the checkpoint a run starts from; SystemExit if it does not fit."""
+    from sas_backend.gate.checkpoint import checkpoint_identity, load_gate_checkpoint, validate_for_model
+    from sas_backend.gate.errors import GateCheckpointError
+
+    try:
+        config, tensors = load_gate_checkpoint(path)
+        validate_for_model(config, tensors, num_layers=geometry.num_layers, num_q_heads=geometry.num_q_heads,
+                           num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
+                           block_size=block_size, rope_theta=geometry.rope_theta)
+        ident = checkpoint_identity(path)
+    except GateCheckpointError as e:
+        raise SystemExit(f"error: --init-gate: {e}") from None
+    tensors = {i: {k: v.float() for k, v in t.items()} for i, t in tensors.items()}
+    return tensors, {"checkpoint": ident["path"], "sha256": ident["sha256"], "training": config.training}
+
+
 def _check_args(args, device) -> None:
     bad = []
     for name in ("seq_len", "block_size", "budget", "steps", "batch_size", "grad_accum", "gate_dim", "query_chunk"):
@@ -244,6 +272,12 @@ def _check_args(args, device) -> None:
         bad.append("--bf16 needs a CUDA device (on CPU the backbone runs in fp32)")
     if args.seq_len <= args.budget:
         bad.append(f"--seq-len {args.seq_len} <= --budget {args.budget}: no query would ever be sparse")
+    if args.train_last is not None and not 2 <= args.train_last < args.seq_len:
+        bad.append(f"--train-last {args.train_last} must be in [2, --seq-len {args.seq_len})")
+    if args.train_last is not None and args.kernel == "triton":
+        bad.append("--train-last runs the torch reference (the Triton kernel trains whole rows): drop --kernel triton")
+    if args.train_last is not None and args.grad_checkpoint:
+        bad.append("--grad-checkpoint covers whole rows; with --train-last only the tail keeps activations")
     if bad:
         raise SystemExit("error: " + "; ".join(bad))
 
@@ -274,10 +308,15 @@ def main(argv: Optional[list] = None) -> int:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
     spec = GateTrainSpec(block_size=args.block_size, budget=args.budget, objective=args.objective,
-                         kernel=args.kernel, query_chunk=args.query_chunk)
+                         kernel=args.kernel, query_chunk=args.query_chunk, train_last=args.train_last)
     geometry = ModelGeometry.from_model_dir(args.model)
     gate_config, init_tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim,
                                                 block_size=args.block_size)
+    init_record = {"seed": args.seed, "method": "init_gate_state(seed) (sas_backend.gate.checkpoint)"}
+    if args.init_gate:
+        init_tensors, init_record = load_init_gate(args.init_gate, geometry, args.block_size)
+        gate_config = dataclasses.replace(gate_config, gate_dim=int(init_tensors[0]["attngate_linear_q.weight"].shape[-1]))
+    args.init_record = init_record
     attach_gates(model, spec, init_tensors, max_pos=max(args.seq_len, geometry.max_position_embeddings or 0))
     kernel = model.model.layers[0].self_attn._sas_train.kernel
     if args.grad_checkpoint and args.objective == "lm":
@@ -314,7 +353,9 @@ def main(argv: Optional[list] = None) -> int:
     if rank == 0:
         print(f"[train] {data.record()['rows']} rows x {args.seq_len} tokens ({data.tokens} tokens, "
               f"{data.documents} documents) | objective {args.objective} | block {args.block_size} "
-              f"budget {args.budget} (K={spec.top_k}) | kernel {kernel} | {world} process(es) on {device} | "
+              f"budget {args.budget} (K={spec.top_k}) | kernel {kernel} | "
+              + (f"gated: last {args.train_last} of each row | " if args.train_last else "")
+              + f"{world} process(es) on {device} | "
               f"steps {start}->{end}", flush=True)
     bar = None
     if rank == 0 and not args.no_progress:

@@ -216,3 +216,28 @@ def test_kernel_rejects_bad_block_size():
     q, k, v, log_g, thr, cu = _case([20], 2, 1, 16, 12)
     with pytest.raises(ValueError, match="power of two"):
         gated_attention(q, k, v, log_g, thr, cu, 12)
+
+
+@pytest.mark.parametrize("start", [3, 16, 33])
+def test_naive_query_start_equals_whole_rows_sliced(start):
+    """The reference with queries only at positions >= start (keys: every token) equals those rows
+    of the whole-row reference, forward and gradients (q, k, v, log g)."""
+    g = torch.Generator().manual_seed(7)
+    lens, bs = [70, 37, 20], 16
+    t, nb = sum(lens), 5
+    cu = torch.tensor([0, 70, 107, 127], dtype=torch.int32)
+    q, k, v = (torch.randn(t, h, 16, generator=g, dtype=torch.float64) for h in (6, 2, 2))
+    log_g = torch.log_softmax(torch.randn(2, t, nb, generator=g, dtype=torch.float64), -1)
+    thr = torch.topk(log_g, 2, -1).values[..., -1]
+    rows = torch.cat([torch.arange(b + start, e) for b, e in zip(cu[:-1].tolist(), cu[1:].tolist()) if e - b > start])
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, log_g)]
+    full = gated_attention_naive(*leaves, thr, cu, bs)[rows]
+    w = torch.randn(full.shape, generator=g, dtype=torch.float64)
+    (full * w).sum().backward()
+    ref_grads = [leaves[0].grad[rows], leaves[1].grad, leaves[2].grad, leaves[3].grad[:, rows]]
+    tq, tk, tv, tg = (x.clone().requires_grad_(True) for x in (q[rows], k, v, log_g[:, rows]))
+    tail = gated_attention_naive(tq, tk, tv, tg, thr[:, rows], cu, bs, query_start=start)
+    torch.testing.assert_close(tail, full)
+    (tail * w).sum().backward()
+    for got, want in zip((tq.grad, tk.grad, tv.grad, tg.grad), ref_grads):
+        torch.testing.assert_close(got, want)

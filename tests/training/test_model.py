@@ -32,6 +32,8 @@ def test_spec_validation():
         GateTrainSpec(block_size=64, budget=32)
     with pytest.raises(ValueError, match="objective"):
         GateTrainSpec(objective="rl")
+    with pytest.raises(ValueError, match="train_last must be >= 2"):
+        GateTrainSpec(train_last=1)
 
 
 @pytest.mark.parametrize("objective", ["lm", "distill"])
@@ -185,3 +187,55 @@ def test_qwen2_is_supported():
     attach_gates(model, GateTrainSpec(block_size=16, budget=32))
     objective_loss(model, _ids()).backward()
     assert all(p.grad is not None for p in gate_parameters(model))
+
+
+@pytest.mark.parametrize("n_last", [2, 20, 48])
+def test_train_last_with_all_blocks_and_zero_log_g_is_dense(monkeypatch, n_last):
+    """train_last: the dense no-grad prefix + gated tail queries (every block, log g = 0) give the
+    dense model's loss over the tail, so the cached prefix and the tail positions are right."""
+    model = tiny_llama()
+    ids = _ids()
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[:, -n_last:-1]
+    dense = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, -n_last + 1:].reshape(-1))
+    attach_gates(model, GateTrainSpec(block_size=16, budget=32, train_last=n_last))
+    seen = []
+
+    def all_blocks(gate, q_pre, k_pre, cu, block_size, top_k, table, query_start=0, **kw):
+        seen.append((q_pre.shape[0], k_pre.shape[0], query_start))
+        t, nb = q_pre.shape[0], -(-SEQ // block_size)
+        return GateScores(torch.zeros(2, t, nb), torch.full((2, t), float("-inf")), top_k, block_size, nb)
+
+    monkeypatch.setattr(tm, "score_gate", all_blocks)
+    with torch.no_grad():
+        gated = objective_loss(model, ids)
+    assert seen == [(2 * n_last, 2 * SEQ, SEQ - n_last)] * 2  # both layers: tail queries, every key
+    torch.testing.assert_close(gated, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("objective", ["lm", "distill"])
+def test_train_last_gradients_reach_every_gate(objective):
+    model = tiny_llama()
+    attach_gates(model, GateTrainSpec(block_size=16, budget=32, objective=objective, train_last=32))
+    loss = objective_loss(model, _ids())
+    assert torch.isfinite(loss) and loss > 0
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert (p.grad is not None and p.grad.abs().sum() > 0) == p.requires_grad, n
+    with pytest.raises(ValueError, match="smaller than the row length"):
+        objective_loss(model, _ids(seq=32))
+
+
+def test_train_last_distill_target_equals_whole_rows_sliced():
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(80, 4, 16, generator=g), torch.randn(80, 2, 16, generator=g)
+    full = tm._pooled_attention_target(q, k, [(0, 40), (40, 80)], 8, 5, 0.25)
+    rows = torch.cat([torch.arange(13, 40), torch.arange(53, 80)])
+    tail = tm._pooled_attention_target(q[rows], k, [(0, 40), (40, 80)], 8, 5, 0.25, query_start=13)
+    torch.testing.assert_close(tail, full[:, rows])
+
+
+def test_train_last_refuses_the_triton_kernel():
+    with pytest.raises(ValueError, match="train_last runs the torch reference"):
+        GateTrainSpec(block_size=16, budget=32, kernel="triton", train_last=16)
+    assert tm.resolve_kernel("auto", torch.device("cuda"), train_last=16) == "naive"

@@ -112,3 +112,30 @@ def test_gradients_reach_gate_only():
     assert q.grad is None and k.grad is None  # backbone inputs are detached
     for name, p in gate.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("start", [5, 16, 40])
+def test_query_start_equals_the_whole_rows_sliced(start):
+    """Queries from position `start` on (after a dense prefix): the same log g, threshold and gate
+    gradients as those rows of the whole-row scoring (sequences shorter than `start` have none)."""
+    gate, q, k, cu, table = _setup()
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    rows = torch.cat([torch.arange(bos + start, eos) for bos, eos in bounds if eos - bos > start])
+    full = score_gate(gate, q, k, cu, B, top_k=2, gate_table=table, query_chunk=7)
+    tail = score_gate(gate, q[rows], k, cu, B, top_k=2, gate_table=table, query_chunk=7, query_start=start)
+    torch.testing.assert_close(tail.log_g, full.log_g[:, rows])
+    torch.testing.assert_close(tail.threshold, full.threshold[:, rows])
+    w = torch.randn(tail.log_g.shape, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for lg in (full.log_g[:, rows], tail.log_g):
+        gate.zero_grad()
+        (lg.masked_fill(lg.isinf(), 0) * w).sum().backward()
+        grads.append([p.grad.clone() for p in gate.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_query_start_checks_the_query_count():
+    gate, q, k, cu, table = _setup()
+    with pytest.raises(ValueError, match="expected"):
+        score_gate(gate, q, k, cu, B, top_k=2, gate_table=table, query_start=16)

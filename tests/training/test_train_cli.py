@@ -146,3 +146,27 @@ def test_eval_ppl_table(trained, setup, capsys):
         res = json.load(f)
     assert res["budgets"] == [{"budget": 32, "top_k": 1}, {"budget": 64, "top_k": 3}]
     assert set(res["results"]) == {"sas", "sink+local window"} and res["dense"] > 1
+
+
+def test_init_gate_and_train_last_stage(trained, setup):
+    """A second stage starts from the first stage's checkpoint (its record kept under `init`) and
+    trains only the tails of the rows; a checkpoint for another block size is refused."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+    from sas_backend.training import train
+
+    root, model_dir, essays = setup
+    out = str(root / "stage2")
+    args = ["--model", model_dir, "--data", *essays, "--out", out, "--steps", "2", "--init-gate", trained,
+            "--train-last", "64", *COMMON]
+    assert train.main(args) == 0
+    config, tensors = load_gate_checkpoint(out)
+    rec = config.training
+    assert rec["train_last"] == 64 and rec["steps"] == 2
+    assert rec["init"]["checkpoint"] == os.path.abspath(trained)
+    assert rec["init"]["training"]["steps"] == STEPS and rec["init"]["training"]["objective"] == "lm"
+    _, first = load_gate_checkpoint(trained)
+    assert not torch.equal(tensors[0]["attngate_linear_q.weight"], first[0]["attngate_linear_q.weight"])
+    bad = [a if a != "16" else "32" for a in args]  # --block-size 32: the checkpoint has 16
+    bad[bad.index("--out") + 1] = str(root / "stage2-bad")
+    with pytest.raises(SystemExit, match="--init-gate: .*block"):
+        train.main(bad)

@@ -18,20 +18,23 @@ import torch
 
 
 def _block_bias(
-    log_g: torch.Tensor, threshold: torch.Tensor, seqlen: int, block_size: int
+    log_g: torch.Tensor, threshold: torch.Tensor, seqlen: int, block_size: int, query_start: int = 0
 ) -> torch.Tensor:
-    """Additive logit bias of one sequence.
+    """Additive logit bias of one sequence whose queries are the positions query_start.. .
 
-    log_g: `[Hkv, L, NB]`; threshold: `[Hkv, L]`. Returns `[Hkv, L, L]`: 0 on the causal own
-    block, log_g on the keys of selected previous blocks, -inf elsewhere.
+    log_g: `[Hkv, Lq, NB]`; threshold: `[Hkv, Lq]` (Lq = seqlen - query_start). Returns
+    `[Hkv, Lq, L]`: 0 on the causal own block, log_g on the keys of selected previous blocks,
+    -inf elsewhere.
     """
+    n_q = seqlen - query_start
     pos = torch.arange(seqlen, device=log_g.device)
-    blk = pos // block_size
+    qpos = pos[query_start:]
+    blk, qblk = pos // block_size, qpos // block_size
     # bias of key j for query t is log_g[h, t, block(j)]: gather along the block axis
-    idx = blk.view(1, 1, seqlen).expand(log_g.shape[0], seqlen, seqlen)
-    lg_keys = torch.gather(log_g, 2, idx)  # [Hkv, L, L]
-    own = (blk[None, :] == blk[:, None]) & (pos[None, :] <= pos[:, None])  # [L, L]
-    prev = (blk[None, :] < blk[:, None])[None] & (lg_keys >= threshold[..., None])
+    idx = blk.view(1, 1, seqlen).expand(log_g.shape[0], n_q, seqlen)
+    lg_keys = torch.gather(log_g, 2, idx)  # [Hkv, Lq, L]
+    own = (blk[None, :] == qblk[:, None]) & (pos[None, :] <= qpos[:, None])  # [Lq, L]
+    prev = (blk[None, :] < qblk[:, None])[None] & (lg_keys >= threshold[..., None])
     neg_inf = lg_keys.new_full((), float("-inf"))
     # torch.where routes gradient only to the selected entries, zero elsewhere
     biased = torch.where(prev, lg_keys, neg_inf)
@@ -47,6 +50,7 @@ def gated_attention_naive(
     cu_seqlens: torch.Tensor,
     block_size: int,
     scale: float | None = None,
+    query_start: int = 0,
 ) -> torch.Tensor:
     """Gated sparse-scope attention over packed variable-length sequences (materialized).
 
@@ -55,8 +59,12 @@ def gated_attention_naive(
     cu_seqlens: `[N+1]` int (sequence i = tokens cu_seqlens[i] .. cu_seqlens[i+1]-1).
     Returns `[T, Hq, D]` in q's dtype. Computes in float64 for float64 inputs, else float32.
     Any block_size >= 1 is supported.
+
+    query_start > 0: only the in-sequence positions >= query_start of every sequence are queries
+    (the earlier tokens are keys only, as after a dense prefill); q, log_g, threshold and the output
+    are then packed over those Tq = sum(max(0, len - query_start)) query tokens, k/v over all T.
     """
-    t_total, h_q, d = q.shape
+    t_total, h_q, d = k.shape[0], q.shape[1], q.shape[2]
     h_kv = k.shape[1]
     if h_q % h_kv:
         raise ValueError(f"Hq={h_q} is not a multiple of Hkv={h_kv}")
@@ -64,22 +72,29 @@ def gated_attention_naive(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     bounds = cu_seqlens.tolist()
+    t_q = t_total if query_start == 0 else sum(max(0, e - b - query_start) for b, e in zip(bounds[:-1], bounds[1:]))
+    if q.shape[0] != t_q:
+        raise ValueError(f"q has {q.shape[0]} tokens, expected {t_q} (queries at positions >= {query_start})")
     outs = []
+    qbos = 0
     for bos, eos in zip(bounds[:-1], bounds[1:]):
         n = eos - bos
-        if n == 0:
+        n_q = max(0, n - query_start)
+        if n_q == 0:
             continue
-        qs = q[bos:eos].to(acc).transpose(0, 1)  # [Hq, L, D]
-        ks = k[bos:eos].to(acc).transpose(0, 1).repeat_interleave(group, 0)
+        qeos = qbos + n_q
+        qs = q[qbos:qeos].to(acc).transpose(0, 1)  # [Hq, Lq, D]
+        ks = k[bos:eos].to(acc).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
         vs = v[bos:eos].to(acc).transpose(0, 1).repeat_interleave(group, 0)
         bias = _block_bias(
-            log_g[:, bos:eos].to(acc), threshold[:, bos:eos].to(acc), n, block_size
-        )  # [Hkv, L, L]
+            log_g[:, qbos:qeos].to(acc), threshold[:, qbos:qeos].to(acc), n, block_size, query_start
+        )  # [Hkv, Lq, L]
         s = qs @ ks.transpose(1, 2) * scale + bias.repeat_interleave(group, 0)
-        o = torch.softmax(s, dim=-1) @ vs  # [Hq, L, D]
+        o = torch.softmax(s, dim=-1) @ vs  # [Hq, Lq, D]
         outs.append(o.transpose(0, 1))
-    if bounds[-1] < t_total:  # tokens after the last sequence: not attended, zero output
+        qbos = qeos
+    if query_start == 0 and bounds[-1] < t_total:  # tokens after the last sequence: not attended, zero output
         outs.append(q.new_zeros(t_total - bounds[-1], h_q, d, dtype=acc))
     if not outs:
-        return q.new_zeros(t_total, h_q, d)
+        return q.new_zeros(t_q, h_q, d)
     return torch.cat(outs, 0).to(q.dtype)
