@@ -136,12 +136,12 @@ def sparse_eval_attention(module, query, key, value, attention_mask, scaling, dr
     selected = select_for_queries(spec, layer, q_pre, k_pre, positions, ctx["gate_table"])
     allowed = _sparse_rows_mask(selected, positions, t, spec.block_size)  # [H_kv, P, T]
     g = h_q // h_kv
-    allowed = allowed.repeat_interleave(g, dim=0)  # [H_q, P, T]
-    k_rep = key[0].repeat_interleave(g, dim=0).float()
-    v_rep = value[0].repeat_interleave(g, dim=0).float()
-    logits = torch.einsum("hpd,htd->hpt", query[0, :, rows].float(), k_rep) * scaling
-    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-    sparse = torch.einsum("hpt,htd->hpd", probs, v_rep).to(query.dtype)
+    n_p = positions.numel()
+    qs = query[0, :, rows].float().reshape(h_kv, g * n_p, -1)  # q head h*G+j belongs to kv head h
+    logits = torch.bmm(qs, key[0].float().transpose(1, 2)).view(h_kv, g, n_p, t) * scaling
+    logits.masked_fill_(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).view(h_kv, g * n_p, t)
+    sparse = torch.bmm(probs, value[0].float()).view(h_q, n_p, -1).to(query.dtype)
     if start == offset:  # every given query is sparse: no dense rows to keep
         out = sparse[None]
     else:
