@@ -62,9 +62,17 @@ def dense_server(model_dir):
 
 
 @pytest.fixture(scope="session")
-def sas_full_server(model_dir, seed_gate):
-    """sas with a budget above the context length: every block is selected."""
-    args = ["--sas-gate", seed_gate, "--sas-budget", "8192", "--enable-cache-report"]
+def shipped_gate() -> pathlib.Path:
+    """The trained SAS gate the repository ships for the default model (serve/serve.sh's default)."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "gate_checkpoints" / "smollm2-135m-instruct-sas-b512"
+    assert (path / "gate.safetensors").is_file(), f"{path} is missing: the shipped gate is part of the repository"
+    return path
+
+
+@pytest.fixture(scope="session")
+def sas_full_server(model_dir, shipped_gate):
+    """sas with the shipped gate and a budget above the context length: every block is selected."""
+    args = ["--sas-gate", shipped_gate, "--sas-budget", "8192", "--enable-cache-report"]
     with Server(model_dir, backend="sas", extra_args=args) as s:
         yield s
 
@@ -76,8 +84,9 @@ def sparse_debug_dir(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def sas_sparse_server(model_dir, seed_gate, sparse_debug_dir):
-    """sas at a 256-token budget (1 sink + 1 local + 2 gate-chosen blocks per kv head, as one
-    would run an untrained gate), fp32 (tight comparison with the oracle), selection log on.
+    """sas at a 256-token budget (1 sink + 1 local + 2 gate-chosen blocks per kv head), fp32 (tight
+    comparison with the oracle), selection log on. The seeded gate on purpose: its kv heads pick
+    different blocks, which the test checks (the trained gate's layer-0 heads agree with each other).
 
     Started with `sglang serve` (the other servers use `python -m sglang.launch_server`), so both
     entry points load the plugin in every test run.

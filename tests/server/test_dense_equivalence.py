@@ -32,13 +32,17 @@ def test_greedy_tokens_identical_to_dense(length, essay_ids, dense_server, sas_f
     assert len(sas["token_ids"]) == NEW_TOKENS
 
 
-def test_sas_info_reports_config_and_gate(sas_full_server, seed_gate):
+def test_sas_info_reports_config_and_gate(sas_full_server, shipped_gate):
+    """The shipped trained gate loads in a real server, which reports its identity and training record."""
+    import hashlib
+
     info = requests.get(f"{sas_full_server.url}/sas/info", timeout=30).json()
     assert info["active"] is True
     assert info["config"]["budget"] == 8192 and info["config"]["block_size"] == 64
     assert info["config"]["top_k"] == 128
     assert info["gate"]["format"] == "canonical"
     assert info["gate"]["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert len(info["gate"]["sha256"]) == 64
+    assert info["gate"]["sha256"] == hashlib.sha256((shipped_gate / "gate.safetensors").read_bytes()).hexdigest()
+    assert info["gate"]["training"]["objective"] == "lm" and info["gate"]["training"]["budget"] == 512
     assert "sas: 30 sparse layers" in sas_full_server.log_text()
     assert "summary pool" in sas_full_server.log_text()
