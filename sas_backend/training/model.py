@@ -32,7 +32,8 @@ from sas_backend.gate.module import AttnGate
 from sas_backend.geometry import ModelGeometry
 from sas_backend.hf.sparse_eval import causal_sdpa, model_rope_table
 from sas_backend.ops.rope import invert_rope, rope_cos_sin_table
-from sas_backend.training.scoring import DEFAULT_QUERY_CHUNK, score_gate, seq_bounds
+from sas_backend.training.packing import query_bounds, seq_bounds
+from sas_backend.training.scoring import DEFAULT_QUERY_CHUNK, score_gate
 
 ATTN_NAME = "sas_gate_train"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -139,12 +140,11 @@ def gated_attention_op(q, k, v, log_g, threshold, cu_seqlens, block_size: int, s
     """
     from sas_backend.training.ops.gated_attention import gated_attention, gated_attention_naive
 
-    if query_start:
-        if kernel == "triton":
-            raise ValueError("the Triton gated kernel has no query_start: train whole rows or use the reference")
-        return gated_attention_naive(q, k, v, log_g, threshold, cu_seqlens, block_size, scale, query_start)
-    fn = gated_attention if kernel == "triton" else gated_attention_naive
-    return fn(q, k, v, log_g, threshold, cu_seqlens, block_size, scale)
+    if kernel == "triton":
+        if query_start:
+            raise ValueError("the Triton gated kernel covers whole rows (query_start 0); use the reference")
+        return gated_attention(q, k, v, log_g, threshold, cu_seqlens, block_size, scale)
+    return gated_attention_naive(q, k, v, log_g, threshold, cu_seqlens, block_size, scale, query_start)
 
 
 class _TrainContext:
@@ -171,13 +171,10 @@ def _pooled_attention_target(q, k, bounds, block_size, num_blocks, scale, query_
     h_kv = k.shape[1]
     g = h_q // h_kv
     out = q.new_zeros(h_kv, t, num_blocks, dtype=torch.float32)
-    qbos = 0
-    for bos, eos in bounds:
+    for (bos, eos), (qbos, qeos) in zip(bounds, query_bounds(bounds, query_start)):
         n = eos - bos
         full = n // block_size
-        n_q = max(0, n - query_start)
-        if full == 0 or n_q == 0:
-            qbos += n_q
+        if full == 0 or qeos == qbos:
             continue
         ks = k[bos:eos].float().transpose(0, 1).repeat_interleave(g, 0)  # [Hq, L, D]
         chunk = max(1, min(n, _DENSE_CHUNK_ELEMS // max(1, h_q * n)))
@@ -195,7 +192,6 @@ def _pooled_attention_target(q, k, bounds, block_size, num_blocks, scale, query_
             pooled = pooled * valid
             denom = pooled.sum(-1, keepdim=True)
             out[:, r0:r1, :full] = torch.where(denom > 0, pooled / denom.clamp_min(1e-30), 0.0)
-        qbos += n_q
     return out
 
 
@@ -220,6 +216,8 @@ def training_attention(module, query, key, value, attention_mask, scaling, dropo
         return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
     bsz, h_q, q_len, d = query.shape
     h_kv, seqlen = key.shape[1], key.shape[2]
+    # With a cached prefix (train_last) transformers passes its causal mask; the tail's positions
+    # are known, so it is not needed. On whole rows a mask would mean padding, which is unsupported.
     if attention_mask is not None and q_len == seqlen:
         raise ValueError(
             "gate training runs unpadded fixed-length rows: call the model without attention_mask "

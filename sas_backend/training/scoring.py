@@ -31,6 +31,7 @@ from typing import List, Tuple
 import torch
 
 from sas_backend.gate.module import AttnGate
+from sas_backend.training.packing import query_bounds, seq_bounds
 
 DEFAULT_QUERY_CHUNK = 4096
 
@@ -45,14 +46,6 @@ class GateScores:
     top_k: int
     block_size: int
     num_blocks: int
-
-
-def seq_bounds(cu_seqlens: torch.Tensor | List[int]) -> List[Tuple[int, int]]:
-    """`[(bos, eos), ...]` of the packed sequences (host ints)."""
-    cu = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
-    return list(zip(cu[:-1], cu[1:]))
 
 
 def num_blocks_for(bounds: List[Tuple[int, int]], block_size: int) -> int:
@@ -98,16 +91,6 @@ def block_summaries(
         kg = gate.summarize(k_pre[tok], gate_table[torch.tensor(firsts, device=dev)])  # [NBtot, Hkv, Dg]
         out = out.index_copy(0, torch.tensor(slots, device=dev), kg)  # differentiable in kg
     return out.view(n_seq, num_blocks, h_kv, dg)
-
-
-def query_bounds(bounds: List[Tuple[int, int]], query_start: int) -> List[Tuple[int, int]]:
-    """Packed `[(qbos, qeos), ...]` of the queries at in-sequence positions >= `query_start`."""
-    out, at = [], 0
-    for bos, eos in bounds:
-        n = max(0, eos - bos - query_start)
-        out.append((at, at + n))
-        at += n
-    return out
 
 
 def _valid(pos: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:

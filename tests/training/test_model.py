@@ -57,9 +57,11 @@ def test_gradients_reach_gates_only(objective):
     assert model.config._attn_implementation != tm.ATTN_NAME
 
 
-def _spy_gate_inputs(monkeypatch, attn, seen: dict) -> None:
-    """Record the pre-RoPE q/k that `attn`'s gate is scored on, into seen["q"], seen["k"]."""
+def _spy_gate_inputs(monkeypatch, attn, q_mod, k_mod):
+    """`(seen, produced)`: seen["q"/"k"] get the pre-RoPE q/k that `attn`'s gate is scored on,
+    produced["q"/"k"] the outputs of the modules `q_mod` / `k_mod` they must equal."""
     real = tm.score_gate
+    seen, produced = {}, {}
 
     def spy(gate, q_pre, k_pre, *a, **kw):
         if gate is attn.attn_gate:
@@ -67,6 +69,9 @@ def _spy_gate_inputs(monkeypatch, attn, seen: dict) -> None:
         return real(gate, q_pre, k_pre, *a, **kw)
 
     monkeypatch.setattr(tm, "score_gate", spy)
+    q_mod.register_forward_hook(lambda m, i, o: produced.__setitem__("q", o))
+    k_mod.register_forward_hook(lambda m, i, o: produced.__setitem__("k", o))
+    return seen, produced
 
 
 def test_gate_reads_pre_rope_q_and_k(monkeypatch):
@@ -74,10 +79,7 @@ def test_gate_reads_pre_rope_q_and_k(monkeypatch):
     model = tiny_llama()
     attach_gates(model, GateTrainSpec(block_size=16, budget=32))
     attn = model.model.layers[1].self_attn
-    seen, proj = {}, {}
-    attn.q_proj.register_forward_hook(lambda m, i, o: proj.__setitem__("q", o))
-    attn.k_proj.register_forward_hook(lambda m, i, o: proj.__setitem__("k", o))
-    _spy_gate_inputs(monkeypatch, attn, seen)
+    seen, proj = _spy_gate_inputs(monkeypatch, attn, attn.q_proj, attn.k_proj)
     with torch.no_grad():
         objective_loss(model, _ids())
     t = 2 * SEQ
@@ -167,10 +169,7 @@ def test_qwen3_gate_reads_post_norm_pre_rope(monkeypatch):
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256)).eval()
     attach_gates(model, GateTrainSpec(block_size=16, budget=32))
     attn = model.model.layers[0].self_attn
-    seen, normed = {}, {}
-    attn.q_norm.register_forward_hook(lambda m, i, o: normed.__setitem__("q", o))
-    attn.k_norm.register_forward_hook(lambda m, i, o: normed.__setitem__("k", o))
-    _spy_gate_inputs(monkeypatch, attn, seen)
+    seen, normed = _spy_gate_inputs(monkeypatch, attn, attn.q_norm, attn.k_norm)
     loss = objective_loss(model, _ids())
     loss.backward()
     torch.testing.assert_close(seen["q"], normed["q"].reshape(2 * SEQ, 4, 16), rtol=1e-5, atol=1e-5)

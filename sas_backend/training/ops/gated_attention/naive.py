@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from sas_backend.training.packing import query_bounds, seq_bounds
+
 
 def _block_bias(
     log_g: torch.Tensor, threshold: torch.Tensor, seqlen: int, block_size: int, query_start: int = 0
@@ -71,18 +73,16 @@ def gated_attention_naive(
     group = h_q // h_kv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    bounds = cu_seqlens.tolist()
-    t_q = t_total if query_start == 0 else sum(max(0, e - b - query_start) for b, e in zip(bounds[:-1], bounds[1:]))
+    bounds = seq_bounds(cu_seqlens)
+    qb = query_bounds(bounds, query_start)
+    t_q = t_total if query_start == 0 else (qb[-1][1] if qb else 0)
     if q.shape[0] != t_q:
         raise ValueError(f"q has {q.shape[0]} tokens, expected {t_q} (queries at positions >= {query_start})")
     outs = []
-    qbos = 0
-    for bos, eos in zip(bounds[:-1], bounds[1:]):
-        n = eos - bos
-        n_q = max(0, n - query_start)
-        if n_q == 0:
+    for (bos, eos), (qbos, qeos) in zip(bounds, qb):
+        if qeos == qbos:
             continue
-        qeos = qbos + n_q
+        n = eos - bos
         qs = q[qbos:qeos].to(acc).transpose(0, 1)  # [Hq, Lq, D]
         ks = k[bos:eos].to(acc).transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
         vs = v[bos:eos].to(acc).transpose(0, 1).repeat_interleave(group, 0)
@@ -92,9 +92,9 @@ def gated_attention_naive(
         s = qs @ ks.transpose(1, 2) * scale + bias.repeat_interleave(group, 0)
         o = torch.softmax(s, dim=-1) @ vs  # [Hq, Lq, D]
         outs.append(o.transpose(0, 1))
-        qbos = qeos
-    if query_start == 0 and bounds[-1] < t_total:  # tokens after the last sequence: not attended, zero output
-        outs.append(q.new_zeros(t_total - bounds[-1], h_q, d, dtype=acc))
+    end = bounds[-1][1] if bounds else 0
+    if query_start == 0 and end < t_total:  # tokens after the last sequence: not attended, zero output
+        outs.append(q.new_zeros(t_total - end, h_q, d, dtype=acc))
     if not outs:
         return q.new_zeros(t_q, h_q, d)
     return torch.cat(outs, 0).to(q.dtype)
