@@ -5,6 +5,8 @@ SGLang calls `register()` in the launcher and in every scheduler process. It
 - adds the `--sas-*` launch flags and turns them into `SAS_*` environment variables before
   the scheduler processes start (flags win over variables);
 - sets the page size to the SAS block size when none is given, and refuses any other;
+- makes SGLang size the KV pool with room for the memory sas allocates beside it
+  (backend/memory.py);
 - serves the SAS configuration and gate identity at GET /sas/info.
 """
 
@@ -42,8 +44,19 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args, HookType.AROUND
     )
+    _register_memory_hook(HookRegistry, HookType)
     if multiprocessing.current_process().name == "MainProcess":
         _add_info_route()
+
+
+def _register_memory_hook(registry, hook_type) -> None:
+    from sas_backend.backend.memory import profile_target, reserve_sas_memory
+
+    target = profile_target()
+    if target is None:  # an SGLang we do not know: serve, but say the pool is not shrunk
+        logger.warning("sas: no KV-pool profiling function found; sas memory is not reserved")
+        return
+    registry.register(target, reserve_sas_memory, hook_type.AROUND)
 
 
 def _create_backend(runner):

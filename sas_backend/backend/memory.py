@@ -1,0 +1,216 @@
+"""Device memory the `sas` backend allocates beside SGLang's KV pool, and the hook that makes
+SGLang size the KV pool with room for it.
+
+SGLang sizes the KV pool from the memory that is free after the weights are loaded
+(`_profile_available_bytes`: free memory minus the `1 - mem_fraction_static` slack), then
+`tokens = available // kv_bytes_per_token`. The attention backend is built AFTER that and no
+backend hook reserves memory (0.5.15 and 0.5.21 alike), so whatever sas allocates comes out of
+the slack meant for activations and CUDA graphs: at a high `--mem-fraction-static` the graph
+capture can run out of memory. We therefore wrap `_profile_available_bytes` (plugin.py) and
+hand the pool sizer a smaller budget, so that pool + sas memory fits the original budget.
+
+What sas allocates (per rank; H_kv = kv heads on the rank, Dg gate dim, b block = page size,
+K = budget // b, R = max running requests + 1 = rows of `req_to_token`):
+
+- summary pool (per KV page, so it grows with the pool): per sparse layer `[pages, H_kv, Dg]`
+  fp32, with `pages = kv slots // b` and SGLang's KV buffers holding one padding page beyond
+  the pool: `(tokens / b + 1) * layers * H_kv * Dg * 4` bytes.
+- gate weights, fp32 per sparse layer: Wq `[H_kv, G, D, Dg]`, Wk `[H_kv, 3D, Dg]`, two norms `[Dg]`.
+- CUDA only, fixed: the kv index buffer `[R * H_kv * (K + 1) * b]` int32 (allocated once, in
+  FlashInferSparseDecode), FlashInfer's indptr `[R * H_kv + 1]` and last-page-len `[R * H_kv]`
+  int32 buffers, the backend's gather indptr `[R * H_kv + 1]` int32, FlashInfer's 128 MiB float
+  workspace (unless shared with the wrapped backend's) and 8 MiB of int workspace per FlashInfer
+  wrapper (one eager + one per captured decode batch size).
+
+Not reserved here: the wrapped dense backend's own buffers (the dense FlashInfer backend
+allocates the same ones when SGLang serves dense, and SGLang's default mem_fraction_static
+already leaves room for them) and transient per-step tensors (scores, Top-K) that live in the
+activation / CUDA-graph pool like the model's own activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Dict, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# SGLang's own cap on its max_running_requests estimate (min(max(est, 2048), 4096)) in 0.5.15
+# and 0.5.21: the req pool never has more rows unless the user asks for more.
+SGLANG_MAX_REQS_ESTIMATE_CAP = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class SASMemory:
+    """Bytes sas allocates on one rank. `summary_bytes_per_page`: the summary pool's cost per KV
+    page (all sparse layers); `fixed`: name -> bytes that do not depend on the pool size."""
+
+    page_size: int
+    summary_bytes_per_page: int
+    fixed: Dict[str, int]
+
+    @property
+    def fixed_bytes(self) -> int:
+        return sum(self.fixed.values())
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.summary_bytes_per_page / self.page_size
+
+    def total_bytes(self, kv_tokens: int) -> int:
+        """Everything sas allocates beside a KV pool of `kv_tokens` tokens (a page multiple)."""
+        return (kv_tokens // self.page_size) * self.summary_bytes_per_page + self.fixed_bytes
+
+
+def sas_memory(
+    *,
+    num_sparse_layers: int,
+    num_kv_heads: int,
+    gate_dim: int,
+    block_size: int,
+    top_k: int,
+    max_reqs: int,
+    on_cuda: bool,
+    num_graph_batch_sizes: int = 0,
+    shared_workspace: bool = False,
+    group_size: int = 0,
+    head_dim: int = 0,
+) -> SASMemory:
+    """The sas backend's allocation on one rank (see the module doc for each term).
+
+    max_reqs: SGLang's max running requests (the req pool has `max_reqs + 1` rows).
+    num_graph_batch_sizes: captured decode batch sizes (0 without CUDA graphs).
+    shared_workspace: FlashInfer's float workspace is the wrapped backend's (not allocated).
+    group_size, head_dim: G and D, for the gate weights (0: not counted).
+    """
+    from sas_backend.backend.decode_plan import decode_row_capacity
+    from sas_backend.ops.sparse_decode.flashinfer import WORKSPACE_BYTES, WRAPPER_INT_WORKSPACE_BYTES
+
+    per_page = num_sparse_layers * num_kv_heads * gate_dim * 4
+    fixed = {"summary padding page": per_page}
+    if head_dim:
+        per_layer = num_kv_heads * group_size * head_dim * gate_dim + num_kv_heads * 3 * head_dim * gate_dim + 2 * gate_dim
+        fixed["gate weights"] = num_sparse_layers * per_layer * 4
+    if on_cuda:
+        rows = (max_reqs + 1) * num_kv_heads
+        fixed["kv indices"] = rows * decode_row_capacity(top_k, block_size) * 4
+        fixed["kv indptr (gather + flashinfer)"] = 2 * (rows + 1) * 4
+        fixed["flashinfer last page len"] = rows * 4
+        fixed["flashinfer workspace"] = 0 if shared_workspace else WORKSPACE_BYTES
+        fixed["flashinfer int workspaces"] = (1 + num_graph_batch_sizes) * WRAPPER_INT_WORKSPACE_BYTES
+    return SASMemory(page_size=block_size, summary_bytes_per_page=per_page, fixed=fixed)
+
+
+def kv_budget_with_sas(available_bytes: int, kv_bytes_per_token: int, mem: SASMemory) -> int:
+    """The KV budget to hand SGLang's pool sizer instead of `available_bytes`.
+
+    SGLang makes `tokens = budget // kv_bytes_per_token` (rounded down to pages). We want
+    `tokens * kv_bytes_per_token + mem.total_bytes(tokens) <= available_bytes`, i.e.
+    `tokens = (available - fixed) / (kv_bytes_per_token + sas bytes per token)`.
+    """
+    rest = available_bytes - mem.fixed_bytes
+    if rest <= 0:
+        return 0
+    tokens = int(rest // (kv_bytes_per_token + mem.bytes_per_token))
+    return tokens * kv_bytes_per_token
+
+
+# ---------------------------------------------------------------- the SGLang hook
+
+
+def _graph_batch_size_count(server_args) -> int:
+    """How many decode batch sizes SGLang will capture (0 without CUDA graphs)."""
+    if getattr(server_args, "disable_cuda_graph", False):
+        return 0
+    cfg = getattr(server_args, "cuda_graph_config", None)
+    decode = getattr(cfg, "decode", None) if cfg is not None else None
+    bs = getattr(decode, "bs", None) if decode is not None else None
+    if bs is None:
+        bs = getattr(server_args, "cuda_graph_bs", None)
+    if bs:
+        return len(set(bs))
+    # Not resolved yet: SGLang's default list is 1, 2, 4, 8 then steps of >= 8 up to max_bs.
+    max_bs = getattr(server_args, "cuda_graph_max_bs", None) or 256
+    return 4 + max_bs // 8
+
+
+def memory_for_sglang(owner) -> tuple:
+    """(SASMemory, KV bytes per token) for the object whose `_profile_available_bytes` runs:
+    0.5.15 a ModelRunner, 0.5.21 a KVCacheConfigurator. Both carry `server_args`,
+    `model_config`, `kv_cache_dtype` and `device`."""
+    from sas_backend.config import SASConfig
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+    from sas_backend.geometry import ModelGeometry
+
+    server_args = owner.server_args
+    cfg = SASConfig.from_env().validate()
+    geo = ModelGeometry.from_hf_config(owner.model_config.hf_config)
+    tp_size = getattr(server_args, "tp_size", None) or 1
+    kv_heads = max(1, geo.num_kv_heads // tp_size)
+    kv_elem = torch.empty(0, dtype=owner.kv_cache_dtype).element_size()
+    kv_bytes_per_token = 2 * kv_heads * geo.head_dim * geo.num_layers * kv_elem
+    gate_cfg, _ = load_gate_checkpoint(cfg.gate_path)
+    on_cuda = torch.device(owner.device).type == "cuda"
+    max_reqs = getattr(server_args, "max_running_requests", None) or SGLANG_MAX_REQS_ESTIMATE_CAP
+    mem = sas_memory(
+        num_sparse_layers=geo.num_layers - cfg.first_sparse_layer,
+        num_kv_heads=kv_heads,
+        gate_dim=gate_cfg.gate_dim,
+        block_size=cfg.block_size,
+        top_k=cfg.top_k,
+        max_reqs=max_reqs,
+        on_cuda=on_cuda,
+        num_graph_batch_sizes=_graph_batch_size_count(server_args) if on_cuda else 0,
+        group_size=geo.group_size,
+        head_dim=geo.head_dim,
+    )
+    return mem, kv_bytes_per_token
+
+
+def reserve_sas_memory(original, owner, *args, **kwargs) -> int:
+    """AROUND hook on `_profile_available_bytes`: shrink SGLang's KV budget by what sas needs."""
+    available = original(owner, *args, **kwargs)
+    server_args = getattr(owner, "server_args", None)
+    if getattr(server_args, "attention_backend", None) != "sas":
+        return available
+    try:
+        mem, kv_bytes_per_token = memory_for_sglang(owner)
+    except Exception as e:  # the factory reports a bad config; never block startup from here
+        logger.warning("sas: could not compute the memory to reserve (%s); KV pool not shrunk", e)
+        return available
+    budget = kv_budget_with_sas(available, kv_bytes_per_token, mem)
+    tokens = budget // kv_bytes_per_token
+    logger.info(
+        "sas: reserving %.1f MiB beside the KV pool (summaries %.1f MiB for %d tokens + fixed %.1f MiB: %s); "
+        "KV budget %.3f -> %.3f GiB",
+        mem.total_bytes(tokens) / MiB, (mem.total_bytes(tokens) - mem.fixed_bytes) / MiB, tokens,
+        mem.fixed_bytes / MiB, ", ".join(f"{k} {v / MiB:.1f}" for k, v in mem.fixed.items()),
+        available / 2**30, budget / 2**30,
+    )
+    return budget
+
+
+# `_profile_available_bytes` lives on the ModelRunner mixin in 0.5.15 and on the KV-cache
+# configurator from 0.5.20 on; the plugin hooks whichever this SGLang has.
+PROFILE_TARGETS = (
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
+    "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._profile_available_bytes",
+)
+
+
+def profile_target() -> Optional[str]:
+    """The first of PROFILE_TARGETS whose module exists here (found without importing it)."""
+    import importlib.util
+
+    for target in PROFILE_TARGETS:
+        module = target.rsplit(".", 2)[0]
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return target
+        except ModuleNotFoundError:
+            continue
+    return None

@@ -1,0 +1,123 @@
+"""The host/device contract of FlashInferSparseDecode with FlashInfer's decode wrapper, on CPU.
+
+A fake `flashinfer` module records what `plan()` / `run()` and the constructor receive. The
+"device" is torch's `meta` device, so a host tensor (CPU) and a device tensor can be told
+apart without a GPU. FlashInfer (0.6.12, 0.7.2) reads `indptr` and `last_page_len` on the
+host in `plan()`: handing it device tensors is a device-to-host sync every decode step, which
+this test catches here instead of on a user's GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+DEVICE = torch.device("meta")  # stands for the GPU
+
+
+class FakeDecodeWrapper:
+    instances: list = []
+
+    def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                 paged_kv_last_page_len_buffer=None, **kwargs):
+        self.workspace = workspace
+        self.use_cuda_graph = use_cuda_graph
+        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self.plans, self.runs = [], []
+        FakeDecodeWrapper.instances.append(self)
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kwargs):
+        self.plans.append(dict(indptr=indptr, indices=indices, last_page_len=last_page_len,
+                               heads=(num_qo_heads, num_kv_heads, head_dim, page_size), **kwargs))
+
+    def run(self, q, kv):
+        self.runs.append((q, kv))
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+@pytest.fixture()
+def fi(monkeypatch):
+    fake = types.ModuleType("flashinfer")
+    fake.BatchDecodeWithPagedKVCacheWrapper = FakeDecodeWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    FakeDecodeWrapper.instances = []
+    from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
+
+    return FlashInferSparseDecode(2, 4, 64, torch.bfloat16, torch.bfloat16, DEVICE, max_rows=16, max_indices=4096)
+
+
+def _indptr(lens):
+    return torch.cumsum(torch.tensor([0, *lens]), 0).to(torch.int32)
+
+
+def _same_memory(view, base):
+    return view.device == base.device and (view is base or view._base is base)
+
+
+@pytest.mark.parametrize("graph_bs", [None, 3])
+def test_plan_reads_only_host_tensors(fi, graph_bs):
+    indptr = _indptr([5, 5, 70, 70, 130, 130])  # 3 requests x 2 kv heads
+    out = fi.plan(indptr, 0.125, graph_bs=graph_bs)
+    wrapper = fi._graph_wrappers[graph_bs] if graph_bs else fi._eager
+    (p,) = wrapper.plans
+    assert p["indptr"].device.type == "cpu" and p["indptr"].dtype == torch.int32
+    assert torch.equal(p["indptr"], indptr)
+    assert p["last_page_len"].device.type == "cpu"
+    assert torch.equal(p["last_page_len"], torch.ones(6, dtype=torch.int32))
+    # The index buffer stays on the device: FlashInfer never reads it on the host on this path.
+    assert p["indices"] is fi.indices_buf and out is fi.indices_buf
+    assert p["heads"] == (4, 1, 64, 1) and p["sm_scale"] == 0.125
+    for name, value in p.items():  # nothing else crosses as a device tensor
+        if isinstance(value, torch.Tensor) and name != "indices":
+            assert value.device.type == "cpu", name
+
+
+def test_graph_wrapper_is_built_over_the_fixed_device_buffers(fi):
+    fi.plan(_indptr([64] * 6), 0.125, graph_bs=3)
+    w = fi._graph_wrappers[3]
+    assert w.use_cuda_graph
+    indptr_buf, indices_buf, last_buf = w.buffers
+    assert indices_buf is fi.indices_buf  # the buffer the gather kernel fills inside the graph
+    assert _same_memory(indptr_buf, fi.indptr_buf) and indptr_buf.numel() == 7
+    assert _same_memory(last_buf, fi.last_page_len_buf) and last_buf.numel() == 6
+    assert w.workspace is fi.workspace and w.workspace.device == DEVICE
+    # A replay re-plans the same wrapper (same buffers), never a new one.
+    fi.plan(_indptr([100] * 6), 0.125, graph_bs=3)
+    assert fi._graph_wrappers[3] is w and len(w.plans) == 2
+
+
+def test_run_goes_to_the_planned_wrapper(fi):
+    fi.plan(_indptr([64] * 6), 0.125, graph_bs=3)
+    q = torch.empty(3, 8, 64, dtype=torch.bfloat16, device=DEVICE)
+    kv = torch.empty(100, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    out = fi.run(q, kv, kv)
+    (q_rows, (k_rows, v_rows)), = fi._graph_wrappers[3].runs
+    assert q_rows.shape == (6, 4, 64) and k_rows.shape == (200, 1, 1, 64) and q_rows.device == DEVICE
+    assert out.shape == (3, 8, 64)
+    fi.plan(_indptr([64] * 4), 0.125)  # an eager step after it runs the eager wrapper
+    fi.run(q[:2], kv, kv)
+    assert len(fi._eager.runs) == 1
+
+
+def test_device_indptr_is_refused(fi):
+    with pytest.raises(ValueError, match="CPU tensor"):
+        fi.plan(_indptr([64, 64]).to(DEVICE), 0.125)
+
+
+def test_external_index_buffer_is_the_only_one(monkeypatch):
+    fake = types.ModuleType("flashinfer")
+    fake.BatchDecodeWithPagedKVCacheWrapper = FakeDecodeWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
+
+    buf = torch.zeros(4096, dtype=torch.int32, device=DEVICE)
+    ws = torch.empty(1024, dtype=torch.uint8, device=DEVICE)
+    fi = FlashInferSparseDecode(2, 4, 64, torch.bfloat16, torch.bfloat16, DEVICE, 16, 4096, indices_buf=buf, workspace=ws)
+    assert fi.indices_buf is buf and fi.plan(_indptr([64] * 2), 0.1) is buf
+    assert fi.workspace is ws and not fi.owns_workspace
+    with pytest.raises(ValueError, match="int32"):
+        FlashInferSparseDecode(2, 4, 64, torch.bfloat16, torch.bfloat16, DEVICE, 16, 8192, indices_buf=buf)

@@ -1,0 +1,166 @@
+"""Memory accounting (backend/memory.py): the figure equals what the backend allocates, and the
+KV-pool budget handed to SGLang leaves exactly room for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+from sas_backend.backend.memory import (
+    SASMemory,
+    kv_budget_with_sas,
+    profile_target,
+    reserve_sas_memory,
+    sas_memory,
+)
+
+MODEL = os.path.join(os.path.dirname(__file__), "..", "models", "SmolLM2-135M-Instruct")
+GEO = dict(num_sparse_layers=28, num_kv_heads=3, gate_dim=128, block_size=64, top_k=8)
+
+
+def _nbytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("graph_sizes", [0, 5])
+def test_figure_matches_the_allocated_tensors(monkeypatch, graph_sizes):
+    """Build the pieces as the backend does (summary pool on CPU, FlashInfer buffers on `meta`
+    through a fake flashinfer module) and compare their bytes with `sas_memory`."""
+    from sas_backend.backend.decode_plan import decode_row_capacity
+    from sas_backend.backend.summary_pool import SummaryPool
+
+    fake = types.ModuleType("flashinfer")
+    fake.BatchDecodeWithPagedKVCacheWrapper = lambda *a, **k: types.SimpleNamespace(plan=lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
+
+    b, h, max_reqs, kv_tokens = GEO["block_size"], GEO["num_kv_heads"], 48, 64 * 1000
+    kv_slots = kv_tokens + b  # SGLang's KV buffers: the pool plus one padding page
+    pool = SummaryPool(range(30 - GEO["num_sparse_layers"], 30), kv_slots // b, h, GEO["gate_dim"], "cpu")
+    rows = (max_reqs + 1) * h  # req_to_token has max_reqs + 1 rows
+    fi = FlashInferSparseDecode(h, 3, 64, torch.bfloat16, torch.bfloat16, "meta", max_rows=rows,
+                                max_indices=rows * decode_row_capacity(GEO["top_k"], b))
+    for bs in range(1, graph_sizes + 1):  # one graph wrapper per captured batch size
+        fi.plan(torch.arange(bs * h + 1, dtype=torch.int32), 0.1, graph_bs=bs)
+    gather_indptr = torch.zeros(rows + 1, dtype=torch.int32)
+    from sas_backend.gate.module import AttnGate
+
+    gates = [AttnGate(h, 3, 64, GEO["gate_dim"]) for _ in range(GEO["num_sparse_layers"])]
+    gate_bytes = sum(_nbytes(*g.parameters()) for g in gates)
+
+    mem = sas_memory(**GEO, max_reqs=max_reqs, on_cuda=True, num_graph_batch_sizes=graph_sizes,
+                     group_size=3, head_dim=64)
+    assert mem.fixed["gate weights"] == gate_bytes
+    assert mem.total_bytes(kv_tokens) == pool.nbytes + fi.device_nbytes() + _nbytes(gather_indptr) + gate_bytes
+    assert mem.summary_bytes_per_page == GEO["num_sparse_layers"] * h * GEO["gate_dim"] * 4
+
+    cpu = sas_memory(**GEO, max_reqs=max_reqs, on_cuda=False)  # CPU: only the summary pool
+    assert cpu.total_bytes(kv_tokens) == pool.nbytes
+
+
+def test_shared_workspace_is_not_counted():
+    own = sas_memory(**GEO, max_reqs=8, on_cuda=True)
+    shared = sas_memory(**GEO, max_reqs=8, on_cuda=True, shared_workspace=True)
+    assert own.fixed_bytes - shared.fixed_bytes == 128 << 20
+
+
+@pytest.mark.parametrize("available", [10 << 30, 3_000_000_123, 1 << 30])
+def test_pool_shrinks_by_exactly_the_sas_memory(available):
+    """SGLang makes tokens = budget // cell, rounded down to pages. With the sas budget, the pool
+    plus sas's memory fits `available`, and one more page would not."""
+    cell = 2 * 3 * 64 * 30 * 2  # SmolLM2 in bf16: 23040 bytes of K+V per token
+    mem = sas_memory(**GEO, max_reqs=256, on_cuda=True, num_graph_batch_sizes=20)
+    b = mem.page_size
+
+    def sglang_tokens(budget):
+        return budget // cell // b * b
+
+    dense = sglang_tokens(available)
+    tokens = sglang_tokens(kv_budget_with_sas(available, cell, mem))
+    assert tokens < dense
+    assert tokens * cell + mem.total_bytes(tokens) <= available
+    assert (tokens + 2 * b) * cell + mem.total_bytes(tokens + 2 * b) > available  # tight (page rounding)
+    # The pool lost what sas needs, in tokens at the dense cost per token (up to page rounding).
+    lost = (dense - tokens) * cell
+    assert abs(lost - mem.total_bytes(tokens)) <= 2 * b * (cell + mem.bytes_per_token)
+
+
+def test_budget_is_zero_when_fixed_memory_does_not_fit():
+    mem = SASMemory(page_size=64, summary_bytes_per_page=1000, fixed={"x": 5000})
+    assert kv_budget_with_sas(4000, 100, mem) == 0
+
+
+@pytest.fixture()
+def sas_env(monkeypatch, tmp_path):
+    from sas_backend.gate.checkpoint import init_gate_checkpoint
+
+    cfg = json.load(open(os.path.join(MODEL, "config.json")))
+    gate = tmp_path / "gate"
+    init_gate_checkpoint(gate, geometry=cfg, seed=0)
+    for k in list(os.environ):
+        if k.startswith("SAS_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("SAS_GATE", str(gate))
+    monkeypatch.setenv("SAS_BUDGET", "512")
+    return cfg
+
+
+def _owner(cfg, backend="sas", device="cuda", **server_args):
+    """What `_profile_available_bytes` is bound to: a ModelRunner (0.5.15) or a
+    KVCacheConfigurator (0.5.21); the hook reads only these attributes."""
+    args = dict(attention_backend=backend, tp_size=1, max_running_requests=64, disable_cuda_graph=False,
+                cuda_graph_bs=[1, 2, 4, 8])
+    args.update(server_args)
+    return types.SimpleNamespace(
+        server_args=types.SimpleNamespace(**args),
+        model_config=types.SimpleNamespace(hf_config=cfg),
+        kv_cache_dtype=torch.bfloat16,
+        device=device,
+    )
+
+
+def test_hook_shrinks_the_budget_for_sas_only(sas_env, caplog):
+    available = 4 << 30
+    original = lambda owner, pre_model_load_memory: available  # noqa: E731
+    assert reserve_sas_memory(original, _owner(sas_env, backend="flashinfer"), 0) == available
+
+    with caplog.at_level("INFO", logger="sas_backend.backend.memory"):
+        budget = reserve_sas_memory(original, _owner(sas_env), 0)
+    cell = 2 * 3 * 64 * 30 * 2
+    mem = sas_memory(num_sparse_layers=30, num_kv_heads=3, gate_dim=128, block_size=64, top_k=8,
+                     max_reqs=64, on_cuda=True, num_graph_batch_sizes=4, group_size=3, head_dim=64)
+    assert budget == kv_budget_with_sas(available, cell, mem) < available
+    assert "sas: reserving" in caplog.text and "KV budget 4.000 ->" in caplog.text
+
+    # No CUDA graphs: no graph wrappers to pay for.
+    no_graph = reserve_sas_memory(original, _owner(sas_env, disable_cuda_graph=True), 0)
+    assert no_graph - budget > 0
+
+
+def test_hook_leaves_the_budget_when_the_config_is_broken(sas_env, monkeypatch):
+    monkeypatch.setenv("SAS_GATE", "/nonexistent")
+    assert reserve_sas_memory(lambda o, p: 123456789, _owner(sas_env), 0) == 123456789
+
+
+def test_hook_target_exists_in_this_sglang():
+    import pkgutil
+
+    target = profile_target()
+    assert target is not None
+    owner, name = target.rsplit(".", 1)
+    assert callable(getattr(pkgutil.resolve_name(owner), name))
+
+
+def test_plugin_registers_the_memory_hook():
+    from sas_backend.plugin import _register_memory_hook
+
+    calls = []
+    registry = types.SimpleNamespace(register=lambda *a: calls.append(a))
+    hook_type = types.SimpleNamespace(AROUND="around")
+    _register_memory_hook(registry, hook_type)
+    assert calls == [(profile_target(), reserve_sas_memory, "around")]
