@@ -7,8 +7,10 @@ layers below `first_sparse_layer`. Per sparse layer and decode step:
     -> block scores over the request's paged summaries -> Top-K per (request, kv head)
     -> token rows of the selected blocks + the current block -> attention over those rows
 
-CPU runs the plain-torch reference ops; CUDA runs the Triton kernels and FlashInfer, with the
-whole decode step capturable in a CUDA graph (plan on the host outside the graph, fill inside).
+CPU runs batched torch ops (`decode_ops.TorchDecodeOps`); CUDA runs the Triton kernels and
+FlashInfer (`decode_ops.TritonDecodeOps`), with the whole decode step capturable in a CUDA graph:
+`_out_graph` plans on the host what is fixed for the batch shape, `_in_graph` (captured) computes
+the step's device state into persistent buffers (decode_plan.py says why).
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ from typing import Dict, Optional
 
 import torch
 
-from sas_backend.backend.decode_plan import DecodePlan, decode_row_capacity, host_kv_indptr
+from sas_backend.backend.decode_ops import TorchDecodeOps, TritonDecodeOps
+from sas_backend.backend.decode_plan import DecodePlan, StepBuffers, StepTensors, decode_row_capacity, host_kv_indptr
 from sas_backend.backend.kv_write import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
 from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
-from sas_backend.ops.gate.naive import gate_query
-from sas_backend.ops.rope import invert_rope
-from sas_backend.ops.score.naive import candidate_counts
 
 try:
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -37,38 +37,20 @@ except ImportError:  # pragma: no cover - sglang is a hard dependency of the bac
 logger = logging.getLogger(__name__)
 
 
-class _Ops:
-    """The decode-step ops: plain-torch references (CPU) or Triton kernels (CUDA)."""
+def model_attention_scaling(model, layer_ids, default: float) -> float:
+    """The softmax scale of the model's sparse attention layers (`RadixAttention.scaling`).
 
-    def __init__(self, use_triton: bool):
-        if use_triton:
-            from sas_backend.ops.gather.triton import build_kv_indices_triton
-            from sas_backend.ops.score.triton import score_blocks_triton
-            from sas_backend.ops.summary.triton import summarize_pages_triton, summary_update_decode_triton
-            from sas_backend.ops.topk.triton import select_blocks_triton
-
-            self.summarize_pages = summarize_pages_triton
-            self.summary_update_decode = summary_update_decode_triton
-            self.score = score_blocks_triton
-            self.select = select_blocks_triton
-            self.fill_kv_indices = build_kv_indices_triton
-        else:
-            from sas_backend.ops.gather.naive import build_kv_indices
-            from sas_backend.ops.score.naive import score_blocks
-            from sas_backend.ops.summary.naive import summarize_pages, summary_update_decode
-            from sas_backend.ops.topk.naive import select_blocks
-
-            self.summarize_pages = summarize_pages
-            self.summary_update_decode = summary_update_decode
-            self.score = score_blocks
-            self.select = select_blocks
-
-            def fill_kv_indices(selected, seq_lens, req_to_token, req_pool_indices, block_size, kv_indptr, out):
-                _, indices = build_kv_indices(selected, seq_lens, req_to_token, req_pool_indices, block_size)
-                out[: indices.numel()] = indices
-                return out
-
-            self.fill_kv_indices = fill_kv_indices
+    FlashInfer is planned before the first layer runs, so the scale must be known up front; all
+    sparse layers must agree (one plan serves them all). Falls back to `default` without a model.
+    """
+    scales = {
+        float(m.scaling)
+        for m in (model.modules() if model is not None else ())
+        if getattr(m, "layer_id", None) in layer_ids and hasattr(m, "scaling") and hasattr(m, "tp_q_head_num")
+    }
+    if len(scales) > 1:
+        raise ValueError(f"sas: the sparse layers use different attention scales {sorted(scales)}")
+    return scales.pop() if scales else default
 
 
 class SASAttnBackend(AttentionBackend):
@@ -104,18 +86,13 @@ class SASAttnBackend(AttentionBackend):
         self.top_k = cfg.top_k
         self.max_blocks = self.req_to_token_pool.req_to_token.shape[1] // self.block_size
         self.use_cuda = self.device.type == "cuda"
-        self.ops = _Ops(use_triton=self.use_cuda)
+        self.scaling = model_attention_scaling(getattr(runner, "model", None), set(gates), head_dim**-0.5)
 
         num_pages = self.token_to_kv_pool.get_key_buffer(min(gates)).shape[0] // self.block_size
         self.summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, gate_rope_table.shape[-1], self.device)
         max_reqs = self.req_to_token_pool.req_to_token.shape[0]
-        self._kv_indices = torch.zeros(
-            max_reqs * num_kv_heads * decode_row_capacity(self.top_k, self.block_size),
-            dtype=torch.int32,
-            device=self.device,
-        )
-        self._kv_indptr = torch.zeros(max_reqs * num_kv_heads + 1, dtype=torch.int32, device=self.device)
         self._flashinfer = None
+        self._kv_indptr = None
         if self.use_cuda:
             from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
 
@@ -127,12 +104,19 @@ class SASAttnBackend(AttentionBackend):
                 self.token_to_kv_pool.get_key_buffer(min(gates)).dtype,
                 self.device,
                 max_rows=max_reqs * num_kv_heads,
-                max_indices=self._kv_indices.numel(),
+                max_indices=max_reqs * num_kv_heads * decode_row_capacity(self.top_k, self.block_size),
             )
-            self._kv_indices = self._flashinfer.indices_buf
+            # Row offsets the captured gather kernel reads: one persistent buffer, refilled per step.
+            self._kv_indptr = torch.zeros(max_reqs * num_kv_heads + 1, dtype=torch.int32, device=self.device)
+            self.ops = TritonDecodeOps(
+                cfg, num_kv_heads, model_rope_table, gate_rope_table, self.req_to_token_pool.req_to_token,
+                self._flashinfer,
+            )
+        else:
+            self.ops = TorchDecodeOps(cfg, num_kv_heads, model_rope_table, gate_rope_table)
+        self._step_buffers: Optional[StepBuffers] = None  # made by init_cuda_graph_state
         self._plan: Optional[DecodePlan] = None
         self._extend_blocks = None  # (pages [N], starts [N]) of blocks completed by this extend
-        self._scaling = None
         self._debug_step = 0
         logger.info(
             "sas: %d sparse layers from layer %d, budget %d tokens (K=%d blocks of %d), "
@@ -143,72 +127,89 @@ class SASAttnBackend(AttentionBackend):
         )
 
     # ------------------------------------------------------------------ metadata
-    def _inner_needed(self, forward_batch) -> bool:
-        # Dense decode metadata (a full-KV FlashInfer plan and index build per step) is only read
-        # by layers below first_sparse_layer; without such layers it would be wasted work.
-        return self.cfg.first_sparse_layer > 0 or not forward_batch.forward_mode.is_decode()
-
     def init_forward_metadata(self, forward_batch):
-        if self._inner_needed(forward_batch):
+        """Eager step (no CUDA graph): plan and step state from the live batch."""
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            self._plan = self._plan_decode(forward_batch, graph_bs=None)
+            self._extend_blocks = None
+            # The wrapped backend's decode metadata (on CUDA a full-KV plan) is read only by dense
+            # layers: those below first_sparse_layer, or all of them in a dense step.
+            if self.cfg.first_sparse_layer > 0 or self._plan.dense:
+                self.inner.init_forward_metadata(forward_batch)
+        else:
             self.inner.init_forward_metadata(forward_batch)
-        self._prepare(forward_batch, graph_bs=None)
+            self._plan = None
+            self._extend_blocks = self._plan_extend(forward_batch) if mode.is_extend() else None
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
+        # The wrapped backend's graph buffers serve only dense layers: allocate none without them.
+        if self.cfg.first_sparse_layer > 0:
+            self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
+        self._step_buffers = StepBuffers(
+            max_bs, self.max_blocks, self.head_dim, self.gate_rope_table.shape[-1], self.device
+        )
 
     def get_cuda_graph_seq_len_fill_value(self):
-        return self.inner.get_cuda_graph_seq_len_fill_value()
+        # A padded row of length 1 attends one real slot (its current block): always well defined.
+        return self.inner.get_cuda_graph_seq_len_fill_value() if self.cfg.first_sparse_layer > 0 else 1
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        if self._inner_needed(forward_batch):
+        """Host part of a captured decode step (capture and every replay): plan, no step state."""
+        if self.cfg.first_sparse_layer > 0:
             self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        self._prepare(forward_batch, graph_bs=forward_batch.batch_size)
+        if not forward_batch.forward_mode.is_decode():
+            # The extend path plans on the host per batch (which blocks complete): it runs eagerly,
+            # as under SGLang's default breakable prefill graphs, never inside a full prefill graph.
+            raise NotImplementedError(
+                f"sas runs {forward_batch.forward_mode} eagerly; the full prefill CUDA graph backend is not "
+                "supported (keep SGLang's default breakable prefill graphs, or disable prefill graphs)"
+            )
+        self._plan = self._plan_decode(forward_batch, graph_bs=forward_batch.batch_size)
+        self._extend_blocks = None
 
     def init_forward_metadata_in_graph(self, forward_batch):
-        if self._inner_needed(forward_batch):
+        """Captured: recompute the step's device state into the persistent buffers."""
+        if self.cfg.first_sparse_layer > 0:
             self.inner.init_forward_metadata_in_graph(forward_batch)
+        plan = self._plan
+        StepBuffers.fill(
+            plan.step,
+            self._compute_step(plan.step.positions, plan.step.seq_lens, plan.step.req_pool_indices, plan.max_blocks),
+        )
 
-    def _prepare(self, fb, graph_bs):
-        mode = fb.forward_mode
-        if mode.is_decode():
-            self._plan = self._plan_decode(fb, graph_bs)
-            self._extend_blocks = None
-        elif mode.is_extend():
-            self._plan = None
-            self._extend_blocks = self._plan_extend(fb)
+    def _compute_step(self, positions, seq_lens, req_pool_indices, max_blocks) -> StepTensors:
+        return StepTensors.compute(
+            positions, seq_lens, req_pool_indices, self.req_to_token_pool.req_to_token,
+            self.model_rope_table, self.gate_rope_table, self.block_size, max_blocks,
+        )
 
     def _plan_decode(self, fb, graph_bs) -> DecodePlan:
-        """Host part of a decode step (outside any CUDA graph): row offsets, FlashInfer plan."""
+        """Host part of a decode step (outside any CUDA graph)."""
         seq_lens_cpu = fb.seq_lens_cpu
         if seq_lens_cpu is None:  # only without a CPU mirror (never on the paths we serve)
             seq_lens_cpu = fb.seq_lens.cpu()
-        indptr_host = host_kv_indptr(seq_lens_cpu, self.top_k, self.block_size, self.num_kv_heads)
-        rows = indptr_host.numel() - 1
-        kv_indices = self._kv_indices
-        if self._flashinfer is not None:
-            kv_indices = self._flashinfer.plan(indptr_host, self._layer_scaling(), graph_bs=graph_bs)
-        # A persistent buffer: the captured gather kernel reads the offsets of each replay here.
-        kv_indptr = self._kv_indptr[: rows + 1]
-        kv_indptr.copy_(indptr_host, non_blocking=True)
-        max_blocks = self.max_blocks
-        if not self.use_cuda:  # no graphs on CPU: score only as many blocks as the batch has
-            max_blocks = max(1, (int(seq_lens_cpu.max()) - 1) // self.block_size)
-        return DecodePlan(
-            positions=fb.positions,
-            seq_lens=fb.seq_lens,
-            req_pool_indices=fb.req_pool_indices,
-            kv_indptr=kv_indptr,
-            kv_indices=kv_indices,
-            max_blocks=max_blocks,
-        )
-
-    def _step_tensors(self, plan: DecodePlan) -> DecodePlan:
-        """Device tensors shared by all sparse layers of a step; made once, inside the graph."""
-        if plan.num_candidates is None:
-            plan.model_cos_sin = self.model_rope_table[plan.positions]
-            plan.gate_cos_sin = self.gate_rope_table[plan.positions]
-            plan.num_candidates = candidate_counts(plan.seq_lens, self.block_size)
-        return plan
+        seq_lens_cpu = seq_lens_cpu.to(torch.int64)
+        bs = fb.seq_lens.shape[0]
+        kv_indptr = kv_indices = None
+        if self.use_cuda:
+            indptr_host = host_kv_indptr(seq_lens_cpu, self.top_k, self.block_size, self.num_kv_heads)
+            kv_indices = self._flashinfer.plan(indptr_host, self.scaling, graph_bs=graph_bs)
+            kv_indptr = self._kv_indptr[: indptr_host.numel()]
+            kv_indptr.copy_(indptr_host, non_blocking=True)
+        if graph_bs is not None:  # fixed shapes; the step state is filled inside the graph
+            if self._step_buffers is None:
+                raise RuntimeError("sas: init_cuda_graph_state must run before a captured decode step")
+            step = self._step_buffers.view(fb.positions, fb.seq_lens, fb.req_pool_indices)
+            return DecodePlan(bs, self.max_blocks, True, step, kv_indptr, kv_indices)
+        most = int(seq_lens_cpu.max()) if bs else 1
+        max_blocks = max(1, (most - 1) // self.block_size)  # the longest request's candidates
+        step = self._compute_step(fb.positions, fb.seq_lens, fb.req_pool_indices, max_blocks)
+        done = ((seq_lens_cpu > 0) & (seq_lens_cpu % self.block_size == 0)).nonzero().flatten()
+        summary_rows = done.to(self.device) if done.numel() else None
+        # Nothing to skip on CPU: the wrapped dense decode is exactly what selection would attend.
+        dense = not self.use_cuda and (most - 1) // self.block_size <= self.top_k
+        return DecodePlan(bs, max_blocks, False, step, kv_indptr, kv_indices, summary_rows, dense)
 
     def _plan_extend(self, fb):
         """Blocks that this extend completes, per request: logical [prefix // b, seq_len // b)."""
@@ -231,78 +232,44 @@ class SASAttnBackend(AttentionBackend):
         )
         return pages, starts
 
-    def _layer_scaling(self) -> float:
-        return self._scaling if self._scaling is not None else self.head_dim**-0.5
-
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         gate = self.gates.get(layer.layer_id)
         if gate is not None and self._extend_blocks is not None:
             pages, starts = self._extend_blocks
-            summaries = self.ops.summarize_pages(
-                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                pages,
-                starts,
-                self.model_rope_table,
-                self.gate_rope_table,
-                gate.attngate_linear_k.weight,
-                gate.attngate_knorm.weight,
-                self.block_size,
-            )
-            self.summaries[layer.layer_id][pages] = summaries
+            k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+            self.summaries[layer.layer_id][pages] = self.ops.summarize_pages(k_buffer, pages, starts, gate)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         gate = self.gates.get(layer.layer_id)
         if gate is None:
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        self._scaling = layer.scaling
-        plan = self._step_tensors(self._plan)
+        plan = self._plan
         lid = layer.layer_id
         if save_kv_cache and k is not None and v is not None:
             save_kv(self.token_to_kv_pool, layer, forward_batch.out_cache_loc, k, v)
         k_buffer = self.token_to_kv_pool.get_key_buffer(lid)
         v_buffer = self.token_to_kv_pool.get_value_buffer(lid)
-        req_to_token = self.req_to_token_pool.req_to_token
         summaries = self.summaries[lid]
-
-        self.ops.summary_update_decode(
-            k_buffer, summaries, req_to_token, plan.req_pool_indices, plan.seq_lens, self.block_size,
-            self.model_rope_table, self.gate_rope_table,
-            gate.attngate_linear_k.weight, gate.attngate_knorm.weight,
-        )
-        bs = plan.seq_lens.shape[0]
-        q3 = q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim)
-        q_pre = invert_rope(q3, plan.model_cos_sin)
-        gate_q = gate_query(q_pre, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, plan.gate_cos_sin)
-        scores = self.ops.score(
-            gate_q, summaries, req_to_token, plan.req_pool_indices, plan.seq_lens, self.block_size, plan.max_blocks
-        )
-        selected = self.ops.select(
-            scores, plan.num_candidates, self.top_k, self.cfg.sink_blocks, self.cfg.local_blocks
-        )
-        kv_indices = self.ops.fill_kv_indices(
-            selected, plan.seq_lens, req_to_token, plan.req_pool_indices, self.block_size,
-            plan.kv_indptr, plan.kv_indices,
-        )
+        self.ops.update_summaries(plan, k_buffer, summaries, gate)
+        if plan.dense:
+            return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
+        q3 = q.reshape(plan.bs, layer.tp_q_head_num, layer.qk_head_dim)
+        selected = self.ops.select(plan, q3, summaries, gate)
         if self.cfg.debug_dir and lid == self.cfg.first_sparse_layer:
             self._debug_record(plan, selected)
-        if self._flashinfer is not None:
-            out = self._flashinfer.run(q3, k_buffer, v_buffer)
-        else:
-            from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
-
-            out = sparse_decode_attention(q3, k_buffer, v_buffer, plan.kv_indptr, kv_indices, layer.scaling)
-        return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+        out = self.ops.attend(plan, q3, k_buffer, v_buffer, selected, layer.scaling)
+        return out.reshape(plan.bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def _debug_record(self, plan: DecodePlan, selected: torch.Tensor) -> None:
         """Append this step's selection (first sparse layer) as one JSON line. Debug/tests only."""
         os.makedirs(self.cfg.debug_dir, exist_ok=True)
         rec = {
             "step": self._debug_step,
-            "seq_lens": plan.seq_lens.tolist(),
-            "num_candidates": plan.num_candidates.tolist(),
+            "seq_lens": plan.step.seq_lens.tolist(),
+            "num_candidates": plan.step.num_candidates.tolist(),
             "selected": selected.tolist(),
         }
         self._debug_step += 1

@@ -1,0 +1,66 @@
+"""Sparse decode attention, the fast torch path for CPU: a whole batch in one masked SDPA.
+
+Same result as the reference (`naive.sparse_decode_attention` over `gather.naive.build_kv_indices`
+rows), without a Python loop over requests: every (request, kv head) row is padded to the fixed
+width (K + 1) * b (its K selected blocks, then the current block), padding masked out. Fixed
+shapes and no host sync, so it is also what the CUDA-graph contract test captures on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def padded_token_rows(
+    selected: torch.Tensor,
+    block_first_slot: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_kv_heads: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows of every (request, kv head), padded to (K + 1) * b.
+
+    selected: `[bs, H_kv, K]` int32 ascending, -1 padded; block_first_slot: `[bs, >= cur + 1]`
+    int64 KV slot of each logical block's first token (a page is one block, so token o of block
+    m sits at slot block_first_slot[r, m] + o); seq_lens: `[bs]`.
+    Returns (rows `[bs, H_kv, (K+1)*b]` int64 = slot * H_kv + h, valid `[bs, H_kv, (K+1)*b]` bool):
+    the selected blocks in ascending order, then the current block up to the newest token.
+    """
+    bs, h_kv, k = selected.shape
+    lens = seq_lens.long()
+    current = torch.div(lens - 1, block_size, rounding_mode="floor").clamp_min(0)  # [bs]
+    blocks = torch.cat([selected.long().clamp_min(0), current[:, None, None].expand(bs, h_kv, 1)], dim=-1)
+    offs = torch.arange(block_size, device=selected.device)
+    first = torch.gather(block_first_slot.long(), 1, blocks.reshape(bs, -1)).view(bs, h_kv, k + 1, 1)
+    heads = torch.arange(num_kv_heads, device=selected.device).view(1, h_kv, 1, 1)
+    rows = ((first + offs) * num_kv_heads + heads).view(bs, h_kv, -1)
+    sel_valid = (selected >= 0)[..., None].expand(bs, h_kv, k, block_size)
+    cur_valid = (current[:, None] * block_size + offs < lens[:, None])[:, None, None, :].expand(bs, h_kv, 1, -1)
+    valid = torch.cat([sel_valid, cur_valid], dim=2).reshape(bs, h_kv, -1)
+    return rows, valid
+
+
+def sparse_decode_padded(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    rows: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention of one new token per request over its padded token rows.
+
+    q: `[bs, H_q, D]`; k_buffer: `[slots, H_kv, D]`; v_buffer: `[slots, H_kv, Dv]`;
+    rows, valid: `[bs, H_kv, L]` from `padded_token_rows` (every row has at least one valid token).
+    Returns `[bs, H_q, Dv]` in q's dtype: plain `softmax(q K^T * scale) V` over the valid tokens;
+    the G query heads of a kv group share its row.
+    """
+    bs, h_q, d = q.shape
+    slots, h_kv, _ = k_buffer.shape
+    dv = v_buffer.shape[-1]
+    ks = k_buffer.reshape(slots * h_kv, d)[rows].to(q.dtype)  # [bs, H_kv, L, D]
+    vs = v_buffer.reshape(slots * h_kv, dv)[rows].to(q.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.view(bs, h_kv, h_q // h_kv, d), ks, vs, attn_mask=valid[:, :, None, :], scale=scale
+    )
+    return out.reshape(bs, h_q, dv)

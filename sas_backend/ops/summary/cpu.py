@@ -1,0 +1,39 @@
+"""Decode-time summary update without a host decision: every request writes, most into page 0.
+
+The reference `summary_update_decode` asks the host which requests completed a block; under a
+CUDA graph (and its CPU contract test) that decision must stay on the device. Here every request
+summarizes its last complete block and writes it to its page if the newest token completed it,
+otherwise to page 0, SGLang's padding page, which no request ever owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sas_backend.ops.summary.naive import summarize_pages
+
+
+def summary_update_decode_masked(
+    k_buffer: torch.Tensor,
+    summaries_out: torch.Tensor,
+    block_first_slot: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    model_cos_sin: torch.Tensor,
+    gate_cos_sin: torch.Tensor,
+    w_k: torch.Tensor,
+    k_norm: torch.Tensor,
+) -> torch.Tensor:
+    """Same effect on every page a request owns as `summary_update_decode`; fixed shapes.
+
+    block_first_slot: `[bs, >= cur + 1]` KV slot of each logical block's first token; the other
+    inputs as `naive.summary_update_decode`. Returns summaries_out `[num_pages, H_kv, Dg]`.
+    """
+    lens = seq_lens.long()
+    done = (lens > 0) & (lens % block_size == 0)
+    block = (torch.div(lens, block_size, rounding_mode="floor") - 1).clamp_min(0)
+    first = torch.gather(block_first_slot.long(), 1, block[:, None]).squeeze(1)
+    pages = torch.div(first, block_size, rounding_mode="floor")
+    summ = summarize_pages(k_buffer, pages, block * block_size, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size)
+    summaries_out.index_copy_(0, torch.where(done, pages, 0), summ.to(summaries_out.dtype))
+    return summaries_out

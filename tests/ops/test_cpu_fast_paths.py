@@ -1,0 +1,146 @@
+"""The batched torch decode path (what CPU serving runs) against the plain references.
+
+Each fast op is a second implementation of a reference in ops/*/naive.py: Top-K by one topk over
+unique keys, scores over pages looked up once, the gate query with per-step rotation factors,
+sparse attention as one masked SDPA over padded rows, the masked summary update."""
+
+import pytest
+import torch
+
+from sas_backend.ops.gate.cpu import gate_query_cpu, rotate, rotation_factors
+from sas_backend.ops.gate.naive import gate_query
+from sas_backend.ops.gather.naive import build_kv_indices
+from sas_backend.ops.rope import apply_rope, invert_rope, rope_cos_sin_table
+from sas_backend.ops.score.cpu import score_pages
+from sas_backend.ops.score.naive import block_pages, candidate_counts, score_blocks
+from sas_backend.ops.sparse_decode.cpu import padded_token_rows, sparse_decode_padded
+from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
+from sas_backend.ops.summary.cpu import summary_update_decode_masked
+from sas_backend.ops.summary.naive import summary_update_decode
+from sas_backend.ops.topk.cpu import select_blocks_cpu
+from sas_backend.ops.topk.naive import select_blocks
+
+
+def _first_slots(case, width):
+    return case.req_to_token[case.req_pool_indices.long(), : width * case.block_size : case.block_size].long().cpu()
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 40])
+@pytest.mark.parametrize("sink,local", [(0, 0), (1, 0), (1, 2), (0, 3)])
+def test_topk_cpu_equals_reference(k, sink, local):
+    if sink + local > k:
+        pytest.skip("more forced blocks than K is refused by the config")
+    g = torch.Generator().manual_seed(k * 10 + sink + local)
+    bs, h, m = 5, 3, 37
+    scores = torch.randn(bs, h, m, generator=g)
+    scores[0, 0, 3:9] = 0.5  # ties: lower index first
+    scores[1, 1, 2] = float("nan")
+    scores[1, 2, :] = float("-inf")
+    scores[2, 0, 4] = float("inf")
+    scores[2, 1, 5] = -0.0
+    scores[2, 1, 6] = 0.0
+    n_cand = torch.tensor([37, 20, 2, 0, 9])
+    got = select_blocks_cpu(scores, n_cand, k, sink, local)
+    want = select_blocks(scores, n_cand, k, sink, local)
+    assert torch.equal(got, want)
+
+
+def test_topk_cpu_random_rounded_scores_many_ties():
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randint(-3, 3, (4, 8, 300), generator=g).float()
+    n_cand = torch.tensor([300, 299, 64, 1])
+    for k in (2, 16, 64):
+        assert torch.equal(select_blocks_cpu(scores, n_cand, k, 1, 1), select_blocks(scores, n_cand, k, 1, 1))
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_query_cpu_equals_reference(group, dtype):
+    g = torch.Generator().manual_seed(group)
+    n, h_kv, d, dg = 6, 2, 64, 32
+    model_tab = rope_cos_sin_table(d, 9000, 100000.0)
+    gate_tab = rope_cos_sin_table(dg, 9000, 100000.0)
+    pos = torch.tensor([0, 1, 63, 64, 4097, 8999])
+    q_post = torch.randn(n, h_kv * group, d, generator=g).to(dtype)
+    w_q = torch.randn(h_kv, group, d, dg, generator=g) / (group * d) ** 0.5
+    q_norm = torch.rand(dg, generator=g) + 0.5
+    want = gate_query(invert_rope(q_post, model_tab[pos]), w_q, q_norm, gate_tab[pos])
+    got = gate_query_cpu(
+        q_post, rotation_factors(model_tab[pos], inverse=True), w_q.reshape(h_kv, group * d, dg), q_norm,
+        rotation_factors(gate_tab[pos], inverse=False),
+    )
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_rotation_factors_invert_a_scaled_rotation_exactly():
+    # YaRN bakes a magnitude (mscale) into cos/sin: the inverse must undo it, not just the angle.
+    g = torch.Generator().manual_seed(0)
+    tab = rope_cos_sin_table(64, 100, 10000.0) * 1.37
+    x = torch.randn(100, 4, 64, generator=g)
+    y = apply_rope(x, tab)
+    c, s = rotation_factors(tab, inverse=True)
+    back = rotate(y, c, s)
+    torch.testing.assert_close(back, x, atol=1e-5, rtol=1e-5)
+    fc, fs = rotation_factors(tab, inverse=False)
+    torch.testing.assert_close(rotate(x, fc, fs), y, atol=1e-5, rtol=1e-5)
+
+
+def test_score_pages_equals_reference(paged_case):
+    b, h_kv, dg = 4, 3, 16
+    case = paged_case([1, b, b + 3, 6 * b, 9 * b + 1], b, h_kv, 8)
+    gate_q = case.randn(5, h_kv, dg).cpu()
+    summaries = case.randn(case.num_pages + 1, h_kv, dg).cpu()
+    want = score_blocks(gate_q, summaries, case.req_to_token.cpu(), case.req_pool_indices.cpu(), case.seq_lens.cpu(), b, 9)
+    pages = block_pages(case.req_to_token.cpu(), case.req_pool_indices.cpu(), b, 9)
+    valid = torch.arange(9)[None, :] < candidate_counts(case.seq_lens.cpu(), b)[:, None]
+    torch.testing.assert_close(score_pages(gate_q, summaries, pages, valid), want)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2, 20])
+def test_padded_sparse_decode_equals_reference(paged_case, group, dtype, k):
+    """Mixed lengths: within one block, exactly K, fewer and more candidates than K (k=20 covers
+    every request: dense), a partial current block and a full one."""
+    b, h_kv, d = 4, 2, 16
+    lens = [1, b, b + 3, 3 * b, 9 * b + 1, 6 * b + 2]
+    case = paged_case(lens, b, h_kv, d, seed=group)
+    cpu = lambda t: t.cpu()  # noqa: E731
+    r2t, rpi, seq = cpu(case.req_to_token), cpu(case.req_pool_indices), cpu(case.seq_lens)
+    g = torch.Generator().manual_seed(k)
+    k_buf = torch.randn(case.slots, h_kv, d, generator=g).to(dtype)
+    v_buf = torch.randn(case.slots, h_kv, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), h_kv * group, d, generator=g).to(dtype)
+    n_cand = candidate_counts(seq, b)
+    scores = torch.randn(len(lens), h_kv, 12, generator=g)
+    selected = select_blocks(scores, n_cand, k)
+    indptr, indices = build_kv_indices(selected, seq, r2t, rpi, b)
+    want = sparse_decode_attention(q, k_buf, v_buf, indptr, indices, 0.25)
+    rows, valid = padded_token_rows(selected, _first_slots(case, 12), seq, h_kv, b)
+    # The valid tokens of each padded row are exactly the reference row, in order.
+    for r in range(len(lens)):
+        for h in range(h_kv):
+            row = indices[indptr[r * h_kv + h] : indptr[r * h_kv + h + 1]].long()
+            assert torch.equal(rows[r, h][valid[r, h]], row)
+    got = sparse_decode_padded(q, k_buf, v_buf, rows, valid, 0.25)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_masked_summary_update_equals_reference(paged_case):
+    b, h_kv, d, dg = 4, 2, 8, 16
+    lens = [b, 2 * b + 1, 3 * b, 1, 5 * b]  # three requests complete a block this step
+    case = paged_case(lens, b, h_kv, d)
+    r2t, rpi, seq = case.req_to_token.cpu(), case.req_pool_indices.cpu(), case.seq_lens.cpu()
+    g = torch.Generator().manual_seed(3)
+    model_tab = rope_cos_sin_table(d, 64, 10000.0)
+    gate_tab = rope_cos_sin_table(dg, 64, 10000.0)
+    k_buf = torch.randn(case.slots, h_kv, d, generator=g)
+    w_k = torch.randn(h_kv, 3 * d, dg, generator=g)
+    k_norm = torch.rand(dg, generator=g) + 0.5
+    start = torch.randn(case.num_pages + 1, h_kv, dg, generator=g)
+    want = summary_update_decode(k_buf, start.clone(), r2t, rpi, seq, b, model_tab, gate_tab, w_k, k_norm)
+    got = summary_update_decode_masked(k_buf, start.clone(), _first_slots(case, 6), seq, b, model_tab, gate_tab, w_k, k_norm)
+    # Every page a request owns is identical; only page 0 (padding, never owned) may differ.
+    torch.testing.assert_close(got[1:], want[1:])
+    assert not torch.equal(want[1:], start[1:])  # the step did write summaries
