@@ -133,7 +133,7 @@ def test_hook_shrinks_the_budget_for_sas_only(sas_env, caplog):
         budget = reserve_sas_memory(original, _owner(sas_env), 0)
     cell = 2 * 3 * 64 * 30 * 2
     mem = sas_memory(num_sparse_layers=30, num_kv_heads=3, gate_dim=128, block_size=64, top_k=8,
-                     max_reqs=64, on_cuda=True, num_graph_batch_sizes=4, group_size=3, head_dim=64)
+                     max_reqs=64, on_cuda=True, num_graph_batch_sizes=4, group_size=3, head_dim=64, shared_workspace=True)
     assert budget == kv_budget_with_sas(available, cell, mem) < available
     assert "sas: reserving" in caplog.text and "KV budget 4.000 ->" in caplog.text
 

@@ -167,6 +167,7 @@ def memory_for_sglang(owner) -> tuple:
         num_graph_batch_sizes=_graph_batch_size_count(server_args) if on_cuda else 0,
         group_size=geo.group_size,
         head_dim=geo.head_dim,
+        shared_workspace=on_cuda,  # the backend borrows the wrapped FlashInfer backend's workspace
     )
     return mem, kv_bytes_per_token
 

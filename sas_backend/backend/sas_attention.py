@@ -105,6 +105,9 @@ class SASAttnBackend(AttentionBackend):
                 self.device,
                 max_rows=max_reqs * num_kv_heads,
                 max_indices=max_reqs * num_kv_heads * decode_row_capacity(self.top_k, self.block_size),
+                # The wrapped FlashInfer backend's float workspace: used in stream order, never at
+                # the same time as ours, so one buffer serves both (backend/memory.py counts it so).
+                workspace=getattr(inner, "workspace_buffer", None),
             )
             # Row offsets the captured gather kernel reads: one persistent buffer, refilled per step.
             self._kv_indptr = torch.zeros(max_reqs * num_kv_heads + 1, dtype=torch.int32, device=self.device)
