@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
+import torch
 
 from sas_backend.config import SASConfig, SASConfigError
 
@@ -112,3 +114,87 @@ def test_config_validation_rules():
     cfg = SASConfig(gate_path="g", budget=2048)
     assert cfg.validate().top_k == 32
     assert SASConfig.from_env(cfg.to_env()) == cfg
+
+
+# ---------------------------------------------------------------- SGLang API contracts of the factory
+def test_releases_read_are_recorded():
+    from sas_backend.backend.factory import SGLANG_RELEASES_READ
+
+    assert set(SGLANG_RELEASES_READ) == {"0.5.15", "0.5.21", "0.5.23"}
+
+
+def test_attention_tp_comes_from_sglang_parallel_state():
+    """SGLang's parallel context carries the attention-TP rank/size (0.5.15 .. 0.5.23; the
+    ModelRunner's tp_rank/tp_size are gone in 0.5.23 and are the wrong group under DP attention)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from sas_backend.backend.factory import attention_cp_size, attention_tp
+
+    with get_parallel().override(attn_tp_rank=2, attn_tp_size=4, attn_cp_size=1):
+        assert attention_tp() == (2, 4)
+        assert attention_cp_size() == 1
+
+
+class _Pool:
+    def get_key_buffer(self, layer_id):
+        return torch.empty(0, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_factory_shards_the_gate_by_attention_tp_rank(clean_env, gate, monkeypatch, rank):
+    """With attention TP 3 (SmolLM2 has 3 kv heads) rank r gets kv head r of every gate layer, and
+    the factory reads no tp_rank/tp_size from the runner (0.5.23 has none)."""
+    from sglang.srt.layers.attention import attention_registry
+    from sglang.srt.runtime_context import get_parallel
+    from transformers import AutoConfig
+
+    from sas_backend.backend import factory
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+    from sas_backend.ops.rope import rope_cos_sin_table
+
+    clean_env.setenv("SAS_GATE", str(gate))
+    clean_env.setenv("TRITON_INTERPRET", "1")
+    built = {}
+
+    def fake_backend(runner, inner, cfg, gates, model_rope, gate_rope, **kw):
+        built.update(gates=gates, model_rope=model_rope, gate_rope=gate_rope, **kw)
+        return types.SimpleNamespace()
+
+    monkeypatch.setattr(factory, "SASAttnBackend", fake_backend)
+    monkeypatch.setitem(attention_registry.ATTENTION_BACKENDS, "torch_native", lambda runner: object())
+    model = torch.nn.Module()
+    model.rotary_emb = torch.nn.Module()
+    model.rotary_emb.cos_sin_cache = rope_cos_sin_table(64, 8192, 100000.0).to(torch.bfloat16)
+    runner = types.SimpleNamespace(
+        device="cpu", page_size=64, server_args=types.SimpleNamespace(), dtype=torch.bfloat16,
+        model_config=types.SimpleNamespace(hf_config=AutoConfig.from_pretrained(MODEL)),
+        token_to_kv_pool=_Pool(), model=model, use_mla_backend=False,
+    )
+    with get_parallel().override(attn_tp_rank=rank, attn_tp_size=3, attn_cp_size=1):
+        backend = factory.create_sas_backend(runner)
+    assert built["num_kv_heads"] == 1 and built["num_q_heads"] == 3
+    _, layers = load_gate_checkpoint(gate)
+    for lid, g in built["gates"].items():
+        full = layers[lid]["attngate_linear_q.weight"].float()
+        torch.testing.assert_close(g.attngate_linear_q.weight, full[rank:rank + 1])
+    # The model's current table (upcast) and the gate's own, with the live object attached.
+    assert backend.rope_tables.model is built["model_rope"] and built["model_rope"].dtype == torch.float32
+    assert built["gate_rope"].shape == (8192, 128)
+
+
+@pytest.mark.parametrize(
+    "argv, disabled",
+    [
+        ([], False),
+        (["--disable-cuda-graph"], True),
+        (["--disable-decode-cuda-graph"], True),
+        (["--cuda-graph-backend-decode", "disabled"], True),
+        (["--cuda-graph-config", '{"decode": {"backend": "disabled"}}'], True),
+        (["--disable-prefill-cuda-graph"], False),
+        (["--disable-cuda-graph", "--cuda-graph-backend-decode", "full"], False),
+    ],
+)
+def test_decode_cuda_graph_disabled_reads_every_spelling(parse, clean_env, argv, disabled):
+    from sas_backend.backend.factory import decode_cuda_graph_disabled
+
+    assert decode_cuda_graph_disabled(parse(*argv)) is disabled

@@ -7,7 +7,13 @@ import os
 
 import torch
 
-from sas_backend.backend.model_checks import SASUnsupportedModel, check_model_supported, find_model_rope_table
+from sas_backend.backend.model_checks import (
+    SASUnsupportedModel,
+    check_model_supported,
+    check_rope_scaling,
+    find_model_rotary,
+)
+from sas_backend.backend.rope_tables import RopeTables
 from sas_backend.backend.sas_attention import SASAttnBackend
 from sas_backend.config import SASConfig, SASConfigError
 from sas_backend.gate.checkpoint import load_gate_checkpoint, shard_for_tp, validate_for_model
@@ -16,6 +22,103 @@ from sas_backend.geometry import ModelGeometry
 from sas_backend.ops.rope import rope_cos_sin_table
 
 logger = logging.getLogger(__name__)
+
+# The SGLang releases whose source was read for the APIs this factory depends on (2026-11-23).
+# tests/test_plugin.py pins the same contracts against the installed SGLang.
+SGLANG_RELEASES_READ = {
+    # release: (attention-TP rank/size, "decode CUDA graph off" as resolved, run here)
+    "0.5.15": ("get_parallel().attn_tp_rank/attn_tp_size (also dp_attention.get_attention_tp_*)",
+               "get_global_server_args().cuda_graph_config.decode.backend", "read"),
+    "0.5.21": ("get_parallel().attn_tp_rank/attn_tp_size (dp_attention getters removed)",
+               "get_exec().graph.cuda_graph_config.decode.backend", "read, installed, run on CPU"),
+    "0.5.23": ("get_parallel().attn_tp_rank/attn_tp_size (ModelRunner.tp_rank/tp_size removed)",
+               "get_exec().graph.cuda_graph_config.decode.backend", "read"),
+}
+
+
+def attention_tp() -> tuple[int, int]:
+    """(rank, size) of this process in SGLang's attention tensor-parallel group.
+
+    The model shards its kv heads over this group (attn_tp_size = tp_size / attn_dp_size /
+    attn_cp_size), so the gate's kv-head axis is sharded the same way; under DP attention it is
+    smaller than tp_size. `sglang.srt.runtime_context.get_parallel()` carries it in 0.5.15 through
+    0.5.23 (the ModelRunner's own tp_rank/tp_size are gone in 0.5.23 and are the wrong group
+    under DP attention anyway).
+    """
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return int(parallel.attn_tp_rank), int(parallel.attn_tp_size)
+
+
+def attention_cp_size() -> int:
+    """Width of SGLang's attention context-parallel group (1 when off)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().attn_cp_size)
+
+
+def decode_cuda_graph_disabled(server_args) -> bool:
+    """Whether SGLang will run decode steps eagerly (no decode CUDA graph).
+
+    SGLang resolves every spelling into one config: `--disable-cuda-graph` (deprecated since
+    0.5.21, sets `disable_cuda_graph`), `--disable-decode-cuda-graph`,
+    `--cuda-graph-backend-decode disabled`, `--cuda-graph-config '{"decode": {"backend":
+    "disabled"}}'`, and model hooks that switch graphs off. The resolved value is read when it is
+    published (always so in a scheduler process); otherwise the raw flags are combined with
+    SGLang's precedence (explicit config > per-phase backend > per-phase switch > legacy flag).
+    """
+    resolved = _published_decode_backend()
+    if resolved is not None:
+        return str(resolved) == "disabled"  # cuda_graph_config.Backend.DISABLED
+    disabled = bool(getattr(server_args, "disable_cuda_graph", False))
+    disabled = disabled or bool(getattr(server_args, "disable_decode_cuda_graph", False))
+    backend = getattr(server_args, "cuda_graph_backend_decode", None)
+    if backend is not None:
+        disabled = str(backend) == "disabled"
+    config = getattr(server_args, "cuda_graph_config", None)
+    decode = config.get("decode") if isinstance(config, dict) else getattr(config, "decode", None)
+    backend = decode.get("backend") if isinstance(decode, dict) else getattr(decode, "backend", None)
+    if backend is not None:
+        disabled = str(backend) == "disabled"
+    return disabled
+
+
+def _published_decode_backend():
+    """The decode backend of SGLang's published CUDA-graph config, or None when unpublished."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        cfg = get_exec().graph.cuda_graph_config
+    except Exception:  # unpublished (tests, early startup) or a release without get_exec
+        try:
+            from sglang.srt.server_args import get_global_server_args
+
+            cfg = get_global_server_args().cuda_graph_config
+        except Exception:
+            return None
+    decode = getattr(cfg, "decode", None)
+    return getattr(decode, "backend", None)
+
+
+def check_gate_rope_formula(model_table: torch.Tensor, theta: float, scaling, max_rows: int = 32768) -> None:
+    """Refuse to serve when our RoPE formula (the one that builds the gate's table) does not
+    reproduce the model's own table at the model's head dim: then the gate's table would not be
+    "the model's rotary formula" either (e.g. a scaling key SGLang reads and we do not).
+
+    model_table: `[max_pos, D]` the model's current cos|sin. Compares the first `max_rows`
+    positions (a formula error shows there; far positions only add fp32 angle rounding); the
+    tolerance admits a bf16-stored table.
+    """
+    rows = min(int(model_table.shape[0]), max_rows)
+    ours = rope_cos_sin_table(model_table.shape[-1], rows, theta, scaling, device=model_table.device)
+    err = (ours - model_table[:rows].float()).abs().max().item()
+    if err > 2e-2:
+        raise SASUnsupportedModel(
+            f"sas: the gate's RoPE formula does not reproduce the model's RoPE table (max |diff| "
+            f"{err:.3g} over {rows} positions; theta {theta}, scaling {scaling}); refusing rather "
+            "than serving a gate rotated differently from its model"
+        )
 
 
 def create_sas_backend(runner) -> SASAttnBackend:
@@ -33,16 +136,24 @@ def create_sas_backend(runner) -> SASAttnBackend:
             "on CPU, SGLang's paged KV allocator runs Triton kernels, which need TRITON_INTERPRET=1 "
             "in the environment (serve/serve.sh sets it)"
         )
-    if cfg.debug_dir and device.type == "cuda" and not getattr(runner.server_args, "disable_cuda_graph", False):
-        raise SASConfigError("SAS_DEBUG_DIR reads selections on the host each step: add --disable-cuda-graph")
+    if cfg.debug_dir and device.type == "cuda" and not decode_cuda_graph_disabled(runner.server_args):
+        raise SASConfigError(
+            "SAS_DEBUG_DIR reads selections on the host each step: add --cuda-graph-backend-decode disabled"
+        )
     hf_config = runner.model_config.hf_config
     check_model_supported(hf_config, use_mla=getattr(runner, "use_mla_backend", False))
     geo = ModelGeometry.from_hf_config(hf_config)
-    tp_rank, tp_size = runner.tp_rank, runner.tp_size
+    check_rope_scaling(geo.rope_scaling)
+    tp_rank, tp_size = attention_tp()
     if tp_size > geo.num_kv_heads:
         raise SASUnsupportedModel(
-            f"sas: tensor parallel size {tp_size} exceeds the model's {geo.num_kv_heads} kv heads; "
-            "the gate query needs every query head of a kv group on one rank"
+            f"sas: attention tensor parallel size {tp_size} exceeds the model's {geo.num_kv_heads} "
+            "kv heads; the gate query needs every query head of a kv group on one rank"
+        )
+    if attention_cp_size() > 1:
+        raise SASUnsupportedModel(
+            "sas: attention context parallelism splits a request's KV over ranks; sas needs each "
+            "request's blocks on one rank"
         )
     if cfg.first_sparse_layer >= geo.num_layers:
         raise SASConfigError(
@@ -69,22 +180,25 @@ def create_sas_backend(runner) -> SASAttnBackend:
         layers, range(cfg.first_sparse_layer, geo.num_layers), gate_dim=gate_cfg.gate_dim, device=device
     )
 
-    model_rope = find_model_rope_table(runner.model, geo.head_dim).float()
-    gate_rope = rope_cos_sin_table(
-        gate_cfg.gate_dim, model_rope.shape[0], geo.rope_theta, geo.rope_scaling, device=device
-    )
+    # The model's table is read from its rotary module (SGLang may replace it at runtime); the
+    # gate's is built with the same formula on Dg dims, checked against the model's first.
+    rotary = find_model_rotary(runner.model, geo.head_dim)
+    check_gate_rope_formula(rotary.cos_sin_cache, geo.rope_theta, geo.rope_scaling)
+    rope = RopeTables(rotary, gate_cfg.gate_dim, geo.rope_theta, geo.rope_scaling, device)
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
     inner = ATTENTION_BACKENDS["flashinfer" if device.type == "cuda" else "torch_native"](runner)
     logger.info("sas: gate %s (%s), dense backend %s", cfg.gate_path, gate_cfg.base_model, type(inner).__name__)
-    return SASAttnBackend(
+    backend = SASAttnBackend(
         runner,
         inner,
         cfg,
         gates,
-        model_rope,
-        gate_rope,
+        rope.model,
+        rope.gate,
         num_kv_heads=kv_local,
         num_q_heads=q_local,
         head_dim=geo.head_dim,
     )
+    backend.rope_tables = rope  # the live tables, for a backend that follows table replacement
+    return backend
