@@ -255,3 +255,22 @@ def test_replay_recomputes_from_buffers_not_python():
     x.copy_(torch.tensor([1.0, 2.0, 3.0]))
     graph.replay()
     assert torch.equal(y, torch.tensor([4.0, 6.0, 8.0])) and float(z) == 18.0
+
+
+def test_rope_table_reallocation_is_followed_eagerly_and_refused_after_capture():
+    rig = Rig(3)
+    be = rig.backend
+    grown = SimpleNamespace(model=rope_cos_sin_table(D, MAX_CTX + 64, 10000.0), gate=rope_cos_sin_table(DG, MAX_CTX + 64, 10000.0))
+    be.rope_tables = grown
+    rig.add_request(0, 20)
+    inp = rig.step_inputs([0])
+    fb = _fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], 1)
+    be.init_forward_metadata(fb)
+    assert be.ops.model_rope_table is grown.model and be.ops.gate_rope_table is grown.gate
+    static = Static(MAX_BS, be.get_cuda_graph_seq_len_fill_value())
+    static.load(inp)
+    be.init_cuda_graph_state(MAX_BS, MAX_BS)
+    be.init_forward_metadata_out_graph(static.fb(), in_capture=True)
+    grown.model = rope_cos_sin_table(D, MAX_CTX + 128, 10000.0)  # SGLang grew its table again
+    with pytest.raises(RuntimeError, match="reallocated after CUDA graphs were captured"):
+        be.init_forward_metadata_out_graph(static.fb())

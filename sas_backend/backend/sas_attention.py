@@ -117,7 +117,11 @@ class SASAttnBackend(AttentionBackend):
             )
         else:
             self.ops = TorchDecodeOps(cfg, num_kv_heads, model_rope_table, gate_rope_table)
+        # Set by the factory: the live RoPE tables (SGLang may replace its cos_sin_cache; see
+        # backend/rope_tables.py). None keeps the tables given above (tests, tools).
+        self.rope_tables = None
         self._step_buffers: Optional[StepBuffers] = None  # made by init_cuda_graph_state
+        self._graphs_captured = False
         self._plan: Optional[DecodePlan] = None
         self._extend_blocks = None  # (pages [N], starts [N]) of blocks completed by this extend
         self._debug_step = 0
@@ -130,8 +134,26 @@ class SASAttnBackend(AttentionBackend):
         )
 
     # ------------------------------------------------------------------ metadata
+    def _follow_rope_tables(self, for_graph: bool) -> None:
+        """Read the current RoPE tables (host side, before a step). A captured graph holds the
+        old tables' addresses: a reallocation after capture cannot be followed, so it is refused."""
+        tables = self.rope_tables
+        if tables is None:
+            return
+        model, gate = tables.model, tables.gate
+        if model is self.model_rope_table and gate is self.gate_rope_table:
+            return
+        if for_graph and self._graphs_captured:
+            raise RuntimeError(
+                "sas: the model's RoPE table was reallocated after CUDA graphs were captured; "
+                "restart with a larger --context-length or with --disable-cuda-graph"
+            )
+        self.model_rope_table = self.ops.model_rope_table = model
+        self.gate_rope_table = self.ops.gate_rope_table = gate
+
     def init_forward_metadata(self, forward_batch):
         """Eager step (no CUDA graph): plan and step state from the live batch."""
+        self._follow_rope_tables(for_graph=False)
         mode = forward_batch.forward_mode
         if mode.is_decode():
             self._plan = self._plan_decode(forward_batch, graph_bs=None)
@@ -168,8 +190,10 @@ class SASAttnBackend(AttentionBackend):
                 f"sas runs {forward_batch.forward_mode} eagerly; the full prefill CUDA graph backend is not "
                 "supported (keep SGLang's default breakable prefill graphs, or disable prefill graphs)"
             )
+        self._follow_rope_tables(for_graph=True)
         self._plan = self._plan_decode(forward_batch, graph_bs=forward_batch.batch_size)
         self._extend_blocks = None
+        self._graphs_captured = True  # from the first out_graph on, layers may hold our addresses
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Captured: recompute the step's device state into the persistent buffers."""
