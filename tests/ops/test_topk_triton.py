@@ -179,3 +179,74 @@ def test_topk_stress_distributions():
     scores = torch.stack(rows).reshape(4, 2, m).to(DEVICE)  # drawn on CPU: same data everywhere
     for k in (1, 7, 31, 95):
         _both(scores, [m, m - 1, 50, 40], k)
+
+
+# Rows wider than one chunk (1024 blocks for K <= 256) take the two-phase path: each chunk keeps
+# its local top K in the workspace, then one program per row selects among the survivors.
+
+
+@pytest.mark.parametrize("m,k", [(4096, 32), (8192, 64)])
+def test_topk_long_rows_many_chunks(m, k):
+    g = torch.Generator().manual_seed(m + k)
+    scores = torch.randn(2, 2, m, generator=g)
+    scores[1, 1] = torch.randint(0, 20, (m,), generator=g).float()  # heavy ties across chunks
+    scores = scores.to(DEVICE)
+    n_cand = [m, m - 1000]
+    out = _both(scores, n_cand, k)
+    _structure_ok(out, n_cand, k)
+    _both(scores, n_cand, k, sink=2, local=3)
+
+
+def test_topk_ties_across_chunk_borders():
+    m, k = 4096, 40
+    scores = torch.zeros(1, 3, m)
+    scores[0, 0, 1000:1031] = 1.0  # 31 winners straddling the 1024 border, then 9 zero ties
+    scores[0, 1, 1020:1028] = 2.0
+    scores[0, 1, ::97] = 1.0  # ties for the last places in every chunk
+    scores = scores.to(DEVICE)  # row 2: all equal
+    out = _both(scores, [m], k)
+    assert out[0, 0].tolist() == list(range(9)) + list(range(1000, 1031))
+    assert out[0, 2].tolist() == list(range(k))
+
+
+def test_topk_forced_blocks_in_other_chunks():
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(3, 2, 5000, generator=g).to(DEVICE)
+    # sinks in chunk 0, local blocks in the last chunk; in row 1 they straddle a chunk border
+    n_cand = [5000, 1026, 3000]
+    out = _both(scores, n_cand, 32, sink=3, local=5)
+    for r, n in enumerate(n_cand):
+        for h in range(2):
+            assert {0, 1, 2} | set(range(n - 5, n)) <= set(out[r, h].tolist())
+    # more forced than K: sinks, then local blocks nearest the current one, across chunks
+    out = _both(scores, n_cand, 6, sink=3, local=5)
+    assert out[1, 0].tolist() == [0, 1, 2, 1023, 1024, 1025]
+
+
+def test_topk_rows_of_very_different_lengths():
+    g = torch.Generator().manual_seed(9)
+    m, k = 8192, 64
+    scores = torch.randn(6, 2, m, generator=g)
+    n_cand = [3, m, 0, 1025, 64, 2000]  # chunk programs past a row's end do nothing
+    for r, n in enumerate(n_cand):
+        scores[r, :, n:] = 100.0  # beyond num_candidates: never chosen
+    scores = scores.to(DEVICE)
+    out = _both(scores, n_cand, k, sink=1, local=2)
+    _structure_ok(out, n_cand, k)
+
+
+def test_topk_workspace_reused():
+    from sas_backend.ops.topk.triton import topk_workspace_numel
+
+    g = torch.Generator().manual_seed(4)
+    m, k = 4096, 32
+    ws = torch.full((topk_workspace_numel(4, 2, m, k),), 7, dtype=torch.int32, device=DEVICE)
+    scores = torch.randn(4, 2, m, generator=g).to(DEVICE)
+    n_cand = torch.tensor([m, 100, 3000, 0], device=DEVICE)
+    res = select_blocks_triton(scores, n_cand, k, 1, 2, workspace=ws)
+    assert torch.equal(res, select_blocks(scores, n_cand, k, 1, 2))
+    # a smaller batch and narrower rows reuse the same buffer (stale contents must not matter)
+    res = select_blocks_triton(scores[:2, :, :2500], n_cand[:2], k, workspace=ws)
+    assert torch.equal(res, select_blocks(scores[:2, :, :2500], n_cand[:2], k))
+    with pytest.raises(ValueError):
+        select_blocks_triton(scores, n_cand, k, workspace=ws[:10])

@@ -1,9 +1,21 @@
-"""Top-K block selection (Triton): a radix threshold select, not a sort.
+"""Top-K block selection (Triton): a radix threshold select, not a sort, split over chunks.
 
-Same output as `sas_backend.ops.topk.naive.select_blocks`. One program per (request, kv head)
-streams the row's first `num_candidates[r]` scores in chunks (the row never has to fit in
-registers):
+Same output as `sas_backend.ops.topk.naive.select_blocks`. Two launches, so that a row as wide
+as the server's maximum context occupies many programs even at batch 1:
 
+Phase 1, grid `(bs, H_kv, chunks)`: program (r, h, c) holds the scores of blocks
+`[c * CHUNK, (c + 1) * CHUNK)` of row (r, h) in registers and selects the chunk's local top
+`S = min(K, CHUNK)` under the same total order as the final answer (key descending, block index
+ascending). It writes their keys and block indices, in ascending block order and -1 padded, to
+the workspace `[bs, H_kv, 2, chunks, S]`. Every block of the global top K is in its chunk's local
+top K, so the row's answer is the top K of the `chunks * S` survivors. Programs whose chunk
+starts at or past `num_candidates[r]` exit at once: the work follows the batch's longest request.
+Phase 2, grid `(bs, H_kv)`: one program per row runs the same select over the first
+`cdiv(num_candidates[r], CHUNK) * S` survivors (chunks laid out in order, so position order is
+block order and "lower position" still means "lower block index") and writes the output.
+When the whole row fits one chunk, phase 1 writes the output directly and phase 2 is skipped.
+
+The select (both phases):
 1. Each score becomes an order-preserving int32 key (NaN -> -inf, -0.0 -> +0.0). Forced
    blocks get keys above +inf: sink blocks the top key (ties -> lowest index first), local
    blocks one key each, larger for blocks nearer the current one.
@@ -14,12 +26,13 @@ registers):
 3. One more pass emits, in ascending block order, every key > T plus the lowest-index keys == T
    until K are taken; output positions come from running prefix counts (cumsum).
 
-Rows with at most K candidates skip step 2 and emit all of them. No host syncs: capturable.
+Rows (and chunks) with at most K candidates skip step 2 and emit all of them. No host syncs and
+no shape depends on num_candidates: CUDA-graph capturable (pass `out` and `workspace`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -51,88 +64,213 @@ def _row_keys(row_ptr, idx, n, sink_blocks, local_blocks):
 
 
 @triton.jit
-def _select_blocks_kernel(
+def _pass_hist(key, valid, p: tl.constexpr, prefix):
+    """256-bin histogram of byte p (MSB first) of the keys whose higher bytes equal `prefix`."""
+    shift = 24 - 8 * p  # p is a compile-time constant
+    digit = (key >> shift) & 255
+    if p == 0:
+        digit = digit ^ 128  # signed top byte -> unsigned order
+        match = valid
+    else:
+        match = valid & ((key >> (shift + 8)) == prefix)
+    return tl.histogram(digit, 256, mask=match)
+
+
+@triton.jit
+def _pass_pick(hist, p: tl.constexpr, K, prefix, above, thresh, need_ties, done):
+    """Fix byte p of the K-th largest key from the pass's histogram; returns the new state.
+
+    prefix: the fixed high bytes of T (an arithmetic shift of T); above: keys already known to
+    beat the prefix; done: set once a bucket held exactly the missing keys (thresh/need_ties final).
+    """
+    shift = 24 - 8 * p  # p is a compile-time constant
+    bins = tl.arange(0, 256)
+    # count_ge[d]: keys >= (prefix, d); non-increasing in d, count_ge[0] >= K.
+    count_ge = above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    d_star = tl.sum((count_ge >= K).to(tl.int32), axis=0) - 1
+    n_above = above + tl.sum(tl.where(bins > d_star, hist, 0), axis=0)
+    n_ge = n_above + tl.sum(tl.where(bins == d_star, hist, 0), axis=0)
+    if p == 0:
+        new_prefix = d_star - 128
+    else:
+        new_prefix = prefix * 256 + d_star
+    # Exactly K keys reach the chosen bucket: take all of them (every key >= the bucket's
+    # lowest key) and skip the remaining passes. Typical for continuous scores.
+    finish = (done == 0) & (n_ge == K)
+    thresh = tl.where(finish, new_prefix * (1 << shift), thresh)
+    need_ties = tl.where(finish, K, need_ties)
+    prefix = tl.where(done != 0, prefix, new_prefix)
+    above = tl.where(done != 0, above, n_above)
+    done = done | finish.to(tl.int32)
+    return prefix, above, thresh, need_ties, done
+
+
+@triton.jit
+def _tile_select(key, valid, thresh, need_ties, taken, ties):
+    """Which entries of a tile are emitted (keys > T, then the first `need_ties` keys == T in
+    position order) and their output positions; returns (sel, pos, new taken, new ties)."""
+    eq = (valid & (key == thresh)).to(tl.int32)
+    tie_rank = ties + tl.cumsum(eq, axis=0) - eq
+    sel = (valid & (key > thresh)) | ((eq != 0) & (tie_rank < need_ties))
+    sel_i = sel.to(tl.int32)
+    pos = taken + tl.cumsum(sel_i, axis=0) - sel_i
+    return sel, pos, taken + tl.sum(sel_i, axis=0), ties + tl.sum(eq, axis=0)
+
+
+@triton.jit
+def _pad(dst_ptr, count, SLOTS, SLOT_TILE: tl.constexpr):
+    """-1 into dst[count:SLOTS]."""
+    for s0 in range(0, SLOTS, SLOT_TILE):
+        pos = s0 + tl.arange(0, SLOT_TILE)
+        tl.store(dst_ptr + pos, tl.full([SLOT_TILE], -1, tl.int32), mask=(pos >= count) & (pos < SLOTS))
+
+
+@triton.jit
+def _chunk_select_kernel(
     scores_ptr,
     ncand_ptr,
-    out_ptr,
+    dst_ptr,
     stride_sb,
     stride_sh,
+    stride_db,
+    stride_dh,
+    key_off,
+    M,
+    K,
+    SLOTS,
+    sink_blocks,
+    local_blocks,
+    CHUNK: tl.constexpr,
+    SLOT_TILE: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    """Phase 1, program (r, h, c): local top min(K, SLOTS) of chunk c of row (r, h).
+
+    DIRECT (a single chunk covers M): dst is the output `[bs, H_kv, K]` (SLOTS = K), row done.
+    Otherwise dst is the workspace `[bs, H_kv, 2, chunks, SLOTS]` (stride_db/dh its row strides):
+    block indices at row + key_off + c * SLOTS, keys at row + c * SLOTS.
+    """
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    n = tl.minimum(tl.load(ncand_ptr + r).to(tl.int32), M)
+    n = tl.maximum(n, 0)
+    start = c * CHUNK
+    # Chunks past the row's end do nothing (phase 2 never reads them). Chunk 0 always runs so
+    # that an empty row still gets its -1 padding in DIRECT mode.
+    if (c == 0) | (start < n):
+        row_ptr = scores_ptr + r.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+        dst_row = dst_ptr + r.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+        if DIRECT:
+            idx_ptr = dst_row
+        else:
+            idx_ptr = dst_row + key_off + c * SLOTS
+        key_ptr = dst_row + c * SLOTS  # only used when not DIRECT
+        n_c = tl.minimum(tl.maximum(n - start, 0), CHUNK)
+        _pad(idx_ptr, tl.minimum(n_c, K), SLOTS, SLOT_TILE)
+
+        idx = start + tl.arange(0, CHUNK)
+        key, valid = _row_keys(row_ptr, idx, n, sink_blocks, local_blocks)
+        thresh = tl.full([], _INT32_MIN, tl.int32)  # below every key: take all
+        need_ties = tl.full([], 0, tl.int32)
+        if n_c > K:
+            # The chunk sits in registers: every pass re-reads the same keys, no reloads.
+            prefix = tl.full([], 0, tl.int32)
+            above = tl.full([], 0, tl.int32)
+            done = tl.full([], 0, tl.int32)
+            for p in tl.static_range(4):
+                hist = tl.zeros([256], dtype=tl.int32)
+                if done == 0:
+                    hist = _pass_hist(key, valid, p, prefix)
+                prefix, above, thresh, need_ties, done = _pass_pick(
+                    hist, p, K, prefix, above, thresh, need_ties, done
+                )
+            thresh = tl.where(done != 0, thresh, prefix)
+            need_ties = tl.where(done != 0, need_ties, K - above)
+        zero = tl.full([], 0, tl.int32)
+        sel, pos, _, _ = _tile_select(key, valid, thresh, need_ties, zero, zero)
+        tl.store(idx_ptr + pos, idx, mask=sel)
+        if not DIRECT:
+            tl.store(key_ptr + pos, key, mask=sel)
+
+
+@triton.jit
+def _merge_select_kernel(
+    ws_ptr,
+    ncand_ptr,
+    out_ptr,
+    stride_wb,
+    stride_wh,
+    key_off,
     stride_ob,
     stride_oh,
     M,
     K,
-    sink_blocks,
-    local_blocks,
+    SLOTS,
     CHUNK: tl.constexpr,
-    K_CHUNK: tl.constexpr,
+    TILE: tl.constexpr,
+    K_TILE: tl.constexpr,
 ):
+    """Phase 2, program (r, h): top K of the row's chunk survivors in the workspace -> out."""
     r = tl.program_id(0)
     h = tl.program_id(1)
-    row_ptr = scores_ptr + r.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+    key_row = ws_ptr + r.to(tl.int64) * stride_wb + h.to(tl.int64) * stride_wh
+    idx_row = key_row + key_off
     o_ptr = out_ptr + r.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     n = tl.minimum(tl.load(ncand_ptr + r).to(tl.int32), M)
     n = tl.maximum(n, 0)
-    count = tl.minimum(n, K)
+    _pad(o_ptr, tl.minimum(n, K), K, K_TILE)
+    # Survivors of the chunks that hold candidates; -1 block index marks a padding slot.
+    length = ((n + CHUNK - 1) // CHUNK) * SLOTS
 
-    # -1 padding behind the `count` selected entries.
-    for k0 in range(0, K, K_CHUNK):
-        pos = k0 + tl.arange(0, K_CHUNK)
-        tl.store(o_ptr + pos, tl.full([K_CHUNK], -1, tl.int32), mask=(pos >= count) & (pos < K))
-
-    thresh = tl.full([], _INT32_MIN, tl.int32)  # below every key: take all candidates
+    thresh = tl.full([], _INT32_MIN, tl.int32)
     need_ties = tl.full([], 0, tl.int32)
+    # n > K leaves at least K survivors (each chunk keeps min(its count, K)), so a K-th exists.
     if n > K:
-        bins = tl.arange(0, 256)
-        above = tl.full([], 0, tl.int32)  # keys whose already-fixed bytes beat the prefix
-        prefix = tl.full([], 0, tl.int32)  # fixed high bytes of T, as an arithmetic shift of T
+        prefix = tl.full([], 0, tl.int32)
+        above = tl.full([], 0, tl.int32)
         done = tl.full([], 0, tl.int32)
         for p in tl.static_range(4):
-            shift = 24 - 8 * p  # p is a compile-time constant
             hist = tl.zeros([256], dtype=tl.int32)
-            for start in range(0, tl.where(done != 0, 0, n), CHUNK):
-                idx = start + tl.arange(0, CHUNK)
-                key, valid = _row_keys(row_ptr, idx, n, sink_blocks, local_blocks)
-                digit = (key >> shift) & 255
-                if p == 0:
-                    digit = digit ^ 128  # signed top byte -> unsigned order
-                    match = valid
-                else:
-                    match = valid & ((key >> (shift + 8)) == prefix)
-                hist += tl.histogram(digit, 256, mask=match)
-            # count_ge[d]: keys >= (prefix, d); non-increasing in d, count_ge[0] >= K.
-            count_ge = above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-            d_star = tl.sum((count_ge >= K).to(tl.int32), axis=0) - 1
-            n_above = above + tl.sum(tl.where(bins > d_star, hist, 0), axis=0)
-            n_ge = n_above + tl.sum(tl.where(bins == d_star, hist, 0), axis=0)
-            if p == 0:
-                new_prefix = d_star - 128
-            else:
-                new_prefix = prefix * 256 + d_star
-            # Exactly K keys reach the chosen bucket: take all of them (every key >= the
-            # bucket's lowest key) and skip the remaining passes. Typical for continuous scores.
-            finish = (done == 0) & (n_ge == K)
-            thresh = tl.where(finish, new_prefix * (1 << shift), thresh)
-            need_ties = tl.where(finish, K, need_ties)
-            prefix = tl.where(done != 0, prefix, new_prefix)
-            above = tl.where(done != 0, above, n_above)
-            done = done | finish.to(tl.int32)
+            for s0 in range(0, tl.where(done != 0, 0, length), TILE):
+                j = s0 + tl.arange(0, TILE)
+                blk = tl.load(idx_row + j, mask=j < length, other=-1)
+                key = tl.load(key_row + j, mask=blk >= 0, other=0)
+                hist += _pass_hist(key, blk >= 0, p, prefix)
+            prefix, above, thresh, need_ties, done = _pass_pick(hist, p, K, prefix, above, thresh, need_ties, done)
         thresh = tl.where(done != 0, thresh, prefix)
         need_ties = tl.where(done != 0, need_ties, K - above)
 
-    # Emit in ascending block order: keys > T, then the lowest-index keys == T.
     taken = tl.full([], 0, tl.int32)
     ties = tl.full([], 0, tl.int32)
-    for start in range(0, n, CHUNK):
-        idx = start + tl.arange(0, CHUNK)
-        key, valid = _row_keys(row_ptr, idx, n, sink_blocks, local_blocks)
-        eq = (valid & (key == thresh)).to(tl.int32)
-        tie_rank = ties + tl.cumsum(eq, axis=0) - eq
-        sel = (valid & (key > thresh)) | ((eq != 0) & (tie_rank < need_ties))
-        sel_i = sel.to(tl.int32)
-        pos = taken + tl.cumsum(sel_i, axis=0) - sel_i
-        tl.store(o_ptr + pos, idx, mask=sel)
-        taken += tl.sum(sel_i, axis=0)
-        ties += tl.sum(eq, axis=0)
+    for s0 in range(0, length, TILE):
+        j = s0 + tl.arange(0, TILE)
+        blk = tl.load(idx_row + j, mask=j < length, other=-1)
+        key = tl.load(key_row + j, mask=blk >= 0, other=0)
+        sel, pos, taken, ties = _tile_select(key, blk >= 0, thresh, need_ties, taken, ties)
+        tl.store(o_ptr + pos, blk, mask=sel)
+
+
+def _plan(m: int, k: int) -> Tuple[int, int, int]:
+    """(chunk width, chunks, survivor slots per chunk) for rows of width m and a given K.
+
+    1024-wide chunks give 32 programs per row at M = 32768 while each chunk still sits in
+    registers; wider for large K so that a chunk keeps at most ~1/4 of its blocks.
+    """
+    chunk = max(1024, 4 * triton.next_power_of_2(max(k, 1)))
+    chunk = min(chunk, 8192, max(16, triton.next_power_of_2(max(m, 1))))
+    chunks = triton.cdiv(max(m, 1), chunk)
+    return chunk, chunks, min(k, chunk)
+
+
+def topk_workspace_numel(bs: int, h_kv: int, m: int, k: int) -> int:
+    """int32 elements of the workspace `select_blocks_triton` needs for scores `[bs, H_kv, m]`
+    (0 when one chunk covers m). Non-decreasing in every argument, so one buffer sized for the
+    largest batch and width serves all smaller calls with the same K."""
+    if k <= 0:
+        return 0
+    _, chunks, slots = _plan(m, k)
+    return 0 if chunks == 1 else bs * h_kv * 2 * chunks * slots
 
 
 def select_blocks_triton(
@@ -142,6 +280,7 @@ def select_blocks_triton(
     sink_blocks: int = 0,
     local_blocks: int = 0,
     out: Optional[torch.Tensor] = None,
+    workspace: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Pick K candidate blocks per (request, kv head) (Triton; same result as `select_blocks`).
 
@@ -151,6 +290,9 @@ def select_blocks_triton(
     nearest the current block first; the rest by score, ties to the lower block index,
     NaN as -inf. A request with at most K candidates gets all of them.
     out: optional preallocated `[bs, H_kv, K]` int32 (last axis contiguous) for CUDA graphs.
+    workspace: optional contiguous int32 scratch of at least
+    `topk_workspace_numel(bs, H_kv, M, K)` elements (allocated once by the caller, e.g. for
+    CUDA graphs); allocated per call when absent and needed.
     Returns `[bs, H_kv, K]` int32 logical block indices in ascending order, padded with -1.
     """
     bs, h_kv, m = scores.shape
@@ -166,23 +308,62 @@ def select_blocks_triton(
         scores = scores.contiguous()
     if num_candidates.dtype not in (torch.int32, torch.int64):
         num_candidates = num_candidates.to(torch.int64)
-    # 4096-wide chunks keep a pass over M=32768 at 8 steps while staying in registers.
-    chunk = max(16, min(4096, triton.next_power_of_2(max(m, 1))))
-    k_chunk = max(16, min(1024, triton.next_power_of_2(k)))
-    _select_blocks_kernel[(bs, h_kv)](
+    chunk, chunks, slots = _plan(m, k)
+    direct = chunks == 1
+    need = topk_workspace_numel(bs, h_kv, m, k)
+    if direct:
+        ws = out  # unused placeholder
+    elif workspace is None:
+        ws = torch.empty(need, dtype=torch.int32, device=scores.device)
+    elif workspace.dtype != torch.int32 or not workspace.is_contiguous() or workspace.numel() < need:
+        raise ValueError(f"workspace must be contiguous int32 with at least {need} elements")
+    else:
+        ws = workspace
+    # Workspace view [bs, H_kv, 2, chunks, slots]: keys then block indices, per row.
+    row_stride = 2 * chunks * slots
+    key_off = chunks * slots
+    # Clamped so forced keys stay inside their key range.
+    sink = min(max(sink_blocks, 0), m)
+    local = min(max(local_blocks, 0), m)
+    dst_slots = k if direct else slots
+    slot_tile = max(16, min(1024, triton.next_power_of_2(dst_slots)))
+    _chunk_select_kernel[(bs, h_kv, chunks)](
         scores,
         num_candidates,
-        out,
+        out if direct else ws,
         scores.stride(0),
         scores.stride(1),
-        out.stride(0),
-        out.stride(1),
+        out.stride(0) if direct else h_kv * row_stride,
+        out.stride(1) if direct else row_stride,
+        key_off,
         m,
         k,
-        min(max(sink_blocks, 0), m),  # clamped so forced keys stay inside their key range
-        min(max(local_blocks, 0), m),
+        dst_slots,
+        sink,
+        local,
         CHUNK=chunk,
-        K_CHUNK=k_chunk,
+        SLOT_TILE=slot_tile,
+        DIRECT=direct,
         num_warps=8 if chunk >= 2048 else 4,
     )
+    if not direct:
+        # Survivors per row: at most 32 chunks * slots at M = 32768, K <= 256.
+        tile = max(16, min(4096, triton.next_power_of_2(chunks * slots)))
+        _merge_select_kernel[(bs, h_kv)](
+            ws,
+            num_candidates,
+            out,
+            h_kv * row_stride,
+            row_stride,
+            key_off,
+            out.stride(0),
+            out.stride(1),
+            m,
+            k,
+            slots,
+            CHUNK=chunk,
+            TILE=tile,
+            K_TILE=max(16, min(1024, triton.next_power_of_2(k))),
+            num_warps=8 if tile >= 2048 else 4,
+        )
     return out
