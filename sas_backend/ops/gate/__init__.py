@@ -1,0 +1,42 @@
+"""The gate query from the post-RoPE query: ONE entry point for the serving path.
+
+`gate_query_post_rope(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin, out=None)` runs the fused
+Triton kernel (`ops.gate.triton`) for CUDA tensors and the torch reference (`ops.gate.naive`)
+otherwise. The Triton module is imported on first CUDA use only, so CPU callers never import
+Triton (and the test suite can set TRITON_INTERPRET before any kernel module loads).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sas_backend.ops.gate.naive import gate_query_post_rope as _reference
+
+
+def gate_query_post_rope(
+    q_post: torch.Tensor,
+    model_cos_sin: torch.Tensor,
+    w_q: torch.Tensor,
+    q_norm: torch.Tensor,
+    gate_cos_sin: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Gate query per kv head: `[N, H_kv, Dg]` fp32 (out if given).
+
+    q_post: `[N, H_q, D]` query after the model's RoPE; model_cos_sin: `[N, D]` fp32 model table
+    rows at each token's position; w_q: `[H_kv, G, D, Dg]`; q_norm: `[Dg]`; gate_cos_sin:
+    `[N, Dg]` fp32; out: optional `[N, H_kv, Dg]` fp32 buffer (CUDA graphs: no allocation).
+    """
+    if q_post.is_cuda:
+        from sas_backend.ops.gate.triton import gate_query_triton
+
+        return gate_query_triton(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin, out=out)
+    res = _reference(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin)
+    if out is None:
+        return res
+    return out.copy_(res)
+
+
+__all__ = ["gate_query_post_rope"]
