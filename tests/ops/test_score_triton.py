@@ -67,3 +67,18 @@ def test_score_into_preallocated_out(paged_case):
     res = score_blocks_triton(*args, out=out)
     assert res is out
     torch.testing.assert_close(out, score_blocks(*args), rtol=1e-5, atol=1e-6)
+
+
+def test_score_tiles_past_candidates_write_neg_inf(paged_case):
+    # Several 64-block tiles per row; short rows leave whole tiles past their candidates (those
+    # programs exit early) and those must still read -inf, also over a garbage-filled `out`.
+    case = paged_case([1, 9, 300, 700], 4, 2, 16, seed=8)
+    assert case.max_blocks > 128
+    q = case.randn(4, 2, 16)
+    summ = case.randn(case.num_pages + 1, 2, 16)
+    args = (q, summ, case.req_to_token, case.req_pool_indices, case.seq_lens, 4, case.max_blocks)
+    out = torch.full((4, 2, case.max_blocks), 123.0, device=DEVICE)
+    score_blocks_triton(*args, out=out)
+    ref = score_blocks(*args)
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

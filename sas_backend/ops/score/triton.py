@@ -46,6 +46,12 @@ def _score_blocks_kernel(
     seq_len = tl.load(seq_ptr + r).to(tl.int64)
     # Candidates are the complete blocks before the one holding the newest token.
     n_cand = tl.maximum(seq_len - 1, 0) // BLOCK_SIZE
+    out_row = out_ptr + r * stride_ob + h * stride_oh
+    # Tiles past the row's candidates only write -inf: the grid is sized by the server's
+    # maximum context, the work by the batch's actual lengths.
+    if tl.program_id(2) * BLOCK_M >= n_cand:
+        tl.store(out_row + m, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m < max_blocks)
+        return
     valid = m < n_cand
     req = tl.load(rpi_ptr + r).to(tl.int64)
 
@@ -63,7 +69,7 @@ def _score_blocks_kernel(
     ).to(tl.float32)
     s = tl.sum(kg * q[None, :], axis=1) * sm_scale
     s = tl.where(valid, s, float("-inf"))
-    tl.store(out_ptr + r * stride_ob + h * stride_oh + m, s, mask=m < max_blocks)
+    tl.store(out_row + m, s, mask=m < max_blocks)
 
 
 def score_blocks_triton(
