@@ -46,8 +46,19 @@ constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_v" >"$constraints"
 
-# Elsewhere than this project's machines, the CPU wheel lives on the PyTorch CPU index.
-$pip install -q "torch==$torch_v" || $pip install -q "torch==$torch_v" --index-url https://download.pytorch.org/whl/cpu
+# On Linux x86_64, PyPI's torch is a CUDA build (several GB of nvidia-* wheels); the CPU build
+# (version suffix +cpu) is on the PyTorch CPU index. A local +cpu wheel (pip's find-links, as on this
+# project's machines) is taken first without asking any index; else that index, pinned to +cpu so
+# PyPI's build can never win. Elsewhere (macOS, aarch64) PyPI's torch is the CPU build.
+if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ]; then
+  if ! $pip install -q --no-index --no-deps "torch==$torch_v+cpu" >/dev/null 2>&1; then
+    echo "[install] torch $torch_v+cpu from https://download.pytorch.org/whl/cpu"
+    $pip install -q "torch==$torch_v+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+  fi
+  $pip install -q "torch==$torch_v+cpu"  # torch's own dependencies; torch itself is already there
+else
+  $pip install -q "torch==$torch_v"
+fi
 $pip install -q --no-deps "sglang==$sgl"
 
 # sglang's Requires-Dist, minus extras, markers that do not apply, and CUDA-only packages.
@@ -73,6 +84,8 @@ PY
 )"
 # triton runs kernels on CPU only under TRITON_INTERPRET=1, which is how our tests use it.
 # accelerate lets transformers load the GGUF of the default model (serve/prepare_model.py).
+echo "[install] note: pip will print an ERROR that sglang requires cuda-python, flashinfer, nvidia-*, ... which"
+echo "[install]       are not installed: expected, those CUDA-only requirements are left out on purpose on CPU"
 # shellcheck disable=SC2086
 $pip install -q -c "$constraints" $reqs triton accelerate
 $pip install -q "$here/serve/cpu_shim"

@@ -4,7 +4,10 @@
 #
 #   bash serve/serve.sh                         # default model (SmolLM2-135M-Instruct), CPU if no GPU
 #   SAS_MODEL=/path/to/Qwen3-8B SAS_GATE=/path/to/gate bash serve/serve.sh --tp 1   # your own
-#   PORT=30000 SAS_BUDGET=512 bash serve/serve.sh [extra sglang flags...]
+#   PORT=30000 SAS_BUDGET=512 bash serve/serve.sh [extra sglang flags...]   # e.g. --dtype bfloat16
+#
+# Adds --sleep-on-idle (the idle scheduler otherwise spins a core), --served-model-name <model dir name>,
+# and on a CPU without fast bf16 (no avx512_bf16/amx_bf16 flag) --dtype float32; your own flags win.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SAS_VENV:-$here/.venv}"
@@ -25,14 +28,36 @@ fi
 budget="${SAS_BUDGET:-512}"
 port="${PORT:-30000}"
 
+# Flags the user passed win: ours are added only for what they did not set.
+user_sets() { local a; for a in "${@:2}"; do case "$a" in "$1"|"$1"=*) return 0;; esac; done; return 1; }
+user_value() {  # the value the user gave flag $1 (last one wins, as in argparse)
+  local flag="$1" v="" prev="" a; shift
+  for a in "$@"; do
+    case "$a" in "$flag="*) v="${a#*=}";; esac
+    [ "$prev" = "$flag" ] && v="$a"
+    prev="$a"
+  done
+  printf '%s' "$v"
+}
+
+# The OpenAI API's model name: the model directory's name rather than its full path.
+name="$(user_value --served-model-name "$@")"
+[ -n "$name" ] || name="$(basename "$model")"
+# --sleep-on-idle: without it the idle scheduler busy-polls, holding a core at 100%.
 args=(--model-path "$model" --attention-backend sas --sas-gate "$gate" --sas-budget "$budget"
-      --host 127.0.0.1 --port "$port")
+      --host 127.0.0.1 --port "$port" --sleep-on-idle --served-model-name "$name")
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "[serve] GPU found: FlashInfer dense prefill, Triton + FlashInfer sparse decode"
 else
   echo "[serve] no GPU: serving on CPU (torch reference ops; SGLang's Triton helpers interpreted)"
   export SGLANG_USE_CPU_ENGINE=1 TRITON_INTERPRET=1
   args+=(--device cpu --max-total-tokens "${SAS_MAX_TOTAL_TOKENS:-16384}")
+  # A bf16 checkpoint would load as bf16, which without AVX512-BF16/AMX runs emulated (~20x slower
+  # than fp32 on an AVX2 CPU); an explicit --dtype is left alone.
+  if ! user_sets --dtype "$@" && ! grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then
+    echo "[serve] this CPU has no fast bf16 (no avx512_bf16/amx_bf16 flag): --dtype float32 (pass --dtype to override)"
+    args+=(--dtype float32)
+  fi
 fi
 
 "$py" -m sglang.launch_server "${args[@]}" "$@" &
@@ -46,10 +71,10 @@ for _ in $(seq 1 600); do
 done
 cat <<MSG
 
-[serve] sas backend serving $(basename "$model") at $url   (SAS config: $url/sas/info)
+[serve] sas backend serving model "$name" ($model) at $url   (SAS config: $url/sas/info)
 [serve] try:
   curl -s $url/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{"model": "default", "messages": [{"role": "user", "content": "Name three primes."}], "max_tokens": 32}'
+    -d '{"model": "$name", "messages": [{"role": "user", "content": "Name three primes."}], "max_tokens": 32}'
 [serve] Ctrl-C stops it.
 MSG
 wait $server
