@@ -46,6 +46,16 @@ def test_gate_query_fp32(g, d):
 
 
 @pytest.mark.parametrize("n", [1, 7])
+@pytest.mark.parametrize("g,d,dg", [(8, 128, 64), (1, 64, 64), (2, 96, 128)])
+def test_gate_query_fp32_batch_sizes_and_dims(g, d, dg, n):
+    # Decode batch 1 and 7, gate dim 64, and a head dim whose half is not a power of two.
+    _, q_post, mcs, w_q, qn, gcs = _case(n, 3, g, d, dg, seed=100 + n + g)
+    out = gate_query_triton(q_post, mcs, w_q, qn, gcs)
+    assert out.shape == (n, 3, dg)
+    torch.testing.assert_close(out, gate_query_post_rope_ref(q_post, mcs, w_q, qn, gcs), **TOL)
+
+
+@pytest.mark.parametrize("n", [1, 7])
 @pytest.mark.parametrize("g,d,dg", [(4, 128, 128), (3, 64, 64)])
 def test_gate_query_bf16(g, d, dg, n):
     _, q_post, mcs, w_q, qn, gcs = _case(n, 2, g, d, dg, seed=n + g)
