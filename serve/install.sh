@@ -53,9 +53,14 @@ echo "torch==$torch_v" >"$constraints"
 if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ]; then
   if ! $pip install -q --no-index --no-deps "torch==$torch_v+cpu" >/dev/null 2>&1; then
     echo "[install] torch $torch_v+cpu from https://download.pytorch.org/whl/cpu"
-    $pip install -q "torch==$torch_v+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+    if ! $pip install -q "torch==$torch_v+cpu" --extra-index-url https://download.pytorch.org/whl/cpu; then
+      # No CPU wheel reachable (an offline mirror without it): PyPI's build still runs on CPU,
+      # it is only large. Say so rather than fail.
+      echo "[install] warning: no torch $torch_v+cpu wheel reachable; installing PyPI's torch==$torch_v (a CUDA build, several GB)"
+      $pip install -q "torch==$torch_v"
+    fi
   fi
-  $pip install -q "torch==$torch_v+cpu"  # torch's own dependencies; torch itself is already there
+  $pip install -q "torch==$torch_v"  # torch's own dependencies; torch itself is already there
 else
   $pip install -q "torch==$torch_v"
 fi

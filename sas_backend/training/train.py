@@ -258,7 +258,9 @@ def load_init_gate(path: str, geometry, block_size: int):
     except GateCheckpointError as e:
         raise SystemExit(f"error: --init-gate: {e}") from None
     tensors = {i: {k: v.float() for k, v in t.items()} for i, t in tensors.items()}
-    return tensors, {"checkpoint": ident["path"], "sha256": ident["sha256"], "training": config.training}
+    # The record names the checkpoint as the user gave it (relative to where they ran), not the
+    # absolute path of this machine: records travel with the shipped checkpoint.
+    return tensors, {"checkpoint": os.path.normpath(path), "sha256": ident["sha256"], "training": config.training}
 
 
 def _check_args(args, device) -> None:

@@ -24,6 +24,7 @@ class _NoDenseDecode:
     """The wrapped dense backend: a sparse decode step must not use it."""
 
     kv_index_translator = None
+    workspace_buffer = None  # sas would borrow a real FlashInfer backend's; this stub has none
 
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
         pass

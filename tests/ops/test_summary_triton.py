@@ -49,6 +49,20 @@ def test_summarize_pages(h_kv, d, dg, block_size):
     torch.testing.assert_close(out, direct, rtol=1e-4, atol=1e-4)
 
 
+def test_summarize_pages_scaled_table_like_yarn():
+    """A table carrying a magnitude (YaRN's mscale) is undone exactly, as the reference does."""
+    b, h_kv, d, dg, num_pages = 8, 2, 16, 16, 6
+    page_starts = torch.arange(num_pages + 1, device=DEVICE) * b
+    model_cs, gate_cs, w_k, k_norm = _gate_params(h_kv, d, dg, seed=2)
+    model_cs = model_cs * 1.3
+    k_buf, k_pre = _post_rope_cache(num_pages, b, h_kv, d, page_starts, model_cs, torch.float32, seed=2)
+    pages = torch.tensor([2, 5, 1], device=DEVICE)
+    out = summarize_pages_triton(k_buf, pages, page_starts[pages], model_cs, gate_cs, w_k, k_norm, b)
+    blocks_pre = k_pre.reshape(num_pages + 1, b, h_kv, d)[pages]
+    direct = summarize_blocks(blocks_pre, w_k, k_norm, gate_cs[page_starts[pages]])
+    torch.testing.assert_close(out, direct, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k_dtype", [torch.bfloat16])
 def test_summarize_pages_bf16(k_dtype, w_dtype):

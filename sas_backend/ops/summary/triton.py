@@ -84,11 +84,13 @@ def _summarize_tile(
         x1 = tl.load(kp, mask=lmask, other=0.0).to(tl.float32)
         x2 = tl.load(kp + HALF_D, mask=lmask, other=0.0).to(tl.float32)
         cp = mcs_ptr + ((starts + t) * stride_mcs)[:, None] + d[None, :]
-        c = tl.load(cp, mask=lmask, other=0.0).to(tl.float32)
+        c = tl.load(cp, mask=lmask, other=1.0).to(tl.float32)  # masked lanes: identity, no 0/0
         s = tl.load(cp + HALF_D, mask=lmask, other=0.0).to(tl.float32)
-        # Inverse rotation (angle -theta) recovers the pre-RoPE key.
-        y1 = x1 * c + x2 * s
-        y2 = x2 * c - x1 * s
+        # Inverse rotation (angle -theta) recovers the pre-RoPE key; dividing by cos^2 + sin^2
+        # also undoes a magnitude baked into the table (YaRN's mscale), as ops.rope.invert_rope does.
+        inv_norm = 1.0 / (c * c + s * s)
+        y1 = (x1 * c + x2 * s) * inv_norm
+        y2 = (x2 * c - x1 * s) * inv_norm
         mx1 = tl.maximum(mx1, y1)
         mx2 = tl.maximum(mx2, y2)
         mn1 = tl.minimum(mn1, y1)
