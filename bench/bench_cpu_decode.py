@@ -326,9 +326,21 @@ def main(argv=None) -> int:
     flags = COMMON_FLAGS + ["--context-length", str(max_ctx), "--max-total-tokens", str(pool)]
 
     started = time.time()
-    dense = run_server("dense", model, "torch_native", flags, points, ids, args)
-    sas = {b: run_server(f"sas b{b}", model, "sas", flags + ["--sas-gate", gate, "--sas-budget", b],
-                         points, ids, args) for b in args.budgets}
+    date = datetime.date.today().isoformat()
+    tag = f"cpu-decode-{date}" + ("-quick" if args.quick else "")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / f"{tag}.partial.json"
+
+    def keep(name, measured):  # a killed or timed-out run still leaves every finished server's points
+        done = json.loads(partial.read_text()) if partial.exists() else {}
+        done[name] = [{"context": c, "batch": b, **m} for (c, b), m in measured.items()]
+        partial.write_text(json.dumps(done, indent=1))
+        return measured
+
+    dense = keep("dense", run_server("dense", model, "torch_native", flags, points, ids, args))
+    sas = {b: keep(f"sas b{b}", run_server(f"sas b{b}", model, "sas", flags + ["--sas-gate", gate, "--sas-budget", b],
+                                          points, ids, args)) for b in args.budgets}
 
     rows = []
     for ctx, bs in points:
@@ -343,10 +355,6 @@ def main(argv=None) -> int:
         rows.append(row)
 
     mach = machine()
-    date = datetime.date.today().isoformat()
-    tag = f"cpu-decode-{date}" + ("-quick" if args.quick else "")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     record = {
         "what": "steady-state decode tokens/s (all requests of a point together), dense torch_native vs sas",
         "rehearsal": args.quick, "date": date, "machine": mach, "git": git_state(),
@@ -356,6 +364,7 @@ def main(argv=None) -> int:
         "new_tokens": args.new_tokens, "skip": args.skip, "wall_s": round(time.time() - started, 1), "rows": rows,
     }
     (out / f"{tag}.json").write_text(json.dumps(record, indent=2))
+    partial.unlink(missing_ok=True)
     title = (f"{model.name}, fp32, {mach['cpu']} ({mach['cores']} cores), sglang {mach['sglang']}, "
              f"torch {mach['torch']}, {date}" + (" -- REHEARSAL, not a result" if args.quick else ""))
     plot(rows, args.budgets, args.batches, out / f"{tag}.png", title)

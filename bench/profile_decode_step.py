@@ -118,11 +118,11 @@ def run_point(backend_name: str, ctx: int, bs: int, budget: int, steps: int) -> 
         t0 = time.perf_counter()
         for i in range(steps):
             step(ctx + 1 + (i % B))
-        dt = (time.perf_counter() - t0) / steps
+        dt = (time.perf_counter() - t0) / max(steps, 1)
     total = sum(counter.counts.values())
     return {
         "backend": backend_name, "context": ctx, "batch": bs, "budget": budget if sas else None,
-        "ms_per_step_all_layers": round(dt * 1e3, 3), "aten_ops_per_layer": round(total / LAYERS, 1),
+        "ms_per_step_all_layers": round(dt * 1e3, 3) if steps else None, "aten_ops_per_layer": round(total / LAYERS, 1),
         "top_ops": dict(counter.counts.most_common(12)),
     }
 
@@ -132,7 +132,7 @@ def main() -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 7680])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps; 0 counts ops only (busy machine)")
     ap.add_argument("--label", default="after", help="names the result file (e.g. before / after)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = ap.parse_args()
@@ -143,12 +143,11 @@ def main() -> int:
             pair = [run_point(name, ctx, bs, args.budget, args.steps) for name in ("dense", "sas")]
             rows.extend(pair)
             d, s = pair
-            print(
-                f"ctx {ctx:5d} bs {bs}: dense {d['ms_per_step_all_layers']:8.2f} ms, {d['aten_ops_per_layer']:5.1f} ops/layer"
-                f" | sas {s['ms_per_step_all_layers']:8.2f} ms, {s['aten_ops_per_layer']:5.1f} ops/layer"
-                f" | dense/sas time {d['ms_per_step_all_layers'] / s['ms_per_step_all_layers']:.2f}x",
-                flush=True,
-            )
+            line = f"ctx {ctx:5d} bs {bs}: ops/layer dense {d['aten_ops_per_layer']:5.1f} sas {s['aten_ops_per_layer']:5.1f}"
+            if args.steps:
+                dm, sm = d["ms_per_step_all_layers"], s["ms_per_step_all_layers"]
+                line += f" | ms/step dense {dm:8.2f} sas {sm:8.2f} | dense/sas {dm / sm:.2f}x"
+            print(line, flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     import sglang
 
