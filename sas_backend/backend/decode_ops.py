@@ -43,21 +43,19 @@ class TorchDecodeOps:
         )
 
     def update_summaries(self, plan: DecodePlan, k_buffer, summaries, gate: AttnGate) -> None:
-        step = plan.step
-        if plan.graph:
-            from sas_backend.ops.summary.cpu import summary_update_decode_masked
+        from sas_backend.ops.summary.cpu import summary_update_decode_masked
 
-            summary_update_decode_masked(
-                k_buffer, summaries, step.block_first_slot, step.seq_lens, self.block_size,
-                self.model_rope_table, self.gate_rope_table,
-                gate.attngate_linear_k.weight, gate.attngate_knorm.weight,
-            )
-        elif plan.summary_rows is not None:
-            rows = plan.summary_rows
-            block = torch.div(step.seq_lens[rows].long(), self.block_size, rounding_mode="floor") - 1
-            first = torch.gather(step.block_first_slot[rows], 1, block[:, None]).squeeze(1)
-            pages = torch.div(first, self.block_size, rounding_mode="floor")
-            summaries[pages] = self.summarize_pages(k_buffer, pages, block * self.block_size, gate).to(summaries.dtype)
+        step = plan.step
+        first_slot, seq_lens = step.block_first_slot, step.seq_lens
+        if not plan.graph:  # eager: the host knows which rows completed a block; only those work
+            if plan.summary_rows is None:
+                return
+            first_slot, seq_lens = first_slot[plan.summary_rows], seq_lens[plan.summary_rows]
+        summary_update_decode_masked(
+            k_buffer, summaries, first_slot, seq_lens, self.block_size,
+            self.model_rope_table, self.gate_rope_table,
+            gate.attngate_linear_k.weight, gate.attngate_knorm.weight,
+        )
 
     def _flat_q_weight(self, gate: AttnGate) -> torch.Tensor:
         w = self._w_q_flat.get(id(gate))

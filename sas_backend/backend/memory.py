@@ -149,7 +149,12 @@ def memory_for_sglang(owner) -> tuple:
     server_args = owner.server_args
     cfg = SASConfig.from_env().validate()
     geo = ModelGeometry.from_hf_config(owner.model_config.hf_config)
-    tp_size = getattr(server_args, "tp_size", None) or 1
+    try:  # kv heads are sharded over the attention-TP group (smaller than tp_size under DP attention)
+        from sas_backend.backend.factory import attention_tp
+
+        tp_size = attention_tp()[1]
+    except Exception:  # parallel state not published yet: the plain TP size is the upper bound
+        tp_size = getattr(server_args, "tp_size", None) or 1
     kv_heads = max(1, geo.num_kv_heads // tp_size)
     kv_elem = torch.empty(0, dtype=owner.kv_cache_dtype).element_size()
     kv_bytes_per_token = 2 * kv_heads * geo.head_dim * geo.num_layers * kv_elem
