@@ -40,14 +40,30 @@ class FakeDecodeWrapper:
 
 
 @pytest.fixture()
-def fi(monkeypatch):
+def gathers(monkeypatch):
+    """Calls of the gather op from run(), recorded (its kernel needs a GPU; the op is tested in tests/ops)."""
+    calls = []
+    import sas_backend.ops.sparse_decode.flashinfer as mod
+
+    monkeypatch.setattr(mod, "gather_kv_indices", lambda *args: calls.append(args) or args[-1])
+    return calls
+
+
+def _make(monkeypatch, **kwargs):
     fake = types.ModuleType("flashinfer")
     fake.BatchDecodeWithPagedKVCacheWrapper = FakeDecodeWrapper
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     FakeDecodeWrapper.instances = []
     from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
 
-    return FlashInferSparseDecode(2, 4, 64, torch.bfloat16, torch.bfloat16, DEVICE, max_rows=16, max_indices=4096)
+    # H_kv 2, G 4, D 64; K = 2 blocks of 64.
+    return FlashInferSparseDecode(2, 4, 64, torch.bfloat16, torch.bfloat16, DEVICE, max_rows=16, top_k=2,
+                                  block_size=64, **kwargs)
+
+
+@pytest.fixture()
+def fi(monkeypatch):
+    return _make(monkeypatch)
 
 
 def _indptr(lens):
@@ -60,16 +76,16 @@ def _same_memory(view, base):
 
 @pytest.mark.parametrize("graph_bs", [None, 3])
 def test_plan_reads_only_host_tensors(fi, graph_bs):
-    indptr = _indptr([5, 5, 70, 70, 130, 130])  # 3 requests x 2 kv heads
-    out = fi.plan(indptr, 0.125, graph_bs=graph_bs)
+    fi.plan(torch.tensor([5, 70, 130]), 0.125, graph_bs=graph_bs)  # 3 requests x 2 kv heads
     wrapper = fi._graph_wrappers[graph_bs] if graph_bs else fi._eager
     (p,) = wrapper.plans
     assert p["indptr"].device.type == "cpu" and p["indptr"].dtype == torch.int32
-    assert torch.equal(p["indptr"], indptr)
+    # Row lengths: min(K, candidates) whole blocks + the current block up to the newest token.
+    assert torch.equal(p["indptr"], _indptr([5, 5, 70, 70, 130, 130]))
     assert p["last_page_len"].device.type == "cpu"
     assert torch.equal(p["last_page_len"], torch.ones(6, dtype=torch.int32))
     # The index buffer stays on the device: FlashInfer never reads it on the host on this path.
-    assert p["indices"] is fi.indices_buf and out is fi.indices_buf
+    assert p["indices"] is fi.indices_buf
     assert p["heads"] == (4, 1, 64, 1) and p["sm_scale"] == 0.125
     for name, value in p.items():  # nothing else crosses as a device tensor
         if isinstance(value, torch.Tensor) and name != "indices":
@@ -77,7 +93,7 @@ def test_plan_reads_only_host_tensors(fi, graph_bs):
 
 
 def test_graph_wrapper_is_built_over_the_fixed_device_buffers(fi):
-    fi.plan(_indptr([64] * 6), 0.125, graph_bs=3)
+    fi.plan(torch.tensor([64] * 3), 0.125, graph_bs=3)
     w = fi._graph_wrappers[3]
     assert w.use_cuda_graph
     indptr_buf, indices_buf, last_buf = w.buffers
@@ -86,38 +102,41 @@ def test_graph_wrapper_is_built_over_the_fixed_device_buffers(fi):
     assert _same_memory(last_buf, fi.last_page_len_buf) and last_buf.numel() == 6
     assert w.workspace is fi.workspace and w.workspace.device == DEVICE
     # A replay re-plans the same wrapper (same buffers), never a new one.
-    fi.plan(_indptr([100] * 6), 0.125, graph_bs=3)
+    fi.plan(torch.tensor([100] * 3), 0.125, graph_bs=3)
     assert fi._graph_wrappers[3] is w and len(w.plans) == 2
 
 
-def test_run_goes_to_the_planned_wrapper(fi):
-    fi.plan(_indptr([64] * 6), 0.125, graph_bs=3)
+def test_run_gathers_into_the_planned_buffers_then_decodes(fi, gathers):
+    fi.plan(torch.tensor([64] * 3), 0.125, graph_bs=3)
     q = torch.empty(3, 8, 64, dtype=torch.bfloat16, device=DEVICE)
     kv = torch.empty(100, 2, 64, dtype=torch.bfloat16, device=DEVICE)
-    out = fi.run(q, kv, kv)
+    sel = torch.empty(3, 2, 2, dtype=torch.int32, device=DEVICE)
+    table = torch.empty(3, 5, dtype=torch.int64, device=DEVICE)
+    seq = torch.empty(3, dtype=torch.int64, device=DEVICE)
+    out = fi.run(q, kv, kv, sel, table, seq)
+    ((g_sel, g_table, g_seq, g_b, g_indptr, g_out),) = gathers
+    assert g_sel is sel and g_table is table and g_seq is seq and g_b == 64
+    # Fixed device addresses a captured gather keeps reading / writing.
+    assert _same_memory(g_indptr, fi.gather_indptr) and g_indptr.numel() == 7 and g_out is fi.indices_buf
     (q_rows, (k_rows, v_rows)), = fi._graph_wrappers[3].runs
     assert q_rows.shape == (6, 4, 64) and k_rows.shape == (200, 1, 1, 64) and q_rows.device == DEVICE
     assert out.shape == (3, 8, 64)
-    fi.plan(_indptr([64] * 4), 0.125)  # an eager step after it runs the eager wrapper
-    fi.run(q[:2], kv, kv)
+    fi.plan(torch.tensor([64] * 2), 0.125)  # an eager step after it runs the eager wrapper
+    fi.run(q[:2], kv, kv, sel[:2], table[:2], seq[:2])
     assert len(fi._eager.runs) == 1
+    with pytest.raises(ValueError, match="plan"):  # a batch other than the planned one
+        fi.run(q, kv, kv, sel, table, seq)
 
 
-def test_device_indptr_is_refused(fi):
+def test_device_seq_lens_are_refused(fi):
     with pytest.raises(ValueError, match="CPU tensor"):
-        fi.plan(_indptr([64, 64]).to(DEVICE), 0.125)
+        fi.plan(torch.tensor([64, 64]).to(DEVICE), 0.125)
 
 
-def test_external_index_buffer_is_the_only_one(monkeypatch):
-    fake = types.ModuleType("flashinfer")
-    fake.BatchDecodeWithPagedKVCacheWrapper = FakeDecodeWrapper
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
-
-    buf = torch.zeros(4096, dtype=torch.int32, device=DEVICE)
+def test_shared_workspace_is_used_not_owned(monkeypatch):
     ws = torch.empty(1024, dtype=torch.uint8, device=DEVICE)
-    fi = FlashInferSparseDecode(2, 4, 64, torch.bfloat16, torch.bfloat16, DEVICE, 16, 4096, indices_buf=buf, workspace=ws)
-    assert fi.indices_buf is buf and fi.plan(_indptr([64] * 2), 0.1) is buf
-    assert fi.workspace is ws and not fi.owns_workspace
-    with pytest.raises(ValueError, match="int32"):
-        FlashInferSparseDecode(2, 4, 64, torch.bfloat16, torch.bfloat16, DEVICE, 16, 8192, indices_buf=buf)
+    fi = _make(monkeypatch, workspace=ws)
+    fi.plan(torch.tensor([64] * 2), 0.1)
+    assert fi.workspace is ws and not fi.owns_workspace and fi._eager.workspace is ws
+    # The index buffer holds max_rows rows of (K + 1) * b tokens.
+    assert fi.indices_buf.numel() == 16 * 3 * 64 and fi.indices_buf.dtype == torch.int32

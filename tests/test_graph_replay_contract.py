@@ -72,8 +72,9 @@ class Rig:
                 pages = self.req_pool.req_to_token[req, : n_blocks * B : B].long() // B
                 starts = torch.arange(n_blocks) * B
                 gate = self.backend.gates[lid]
-                self.backend.summaries[lid][pages] = self.backend.ops.summarize_pages(
-                    self.kv_pool.k_buffer[lid], pages, starts, gate
+                self.backend.summaries[lid][pages] = self.backend.selector.summarize(
+                    gate, self.kv_pool.k_buffer[lid], pages, starts, self.backend.model_rope_table,
+                    self.backend.gate_rope_table,
                 )
 
     def step_inputs(self, reqs):
@@ -126,15 +127,15 @@ def _layers(rig, fb, qkv):
 def _spy_selection(rig):
     """Keep the first sparse layer's selection tensor of each forward (at capture: the one replay writes)."""
     seen = []
-    select = rig.backend.ops.select
+    select = rig.backend.selector.select
 
-    def spy(plan, q, summaries, gate):
-        out = select(plan, q, summaries, gate)
+    def spy(gate, *args):
+        out = select(gate, *args)
         if gate is rig.backend.gates[0]:
             seen.append(out)
         return out
 
-    rig.backend.ops.select = spy
+    rig.backend.selector.select = spy
     return seen
 
 
@@ -266,7 +267,7 @@ def test_rope_table_reallocation_is_followed_eagerly_and_refused_after_capture()
     inp = rig.step_inputs([0])
     fb = _fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], 1)
     be.init_forward_metadata(fb)
-    assert be.ops.model_rope_table is grown.model and be.ops.gate_rope_table is grown.gate
+    assert be.model_rope_table is grown.model and be.gate_rope_table is grown.gate
     static = Static(MAX_BS, be.get_cuda_graph_seq_len_fill_value())
     static.load(inp)
     be.init_cuda_graph_state(MAX_BS, MAX_BS)

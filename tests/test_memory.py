@@ -31,7 +31,6 @@ def _nbytes(*tensors):
 def test_figure_matches_the_allocated_tensors(monkeypatch, graph_sizes):
     """Build the pieces as the backend does (summary pool on CPU, FlashInfer buffers on `meta`
     through a fake flashinfer module) and compare their bytes with `sas_memory`."""
-    from sas_backend.backend.decode_plan import decode_row_capacity
     from sas_backend.backend.summary_pool import SummaryPool
 
     fake = types.ModuleType("flashinfer")
@@ -44,10 +43,9 @@ def test_figure_matches_the_allocated_tensors(monkeypatch, graph_sizes):
     pool = SummaryPool(range(30 - GEO["num_sparse_layers"], 30), kv_slots // b, h, GEO["gate_dim"], "cpu")
     rows = (max_reqs + 1) * h  # req_to_token has max_reqs + 1 rows
     fi = FlashInferSparseDecode(h, 3, 64, torch.bfloat16, torch.bfloat16, "meta", max_rows=rows,
-                                max_indices=rows * decode_row_capacity(GEO["top_k"], b))
+                                top_k=GEO["top_k"], block_size=b)
     for bs in range(1, graph_sizes + 1):  # one graph wrapper per captured batch size
-        fi.plan(torch.arange(bs * h + 1, dtype=torch.int32), 0.1, graph_bs=bs)
-    gather_indptr = torch.zeros(rows + 1, dtype=torch.int32)
+        fi.plan(torch.full((bs,), 100), 0.1, graph_bs=bs)
     from sas_backend.gate.module import AttnGate
 
     gates = [AttnGate(h, 3, 64, GEO["gate_dim"]) for _ in range(GEO["num_sparse_layers"])]
@@ -56,7 +54,7 @@ def test_figure_matches_the_allocated_tensors(monkeypatch, graph_sizes):
     mem = sas_memory(**GEO, max_reqs=max_reqs, on_cuda=True, num_graph_batch_sizes=graph_sizes,
                      group_size=3, head_dim=64)
     assert mem.fixed["gate weights"] == gate_bytes
-    assert mem.total_bytes(kv_tokens) == pool.nbytes + fi.device_nbytes() + _nbytes(gather_indptr) + gate_bytes
+    assert mem.total_bytes(kv_tokens) == pool.nbytes + fi.device_nbytes() + gate_bytes
     assert mem.summary_bytes_per_page == GEO["num_sparse_layers"] * h * GEO["gate_dim"] * 4
 
     cpu = sas_memory(**GEO, max_reqs=max_reqs, on_cuda=False)  # CPU: only the summary pool

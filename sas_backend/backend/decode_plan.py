@@ -1,10 +1,10 @@
 """Per-batch decode metadata, split the way CUDA graphs need it.
 
 - `DecodePlan` (frozen): what is fixed for one batch shape, made on the host outside any graph
-  (`init_forward_metadata` / `_out_graph`): batch size, score width, the row offsets and the
-  index buffer FlashInfer was planned with, and the views of the step buffers to read.
+  (`init_forward_metadata` / `_out_graph`): batch size, score width, and the views of the step
+  buffers to read. (The sparse decode plans its own host part: `ops.sparse_decode`.)
 - `StepTensors`: the device tensors every sparse layer of a step shares (RoPE rows at each
-  position, candidate counts, block slots, masks). They depend on the step's positions and
+  position, candidate counts, the block table). They depend on the step's positions and
   lengths, so under CUDA graphs they are computed INSIDE the graph (`_in_graph`) into
   `StepBuffers`, persistent buffers whose addresses the captured layers hold. Eager steps
   compute them directly.
@@ -20,9 +20,7 @@ from typing import Optional
 
 import torch
 
-from sas_backend.ops.gather.naive import kv_indptr_for
-from sas_backend.ops.gate.cpu import rotation_factors
-from sas_backend.ops.score.naive import candidate_counts
+from sas_backend.ops.score import candidate_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +30,8 @@ class StepTensors:
     positions, seq_lens, req_pool_indices: `[bs]` the batch's own tensors (the graph runner's
     static buffers under CUDA graphs). num_candidates: `[bs]` int64 complete blocks before the
     current one. model_cos_sin `[bs, D]`, gate_cos_sin `[bs, Dg]`: RoPE table rows at each
-    position. block_first_slot: `[bs, M + 1]` int64 KV slot of the first token of each logical
-    block (column M covers the current block of the longest request). block_valid: `[bs, M]`
-    bool, m < num_candidates. model_inv / gate_rot: `rotation_factors` of the two tables
-    (`[bs, D]` / `[bs, Dg]` pairs), for the torch gate query.
+    position. block_table: `[bs, M + 1]` int64 KV slot of the first token of each logical block
+    (column M covers the current block of the longest request; see `sas_backend.selection`).
     """
 
     positions: torch.Tensor
@@ -44,10 +40,7 @@ class StepTensors:
     num_candidates: torch.Tensor
     model_cos_sin: torch.Tensor
     gate_cos_sin: torch.Tensor
-    block_first_slot: torch.Tensor
-    block_valid: torch.Tensor
-    model_inv: tuple
-    gate_rot: tuple
+    block_table: torch.Tensor
 
     @staticmethod
     def compute(
@@ -61,34 +54,24 @@ class StepTensors:
         max_blocks: int,
     ) -> "StepTensors":
         """Fresh step tensors from the batch's device tensors; fixed shapes, no host sync."""
-        num_candidates = candidate_counts(seq_lens.long(), block_size)
         # Padded graph rows may carry any position: clamp so the table lookup stays in range.
         pos = positions.long().clamp(0, model_rope_table.shape[0] - 1)
-        model_cs = model_rope_table[pos]
-        gate_cs = gate_rope_table[pos]
-        first = req_to_token[req_pool_indices.long(), : (max_blocks + 1) * block_size : block_size].long()
-        if first.shape[1] < max_blocks + 1:  # context width not a multiple of b: pad the last column
-            first = torch.nn.functional.pad(first, (0, max_blocks + 1 - first.shape[1]))
-        valid = torch.arange(max_blocks, device=seq_lens.device)[None, :] < num_candidates[:, None]
+        table = req_to_token[req_pool_indices.long(), : (max_blocks + 1) * block_size : block_size].long()
+        if table.shape[1] < max_blocks + 1:  # context width not a multiple of b: pad the last column
+            table = torch.nn.functional.pad(table, (0, max_blocks + 1 - table.shape[1]))
         return StepTensors(
             positions=positions,
             seq_lens=seq_lens,
             req_pool_indices=req_pool_indices,
-            num_candidates=num_candidates,
-            model_cos_sin=model_cs,
-            gate_cos_sin=gate_cs,
-            block_first_slot=first,
-            block_valid=valid,
-            model_inv=rotation_factors(model_cs, inverse=True),
-            gate_rot=rotation_factors(gate_cs, inverse=False),
+            num_candidates=candidate_counts(seq_lens.long(), block_size),
+            model_cos_sin=model_rope_table[pos],
+            gate_cos_sin=gate_rope_table[pos],
+            block_table=table,
         )
 
     def tensors(self) -> list:
         """Every tensor this step owns (not the batch's own inputs), in a fixed order."""
-        return [
-            self.num_candidates, self.model_cos_sin, self.gate_cos_sin, self.block_first_slot,
-            self.block_valid, *self.model_inv, *self.gate_rot,
-        ]
+        return [self.num_candidates, self.model_cos_sin, self.gate_cos_sin, self.block_table]
 
 
 class StepBuffers:
@@ -99,22 +82,15 @@ class StepBuffers:
     """
 
     def __init__(self, max_bs: int, max_blocks: int, head_dim: int, gate_dim: int, device):
-        f32 = dict(dtype=torch.float32, device=device)
         self.max_blocks = max_blocks
         self._num_candidates = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self._model_cs = torch.zeros(max_bs, head_dim, **f32)
-        self._gate_cs = torch.zeros(max_bs, gate_dim, **f32)
-        self._first = torch.zeros(max_bs, max_blocks + 1, dtype=torch.int64, device=device)
-        self._valid = torch.zeros(max_bs, max_blocks, dtype=torch.bool, device=device)
-        self._model_inv = (torch.zeros(max_bs, head_dim, **f32), torch.zeros(max_bs, head_dim, **f32))
-        self._gate_rot = (torch.zeros(max_bs, gate_dim, **f32), torch.zeros(max_bs, gate_dim, **f32))
+        self._model_cs = torch.zeros(max_bs, head_dim, dtype=torch.float32, device=device)
+        self._gate_cs = torch.zeros(max_bs, gate_dim, dtype=torch.float32, device=device)
+        self._table = torch.zeros(max_bs, max_blocks + 1, dtype=torch.int64, device=device)
         self.nbytes = sum(t.numel() * t.element_size() for t in self._all())
 
     def _all(self) -> list:
-        return [
-            self._num_candidates, self._model_cs, self._gate_cs, self._first, self._valid,
-            *self._model_inv, *self._gate_rot,
-        ]
+        return [self._num_candidates, self._model_cs, self._gate_cs, self._table]
 
     def view(self, positions, seq_lens, req_pool_indices) -> StepTensors:
         """Views of the first bs rows, bound to the batch's (static) input tensors."""
@@ -126,10 +102,7 @@ class StepBuffers:
             num_candidates=self._num_candidates[:bs],
             model_cos_sin=self._model_cs[:bs],
             gate_cos_sin=self._gate_cs[:bs],
-            block_first_slot=self._first[:bs],
-            block_valid=self._valid[:bs],
-            model_inv=tuple(t[:bs] for t in self._model_inv),
-            gate_rot=tuple(t[:bs] for t in self._gate_rot),
+            block_table=self._table[:bs],
         )
 
     @staticmethod
@@ -146,28 +119,15 @@ class DecodePlan:
     bs: rows of the batch (padded batch size under graphs). max_blocks: width M of the score
     matrix (eager: the batch's most candidates; graphs: the pool's most blocks, fixed).
     graph: shapes and buffers are those of a captured batch size. step: the step tensors to read
-    (persistent views under graphs). kv_indptr `[bs*H_kv + 1]` int32 / kv_indices: the row
-    offsets and index buffer the FlashInfer decode was planned with (persistent buffers).
-    summary_rows: eager only, `[n]` batch rows whose newest token completed a block (None: none
-    did; under graphs every row runs the masked update instead). dense: eager only, no request
-    has more candidate blocks than K, so attention is exactly dense and selection is skipped.
+    (persistent views under graphs). summary_rows: eager only, `[n]` batch rows whose newest token
+    completed a block (None: none did; under graphs every row runs the masked update instead).
+    dense: eager CPU only, no request has more candidate blocks than K, so attention is exactly
+    dense and selection is skipped.
     """
 
     bs: int
     max_blocks: int
     graph: bool
     step: StepTensors
-    kv_indptr: Optional[torch.Tensor] = None
-    kv_indices: Optional[torch.Tensor] = None
     summary_rows: Optional[torch.Tensor] = None
     dense: bool = False
-
-
-def host_kv_indptr(seq_lens_cpu: torch.Tensor, top_k: int, block_size: int, num_kv_heads: int) -> torch.Tensor:
-    """Row offsets `[bs*H_kv + 1]` int32 on the host, from the host copy of the sequence lengths."""
-    return kv_indptr_for(seq_lens_cpu.to(torch.int64), top_k, block_size, num_kv_heads)
-
-
-def decode_row_capacity(top_k: int, block_size: int) -> int:
-    """Most tokens one (request, kv head) row can hold: K whole blocks + the current block."""
-    return (top_k + 1) * block_size

@@ -18,7 +18,7 @@ K = budget // b, R = max running requests + 1 = rows of `req_to_token`):
 - gate weights, fp32 per sparse layer: Wq `[H_kv, G, D, Dg]`, Wk `[H_kv, 3D, Dg]`, two norms `[Dg]`.
 - CUDA only, fixed: the kv index buffer `[R * H_kv * (K + 1) * b]` int32 (allocated once, in
   FlashInferSparseDecode), FlashInfer's indptr `[R * H_kv + 1]` and last-page-len `[R * H_kv]`
-  int32 buffers, the backend's gather indptr `[R * H_kv + 1]` int32, FlashInfer's 128 MiB float
+  int32 buffers, the gather kernel's indptr `[R * H_kv + 1]` int32 (also there), FlashInfer's 128 MiB float
   workspace (unless shared with the wrapped backend's) and 8 MiB of int workspace per FlashInfer
   wrapper (one eager + one per captured decode batch size).
 
@@ -87,7 +87,7 @@ def sas_memory(
     shared_workspace: FlashInfer's float workspace is the wrapped backend's (not allocated).
     group_size, head_dim: G and D, for the gate weights (0: not counted).
     """
-    from sas_backend.backend.decode_plan import decode_row_capacity
+    from sas_backend.ops.gather import row_capacity
     from sas_backend.ops.sparse_decode.flashinfer import WORKSPACE_BYTES, WRAPPER_INT_WORKSPACE_BYTES
 
     per_page = num_sparse_layers * num_kv_heads * gate_dim * 4
@@ -97,7 +97,7 @@ def sas_memory(
         fixed["gate weights"] = num_sparse_layers * per_layer * 4
     if on_cuda:
         rows = (max_reqs + 1) * num_kv_heads
-        fixed["kv indices"] = rows * decode_row_capacity(top_k, block_size) * 4
+        fixed["kv indices"] = rows * row_capacity(top_k, block_size) * 4
         fixed["kv indptr (gather + flashinfer)"] = 2 * (rows + 1) * 4
         fixed["flashinfer last page len"] = rows * 4
         fixed["flashinfer workspace"] = 0 if shared_workspace else WORKSPACE_BYTES

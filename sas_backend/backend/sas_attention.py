@@ -7,10 +7,11 @@ layers below `first_sparse_layer`. Per sparse layer and decode step:
     -> block scores over the request's paged summaries -> Top-K per (request, kv head)
     -> token rows of the selected blocks + the current block -> attention over those rows
 
-CPU runs batched torch ops (`decode_ops.TorchDecodeOps`); CUDA runs the Triton kernels and
-FlashInfer (`decode_ops.TritonDecodeOps`), with the whole decode step capturable in a CUDA graph:
-`_out_graph` plans on the host what is fixed for the batch shape, `_in_graph` (captured) computes
-the step's device state into persistent buffers (decode_plan.py says why).
+Selection is one component (`sas_backend.selection.BlockSelector`), attention one plan/run object
+(`ops.sparse_decode.make_sparse_decode`); every op picks the Triton kernel / FlashInfer on CUDA and
+batched torch ops on CPU. The whole decode step is capturable in a CUDA graph: `_out_graph` plans
+on the host what is fixed for the batch shape, `_in_graph` (captured) computes the step's device
+state into persistent buffers (decode_plan.py says why).
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from typing import Dict, Optional
 
 import torch
 
-from sas_backend.backend.decode_ops import TorchDecodeOps, TritonDecodeOps
-from sas_backend.backend.decode_plan import DecodePlan, StepBuffers, StepTensors, decode_row_capacity, host_kv_indptr
+from sas_backend.backend.decode_plan import DecodePlan, StepBuffers, StepTensors
 from sas_backend.backend.kv_write import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
 from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
+from sas_backend.ops.sparse_decode import make_sparse_decode
+from sas_backend.selection import BlockSelector, SelectionRule
 
 try:
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -91,32 +93,21 @@ class SASAttnBackend(AttentionBackend):
         num_pages = self.token_to_kv_pool.get_key_buffer(min(gates)).shape[0] // self.block_size
         self.summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, gate_rope_table.shape[-1], self.device)
         max_reqs = self.req_to_token_pool.req_to_token.shape[0]
-        self._flashinfer = None
-        self._kv_indptr = None
-        if self.use_cuda:
-            from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
-
-            self._flashinfer = FlashInferSparseDecode(
-                num_kv_heads,
-                num_q_heads // num_kv_heads,
-                head_dim,
-                runner.dtype,
-                self.token_to_kv_pool.get_key_buffer(min(gates)).dtype,
-                self.device,
-                max_rows=max_reqs * num_kv_heads,
-                max_indices=max_reqs * num_kv_heads * decode_row_capacity(self.top_k, self.block_size),
-                # The wrapped FlashInfer backend's float workspace: used in stream order, never at
-                # the same time as ours, so one buffer serves both (backend/memory.py counts it so).
-                workspace=getattr(inner, "workspace_buffer", None),
-            )
-            # Row offsets the captured gather kernel reads: one persistent buffer, refilled per step.
-            self._kv_indptr = torch.zeros(max_reqs * num_kv_heads + 1, dtype=torch.int32, device=self.device)
-            self.ops = TritonDecodeOps(
-                cfg, num_kv_heads, model_rope_table, gate_rope_table, self.req_to_token_pool.req_to_token,
-                self._flashinfer,
-            )
-        else:
-            self.ops = TorchDecodeOps(cfg, num_kv_heads, model_rope_table, gate_rope_table)
+        self.selector = BlockSelector(SelectionRule(cfg.top_k, cfg.block_size, cfg.sink_blocks, cfg.local_blocks))
+        self.sparse_decode = make_sparse_decode(
+            self.device,
+            num_kv_heads,
+            num_q_heads // num_kv_heads,
+            head_dim,
+            self.top_k,
+            self.block_size,
+            max_rows=max_reqs * num_kv_heads,
+            q_dtype=runner.dtype,
+            kv_dtype=self.token_to_kv_pool.get_key_buffer(min(gates)).dtype,
+            # The wrapped FlashInfer backend's float workspace: used in stream order, never at the
+            # same time as ours, so one buffer serves both (backend/memory.py counts it so).
+            workspace=getattr(inner, "workspace_buffer", None),
+        )
         # Set by the factory: the live RoPE tables (SGLang may replace its cos_sin_cache; see
         # backend/rope_tables.py). None keeps the tables given above (tests, tools).
         self.rope_tables = None
@@ -148,8 +139,7 @@ class SASAttnBackend(AttentionBackend):
                 "sas: the model's RoPE table was reallocated after CUDA graphs were captured; "
                 "restart with a larger --context-length or with --disable-cuda-graph"
             )
-        self.model_rope_table = self.ops.model_rope_table = model
-        self.gate_rope_table = self.ops.gate_rope_table = gate
+        self.model_rope_table, self.gate_rope_table = model, gate
 
     def init_forward_metadata(self, forward_batch):
         """Eager step (no CUDA graph): plan and step state from the live batch."""
@@ -218,17 +208,12 @@ class SASAttnBackend(AttentionBackend):
             seq_lens_cpu = fb.seq_lens.cpu()
         seq_lens_cpu = seq_lens_cpu.to(torch.int64)
         bs = fb.seq_lens.shape[0]
-        kv_indptr = kv_indices = None
-        if self.use_cuda:
-            indptr_host = host_kv_indptr(seq_lens_cpu, self.top_k, self.block_size, self.num_kv_heads)
-            kv_indices = self._flashinfer.plan(indptr_host, self.scaling, graph_bs=graph_bs)
-            kv_indptr = self._kv_indptr[: indptr_host.numel()]
-            kv_indptr.copy_(indptr_host, non_blocking=True)
+        self.sparse_decode.plan(seq_lens_cpu, self.scaling, graph_bs=graph_bs)
         if graph_bs is not None:  # fixed shapes; the step state is filled inside the graph
             if self._step_buffers is None:
                 raise RuntimeError("sas: init_cuda_graph_state must run before a captured decode step")
             step = self._step_buffers.view(fb.positions, fb.seq_lens, fb.req_pool_indices)
-            return DecodePlan(bs, self.max_blocks, True, step, kv_indptr, kv_indices)
+            return DecodePlan(bs, self.max_blocks, True, step)
         most = int(seq_lens_cpu.max()) if bs else 1
         max_blocks = max(1, (most - 1) // self.block_size)  # the longest request's candidates
         step = self._compute_step(fb.positions, fb.seq_lens, fb.req_pool_indices, max_blocks)
@@ -236,7 +221,7 @@ class SASAttnBackend(AttentionBackend):
         summary_rows = done.to(self.device) if done.numel() else None
         # Nothing to skip on CPU: the wrapped dense decode is exactly what selection would attend.
         dense = not self.use_cuda and (most - 1) // self.block_size <= self.top_k
-        return DecodePlan(bs, max_blocks, False, step, kv_indptr, kv_indices, summary_rows, dense)
+        return DecodePlan(bs, max_blocks, False, step, summary_rows, dense)
 
     def _plan_extend(self, fb):
         """Blocks that this extend completes, per request: logical [prefix // b, seq_len // b)."""
@@ -266,7 +251,9 @@ class SASAttnBackend(AttentionBackend):
         if gate is not None and self._extend_blocks is not None:
             pages, starts = self._extend_blocks
             k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-            self.summaries[layer.layer_id][pages] = self.ops.summarize_pages(k_buffer, pages, starts, gate)
+            self.summaries[layer.layer_id][pages] = self.selector.summarize(
+                gate, k_buffer, pages, starts, self.model_rope_table, self.gate_rope_table
+            )
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -280,14 +267,27 @@ class SASAttnBackend(AttentionBackend):
         k_buffer = self.token_to_kv_pool.get_key_buffer(lid)
         v_buffer = self.token_to_kv_pool.get_value_buffer(lid)
         summaries = self.summaries[lid]
-        self.ops.update_summaries(plan, k_buffer, summaries, gate)
+        step = plan.step
+        if plan.graph:  # every row runs the masked update (no host decision inside a graph)
+            self.selector.update(
+                gate, k_buffer, summaries, step.block_table, step.seq_lens, self.model_rope_table, self.gate_rope_table
+            )
+        elif plan.summary_rows is not None:  # eager: only the rows whose newest token completed a block
+            rows = plan.summary_rows
+            self.selector.update(
+                gate, k_buffer, summaries, step.block_table[rows], step.seq_lens[rows],
+                self.model_rope_table, self.gate_rope_table,
+            )
         if plan.dense:
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
         q3 = q.reshape(plan.bs, layer.tp_q_head_num, layer.qk_head_dim)
-        selected = self.ops.select(plan, q3, summaries, gate)
+        selected = self.selector.select(
+            gate, q3, step.model_cos_sin, step.gate_cos_sin, summaries, step.block_table, step.num_candidates,
+            plan.max_blocks,
+        )
         if self.cfg.debug_dir and lid == self.cfg.first_sparse_layer:
             self._debug_record(plan, selected)
-        out = self.ops.attend(plan, q3, k_buffer, v_buffer, selected, layer.scaling)
+        out = self.sparse_decode.run(q3, k_buffer, v_buffer, selected, step.block_table, step.seq_lens)
         return out.reshape(plan.bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def _debug_record(self, plan: DecodePlan, selected: torch.Tensor) -> None:

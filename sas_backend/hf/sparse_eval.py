@@ -2,10 +2,12 @@
 
 Queries at positions >= `sparse_from` attend exactly what a `sas` decode step would attend at
 that position: their selected Top-K complete blocks plus their own block up to themselves;
-earlier queries attend densely (as after a dense prefill). The selection uses the same ops as
-the serving backend (gate query, block summaries, Top-K), on q/k with the model's RoPE undone
-by the model's own cos/sin. This is the independent oracle for the server's decode logits and
-the engine of the perplexity tables.
+earlier queries attend densely (as after a dense prefill). The selection is the component the
+server uses (`sas_backend.selection`), run on the sequence viewed as SGLang's paged cache (page
+m = block m); its ops are checked against their plain references in tests/ops. What this
+module checks in the server tests is everything around them: the server's paging, RoPE tables,
+plans and CUDA graphs against transformers' own forward. It is also the engine of the
+perplexity tables.
 """
 
 from __future__ import annotations
@@ -17,10 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from sas_backend.gate.module import AttnGate
-from sas_backend.ops.gate.naive import gate_query
-from sas_backend.ops.rope import invert_rope
-from sas_backend.ops.summary.naive import summarize_blocks
-from sas_backend.ops.topk.naive import select_blocks
+from sas_backend.selection import BlockSelector, SelectionRule
 
 ATTN_NAME = "sas_sparse_eval"
 SELECTORS = ("gate", "window", "dense")
@@ -61,28 +60,29 @@ def model_rope_table(model, max_pos: int, device=None) -> torch.Tensor:
     return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).float()
 
 
-def select_for_queries(spec: SparseEvalSpec, layer_idx: int, q_pre, k_pre, positions, gate_table):
+def select_for_queries(spec: SparseEvalSpec, layer_idx: int, q_post, k_post, positions, model_table, gate_table):
     """Selected blocks `[P, H_kv, K]` (ascending, -1 padded) for the queries at `positions` `[P]`.
 
-    q_pre: `[P, H_q, D]`, k_pre: `[T, H_kv, D]` pre-RoPE; gate_table: the gate's `[max_pos, Dg]` table.
+    q_post: `[P, H_q, D]`, k_post: `[T, H_kv, D]` after the model's RoPE; model_table: the model's
+    `[max_pos, D]` cos|sin; gate_table: the gate's `[max_pos, Dg]`. The T keys are viewed as
+    SGLang's paged cache with page m = block m (slot = position), so the server's selection
+    component runs unchanged.
     """
     b = spec.block_size
-    t, h_kv, _ = k_pre.shape
+    t, h_kv, _ = k_post.shape
     n_blocks = t // b
+    m = max(n_blocks, 1)
     n_cand = torch.div(positions, b, rounding_mode="floor")
-    if spec.selector == "window" or n_blocks == 0:
-        scores = torch.zeros(positions.numel(), h_kv, max(n_blocks, 1), device=q_pre.device)
-    else:
-        gate = spec.gates[layer_idx]
-        kg = summarize_blocks(
-            k_pre[: n_blocks * b].reshape(n_blocks, b, h_kv, -1),
-            gate.attngate_linear_k.weight,
-            gate.attngate_knorm.weight,
-            gate_table[torch.arange(n_blocks, device=q_pre.device) * b],
-        )  # [NB, H_kv, Dg]
-        qg = gate_query(q_pre, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, gate_table[positions])
-        scores = torch.einsum("phd,mhd->phm", qg, kg) / (qg.shape[-1] ** 0.5)
-    return select_blocks(scores, n_cand, spec.top_k, spec.sink_blocks, spec.local_blocks)
+    selector = BlockSelector(SelectionRule(spec.top_k, b, spec.sink_blocks, spec.local_blocks))
+    if spec.selector == "window" or n_blocks == 0:  # forced blocks only; ties to the lower index
+        return selector.pick(torch.zeros(positions.numel(), h_kv, m, device=q_post.device), n_cand)
+    gate = spec.gates[layer_idx]
+    pages = torch.arange(n_blocks, device=q_post.device)
+    summaries = selector.summarize(gate, k_post, pages, pages * b, model_table, gate_table)  # [NB, H_kv, Dg]
+    block_table = (torch.arange(m + 1, device=q_post.device) * b).expand(positions.numel(), -1)
+    return selector.select(
+        gate, q_post, model_table[positions], gate_table[positions], summaries, block_table, n_cand, m
+    )
 
 
 def _sparse_rows_mask(selected, positions, t: int, b: int) -> torch.Tensor:
@@ -130,10 +130,9 @@ def sparse_eval_attention(module, query, key, value, attention_mask, scaling, dr
         return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
     positions = torch.arange(start, t, device=query.device)
     rows = slice(start - offset, t_q)  # the sparse queries among the given ones
-    table = ctx["model_table"]
-    q_pre = invert_rope(query[0, :, rows].transpose(0, 1), table[positions])  # [P, H_q, D]
-    k_pre = invert_rope(key[0].transpose(0, 1), table[:t])  # [T, H_kv, D]
-    selected = select_for_queries(spec, layer, q_pre, k_pre, positions, ctx["gate_table"])
+    q_post = query[0, :, rows].transpose(0, 1)  # [P, H_q, D]
+    k_post = key[0].transpose(0, 1)  # [T, H_kv, D]
+    selected = select_for_queries(spec, layer, q_post, k_post, positions, ctx["model_table"], ctx["gate_table"])
     allowed = _sparse_rows_mask(selected, positions, t, spec.block_size)  # [H_kv, P, T]
     g = h_q // h_kv
     n_p = positions.numel()

@@ -137,21 +137,29 @@ def rope_cos_sin_table(
     return table * m if m != 1.0 else table
 
 
-def _rotate(x: torch.Tensor, cos_sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+def rotation_factors(cos_sin: torch.Tensor, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[..., dim]` cos|sin rows -> (c, s) `[..., dim]` fp32 with `rotate(x, c, s)` = the rotation.
+
+    Forward: `(x1 cos - x2 sin, x2 cos + x1 sin)`. Inverse: the exact inverse of that map, also
+    when the table carries a magnitude (YaRN's mscale) or was rounded to bf16: the inverse of
+    [[c, -s], [s, c]] is [[c, s], [-s, c]] / (c^2 + s^2).
+    """
     half = cos_sin.shape[-1] // 2
-    cos = cos_sin[..., :half].float()
-    sin = cos_sin[..., half:].float()
+    cos, sin = cos_sin[..., :half].float(), cos_sin[..., half:].float()
     if inverse:
-        # Inverse of the map [[c, -s], [s, c]] is [[c, s], [-s, c]] / (c^2 + s^2): exact also
-        # when the table carries a magnitude (YaRN's mscale) or was rounded to bf16.
         norm = cos * cos + sin * sin
         cos, sin = cos / norm, -sin / norm
-    while cos.dim() < x.dim():  # broadcast over head axes between position and dim
-        cos = cos.unsqueeze(-2)
-        sin = sin.unsqueeze(-2)
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Rotate x `[N, ..., dim]` by factors `[N, dim]` from `rotation_factors`: `x*c + roll(x)*s`.
+
+    Factors broadcast over the axes between the token axis and the last one (heads). Returns fp32.
+    """
+    shape = c.shape[:-1] + (1,) * (x.dim() - c.dim()) + c.shape[-1:]
     xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.addcmul(xf * c.view(shape), xf.roll(c.shape[-1] // 2, dims=-1), s.view(shape))
 
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -160,10 +168,10 @@ def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     Returns fp32. `cos_sin` has the leading (token) axes of x and no head axis. A table with a
     magnitude (YaRN) scales x by it too, as the model's own RoPE does.
     """
-    return _rotate(x, cos_sin, inverse=False)
+    return rotate(x, *rotation_factors(cos_sin, inverse=False))
 
 
 def invert_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """Exactly undo `apply_rope` with the same table: rotate by the negative angle and divide by
     the table's magnitude squared (1 for plain RoPE, mscale^2 for YaRN). Returns fp32."""
-    return _rotate(x, cos_sin, inverse=True)
+    return rotate(x, *rotation_factors(cos_sin, inverse=True))

@@ -38,6 +38,17 @@ def _random_selection(lens, h_kv, k_top, b, seed=0):
     return sel.cuda()
 
 
+def _table(r2t, b):
+    """The ops' block table (request r uses row r of r2t): KV slot of each block's first token."""
+    return r2t[:, ::b].long().contiguous()
+
+
+def _reference(q, k_buf, v_buf, sel, table, seq, b, d):
+    indptr = kv_indptr_for(seq, sel.shape[-1], b, sel.shape[1])
+    idx = build_kv_indices(sel, table, seq, b, indptr, torch.zeros(int(indptr[-1]), dtype=torch.int32, device="cuda"))
+    return sparse_decode_attention(q, k_buf, v_buf, indptr, idx, scale=d**-0.5)
+
+
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flashinfer_matches_reference(group, dtype):
@@ -46,53 +57,45 @@ def test_flashinfer_matches_reference(group, dtype):
     b, h_kv, d, k_top = 64, 2, 128, 4
     lens = [1, 64, 65, 300, 1000, 4097]
     r2t, k_buf, v_buf = _world(lens, b, h_kv, d, dtype)
+    table = _table(r2t, b)
     seq = torch.tensor(lens, device="cuda")
     sel = _random_selection(lens, h_kv, k_top, b)
-    indptr, idx = build_kv_indices(sel, seq, r2t, torch.arange(len(lens), device="cuda"), b)
     q = torch.randn(len(lens), h_kv * group, d, device="cuda", dtype=dtype)
-    ref = sparse_decode_attention(q, k_buf, v_buf, indptr, idx, scale=d**-0.5)
-    fi = FlashInferSparseDecode(h_kv, group, d, dtype, dtype, "cuda", max_rows=64, max_indices=1 << 16)
-    buf = fi.plan(indptr.cpu(), d**-0.5)
-    buf[: idx.numel()] = idx
-    out = fi.run(q, k_buf, v_buf)
+    ref = _reference(q, k_buf, v_buf, sel, table, seq, b, d)
+    fi = FlashInferSparseDecode(h_kv, group, d, dtype, dtype, "cuda", max_rows=64, top_k=k_top, block_size=b)
+    fi.plan(seq.cpu(), d**-0.5)
+    out = fi.run(q, k_buf, v_buf, sel, table, seq)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_cuda_graph_capture_and_replay():
-    from sas_backend.ops.gather.triton import build_kv_indices_triton
     from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
 
     b, h_kv, group, d, k_top, dtype = 64, 2, 4, 128, 4, torch.bfloat16
     lens_a, lens_b = [300, 1000, 130], [700, 65, 2000]
     r2t, k_buf, v_buf = _world([2048] * 3, b, h_kv, d, dtype)
-    fi = FlashInferSparseDecode(h_kv, group, d, dtype, dtype, "cuda", max_rows=16, max_indices=1 << 14)
+    table = _table(r2t, b)
+    fi = FlashInferSparseDecode(h_kv, group, d, dtype, dtype, "cuda", max_rows=16, top_k=k_top, block_size=b)
     seq = torch.zeros(3, dtype=torch.int64, device="cuda")
     sel = torch.full((3, h_kv, k_top), -1, dtype=torch.int32, device="cuda")
     q = torch.zeros(3, h_kv * group, d, device="cuda", dtype=dtype)
-    rpi = torch.arange(3, device="cuda")
-    indptr_dev = torch.zeros(3 * h_kv + 1, dtype=torch.int32, device="cuda")
 
-    def load(lens, seed):
+    def load(lens, seed):  # host plan outside the graph, new data in the fixed buffers
         seq.copy_(torch.tensor(lens))
         sel.copy_(_random_selection(lens, h_kv, k_top, b, seed))
         q.copy_(torch.randn(3, h_kv * group, d, dtype=dtype, generator=torch.Generator().manual_seed(seed)).cuda())
-        host = kv_indptr_for(torch.tensor(lens), k_top, b, h_kv)
-        indptr_dev.copy_(host)
-        return fi.plan(host, d**-0.5, graph_bs=3)
+        fi.plan(torch.tensor(lens), d**-0.5, graph_bs=3)
 
-    buf = load(lens_a, 1)
+    load(lens_a, 1)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):  # warm up (JIT) outside the capture
-        build_kv_indices_triton(sel, seq, r2t, rpi, b, indptr_dev, buf)
-        fi.run(q, k_buf, v_buf)
+        fi.run(q, k_buf, v_buf, sel, table, seq)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        build_kv_indices_triton(sel, seq, r2t, rpi, b, indptr_dev, buf)
-        out = fi.run(q, k_buf, v_buf)
+        out = fi.run(q, k_buf, v_buf, sel, table, seq)  # gather kernel + FlashInfer decode
     for lens, seed in ((lens_a, 1), (lens_b, 2)):
-        load(lens, seed)  # host plan outside the graph, new data in the fixed buffers
+        load(lens, seed)
         graph.replay()
-        indptr, idx = build_kv_indices(sel, seq, r2t, rpi, b)
-        ref = sparse_decode_attention(q, k_buf, v_buf, indptr, idx, scale=d**-0.5)
+        ref = _reference(q, k_buf, v_buf, sel, table, seq, b, d)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -51,6 +51,18 @@ class PagedCase:
         self.head_dim = head_dim
         self.gen = g
 
+    def block_table(self, width=None) -> torch.Tensor:
+        """`[bs, width]` int64 KV slot of each logical block's first token (the ops' block table,
+        see sas_backend.selection); width defaults to max_blocks + 1."""
+        width = self.max_blocks + 1 if width is None else width
+        b = self.block_size
+        return self.req_to_token[self.req_pool_indices.long(), : width * b : b].long()
+
+    @property
+    def num_candidates(self) -> torch.Tensor:
+        """`[bs]` complete blocks before each request's current block."""
+        return torch.div(self.seq_lens - 1, self.block_size, rounding_mode="floor").clamp_min(0)
+
     def randn(self, *shape, dtype=torch.float32):
         return torch.randn(*shape, generator=self.gen).to(DEVICE, dtype)
 

@@ -1,28 +1,24 @@
 """The batched torch decode path (what CPU serving runs) against the plain references.
 
 Each fast op is a second implementation of a reference in ops/*/naive.py: Top-K by one topk over
-unique keys, scores over pages looked up once, the gate query with per-step rotation factors,
-sparse attention as one masked SDPA over padded rows, the masked summary update."""
+unique keys, the gate query with rotations as `x*c + roll(x)*s`,
+sparse attention as one masked SDPA over padded rows, the masked summary update. Each op's
+entry point (`sas_backend.ops.<op>`) picks exactly these on CPU; the last test checks that."""
 
 import pytest
 import torch
 
-from sas_backend.ops.gate.cpu import gate_query_cpu, rotate, rotation_factors
+from sas_backend.ops.gate.cpu import gate_query_cpu
 from sas_backend.ops.gate.naive import gate_query
-from sas_backend.ops.gather.naive import build_kv_indices
-from sas_backend.ops.rope import apply_rope, invert_rope, rope_cos_sin_table
-from sas_backend.ops.score.cpu import score_pages
-from sas_backend.ops.score.naive import block_pages, candidate_counts, score_blocks
-from sas_backend.ops.sparse_decode.cpu import padded_token_rows, sparse_decode_padded
+from sas_backend.ops.gather.naive import build_kv_indices, kv_indptr_for
+from sas_backend.ops.rope import apply_rope, invert_rope, rope_cos_sin_table, rotate, rotation_factors
+from sas_backend.ops.score.naive import candidate_counts, score_blocks
+from sas_backend.ops.sparse_decode.cpu import TorchSparseDecode, padded_token_rows, sparse_decode_padded
 from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
 from sas_backend.ops.summary.cpu import summary_update_decode_masked
 from sas_backend.ops.summary.naive import summary_update_decode
 from sas_backend.ops.topk.cpu import select_blocks_cpu
 from sas_backend.ops.topk.naive import select_blocks
-
-
-def _first_slots(case, width):
-    return case.req_to_token[case.req_pool_indices.long(), : width * case.block_size : case.block_size].long().cpu()
 
 
 # More forced blocks than K is refused by the config, so those combinations are not drawn.
@@ -66,10 +62,7 @@ def test_gate_query_cpu_equals_reference(group, dtype):
     w_q = torch.randn(h_kv, group, d, dg, generator=g) / (group * d) ** 0.5
     q_norm = torch.rand(dg, generator=g) + 0.5
     want = gate_query(invert_rope(q_post, model_tab[pos]), w_q, q_norm, gate_tab[pos])
-    got = gate_query_cpu(
-        q_post, rotation_factors(model_tab[pos], inverse=True), w_q.reshape(h_kv, group * d, dg), q_norm,
-        rotation_factors(gate_tab[pos], inverse=False),
-    )
+    got = gate_query_cpu(q_post, model_tab[pos], w_q, q_norm, gate_tab[pos])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -86,17 +79,6 @@ def test_rotation_factors_invert_a_scaled_rotation_exactly():
     torch.testing.assert_close(rotate(x, fc, fs), y, atol=1e-5, rtol=1e-5)
 
 
-def test_score_pages_equals_reference(paged_case):
-    b, h_kv, dg = 4, 3, 16
-    case = paged_case([1, b, b + 3, 6 * b, 9 * b + 1], b, h_kv, 8)
-    gate_q = case.randn(5, h_kv, dg).cpu()
-    summaries = case.randn(case.num_pages + 1, h_kv, dg).cpu()
-    want = score_blocks(gate_q, summaries, case.req_to_token.cpu(), case.req_pool_indices.cpu(), case.seq_lens.cpu(), b, 9)
-    pages = block_pages(case.req_to_token.cpu(), case.req_pool_indices.cpu(), b, 9)
-    valid = torch.arange(9)[None, :] < candidate_counts(case.seq_lens.cpu(), b)[:, None]
-    torch.testing.assert_close(score_pages(gate_q, summaries, pages, valid), want)
-
-
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [1, 2, 20])
@@ -107,7 +89,7 @@ def test_padded_sparse_decode_equals_reference(paged_case, group, dtype, k):
     lens = [1, b, b + 3, 3 * b, 9 * b + 1, 6 * b + 2]
     case = paged_case(lens, b, h_kv, d, seed=group)
     cpu = lambda t: t.cpu()  # noqa: E731
-    r2t, rpi, seq = cpu(case.req_to_token), cpu(case.req_pool_indices), cpu(case.seq_lens)
+    table, seq = cpu(case.block_table(12)), cpu(case.seq_lens)
     g = torch.Generator().manual_seed(k)
     k_buf = torch.randn(case.slots, h_kv, d, generator=g).to(dtype)
     v_buf = torch.randn(case.slots, h_kv, d, generator=g).to(dtype)
@@ -115,9 +97,10 @@ def test_padded_sparse_decode_equals_reference(paged_case, group, dtype, k):
     n_cand = candidate_counts(seq, b)
     scores = torch.randn(len(lens), h_kv, 12, generator=g)
     selected = select_blocks(scores, n_cand, k)
-    indptr, indices = build_kv_indices(selected, seq, r2t, rpi, b)
+    indptr = kv_indptr_for(seq, k, b, h_kv)
+    indices = build_kv_indices(selected, table, seq, b, indptr, torch.zeros(int(indptr[-1]), dtype=torch.int32))
     want = sparse_decode_attention(q, k_buf, v_buf, indptr, indices, 0.25)
-    rows, valid = padded_token_rows(selected, _first_slots(case, 12), seq, h_kv, b)
+    rows, valid = padded_token_rows(selected, table, seq, h_kv, b)
     # The valid tokens of each padded row are exactly the reference row, in order.
     for r in range(len(lens)):
         for h in range(h_kv):
@@ -126,13 +109,18 @@ def test_padded_sparse_decode_equals_reference(paged_case, group, dtype, k):
     got = sparse_decode_padded(q, k_buf, v_buf, rows, valid, 0.25)
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, want, **tol)
+    sd = TorchSparseDecode(h_kv, b)  # the plan/run object the backend holds
+    sd.plan(seq, 0.25)
+    torch.testing.assert_close(sd.run(q, k_buf, v_buf, selected, table, seq), got, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="plan"):
+        sd.run(q[:2], k_buf, v_buf, selected[:2], table[:2], seq[:2])
 
 
 def test_masked_summary_update_equals_reference(paged_case):
     b, h_kv, d, dg = 4, 2, 8, 16
     lens = [b, 2 * b + 1, 3 * b, 1, 5 * b]  # three requests complete a block this step
     case = paged_case(lens, b, h_kv, d)
-    r2t, rpi, seq = case.req_to_token.cpu(), case.req_pool_indices.cpu(), case.seq_lens.cpu()
+    table, seq = case.block_table(6).cpu(), case.seq_lens.cpu()
     g = torch.Generator().manual_seed(3)
     model_tab = rope_cos_sin_table(d, 64, 10000.0)
     gate_tab = rope_cos_sin_table(dg, 64, 10000.0)
@@ -140,8 +128,44 @@ def test_masked_summary_update_equals_reference(paged_case):
     w_k = torch.randn(h_kv, 3 * d, dg, generator=g)
     k_norm = torch.rand(dg, generator=g) + 0.5
     start = torch.randn(case.num_pages + 1, h_kv, dg, generator=g)
-    want = summary_update_decode(k_buf, start.clone(), r2t, rpi, seq, b, model_tab, gate_tab, w_k, k_norm)
-    got = summary_update_decode_masked(k_buf, start.clone(), _first_slots(case, 6), seq, b, model_tab, gate_tab, w_k, k_norm)
+    want = summary_update_decode(k_buf, start.clone(), table, seq, b, model_tab, gate_tab, w_k, k_norm)
+    got = summary_update_decode_masked(k_buf, start.clone(), table, seq, b, model_tab, gate_tab, w_k, k_norm)
     # Every page a request owns is identical; only page 0 (padding, never owned) may differ.
     torch.testing.assert_close(got[1:], want[1:])
     assert not torch.equal(want[1:], start[1:])  # the step did write summaries
+
+
+def test_entry_points_pick_the_cpu_paths_off_cuda(paged_case):
+    """`sas_backend.ops.<op>.<entry>` on CPU tensors returns exactly what the CPU path returns
+    (one signature for the kernel and the torch path; the backend calls only these)."""
+    from sas_backend import ops
+    from sas_backend.ops import gate, gather, score, summary, topk  # noqa: F401
+
+    b, h_kv, d, dg = 4, 2, 8, 16
+    lens = [b, 2 * b + 1, 3 * b, 1, 5 * b]
+    case = paged_case(lens, b, h_kv, d)
+    table, seq = case.block_table(7).cpu(), case.seq_lens.cpu()
+    n_cand = candidate_counts(seq, b)
+    g = torch.Generator().manual_seed(5)
+    model_tab, gate_tab = rope_cos_sin_table(d, 64, 10000.0), rope_cos_sin_table(dg, 64, 10000.0)
+    q = torch.randn(len(lens), 2 * h_kv, d, generator=g)
+    w_q, q_norm = torch.randn(h_kv, 2, d, dg, generator=g), torch.rand(dg, generator=g) + 0.5
+    gq = ops.gate.gate_query_post_rope(q, model_tab[seq - 1], w_q, q_norm, gate_tab[seq - 1])
+    assert torch.equal(gq, gate_query_cpu(q, model_tab[seq - 1], w_q, q_norm, gate_tab[seq - 1]))
+    summ = torch.randn(case.num_pages + 1, h_kv, dg, generator=g)
+    sc = ops.score.score_blocks(gq, summ, table, n_cand, b, 6)
+    assert torch.equal(sc, score_blocks(gq, summ, table, n_cand, b, 6))
+    out = torch.empty(len(lens), h_kv, 2, dtype=torch.int32)
+    sel = ops.topk.select_blocks(sc, n_cand, 2, 1, 0, out=out)
+    assert sel is out and torch.equal(sel, select_blocks_cpu(sc, n_cand, 2, 1, 0))
+    indptr = kv_indptr_for(seq, 2, b, h_kv)
+    buf = torch.full((int(indptr[-1]) + 5,), -7, dtype=torch.int32)
+    ops.gather.gather_kv_indices(sel, table, seq, b, indptr, buf)
+    assert torch.equal(buf[: int(indptr[-1])], build_kv_indices(sel, table, seq, b, indptr, torch.zeros_like(buf))[: int(indptr[-1])])
+    assert torch.equal(buf[int(indptr[-1]) :], torch.full((5,), -7, dtype=torch.int32))  # the rest untouched
+    k_buf = torch.randn(case.slots, h_kv, d, generator=g)
+    w_k, k_norm = torch.randn(h_kv, 3 * d, dg, generator=g), torch.rand(dg, generator=g) + 0.5
+    start = torch.randn(case.num_pages + 1, h_kv, dg, generator=g)
+    got = ops.summary.update_summaries(k_buf, start.clone(), table, seq, b, model_tab, gate_tab, w_k, k_norm)
+    want = summary_update_decode_masked(k_buf, start.clone(), table, seq, b, model_tab, gate_tab, w_k, k_norm)
+    assert torch.equal(got, want)

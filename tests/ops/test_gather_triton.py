@@ -1,10 +1,11 @@
-"""build_kv_indices_triton vs the plain-torch build_kv_indices: indices must be identical."""
+"""build_kv_indices_triton vs the plain-torch build_kv_indices: indices must be identical, and each
+row must list exactly the req_to_token slots of its blocks' positions (checked independently)."""
 
 import pytest
 import torch
 
 from sas_backend.ops.gather.naive import build_kv_indices, kv_indptr_for
-from sas_backend.ops.gather.triton import build_kv_indices_triton, build_kv_indptr_and_indices_triton
+from sas_backend.ops.gather.triton import build_kv_indices_triton
 from sas_backend.ops.score.naive import candidate_counts
 from sas_backend.ops.topk.naive import select_blocks
 from tests.devices import DEVICE
@@ -18,12 +19,23 @@ def _selection(case, k, sink=0, local=0):
 
 
 def _check(case, selected):
-    args = (selected, case.seq_lens, case.req_to_token, case.req_pool_indices, case.block_size)
-    ref_ptr, ref_idx = build_kv_indices(*args)
-    ptr, idx = build_kv_indptr_and_indices_triton(*args)
-    assert torch.equal(ptr, ref_ptr)
+    b, (bs, h_kv, k) = case.block_size, selected.shape
+    ptr = kv_indptr_for(case.seq_lens, k, b, h_kv)
+    n = int(ptr[-1])
+    args = (selected, case.block_table(), case.seq_lens, b, ptr)
+    ref_idx = build_kv_indices(*args, torch.zeros(n, dtype=torch.int32, device=DEVICE))
+    idx = build_kv_indices_triton(*args, torch.full((n,), -1, dtype=torch.int32, device=DEVICE))
     assert idx.dtype == torch.int32 and torch.equal(idx, ref_idx)
-    return ref_ptr, ref_idx
+    for r in range(bs):  # the semantics, from req_to_token directly
+        seq = int(case.seq_lens[r])
+        cur = max(seq - 1, 0) // b
+        slots_of = case.req_to_token[int(case.req_pool_indices[r])].long()
+        for h in range(h_kv):
+            blocks = [int(m) for m in selected[r, h] if m >= 0]
+            pos = [m * b + o for m in blocks for o in range(b)] + list(range(cur * b, seq))
+            want = (slots_of[pos] * h_kv + h).tolist() if pos else []
+            assert idx[ptr[r * h_kv + h] : ptr[r * h_kv + h + 1]].tolist() == want
+    return ptr, ref_idx
 
 
 @pytest.mark.parametrize("h_kv", [1, 3, 8])
@@ -53,8 +65,7 @@ def test_gather_fills_preallocated_buffer_only(paged_case):
     indptr = kv_indptr_for(case.seq_lens, 3, 4, 2)
     # a fixed-size CUDA-graph buffer
     buf = torch.full((ref_idx.numel() + 50,), -7, dtype=torch.int32, device=DEVICE)
-    common = (case.seq_lens, case.req_to_token, case.req_pool_indices, 4)
-    res = build_kv_indices_triton(sel, *common, indptr, buf)
+    res = build_kv_indices_triton(sel, case.block_table(), case.seq_lens, 4, indptr, buf)
     assert res is buf
     assert torch.equal(buf[: ref_idx.numel()], ref_idx)
     assert torch.all(buf[ref_idx.numel():] == -7)

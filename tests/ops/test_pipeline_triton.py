@@ -6,7 +6,8 @@ import torch
 
 from sas_backend.ops.gate.naive import gate_query
 from sas_backend.ops.gather.naive import build_kv_indices
-from sas_backend.ops.gather.triton import build_kv_indptr_and_indices_triton
+from sas_backend.ops.gather.triton import build_kv_indices_triton
+from sas_backend.ops.gather.naive import kv_indptr_for
 from sas_backend.ops.rope import apply_rope, rope_cos_sin_table
 from sas_backend.ops.score.naive import candidate_counts, score_blocks
 from sas_backend.ops.score.triton import score_blocks_triton
@@ -56,15 +57,16 @@ def _run(paged_case, group, k, kv_dtype=torch.float32, lens=None, seed=0):
         summarize_pages_triton,
         score_blocks_triton,
         select_blocks_triton,
-        build_kv_indptr_and_indices_triton,
+        build_kv_indices_triton,
     )
     for summarize, score, select, gather in (naive, kernels):
         summ = torch.zeros(case.num_pages + 1, h_kv, dg, device=DEVICE)
         summ[pages] = summarize(k_buf, pages, starts, model_cs, gate_cs, w_k, k_norm, b)
-        r2t, rpi, seq = case.req_to_token, case.req_pool_indices, case.seq_lens
-        scores = score(gq, summ, r2t, rpi, seq, b, case.max_blocks)
-        sel = select(scores, candidate_counts(seq, b), k)
-        indptr, indices = gather(sel, seq, r2t, rpi, b)
+        table, seq, n_cand = case.block_table(), case.seq_lens, candidate_counts(case.seq_lens, b)
+        scores = score(gq, summ, table, n_cand, b, case.max_blocks)
+        sel = select(scores, n_cand, k)
+        indptr = kv_indptr_for(seq, k, b, h_kv)
+        indices = gather(sel, table, seq, b, indptr, torch.zeros(int(indptr[-1]), dtype=torch.int32, device=DEVICE))
         out = sparse_decode_attention(q, k_buf, v_buf, indptr, indices, d**-0.5)
         results.append((scores, sel, indptr, indices, out))
     return case, q, k_buf, v_buf, results

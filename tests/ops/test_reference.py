@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sas_backend.ops.gate.naive import gate_query
-from sas_backend.ops.gather.naive import build_kv_indices
+from sas_backend.ops.gather.naive import build_kv_indices, kv_indptr_for
 from sas_backend.ops.rope import apply_rope, invert_rope, rope_cos_sin_table
 from sas_backend.ops.score.naive import score_blocks
 from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
@@ -98,14 +98,24 @@ def _paged_world(lens, b=4, h_kv=2, d=8, pages=32, seed=0):
     return r2t, k_buf, v_buf
 
 
+def _table(r2t, b):
+    """The ops' block table `[bs, M + 1]`: KV slot of each logical block's first token."""
+    return r2t[:, ::b].long()
+
+
+def _indices(sel, lens, r2t, b):
+    indptr = kv_indptr_for(lens, sel.shape[-1], b, sel.shape[1])
+    idx = build_kv_indices(sel, _table(r2t, b), lens, b, indptr, torch.zeros(int(indptr[-1]), dtype=torch.int32))
+    return indptr, idx
+
+
 def test_scores_read_the_right_pages():
     b, h_kv, dg = 4, 2, 8
     lens = torch.tensor([3, 9, 21])
     r2t, _, _ = _paged_world(lens.tolist(), b=b, h_kv=h_kv)
     summaries = torch.randn(32, h_kv, dg)
     qg = torch.randn(3, h_kv, dg)
-    rpi = torch.tensor([0, 1, 2])
-    s = score_blocks(qg, summaries, r2t, rpi, lens, b, max_blocks=6)
+    s = score_blocks(qg, summaries, _table(r2t, b), (lens - 1) // b, b, max_blocks=6)
     for r, n in enumerate(lens.tolist()):
         n_cand = (n - 1) // b
         for m in range(6):
@@ -126,7 +136,7 @@ def test_sparse_decode_with_everything_selected_equals_dense():
     sel = torch.full((4, h_kv, k), -1, dtype=torch.int32)
     for r in range(4):
         sel[r, :, : int(n_cand[r])] = torch.arange(int(n_cand[r]), dtype=torch.int32)
-    indptr, idx = build_kv_indices(sel, lens, r2t, torch.arange(4), b)
+    indptr, idx = _indices(sel, lens, r2t, b)
     q = torch.randn(4, h_kv * grp, d)
     out = sparse_decode_attention(q, k_buf, v_buf, indptr, idx, scale=d**-0.5)
     for r, n in enumerate(lens.tolist()):
@@ -142,7 +152,7 @@ def test_sparse_decode_attends_only_selected_blocks_and_current():
     lens = torch.tensor([22])
     r2t, k_buf, v_buf = _paged_world(lens.tolist(), b=b, h_kv=h_kv, d=d)
     sel = torch.tensor([[[1, 3], [0, 4]]], dtype=torch.int32)
-    indptr, idx = build_kv_indices(sel, lens, r2t, torch.tensor([0]), b)
+    indptr, idx = _indices(sel, lens, r2t, b)
     assert indptr.tolist() == [0, 10, 20]  # 2 blocks of 4 + the current block's 2 tokens
     q = torch.randn(1, h_kv * grp, d)
     out = sparse_decode_attention(q, k_buf, v_buf, indptr, idx, scale=0.3)

@@ -13,7 +13,7 @@ def _check(case, dg, q_dtype=torch.float32, s_dtype=torch.float32, max_blocks=No
     gate_q = case.randn(bs, h, dg, dtype=q_dtype)
     summaries = case.randn(case.num_pages + 1, h, dg, dtype=s_dtype)
     max_blocks = case.max_blocks if max_blocks is None else max_blocks
-    args = (gate_q, summaries, case.req_to_token, case.req_pool_indices, case.seq_lens, case.block_size)
+    args = (gate_q, summaries, case.block_table(), case.num_candidates, case.block_size)
     args = args + (max_blocks,)
     ref = score_blocks(*args)
     out = score_blocks_triton(*args)
@@ -62,7 +62,7 @@ def test_score_into_preallocated_out(paged_case):
     case = paged_case([17, 30], 4, 2, 16, seed=7)
     q = case.randn(2, 2, 16)
     summ = case.randn(case.num_pages + 1, 2, 16)
-    args = (q, summ, case.req_to_token, case.req_pool_indices, case.seq_lens, 4, case.max_blocks)
+    args = (q, summ, case.block_table(), case.num_candidates, 4, case.max_blocks)
     out = torch.full((2, 2, case.max_blocks), 123.0, device=DEVICE)
     res = score_blocks_triton(*args, out=out)
     assert res is out
@@ -76,7 +76,7 @@ def test_score_tiles_past_candidates_write_neg_inf(paged_case):
     assert case.max_blocks > 128
     q = case.randn(4, 2, 16)
     summ = case.randn(case.num_pages + 1, 2, 16)
-    args = (q, summ, case.req_to_token, case.req_pool_indices, case.seq_lens, 4, case.max_blocks)
+    args = (q, summ, case.block_table(), case.num_candidates, 4, case.max_blocks)
     out = torch.full((4, 2, case.max_blocks), 123.0, device=DEVICE)
     score_blocks_triton(*args, out=out)
     ref = score_blocks(*args)

@@ -1,8 +1,8 @@
 """The gate query from the post-RoPE query: ONE entry point for the serving path.
 
 `gate_query_post_rope(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin, out=None)` runs the fused
-Triton kernel (`ops.gate.triton`) for CUDA tensors and the torch reference (`ops.gate.naive`)
-otherwise. The Triton module is imported on first CUDA use only, so CPU callers never import
+Triton kernel (`ops.gate.triton`) for CUDA tensors and the batched torch path (`ops.gate.cpu`)
+otherwise; `ops.gate.naive` is the plain statement and the tests' oracle. The Triton module is imported on first CUDA use only, so CPU callers never import
 Triton (and the test suite can set TRITON_INTERPRET before any kernel module loads).
 """
 
@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from sas_backend.ops.gate.naive import gate_query_post_rope as _reference
+from sas_backend.ops.gate.cpu import gate_query_cpu
 
 
 def gate_query_post_rope(
@@ -33,10 +33,8 @@ def gate_query_post_rope(
         from sas_backend.ops.gate.triton import gate_query_triton
 
         return gate_query_triton(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin, out=out)
-    res = _reference(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin)
-    if out is None:
-        return res
-    return out.copy_(res)
+    res = gate_query_cpu(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin)
+    return res if out is None else out.copy_(res)
 
 
 __all__ = ["gate_query_post_rope"]

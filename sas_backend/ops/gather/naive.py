@@ -18,6 +18,11 @@ def row_lengths(seq_lens: torch.Tensor, k: int, block_size: int) -> torch.Tensor
     return n_cand.clamp(max=k) * block_size + (seq_lens - n_cand * block_size)
 
 
+def row_capacity(k: int, block_size: int) -> int:
+    """Most tokens one (request, kv head) row can hold: K whole blocks + the current block."""
+    return (k + 1) * block_size
+
+
 def kv_indptr_for(seq_lens: torch.Tensor, k: int, block_size: int, num_kv_heads: int) -> torch.Tensor:
     """`[bs * H_kv + 1]` int32 row offsets, rows ordered (request, kv head)."""
     lens = row_lengths(seq_lens, k, block_size).repeat_interleave(num_kv_heads)
@@ -28,36 +33,34 @@ def kv_indptr_for(seq_lens: torch.Tensor, k: int, block_size: int, num_kv_heads:
 
 def build_kv_indices(
     selected: torch.Tensor,
+    block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
     block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows of every (request, kv head).
+    kv_indptr: torch.Tensor,
+    kv_indices_out: torch.Tensor,
+) -> torch.Tensor:
+    """Fill the token rows of every (request, kv head) into `kv_indices_out`.
 
-    selected: `[bs, H_kv, K]` int32 ascending, -1 padded (from `select_blocks`); seq_lens,
-    req_pool_indices: `[bs]`; req_to_token: `[max_reqs, max_context]`.
-    Returns (kv_indptr `[bs*H_kv + 1]` int32, kv_indices `[kv_indptr[-1]]` int32) with
-    index = slot * H_kv + h.
+    selected: `[bs, H_kv, K]` int32 ascending, -1 padded (from `select_blocks`); block_table:
+    `[bs, >= cur + 1]` KV slot of each logical block's first token (a page is one block, so token
+    o of block m sits at slot block_table[r, m] + o); seq_lens: `[bs]`; kv_indptr:
+    `[bs*H_kv + 1]` from `kv_indptr_for(seq_lens, K, b, H_kv)`; kv_indices_out: int32 with at
+    least kv_indptr[-1] entries (the rest is untouched). Row (r, h) gets its selected blocks
+    (all b tokens each) in order, then the current block up to the newest token, as
+    index = slot * H_kv + h. Returns kv_indices_out.
     """
     bs, h_kv, k = selected.shape
-    indptr = kv_indptr_for(seq_lens, k, block_size, h_kv)
-    parts = []
     offs = torch.arange(block_size, device=selected.device)
     heads = torch.arange(h_kv, device=selected.device)[:, None]
     for r in range(bs):
-        row_slots = req_to_token[int(req_pool_indices[r])].long()
+        first = block_table[r].long()
         n = int(seq_lens[r])
         cur = max(n - 1, 0) // block_size  # n = 0 (an empty row) must not wrap to block -1
         # Every kv head of a request selects min(K, candidates) blocks: one [H_kv, L] gather.
         blocks = selected[r, :, : min(k, cur)].long()  # [H_kv, n_sel]
-        pos = (blocks[..., None] * block_size + offs).reshape(h_kv, -1)
-        tail = torch.arange(cur * block_size, n, device=pos.device).expand(h_kv, -1)
-        pos = torch.cat([pos, tail], dim=1)
-        parts.append((row_slots[pos] * h_kv + heads).reshape(-1))
-    indices = (
-        torch.cat(parts).to(torch.int32)
-        if parts
-        else torch.zeros(0, dtype=torch.int32, device=selected.device)
-    )
-    return indptr, indices
+        slots = (first[blocks][..., None] + offs).reshape(h_kv, -1)
+        tail = (first[cur] + torch.arange(n - cur * block_size, device=offs.device)).expand(h_kv, -1)
+        rows = torch.cat([slots, tail], dim=1) * h_kv + heads  # [H_kv, L]
+        lo = int(kv_indptr[r * h_kv])
+        kv_indices_out[lo : lo + rows.numel()] = rows.reshape(-1).to(torch.int32)
+    return kv_indices_out

@@ -12,20 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
-from sas_backend.ops.gather.naive import kv_indptr_for
 
 
 @triton.jit
 def _build_kv_indices_kernel(
     sel_ptr,
     seq_ptr,
-    r2t_ptr,
-    rpi_ptr,
+    bt_ptr,
     indptr_ptr,
     out_ptr,
     stride_selb,
     stride_selh,
-    stride_r2t,
+    stride_bt,
     H_KV,
     K,
     BLOCK_SIZE: tl.constexpr,
@@ -36,8 +34,7 @@ def _build_kv_indices_kernel(
     h = tl.program_id(1)
     row_start = tl.load(indptr_ptr + r * H_KV + h).to(tl.int64)
     seq_len = tl.load(seq_ptr + r).to(tl.int64)
-    req = tl.load(rpi_ptr + r).to(tl.int64)
-    r2t_row = r2t_ptr + req * stride_r2t
+    bt_row = bt_ptr + r.to(tl.int64) * stride_bt
     offs = tl.arange(0, BLOCK_B)
     omask = offs < BLOCK_SIZE
 
@@ -50,41 +47,41 @@ def _build_kv_indices_kernel(
         ok_i = ok.to(tl.int64)
         rank = written + tl.cumsum(ok_i, axis=0) - ok_i
         tmask = ok[:, None] & omask[None, :]
-        slot = tl.load(r2t_row + blk[:, None] * BLOCK_SIZE + offs[None, :], mask=tmask, other=0)
+        # A page is one block: token o of block m sits at slot block_table[r, m] + o.
+        first = tl.load(bt_row + blk, mask=ok, other=0).to(tl.int64)
+        slot = first[:, None] + offs[None, :]
         dst = row_start + rank[:, None] * BLOCK_SIZE + offs[None, :]
         tl.store(out_ptr + dst, (slot.to(tl.int64) * H_KV + h).to(tl.int32), mask=tmask)
         written += tl.sum(ok_i, axis=0)
 
     # Current block up to the newest token (it starts right after the candidate blocks).
-    cur_start = (tl.maximum(seq_len - 1, 0) // BLOCK_SIZE) * BLOCK_SIZE
-    pos = cur_start + offs
-    pmask = omask & (pos < seq_len)
-    slot = tl.load(r2t_row + pos, mask=pmask, other=0)
+    cur = tl.maximum(seq_len - 1, 0) // BLOCK_SIZE
+    pmask = omask & (cur * BLOCK_SIZE + offs < seq_len)
+    slot = tl.load(bt_row + cur).to(tl.int64) + offs
     dst = row_start + written * BLOCK_SIZE + offs
     tl.store(out_ptr + dst, (slot.to(tl.int64) * H_KV + h).to(tl.int32), mask=pmask)
 
 
 def build_kv_indices_triton(
     selected: torch.Tensor,
+    block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
     block_size: int,
     kv_indptr: torch.Tensor,
     kv_indices_out: torch.Tensor,
 ) -> torch.Tensor:
     """Fill `kv_indices_out` with the token rows of every (request, kv head); capturable.
 
-    selected: `[bs, H_kv, K]` int32 ascending, -1 padded (from `select_blocks`); seq_lens,
-    req_pool_indices: `[bs]` (on device); req_to_token: `[max_reqs, max_context]` (last axis
-    contiguous); kv_indptr: `[bs*H_kv + 1]` int32 from `kv_indptr_for(seq_lens, K, b, H_kv)`;
+    selected: `[bs, H_kv, K]` int32 ascending, -1 padded (from `select_blocks`); block_table:
+    `[bs, >= cur + 1]` int KV slot of each logical block's first token (last axis contiguous);
+    seq_lens: `[bs]` (on device); kv_indptr: `[bs*H_kv + 1]` int32 from `kv_indptr_for(seq_lens, K, b, H_kv)`;
     kv_indices_out: int32 buffer with at least `kv_indptr[-1]` entries (the rest is untouched).
     Row (r, h) gets its selected blocks (all b tokens each) then the current block up to the
     newest token, as index = slot * H_kv + h. Returns kv_indices_out.
     """
     bs, h_kv, k = selected.shape
-    if selected.stride(-1) != 1 or req_to_token.stride(-1) != 1:
-        raise ValueError("selected and req_to_token must be contiguous along their last axis")
+    if selected.stride(-1) != 1 or block_table.stride(-1) != 1:
+        raise ValueError("selected and block_table must be contiguous along their last axis")
     if kv_indices_out.dtype != torch.int32:
         raise ValueError("kv_indices_out must be int32")
     if bs == 0 or h_kv == 0:
@@ -92,13 +89,12 @@ def build_kv_indices_triton(
     _build_kv_indices_kernel[(bs, h_kv)](
         selected,
         seq_lens,
-        req_to_token,
-        req_pool_indices,
+        block_table,
         kv_indptr,
         kv_indices_out,
         selected.stride(0),
         selected.stride(1),
-        req_to_token.stride(0),
+        block_table.stride(0),
         h_kv,
         k,
         BLOCK_SIZE=block_size,
@@ -106,21 +102,3 @@ def build_kv_indices_triton(
         K_CHUNK=max(1, min(64, triton.next_power_of_2(max(k, 1)))),
     )
     return kv_indices_out
-
-
-def build_kv_indptr_and_indices_triton(
-    selected: torch.Tensor,
-    seq_lens: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same inputs and result as the naive `build_kv_indices`: (kv_indptr `[bs*H_kv + 1]` int32,
-    kv_indices `[kv_indptr[-1]]` int32). Syncs with the host to size the output; not capturable
-    (tests and eager use only)."""
-    bs, h_kv, k = selected.shape
-    indptr = kv_indptr_for(seq_lens, k, block_size, h_kv)
-    total = int(indptr[-1]) if indptr.numel() else 0
-    indices = torch.empty(total, dtype=torch.int32, device=selected.device)
-    build_kv_indices_triton(selected, seq_lens, req_to_token, req_pool_indices, block_size, indptr, indices)
-    return indptr, indices

@@ -1,0 +1,42 @@
+"""Block scores: ONE entry point, the Triton kernel on CUDA, plain torch elsewhere.
+
+`naive.score_blocks` is the plain statement, the tests' oracle and, being one gather and one
+batched contraction already, also the CPU path; `triton.score_blocks_triton` is the kernel
+(imported on first CUDA use only).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sas_backend.ops.score import naive
+from sas_backend.ops.score.naive import candidate_counts
+
+
+def score_blocks(
+    gate_q: torch.Tensor,
+    summaries: torch.Tensor,
+    block_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    block_size: int,
+    max_blocks: int,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Scores `[bs, H_kv, max_blocks]` fp32 of every candidate block, `-inf` elsewhere.
+
+    gate_q: `[bs, H_kv, Dg]`; summaries: `[num_pages, H_kv, Dg]` (row = physical page);
+    block_table: `[bs, >= max_blocks]` KV slot of each logical block's first token;
+    num_candidates: `[bs]`; out: optional `[bs, H_kv, max_blocks]` fp32 buffer (CUDA graphs).
+    `s[r,h,m] = gate_q[r,h] . summaries[block_table[r,m] // b, h] / sqrt(Dg)` for m < num_candidates[r].
+    """
+    if gate_q.is_cuda:
+        from sas_backend.ops.score.triton import score_blocks_triton
+
+        return score_blocks_triton(gate_q, summaries, block_table, num_candidates, block_size, max_blocks, out=out)
+    res = naive.score_blocks(gate_q, summaries, block_table, num_candidates, block_size, max_blocks)
+    return res if out is None else out.copy_(res)
+
+
+__all__ = ["score_blocks", "candidate_counts"]

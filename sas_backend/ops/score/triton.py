@@ -19,9 +19,8 @@ import triton.language as tl
 def _score_blocks_kernel(
     q_ptr,
     summ_ptr,
-    r2t_ptr,
-    rpi_ptr,
-    seq_ptr,
+    bt_ptr,
+    ncand_ptr,
     out_ptr,
     stride_qb,
     stride_qh,
@@ -29,7 +28,7 @@ def _score_blocks_kernel(
     stride_sp,
     stride_sh,
     stride_sd,
-    stride_r2t,
+    stride_bt,
     stride_ob,
     stride_oh,
     max_blocks,
@@ -43,9 +42,8 @@ def _score_blocks_kernel(
     h = tl.program_id(1)
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
 
-    seq_len = tl.load(seq_ptr + r).to(tl.int64)
     # Candidates are the complete blocks before the one holding the newest token.
-    n_cand = tl.maximum(seq_len - 1, 0) // BLOCK_SIZE
+    n_cand = tl.load(ncand_ptr + r).to(tl.int64)
     out_row = out_ptr + r * stride_ob + h * stride_oh
     # Tiles past the row's candidates only write -inf: the grid is sized by the server's
     # maximum context, the work by the batch's actual lengths.
@@ -53,10 +51,9 @@ def _score_blocks_kernel(
         tl.store(out_row + m, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=m < max_blocks)
         return
     valid = m < n_cand
-    req = tl.load(rpi_ptr + r).to(tl.int64)
 
-    # Logical block m lives in physical page req_to_token[req, m*b] // b.
-    slot = tl.load(r2t_ptr + req * stride_r2t + m.to(tl.int64) * BLOCK_SIZE, mask=valid, other=0)
+    # Logical block m lives in physical page block_table[r, m] // b.
+    slot = tl.load(bt_ptr + r.to(tl.int64) * stride_bt + m, mask=valid, other=0)
     page = slot.to(tl.int64) // BLOCK_SIZE
 
     d = tl.arange(0, BLOCK_DG)
@@ -75,9 +72,8 @@ def _score_blocks_kernel(
 def score_blocks_triton(
     gate_q: torch.Tensor,
     summaries: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_candidates: torch.Tensor,
     block_size: int,
     max_blocks: int,
     out: Optional[torch.Tensor] = None,
@@ -85,8 +81,8 @@ def score_blocks_triton(
     """Scores of every candidate block, `-inf` elsewhere (Triton; same result as `score_blocks`).
 
     gate_q: `[bs, H_kv, Dg]` (any float dtype); summaries: `[num_pages, H_kv, Dg]` (fp32 or bf16,
-    row = physical page); req_to_token: `[max_reqs, max_context]` (last axis contiguous);
-    req_pool_indices, seq_lens: `[bs]` (read on device, no host sync).
+    row = physical page); block_table: `[bs, >= max_blocks]` int KV slot of each logical block's
+    first token (last axis contiguous); num_candidates: `[bs]` (read on device, no host sync).
     out: optional preallocated `[bs, H_kv, max_blocks]` fp32 (last axis contiguous) for CUDA graphs.
     Returns `[bs, H_kv, max_blocks]` fp32 with
     `s[r,h,m] = gate_q[r,h] . summaries[page(r,m),h] / sqrt(Dg)` for m < candidate count.
@@ -94,8 +90,8 @@ def score_blocks_triton(
     bs, h_kv, dg = gate_q.shape
     if summaries.shape[1:] != (h_kv, dg):
         raise ValueError(f"summaries {tuple(summaries.shape)} do not match gate_q {tuple(gate_q.shape)}")
-    if req_to_token.stride(-1) != 1:
-        raise ValueError("req_to_token must be contiguous along its last axis")
+    if block_table.stride(-1) != 1:
+        raise ValueError("block_table must be contiguous along its last axis")
     if out is None:
         out = torch.empty(bs, h_kv, max_blocks, dtype=torch.float32, device=gate_q.device)
     elif out.shape != (bs, h_kv, max_blocks) or out.dtype != torch.float32 or out.stride(-1) != 1:
@@ -107,9 +103,8 @@ def score_blocks_triton(
     _score_blocks_kernel[grid](
         gate_q,
         summaries,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
+        block_table,
+        num_candidates,
         out,
         gate_q.stride(0),
         gate_q.stride(1),
@@ -117,7 +112,7 @@ def score_blocks_triton(
         summaries.stride(0),
         summaries.stride(1),
         summaries.stride(2),
-        req_to_token.stride(0),
+        block_table.stride(0),
         out.stride(0),
         out.stride(1),
         max_blocks,

@@ -1,5 +1,9 @@
 """Sparse decode through FlashInfer: one decode row per (request, kv head).
 
+Same interface as the CPU path (`cpu.TorchSparseDecode`): `plan(seq_lens_host, scale, graph_bs)`
+on the host before a step, `run(q, k_buffer, v_buffer, selected, block_table, seq_lens)` per
+layer. `run` fills the planned token rows with the gather kernel (`ops.gather`), then decodes.
+
 The KV cache `[slots, H_kv, D]` is viewed as `[slots * H_kv, page=1, heads=1, D]` (NHD), so each
 row is a plain token list (`kv_indices`, index = slot * H_kv + h) and the G query heads of the
 group are that row's query heads. Plan once per step on the host (row lengths are known from
@@ -30,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from sas_backend.ops.gather import gather_kv_indices, kv_indptr_for, row_capacity
+
 # FlashInfer's float workspace for split-KV partial results (its recommended size), and the
 # int workspace every wrapper allocates for itself on the device (plus as much pinned host
 # memory) in both 0.6.12 and 0.7.2. Used by the memory accounting (backend/memory.py).
@@ -41,10 +47,8 @@ class FlashInferSparseDecode:
     """Plan-once, run-many wrapper.
 
     num_kv_heads, group_size, head_dim: per-rank attention geometry (H_kv, G = H_q // H_kv, D).
-    max_rows: most (request, kv head) rows; max_indices: capacity of the index buffer.
-    indices_buf: optional caller-owned int32 device buffer `[>= max_indices]` for the token
-        indices (the one the gather kernel fills); allocated here when not given. Either way
-        `self.indices_buf` is the single index buffer.
+    max_rows: most (request, kv head) rows; top_k, block_size: K and b (a row holds at most
+        K + 1 blocks, which sizes the index buffer the gather kernel fills, `self.indices_buf`).
     workspace: optional uint8 device float workspace to share (e.g. the wrapped SGLang
         FlashInfer backend's `workspace_buffer`: runs are stream-ordered, so sharing is safe);
         a fresh `WORKSPACE_BYTES` one when not given.
@@ -59,8 +63,8 @@ class FlashInferSparseDecode:
         kv_dtype,
         device,
         max_rows,
-        max_indices,
-        indices_buf: Optional[torch.Tensor] = None,
+        top_k,
+        block_size,
         workspace: Optional[torch.Tensor] = None,
     ):
         import flashinfer
@@ -72,20 +76,19 @@ class FlashInferSparseDecode:
         self.q_dtype = q_dtype
         self.kv_dtype = kv_dtype
         self.max_rows = max_rows
+        self.top_k = top_k
+        self.block_size = block_size
         self.owns_workspace = workspace is None
         self.workspace = (
             torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device) if workspace is None else workspace
         )
         # Device buffers the CUDA-graph wrappers are built over (FlashInfer requires all three).
         self.indptr_buf = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
-        if indices_buf is None:
-            indices_buf = torch.zeros(max_indices, dtype=torch.int32, device=device)
-        elif indices_buf.dtype != torch.int32 or indices_buf.numel() < max_indices:
-            raise ValueError(
-                f"indices_buf must be int32 with >= {max_indices} elements, got {indices_buf.dtype} "
-                f"x {indices_buf.numel()}"
-            )
-        self.indices_buf = indices_buf
+        self.indices_buf = torch.zeros(max_rows * row_capacity(top_k, block_size), dtype=torch.int32, device=device)
+        # Row offsets the gather kernel reads: refilled (async copy) by every plan, so a captured
+        # gather keeps reading this one address.
+        self.gather_indptr = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
+        self._rows = None  # rows of the last plan (run checks the batch against it)
         self.last_page_len_buf = torch.ones(max_rows, dtype=torch.int32, device=device)
         # Page size 1: every row's last page holds one token. Host copy for plan() (see module doc).
         self._last_page_len_host = torch.ones(max_rows, dtype=torch.int32)
@@ -99,7 +102,7 @@ class FlashInferSparseDecode:
     def device_nbytes(self) -> int:
         """Device bytes this object holds: buffers, the workspace if its own, and one FlashInfer
         int workspace per wrapper made so far (eager + one per captured batch size)."""
-        own = [self.indptr_buf, self.indices_buf, self.last_page_len_buf]
+        own = [self.indptr_buf, self.indices_buf, self.gather_indptr, self.last_page_len_buf]
         if self.owns_workspace:
             own.append(self.workspace)
         wrappers = 1 + len(self._graph_wrappers)
@@ -121,16 +124,18 @@ class FlashInferSparseDecode:
             paged_kv_last_page_len_buffer=self.last_page_len_buf[:rows],
         )
 
-    def plan(self, kv_indptr_host: torch.Tensor, scale: float, graph_bs=None) -> torch.Tensor:
-        """Plan one decode step from HOST row offsets `[rows + 1]`; returns the index buffer to fill.
+    def plan(self, seq_lens_host: torch.Tensor, scale: float, graph_bs=None) -> None:
+        """Plan one decode step from the HOST sequence lengths `[bs]` (no device-to-host copy).
 
-        graph_bs: the captured batch size when planning for a CUDA graph (capture or replay).
-        No device-to-host copy happens here: FlashInfer reads indptr / last_page_len on the host.
+        Row (r, h) holds min(K, candidates) whole blocks plus the current block
+        (`ops.gather.kv_indptr_for`). graph_bs: the captured batch size when planning for a CUDA
+        graph (capture or replay); FlashInfer reads indptr / last_page_len on the host.
         """
-        if kv_indptr_host.device.type != "cpu":
-            # A device indptr would make FlashInfer copy it back to the host: a sync per step.
-            raise ValueError(f"kv_indptr_host must be a CPU tensor, got one on {kv_indptr_host.device}")
-        rows = kv_indptr_host.numel() - 1
+        if seq_lens_host.device.type != "cpu":
+            # A device tensor would make FlashInfer copy the offsets back to the host: a sync per step.
+            raise ValueError(f"seq_lens_host must be a CPU tensor, got one on {seq_lens_host.device}")
+        indptr = kv_indptr_for(seq_lens_host.to(torch.int64), self.top_k, self.block_size, self.num_kv_heads)
+        rows = indptr.numel() - 1
         if rows > self.max_rows:
             raise ValueError(f"{rows} decode rows exceed the planned capacity {self.max_rows}")
         if graph_bs is None:
@@ -140,7 +145,7 @@ class FlashInferSparseDecode:
             if wrapper is None:
                 wrapper = self._graph_wrappers[graph_bs] = self._make_wrapper(True, rows)
         wrapper.plan(
-            kv_indptr_host.to(torch.int32),
+            indptr,
             self.indices_buf,
             self._last_page_len_host[:rows],
             self.group_size,
@@ -151,12 +156,31 @@ class FlashInferSparseDecode:
             kv_data_type=self.kv_dtype,
             sm_scale=scale,
         )
+        self.gather_indptr[: rows + 1].copy_(indptr, non_blocking=True)
         self._active = wrapper
-        return self.indices_buf
+        self._rows = rows
 
-    def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> torch.Tensor:
-        """q `[bs, H_q, D]`, k/v buffers `[slots, H_kv, D]` -> `[bs, H_q, Dv]`, over the planned rows."""
+    def run(
+        self,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        selected: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention `[bs, H_q, Dv]` over the selected blocks plus the current block.
+
+        q: `[bs, H_q, D]`; k/v buffers: `[slots, H_kv, D]`; selected: `[bs, H_kv, K]` int32
+        ascending, -1 padded; block_table: `[bs, >= cur + 1]` KV slot of each logical block's
+        first token; seq_lens: `[bs]` (device). bs must be the planned batch.
+        """
         bs, h_q, d = q.shape
+        if self._rows is None or bs * self.num_kv_heads != self._rows:
+            raise ValueError(f"run() got a batch of {bs} requests; plan() was for {self._rows} rows")
+        gather_kv_indices(
+            selected, block_table, seq_lens, self.block_size, self.gather_indptr[: self._rows + 1], self.indices_buf
+        )
         slots = k_buffer.shape[0]
         k_rows = k_buffer.view(slots * self.num_kv_heads, 1, 1, d)
         v_rows = v_buffer.view(slots * self.num_kv_heads, 1, 1, v_buffer.shape[-1])

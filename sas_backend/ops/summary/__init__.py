@@ -1,0 +1,75 @@
+"""Block summaries: ONE entry point per use, the Triton kernel on CUDA, torch elsewhere.
+
+- `summarize_pages(...)`: summaries of whole blocks read back from the paged KV cache (after an
+  extend, and in the transformers evaluation).
+- `update_summaries(...)`: the block each request's newest token completed, at decode; fixed
+  shapes and no host sync on both paths (CUDA-graph capturable).
+
+`naive.py` is the plain statement of the semantics and the tests' oracle; `cpu.py` is the
+capturable torch path; `triton.py` the fused kernels (imported on first CUDA use only, so CPU
+callers never import Triton).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sas_backend.ops.summary import cpu, naive
+
+
+def summarize_pages(
+    k_buffer: torch.Tensor,
+    pages: torch.Tensor,
+    block_starts: torch.Tensor,
+    model_cos_sin: torch.Tensor,
+    gate_cos_sin: torch.Tensor,
+    w_k: torch.Tensor,
+    k_norm: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Summaries `[N, H_kv, Dg]` fp32 of whole blocks.
+
+    k_buffer: `[slots, H_kv, D]` post-RoPE keys; pages, block_starts: `[N]` (physical page, first
+    position); model_cos_sin: `[max_pos, D]` the model's RoPE table; gate_cos_sin: `[max_pos, Dg]`;
+    w_k: `[H_kv, 3D, Dg]`; k_norm: `[Dg]`. See `naive.summarize_pages`.
+    """
+    if k_buffer.is_cuda:
+        from sas_backend.ops.summary.triton import summarize_pages_triton
+
+        return summarize_pages_triton(
+            k_buffer, pages, block_starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size
+        )
+    return naive.summarize_pages(k_buffer, pages, block_starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size)
+
+
+def update_summaries(
+    k_buffer: torch.Tensor,
+    summaries: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    model_cos_sin: torch.Tensor,
+    gate_cos_sin: torch.Tensor,
+    w_k: torch.Tensor,
+    k_norm: torch.Tensor,
+) -> torch.Tensor:
+    """Summarize, in place, the block each request's newest token completed (if it did).
+
+    summaries: `[num_pages, H_kv, Dg]` (row = physical page); block_table: `[bs, >= M + 1]` KV
+    slot of each logical block's first token; seq_lens: `[bs]`; the rest as `summarize_pages`.
+    Every page a request owns ends up as `naive.summary_update_decode` leaves it; a request that
+    completed no block writes nothing (CUDA) or into page 0, SGLang's padding page (CPU).
+    Returns summaries.
+    """
+    if k_buffer.is_cuda:
+        from sas_backend.ops.summary.triton import summary_update_decode_triton
+
+        return summary_update_decode_triton(
+            k_buffer, summaries, block_table, seq_lens, block_size, model_cos_sin, gate_cos_sin, w_k, k_norm
+        )
+    return cpu.summary_update_decode_masked(
+        k_buffer, summaries, block_table, seq_lens, block_size, model_cos_sin, gate_cos_sin, w_k, k_norm
+    )
+
+
+__all__ = ["summarize_pages", "update_summaries"]

@@ -16,7 +16,7 @@ from sas_backend.ops.summary.naive import summarize_pages
 def summary_update_decode_masked(
     k_buffer: torch.Tensor,
     summaries_out: torch.Tensor,
-    block_first_slot: torch.Tensor,
+    block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     block_size: int,
     model_cos_sin: torch.Tensor,
@@ -26,13 +26,12 @@ def summary_update_decode_masked(
 ) -> torch.Tensor:
     """Same effect on every page a request owns as `summary_update_decode`; fixed shapes.
 
-    block_first_slot: `[bs, >= cur + 1]` KV slot of each logical block's first token; the other
-    inputs as `naive.summary_update_decode`. Returns summaries_out `[num_pages, H_kv, Dg]`.
+    Inputs as `naive.summary_update_decode` (block_table `[bs, >= cur + 1]`). Returns summaries_out `[num_pages, H_kv, Dg]`.
     """
     lens = seq_lens.long()
     done = (lens > 0) & (lens % block_size == 0)
     block = (torch.div(lens, block_size, rounding_mode="floor") - 1).clamp_min(0)
-    first = torch.gather(block_first_slot.long(), 1, block[:, None]).squeeze(1)
+    first = torch.gather(block_table.long(), 1, block[:, None]).squeeze(1)
     pages = torch.div(first, block_size, rounding_mode="floor")
     summ = summarize_pages(k_buffer, pages, block * block_size, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size)
     summaries_out.index_copy_(0, torch.where(done, pages, 0), summ.to(summaries_out.dtype))

@@ -57,8 +57,7 @@ def summarize_pages(
 def summary_update_decode(
     k_buffer: torch.Tensor,
     summaries_out: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
+    block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     block_size: int,
     model_cos_sin: torch.Tensor,
@@ -68,19 +67,19 @@ def summary_update_decode(
 ) -> torch.Tensor:
     """Summaries of the blocks completed by this decode step, written in place.
 
-    A request whose newest token completes a block (seq_len % b == 0, seq_len > 0) gets block
-    m = seq_len // b - 1 summarized (page = req_to_token[req, m*b] // b, start = m*b) into
-    `summaries_out[page]` `[num_pages + 1, H_kv, Dg]` (cast to its dtype). Other requests write
-    nothing. k_buffer must already hold the new token's key. Other inputs as `summarize_pages`.
-    Returns summaries_out. (Host-side selection: the reference, not capturable.)
+    block_table: `[bs, >= M + 1]` KV slot of the first token of each logical block (a page is one
+    block); seq_lens: `[bs]`. A request whose newest token completes a block (seq_len % b == 0,
+    seq_len > 0) gets block m = seq_len // b - 1 summarized (page = block_table[r, m] // b,
+    start = m*b) into `summaries_out[page]` `[num_pages, H_kv, Dg]` (cast to its dtype). Other
+    requests write nothing. k_buffer must already hold the new token's key. Other inputs as
+    `summarize_pages`. Returns summaries_out. (Host-side selection: the reference, not capturable.)
     """
     lens = seq_lens.long()
-    done = (lens > 0) & (lens % block_size == 0)
-    if not bool(done.any()):
+    rows = ((lens > 0) & (lens % block_size == 0)).nonzero().flatten()
+    if rows.numel() == 0:
         return summaries_out
-    starts = (lens[done] // block_size - 1) * block_size
-    reqs = req_pool_indices.long()[done]
-    pages = torch.div(req_to_token[reqs, starts].long(), block_size, rounding_mode="floor")
-    summ = summarize_pages(k_buffer, pages, starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size)
+    blocks = lens[rows] // block_size - 1
+    pages = torch.div(block_table[rows, blocks].long(), block_size, rounding_mode="floor")
+    summ = summarize_pages(k_buffer, pages, blocks * block_size, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size)
     summaries_out[pages] = summ.to(summaries_out.dtype)
     return summaries_out

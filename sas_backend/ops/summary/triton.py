@@ -161,7 +161,7 @@ def _summarize_pages_kernel(
 
 @triton.jit
 def _summary_update_decode_kernel(
-    k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, r2t_ptr, rpi_ptr, seq_ptr, bs, stride_r2t,
+    k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, bt_ptr, seq_ptr, bs, stride_bt,
     stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc,
     eps, n_tok, n_seg,
     BLOCK_SIZE: tl.constexpr, HALF_D: tl.constexpr, HALF_DG: tl.constexpr,
@@ -172,9 +172,9 @@ def _summary_update_decode_kernel(
     seq_len = tl.load(seq_ptr + r, mask=r < bs, other=0).to(tl.int64)
     # The newest token completed block seq_len // b - 1 exactly when seq_len % b == 0.
     done = (r < bs) & (seq_len > 0) & (seq_len % BLOCK_SIZE == 0)
-    starts = tl.where(done, (seq_len // BLOCK_SIZE - 1) * BLOCK_SIZE, 0)
-    req = tl.load(rpi_ptr + r, mask=done, other=0).to(tl.int64)
-    slot = tl.load(r2t_ptr + req * stride_r2t + starts, mask=done, other=0).to(tl.int64)
+    block = tl.where(done, seq_len // BLOCK_SIZE - 1, 0)
+    starts = block * BLOCK_SIZE
+    slot = tl.load(bt_ptr + r.to(tl.int64) * stride_bt + block, mask=done, other=0).to(tl.int64)
     pages = slot // BLOCK_SIZE
     # Most steps complete no block: skip the projection entirely then.
     if tl.sum(done.to(tl.int32), axis=0) > 0:
@@ -254,8 +254,7 @@ def summarize_pages_triton(
 def summary_update_decode_triton(
     k_buffer: torch.Tensor,
     summaries_out: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
+    block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     block_size: int,
     model_cos_sin: torch.Tensor,
@@ -266,11 +265,12 @@ def summary_update_decode_triton(
     """Summarize the blocks this decode step completed, in place; CUDA-graph capturable.
 
     For each request r with seq_lens[r] % b == 0 (and > 0), block m = seq_len // b - 1
-    (page = req_to_token[req, m*b] // b, start = m*b) is summarized into
+    (page = block_table[r, m] // b, start = m*b) is summarized into
     `summaries_out[page]` (`[num_pages + 1, H_kv, Dg]`, fp32 or bf16; last axis contiguous).
     Requests that completed no block write NOTHING (not even the padding row 0), so CUDA-graph
     padding entries are harmless. k_buffer must already hold the new token's key.
-    seq_lens, req_pool_indices: `[bs]` on device (no host sync, no allocation).
+    block_table: `[bs, >= M + 1]` int KV slot of each logical block's first token (last axis
+    contiguous); seq_lens: `[bs]` on device (no host sync, no allocation).
     Returns summaries_out.
     """
     h_kv, d, dg = _check_geometry(k_buffer, model_cos_sin, gate_cos_sin, w_k, k_norm)
@@ -279,8 +279,8 @@ def summary_update_decode_triton(
             f"summaries_out {tuple(summaries_out.shape)} must be [num_pages+1, {h_kv}, {dg}]"
             " with a contiguous last axis"
         )
-    if req_to_token.stride(-1) != 1:
-        raise ValueError("req_to_token must be contiguous along its last axis")
+    if block_table.stride(-1) != 1:
+        raise ValueError("block_table must be contiguous along its last axis")
     bs = seq_lens.numel()
     if bs == 0 or h_kv == 0:
         return summaries_out
@@ -288,8 +288,8 @@ def summary_update_decode_triton(
     k_norm = _last_contig(k_norm)
     grid = (triton.cdiv(bs, _TILE_BLOCKS), h_kv)
     _summary_update_decode_kernel[grid](
-        k_buffer, summaries_out, mcs, gcs, w_k, k_norm, req_to_token, req_pool_indices, seq_lens,
-        bs, req_to_token.stride(0),
+        k_buffer, summaries_out, mcs, gcs, w_k, k_norm, block_table, seq_lens,
+        bs, block_table.stride(0),
         k_buffer.stride(0), k_buffer.stride(1), summaries_out.stride(0), summaries_out.stride(1),
         mcs.stride(0), gcs.stride(0), w_k.stride(0), w_k.stride(1), w_k.stride(2),
         GATE_NORM_EPS, block_size, 6,
