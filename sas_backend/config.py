@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from typing import Optional
 
 
 class SASConfigError(ValueError):
     """A SAS setting that cannot work; the message says which and how to fix it."""
+
+
+def _setting(default, env: str, flag: Optional[str] = None, help: str = ""):
+    """A SASConfig field with how the outside world names it: its `SAS_*` variable, its
+    `--sas-*` launch flag (None: environment only) and the flag's help text."""
+    return dataclasses.field(default=default, metadata={"env": env, "flag": flag, "help": help})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,15 +36,29 @@ class SASConfig:
     sink_blocks / local_blocks: blocks always selected (first blocks / blocks right before the
         current one); they count inside K.
     debug_dir: if set, each decode step appends selection statistics there (slow; tests only).
+
+    Each field's metadata names its variable and flag; `SETTINGS` lists them.
     """
 
-    gate_path: Optional[str] = None
-    budget: int = 2048
-    block_size: int = 64
-    first_sparse_layer: int = 0
-    sink_blocks: int = 0
-    local_blocks: int = 0
-    debug_dir: Optional[str] = None
+    gate_path: Optional[str] = _setting(
+        None, "SAS_GATE", "--sas-gate",
+        "Gate checkpoint directory (config.json + gate.safetensors, or SeerAttention-R's).")
+    budget: int = _setting(
+        2048, "SAS_BUDGET", "--sas-budget",
+        "Tokens of previous blocks attended per decode step (a multiple of the block size).")
+    block_size: int = _setting(
+        64, "SAS_BLOCK_SIZE", "--sas-block-size",
+        "KV block size in tokens; the page size is set to it.")
+    first_sparse_layer: int = _setting(
+        0, "SAS_FIRST_SPARSE_LAYER", "--sas-first-sparse-layer",
+        "Layers below this index decode densely.")
+    sink_blocks: int = _setting(
+        0, "SAS_SINK_BLOCKS", "--sas-sink-blocks",
+        "Always attend the first N blocks (counted inside the budget).")
+    local_blocks: int = _setting(
+        0, "SAS_LOCAL_BLOCKS", "--sas-local-blocks",
+        "Always attend the N blocks before the current one (inside the budget).")
+    debug_dir: Optional[str] = _setting(None, "SAS_DEBUG_DIR")
 
     @property
     def top_k(self) -> int:
@@ -74,26 +95,23 @@ class SASConfig:
         """Read `SAS_*` variables (unset ones keep the defaults). Does not validate."""
         env = os.environ if environ is None else environ
         kwargs = {}
-        for f in dataclasses.fields(cls):
-            raw = env.get(ENV_NAMES[f.name])
+        for s in SETTINGS:
+            raw = env.get(s.env)
             if raw is None or raw == "":
                 continue
-            if f.name in INT_FIELDS:
-                try:
-                    kwargs[f.name] = int(raw)
-                except ValueError:
-                    raise SASConfigError(f"{ENV_NAMES[f.name]}={raw!r} is not an integer") from None
-            else:
-                kwargs[f.name] = raw
+            try:
+                kwargs[s.field] = s.type(raw)
+            except ValueError:
+                raise SASConfigError(f"{s.env}={raw!r} is not an integer") from None
         return cls(**kwargs)
 
     def to_env(self) -> dict:
         """The `SAS_*` variables that reproduce this config."""
         out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+        for s in SETTINGS:
+            value = getattr(self, s.field)
             if value is not None:
-                out[ENV_NAMES[f.name]] = str(value)
+                out[s.env] = str(value)
         return out
 
     def as_dict(self) -> dict:
@@ -102,23 +120,31 @@ class SASConfig:
         return d
 
 
-ENV_NAMES = {
-    "gate_path": "SAS_GATE",
-    "budget": "SAS_BUDGET",
-    "block_size": "SAS_BLOCK_SIZE",
-    "first_sparse_layer": "SAS_FIRST_SPARSE_LAYER",
-    "sink_blocks": "SAS_SINK_BLOCKS",
-    "local_blocks": "SAS_LOCAL_BLOCKS",
-    "debug_dir": "SAS_DEBUG_DIR",
-}
-INT_FIELDS = {"budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks"}
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One SASConfig field as launch flags and the environment name it.
 
-# The launch flags: (flag, field, help). `--sas-gate` etc. on `sglang serve`/`launch_server`.
-CLI_FLAGS = [
-    ("--sas-gate", "gate_path", "Gate checkpoint directory (config.json + gate.safetensors, or SeerAttention-R's)."),
-    ("--sas-budget", "budget", "Tokens of previous blocks attended per decode step (multiple of the block size; default 2048)."),
-    ("--sas-block-size", "block_size", "KV block size in tokens (default 64); the page size is set to it."),
-    ("--sas-first-sparse-layer", "first_sparse_layer", "Layers below this index decode densely (default 0)."),
-    ("--sas-sink-blocks", "sink_blocks", "Always attend the first N blocks (counted inside the budget; default 0)."),
-    ("--sas-local-blocks", "local_blocks", "Always attend the N blocks before the current one (inside the budget; default 0)."),
-]
+    field: SASConfig attribute; env: its `SAS_*` variable; flag: its `--sas-*` launch flag (None:
+    environment only); help: the flag's help text; type: int or str, how a value is parsed;
+    default: the field's default.
+    """
+
+    field: str
+    env: str
+    flag: Optional[str]
+    help: str
+    type: type
+    default: object
+
+
+def _settings() -> tuple[Setting, ...]:
+    hints = typing.get_type_hints(SASConfig)
+    return tuple(
+        Setting(f.name, f.metadata["env"], f.metadata["flag"], f.metadata["help"],
+                int if hints[f.name] is int else str, f.default)
+        for f in dataclasses.fields(SASConfig)
+    )
+
+
+#: Every setting, in field order: the one table `from_env`, `to_env` and the plugin's flags read.
+SETTINGS = _settings()

@@ -1,8 +1,12 @@
-"""Attention geometry of a served model, read from its Hugging Face config.
+"""Attention geometry of a served model, read from its Hugging Face config, and what sas supports.
 
 `ModelGeometry` is the one place that turns an HF `config.json` (a dict or a transformers
 `PretrainedConfig`) into the numbers the gate and the backend need: layer count, query / kv head
 counts, head dim and the RoPE parameters. Gate checkpoint validation and the backend both use it.
+`gate_rope_table` builds the gate's RoPE table from it (serving, training and evaluation alike).
+
+`ARCHITECTURES` is the one table of the model architectures sas knows, saying per architecture
+whether the backend serves it and whether the trainer trains gates for it (and why not).
 
 Handles the two ways transformers writes RoPE parameters:
 - 4.x: top-level `rope_theta` and optional `rope_scaling` dict;
@@ -15,7 +19,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ModelGeometryError(ValueError):
@@ -139,3 +146,62 @@ class ModelGeometry:
             raise ModelGeometryError(f"{cfg_path}: cannot read JSON: {e}") from e
         name = cfg.get("_name_or_path") or os.path.basename(os.path.normpath(os.fspath(path)))
         return cls.from_hf_config(cfg, model_name=name)
+
+
+def gate_rope_table(gate_dim: int, geometry: ModelGeometry, max_pos: int, device=None) -> "torch.Tensor":
+    """The gate's RoPE table `[max_pos, gate_dim]` fp32 (cos|sin, YaRN's mscale included): the
+    model's rotary formula, theta and scaling on the gate's Dg dims.
+
+    The one place a gate table is made, so a gate is served with the table it was trained with.
+    """
+    from sas_backend.ops.rope import rope_cos_sin_table  # torch: imported only when a table is built
+
+    return rope_cos_sin_table(gate_dim, max_pos, geometry.rope_theta, geometry.rope_scaling, device=device)
+
+
+# ---- supported architectures ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArchitectureSupport:
+    """What sas does with one HF architecture.
+
+    family: the name messages use; model_type: the HF config's `model_type` (what a transformers
+    model built from a config carries even without `architectures`); serve: the backend serves it;
+    train_refusal: why the gate trainer refuses it, None when it trains gates for it.
+    """
+
+    family: str
+    model_type: str
+    serve: bool = True
+    train_refusal: Optional[str] = None
+
+    @property
+    def train(self) -> bool:
+        return self.train_refusal is None
+
+
+#: HF architecture name -> support. Serving checks `architectures[0]`, training `model_type`.
+ARCHITECTURES = {
+    "LlamaForCausalLM": ArchitectureSupport("Llama", "llama"),
+    "Qwen2ForCausalLM": ArchitectureSupport("Qwen2", "qwen2"),
+    "Qwen3ForCausalLM": ArchitectureSupport("Qwen3", "qwen3"),
+    "Qwen3MoeForCausalLM": ArchitectureSupport(
+        "Qwen3-MoE", "qwen3_moe",
+        train_refusal="the trainer is untested on mixture-of-experts backbones and replicates the whole "
+                      "frozen backbone on every process (no expert or tensor parallelism; the smallest "
+                      "Qwen3-MoE is ~61 GB in bf16)",
+    ),
+}
+
+
+def architecture_by_model_type(model_type: Optional[str]) -> Optional[ArchitectureSupport]:
+    """The table's entry for an HF `model_type` ("qwen3"), None if sas does not know it."""
+    return next((a for a in ARCHITECTURES.values() if a.model_type == model_type), None)
+
+
+def supported_families(use: str) -> str:
+    """`"Llama, Qwen2, Qwen3"`: the families sas supports for `use` ("serve" or "train")."""
+    if use not in ("serve", "train"):
+        raise ValueError(f"use must be 'serve' or 'train', got {use!r}")
+    return ", ".join(a.family for a in ARCHITECTURES.values() if getattr(a, use))

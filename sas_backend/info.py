@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 from sas_backend import __version__
-from sas_backend.config import SASConfig, SASConfigError
+from sas_backend.config import SETTINGS, SASConfig, SASConfigError
 
 
 def sas_info() -> dict:
-    """JSON body: package version, SAS config (from the same env the schedulers read), gate identity."""
+    """JSON body: package version, SAS config (from the same env the schedulers read), gate identity.
+
+    Computed once per server: loading and hashing the gate on every request would cost a full
+    read of the weights each time. The cache is keyed on the `SAS_*` variables (fixed once the
+    launcher has applied the flags), so a process whose settings change gets a fresh body.
+    """
+    key = tuple(os.environ.get(s.env) for s in SETTINGS) + (os.environ.get("SAS_ACTIVE"),)
+    return dict(_info_for(key))
+
+
+@functools.lru_cache(maxsize=4)
+def _info_for(_env_key: tuple) -> dict:
     import sglang
 
     try:

@@ -17,7 +17,7 @@ import logging
 import multiprocessing
 import os
 
-from sas_backend.config import CLI_FLAGS, ENV_NAMES, INT_FIELDS, SASConfig, SASConfigError
+from sas_backend.config import SETTINGS, SASConfig, SASConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +69,14 @@ def _create_backend(runner):
 def _add_cli_args(original, parser: argparse.ArgumentParser):
     original(parser)
     group = parser.add_argument_group("SAS sparse decode (--attention-backend sas)")
-    for flag, field, help_text in CLI_FLAGS:
+    for s in SETTINGS:
+        if s.flag is None:
+            continue
+        default = "required with --attention-backend sas" if s.default is None else f"default {s.default}"
+        # default=None, not the field's: a flag not given must not override its SAS_* variable
         group.add_argument(
-            flag,
-            dest=f"sas_{field}",
-            type=int if field in INT_FIELDS else str,
-            default=None,
-            help=f"{help_text} Env: {ENV_NAMES[field]}.",
+            s.flag, dest=f"sas_{s.field}", type=s.type, default=None,
+            help=f"{s.help} ({default}; env {s.env})",
         )
     action = parser._option_string_actions.get("--page-size")
     if action is not None:
@@ -93,10 +94,10 @@ def _from_cli_args(original, cls, args: argparse.Namespace):
 
 def _apply_sas_args(args: argparse.Namespace) -> None:
     """Flags -> environment (for the scheduler processes), page size, unsupported features."""
-    for _flag, field, _help in CLI_FLAGS:
-        value = getattr(args, f"sas_{field}", None)
+    for s in SETTINGS:
+        value = getattr(args, f"sas_{s.field}", None)
         if value is not None:
-            os.environ[ENV_NAMES[field]] = str(value)
+            os.environ[s.env] = str(value)
     page_size_given = getattr(args, "page_size", _UNSET) is not _UNSET
     if getattr(args, "attention_backend", None) != BACKEND_NAME:
         if not page_size_given and "value" in _page_size_default:
@@ -135,18 +136,14 @@ def _check_gate_fits(cfg: SASConfig, model_path) -> None:
     The scheduler checks again (it is the only check for the offline Engine API); this one
     spares the user the model load before the error.
     """
-    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_model
+    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_geometry
     from sas_backend.geometry import ModelGeometry
 
     if not os.path.isdir(cfg.gate_path):
         raise SASConfigError(f"gate checkpoint directory {cfg.gate_path!r} does not exist")
     gate_cfg, layers = load_gate_checkpoint(cfg.gate_path)  # GateCheckpointError is a ValueError
     if model_path and os.path.isfile(os.path.join(model_path, "config.json")):
-        geo = ModelGeometry.from_model_dir(model_path)
-        validate_for_model(
-            gate_cfg, layers, num_layers=geo.num_layers, num_q_heads=geo.num_q_heads,
-            num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, block_size=cfg.block_size,
-        )
+        validate_for_geometry(gate_cfg, layers, ModelGeometry.from_model_dir(model_path), block_size=cfg.block_size)
 
 
 def _add_info_route() -> None:

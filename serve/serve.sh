@@ -21,10 +21,6 @@ model="${SAS_MODEL:-$here/models/SmolLM2-135M-Instruct}"
 if [ -z "${SAS_MODEL:-}" ] && ! [ -f "$model/config.json" ]; then
   "$py" "$here/serve/prepare_model.py" --out "$model"
 fi
-gate="${SAS_GATE:-}"
-if [ -z "$gate" ]; then
-  gate="$("$py" "$here/serve/default_gate.py" --model "$model")"
-fi
 budget="${SAS_BUDGET:-512}"
 port="${PORT:-30000}"
 
@@ -39,6 +35,13 @@ user_value() {  # the value the user gave flag $1 (last one wins, as in argparse
   done
   printf '%s' "$v"
 }
+
+gate="${SAS_GATE:-}"
+if [ -z "$gate" ]; then
+  # a gate for the block size the server will run (--sas-block-size, else SAS_BLOCK_SIZE, else 64)
+  block="$(user_value --sas-block-size "$@")"
+  gate="$("$py" "$here/serve/default_gate.py" --model "$model" ${block:+--block-size "$block"})"
+fi
 
 # The OpenAI API's model name: the model directory's name rather than its full path.
 name="$(user_value --served-model-name "$@")"

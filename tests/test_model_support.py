@@ -14,12 +14,18 @@ from sas_backend.backend.model_checks import (
     check_rope_scaling,
     find_model_rope_table,
 )
-from sas_backend.geometry import ModelGeometry
+from sas_backend.geometry import ARCHITECTURES, ModelGeometry, gate_rope_table
 from sas_backend.ops.rope import apply_rope, invert_rope, rope_cos_sin_table
 
 
 def _cfg(arch, **kw):
     return types.SimpleNamespace(architectures=[arch], **kw)
+
+
+def _rope_geo(theta, scaling=None, head_dim=16):
+    """A geometry that only its RoPE matters for."""
+    return ModelGeometry(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta,
+                         rope_scaling=scaling)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
@@ -43,6 +49,19 @@ def test_unsupported_models_are_refused(cfg, needle):
         check_model_supported(cfg)
 
 
+def test_unsupported_architecture_message_names_what_serving_supports():
+    with pytest.raises(SASUnsupportedModel, match=r"serving supports: LlamaForCausalLM \(Llama\), .*Qwen3MoeForCausalLM"):
+        check_model_supported(_cfg("GPT2LMHeadModel"))
+
+
+def test_one_table_says_what_is_served_and_trained():
+    """Serving and training read one table; Qwen3-MoE is served but training refuses it, with a reason."""
+    assert all(a.serve for a in ARCHITECTURES.values())
+    assert [a.model_type for a in ARCHITECTURES.values() if a.train] == ["llama", "qwen2", "qwen3"]
+    moe = ARCHITECTURES["Qwen3MoeForCausalLM"]
+    assert not moe.train and "mixture-of-experts" in moe.train_refusal
+
+
 def test_mla_runner_flag_is_refused():
     with pytest.raises(SASUnsupportedModel, match="latent"):
         check_model_supported(_cfg("LlamaForCausalLM"), use_mla=True)
@@ -64,6 +83,7 @@ import torch
 from sglang.srt.layers.rotary_embedding import get_rope
 from sas_backend.backend.model_checks import find_model_rotary
 from sas_backend.backend.rope_tables import RopeTables
+from sas_backend.geometry import ModelGeometry
 out = {}
 for name, sc in SCALINGS.items():
     for dim in (TINY_D, TINY_DG, 64):
@@ -73,7 +93,9 @@ for name, sc in SCALINGS.items():
 # Runtime growth: SGLang replaces a YaRN module's table with a longer one; RopeTables follows it.
 rope = get_rope(TINY_D, TINY_D, TINY_MAX_POS, TINY_THETA, rope_scaling=SCALINGS["yarn"], dtype=torch.float32)
 model = torch.nn.Module(); model.rotary_emb = rope
-tables = RopeTables(find_model_rotary(model, TINY_D), TINY_DG, TINY_THETA, SCALINGS["yarn"], "cpu")
+geo = ModelGeometry(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=TINY_D, rope_theta=TINY_THETA,
+                    rope_scaling=SCALINGS["yarn"])
+tables = RopeTables(find_model_rotary(model, TINY_D), TINY_DG, geo, "cpu")
 before = (tables.max_pos, tables.version)
 rope._ensure_cos_sin_cache_length(3 * TINY_MAX_POS)
 out["grown"] = (before, tables.max_pos, tables.version, tables.model.clone(), rope.cos_sin_cache.clone(), tables.gate.clone())
@@ -125,7 +147,7 @@ def test_rope_tables_refill_in_place_on_same_length_replacement():
 
     rotary = torch.nn.Module()
     rotary.cos_sin_cache = rope_cos_sin_table(16, 100, 10000.0)
-    tables = RopeTables(rotary, 8, 10000.0, None, "cpu")
+    tables = RopeTables(rotary, 8, _rope_geo(10000.0), "cpu")
     ptr, gate_ptr, version = tables.model.data_ptr(), tables.gate.data_ptr(), tables.version
     rotary.cos_sin_cache = rotary.cos_sin_cache.to(torch.bfloat16)
     assert tables.model.data_ptr() == ptr and tables.gate.data_ptr() == gate_ptr and tables.version == version
@@ -207,10 +229,7 @@ def test_pre_rope_recovery_matches_transformers_qwen3(sglang_tables, name):
     torch.testing.assert_close(q_pre, seen["q_pre"][0], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(k_pre, seen["k_pre"][0], atol=2e-5, rtol=1e-5)
     # The gate table the factory builds for this model: the same formula on Dg dims.
-    torch.testing.assert_close(
-        rope_cos_sin_table(TINY_DG, n, geo.rope_theta, geo.rope_scaling), sglang_tables[name, TINY_DG][:n],
-        atol=1e-6, rtol=0,
-    )
+    torch.testing.assert_close(gate_rope_table(TINY_DG, geo, n), sglang_tables[name, TINY_DG][:n], atol=1e-6, rtol=0)
 
 
 def test_factory_refuses_a_gate_formula_that_misses_the_model_table(sglang_tables):
@@ -218,7 +237,7 @@ def test_factory_refuses_a_gate_formula_that_misses_the_model_table(sglang_table
     from sas_backend.backend.factory import check_gate_rope_formula
 
     yarn = sglang_tables["yarn", TINY_D]
-    check_gate_rope_formula(yarn, TINY_THETA, SCALINGS["yarn"])
-    check_gate_rope_formula(yarn.to(torch.bfloat16), TINY_THETA, SCALINGS["yarn"])  # CPU stores bf16
+    check_gate_rope_formula(yarn, _rope_geo(TINY_THETA, SCALINGS["yarn"]))
+    check_gate_rope_formula(yarn.to(torch.bfloat16), _rope_geo(TINY_THETA, SCALINGS["yarn"]))  # CPU stores bf16
     with pytest.raises(SASUnsupportedModel, match="does not reproduce"):
-        check_gate_rope_formula(yarn, TINY_THETA, None)
+        check_gate_rope_formula(yarn, _rope_geo(TINY_THETA))

@@ -116,6 +116,45 @@ def test_config_validation_rules():
     assert SASConfig.from_env(cfg.to_env()) == cfg
 
 
+def test_settings_table_is_the_fields(parse):
+    """One table: every SASConfig field has its variable; the flags, their types and help come from it."""
+    import dataclasses
+
+    from sas_backend.config import SETTINGS
+
+    assert [s.field for s in SETTINGS] == [f.name for f in dataclasses.fields(SASConfig)]
+    assert {s.field: s.env for s in SETTINGS}["block_size"] == "SAS_BLOCK_SIZE"
+    assert [s.field for s in SETTINGS if s.flag is None] == ["debug_dir"]
+    assert {s.field for s in SETTINGS if s.type is int} == {
+        "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks"}
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)  # with the plugin's flags (the `parse` fixture loaded it)
+    args = parser.parse_args(["--model-path", MODEL, "--sas-budget", "256"])
+    assert args.sas_budget == 256 and args.sas_gate_path is None  # typed, and a flag not given stays None
+    assert "env SAS_BUDGET" in parser._option_string_actions["--sas-budget"].help
+
+
+def test_sas_info_hashes_the_gate_once(clean_env, gate, monkeypatch):
+    """/sas/info serves a body computed once per server, not a re-read and re-hash per request."""
+    from sas_backend import info
+    from sas_backend.gate import checkpoint
+
+    calls = []
+    real = checkpoint.checkpoint_identity
+    monkeypatch.setattr(checkpoint, "checkpoint_identity", lambda p: calls.append(p) or real(p))
+    info._info_for.cache_clear()
+    clean_env.setenv("SAS_GATE", str(gate))
+    first, second = info.sas_info(), info.sas_info()
+    assert first == second and len(calls) == 1 and len(first["gate"]["sha256"]) == 64
+    clean_env.setenv("SAS_BUDGET", "512")  # other settings: another body
+    assert info.sas_info()["config"]["budget"] == 512 and len(calls) == 2
+    info._info_for.cache_clear()
+
+
 # ---------------------------------------------------------------- SGLang API contracts of the factory
 def test_releases_read_are_recorded():
     from sas_backend.backend.factory import SGLANG_RELEASES_READ

@@ -16,10 +16,9 @@ from sas_backend.backend.model_checks import (
 from sas_backend.backend.rope_tables import RopeTables
 from sas_backend.backend.sas_attention import SASAttnBackend
 from sas_backend.config import SASConfig, SASConfigError
-from sas_backend.gate.checkpoint import load_gate_checkpoint, shard_for_tp, validate_for_model
+from sas_backend.gate.checkpoint import load_gate_checkpoint, shard_for_tp, validate_for_geometry
 from sas_backend.gate.module import gates_from_tensors
-from sas_backend.geometry import ModelGeometry
-from sas_backend.ops.rope import rope_cos_sin_table
+from sas_backend.geometry import ModelGeometry, gate_rope_table
 
 logger = logging.getLogger(__name__)
 
@@ -101,23 +100,23 @@ def _published_decode_backend():
     return getattr(decode, "backend", None)
 
 
-def check_gate_rope_formula(model_table: torch.Tensor, theta: float, scaling, max_rows: int = 32768) -> None:
+def check_gate_rope_formula(model_table: torch.Tensor, geometry: ModelGeometry, max_rows: int = 32768) -> None:
     """Refuse to serve when our RoPE formula (the one that builds the gate's table) does not
     reproduce the model's own table at the model's head dim: then the gate's table would not be
     "the model's rotary formula" either (e.g. a scaling key SGLang reads and we do not).
 
-    model_table: `[max_pos, D]` the model's current cos|sin. Compares the first `max_rows`
-    positions (a formula error shows there; far positions only add fp32 angle rounding); the
-    tolerance admits a bf16-stored table.
+    model_table: `[max_pos, D]` the model's current cos|sin; geometry: the served model's (its
+    RoPE theta and scaling). Compares the first `max_rows` positions (a formula error shows there;
+    far positions only add fp32 angle rounding); the tolerance admits a bf16-stored table.
     """
     rows = min(int(model_table.shape[0]), max_rows)
-    ours = rope_cos_sin_table(model_table.shape[-1], rows, theta, scaling, device=model_table.device)
+    ours = gate_rope_table(model_table.shape[-1], geometry, rows, device=model_table.device)
     err = (ours - model_table[:rows].float()).abs().max().item()
     if err > 2e-2:
         raise SASUnsupportedModel(
             f"sas: the gate's RoPE formula does not reproduce the model's RoPE table (max |diff| "
-            f"{err:.3g} over {rows} positions; theta {theta}, scaling {scaling}); refusing rather "
-            "than serving a gate rotated differently from its model"
+            f"{err:.3g} over {rows} positions; theta {geometry.rope_theta}, scaling "
+            f"{geometry.rope_scaling}); refusing rather than serving a gate rotated differently from its model"
         )
 
 
@@ -164,15 +163,7 @@ def create_sas_backend(runner) -> SASAttnBackend:
         raise SASConfigError(f"sas does not support a quantized KV cache yet (KV {kv_dtype}, model {runner.dtype})")
 
     gate_cfg, layers = load_gate_checkpoint(cfg.gate_path)
-    validate_for_model(
-        gate_cfg,
-        layers,
-        num_layers=geo.num_layers,
-        num_q_heads=geo.num_q_heads,
-        num_kv_heads=geo.num_kv_heads,
-        head_dim=geo.head_dim,
-        block_size=cfg.block_size,
-    )
+    validate_for_geometry(gate_cfg, layers, geo, block_size=cfg.block_size)
     layers = shard_for_tp(layers, tp_rank, tp_size)
     kv_local = geo.num_kv_heads // tp_size
     q_local = geo.num_q_heads // tp_size
@@ -183,8 +174,8 @@ def create_sas_backend(runner) -> SASAttnBackend:
     # The model's table is read from its rotary module (SGLang may replace it at runtime); the
     # gate's is built with the same formula on Dg dims, checked against the model's first.
     rotary = find_model_rotary(runner.model, geo.head_dim)
-    check_gate_rope_formula(rotary.cos_sin_cache, geo.rope_theta, geo.rope_scaling)
-    rope = RopeTables(rotary, gate_cfg.gate_dim, geo.rope_theta, geo.rope_scaling, device)
+    check_gate_rope_formula(rotary.cos_sin_cache, geo)
+    rope = RopeTables(rotary, gate_cfg.gate_dim, geo, device)
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
     inner = ATTENTION_BACKENDS["flashinfer" if device.type == "cuda" else "torch_native"](runner)

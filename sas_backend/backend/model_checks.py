@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from sas_backend.geometry import ARCHITECTURES, supported_families
 from sas_backend.ops.rope import SUPPORTED_ROPE_SCALINGS, rope_scaling_type
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "Llama",
-    "Qwen2ForCausalLM": "Qwen2",
-    "Qwen3ForCausalLM": "Qwen3",
-    "Qwen3MoeForCausalLM": "Qwen3-MoE",
-}
 
 
 class SASUnsupportedModel(ValueError):
@@ -19,7 +13,8 @@ class SASUnsupportedModel(ValueError):
 
 
 def check_model_supported(hf_config, *, use_mla: bool = False) -> None:
-    """Refuse MLA, sliding-window layers, encoder-decoder and unknown architectures.
+    """Refuse MLA, sliding-window layers, encoder-decoder and architectures `geometry.ARCHITECTURES`
+    does not mark as served.
 
     hf_config: the served model's transformers config.
     """
@@ -28,7 +23,7 @@ def check_model_supported(hf_config, *, use_mla: bool = False) -> None:
     if use_mla or getattr(hf_config, "kv_lora_rank", None):
         raise SASUnsupportedModel(
             f"sas: {name} uses multi-head latent attention (MLA); the sas backend supports "
-            "GQA/MHA models only (Llama, Qwen2, Qwen3)"
+            f"GQA/MHA models only ({supported_families('serve')})"
         )
     if getattr(hf_config, "is_encoder_decoder", False):
         raise SASUnsupportedModel(f"sas: {name} is an encoder-decoder model; sas supports decoder-only LMs")
@@ -43,10 +38,11 @@ def check_model_supported(hf_config, *, use_mla: bool = False) -> None:
             f"sas: {name} has sliding-window (or non-full) attention layers; sas needs full attention "
             "in every layer"
         )
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    if not any(a in ARCHITECTURES and ARCHITECTURES[a].serve for a in archs):
+        served = ", ".join(f"{a} ({s.family})" for a, s in ARCHITECTURES.items() if s.serve)
         raise SASUnsupportedModel(
-            f"sas: architecture {name} is not supported; supported: "
-            + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+            f"sas: architecture {name} is not supported; serving supports: {served} "
+            f"(gate training: {supported_families('train')})"
         )
 
 

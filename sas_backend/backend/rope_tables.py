@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from sas_backend.ops.rope import rope_cos_sin_table
+from sas_backend.geometry import ModelGeometry, gate_rope_table
 
 
 class RopeTables:
@@ -32,7 +32,7 @@ class RopeTables:
     model: `[max_pos, D]` fp32 on `device`: the cos|sin the model's RoPE uses now (SGLang's
         `cos_sin_cache` upcast; aliased without a copy when that is already fp32 on the device).
         For YaRN it carries the mscale magnitude; invert with `ops.rope.invert_rope` (exact).
-    gate: `[max_pos, Dg]` fp32 on `device`: `rope_cos_sin_table(Dg, max_pos, theta, scaling)`,
+    gate: `[max_pos, Dg]` fp32 on `device`: `geometry.gate_rope_table(Dg, geometry, max_pos)`,
         the model's rotary formula on the gate's dims (the table the gate was trained with).
     version: starts at 1, +1 each time `model`/`gate` are reallocated (the model's table grew);
         a CUDA graph captured at an older version holds stale pointers.
@@ -45,14 +45,14 @@ class RopeTables:
         self,
         rotary: torch.nn.Module,
         gate_dim: int,
-        theta: float,
-        scaling: Optional[dict],
+        geometry: ModelGeometry,
         device,
     ):
+        """rotary: the served model's rotary module (`model_checks.find_model_rotary`); geometry:
+        the served model's, for the gate table's theta and scaling."""
         self.rotary = rotary
         self.gate_dim = int(gate_dim)
-        self.theta = float(theta)
-        self.scaling = scaling
+        self.geometry = geometry
         self.device = torch.device(device)
         self.version = 0
         self._src: Optional[torch.Tensor] = None
@@ -95,9 +95,7 @@ class RopeTables:
             self._src = src
             return False
         self._model = src.to(device=self.device, dtype=torch.float32)
-        self._gate = rope_cos_sin_table(
-            self.gate_dim, self._model.shape[0], self.theta, self.scaling, device=self.device
-        )
+        self._gate = gate_rope_table(self.gate_dim, self.geometry, self._model.shape[0], device=self.device)
         self._src = src
         self.version += 1
         return True

@@ -32,7 +32,6 @@ from sas_backend.geometry import ModelGeometry, ModelGeometryError
 
 __all__ = [
     "GateCheckpointError",
-    "GateConfig",
     "CANONICAL",
     "SEERATTENTION_R",
     "CONFIG_FILE",
@@ -41,8 +40,10 @@ __all__ = [
     "save_gate_checkpoint",
     "load_gate_checkpoint",
     "validate_for_model",
+    "validate_for_geometry",
     "tp_kv_head_range",
     "shard_for_tp",
+    "sha256_file",
     "checkpoint_identity",
     "init_gate_state",
     "init_gate_checkpoint",
@@ -223,13 +224,18 @@ def validate_for_model(
     block_size: int,
     gate_dim: int | None = None,
     rope_theta: float | None = None,
+    rope_scaling: dict | None = None,
 ) -> None:
     """Refuse a checkpoint that does not fit the served model (full, unsharded geometry).
 
     Raises one GateCheckpointError naming every mismatch, e.g. "gate checkpoint X (base model M)
     was made for 32 layers / 8 kv heads / head dim 128; the served model has 30 layers / 3 kv heads
-    / head dim 64". Checks layers, query heads, kv heads, head dim, block size, and (when given)
-    gate dim and RoPE theta; then the tensors' own shapes against the served geometry.
+    / head dim 64". Checks layers, query heads, kv heads, head dim, block size, gate dim (when
+    given) and, when `rope_theta` is given and the checkpoint records its model's RoPE, theta and
+    scaling (`rope_scaling`: the served model's HF dict, None for plain RoPE): the gate's own RoPE
+    table is built from them, so a gate trained under another RoPE would see rotated summaries it
+    never saw in training. Then the tensors' own shapes against the served geometry.
+    `validate_for_geometry` is the same check from a `ModelGeometry`.
     """
     name = config.source or "<in memory>"
     if config.base_model:
@@ -249,10 +255,16 @@ def validate_for_model(
     cmp(config.block_size, block_size, "block size {}")
     if gate_dim is not None:
         cmp(config.gate_dim, gate_dim, "gate dim {}")
+    rope_differs = False
     if rope_theta is not None and config.rope_theta is not None:
         if abs(float(config.rope_theta) - float(rope_theta)) > 1e-6 * max(1.0, abs(float(rope_theta))):
             made.append(f"rope theta {config.rope_theta:g}")
             served.append(f"rope theta {float(rope_theta):g}")
+            rope_differs = True
+        if _scaling_key(config.rope_scaling) != _scaling_key(rope_scaling):
+            made.append(f"rope scaling {_describe_scaling(config.rope_scaling)}")
+            served.append(f"rope scaling {_describe_scaling(rope_scaling)}")
+            rope_differs = True
     if made:
         msg = f"gate checkpoint {name} was made for {' / '.join(made)}; the served model has {' / '.join(served)}"
         if any(m.startswith("block size") for m in made):
@@ -260,6 +272,8 @@ def validate_for_model(
                 f" (the gate pools blocks of {config.block_size} tokens; serve with page/block size "
                 f"{config.block_size} or use a gate trained for block size {block_size})"
             )
+        if rope_differs:
+            msg += " (the gate rotates its query and block summaries with its model's RoPE; train a gate on this model)"
         raise GateCheckpointError(msg)
     if tensors is not None:
         served_cfg = dataclasses.replace(
@@ -271,6 +285,43 @@ def validate_for_model(
         )
         check_tensors(served_cfg, tensors, f"gate checkpoint {name} (checked against the served model)")
 
+
+
+def validate_for_geometry(
+    config: GateConfig, tensors: LayerTensors | None, geometry: ModelGeometry, *, block_size: int
+) -> None:
+    """`validate_for_model` against a served model's `ModelGeometry`: layers, heads, head dim,
+    block size, RoPE theta and scaling. The one "does this gate fit this model" check of the
+    server, the launcher, the default-gate picker and the trainers."""
+    validate_for_model(
+        config,
+        tensors,
+        num_layers=geometry.num_layers,
+        num_q_heads=geometry.num_q_heads,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        block_size=block_size,
+        rope_theta=geometry.rope_theta,
+        rope_scaling=geometry.rope_scaling,
+    )
+
+
+def _scaling_key(scaling: Mapping | None) -> tuple:
+    """A RoPE scaling dict, comparable: "default" is plain RoPE (None), `type` is `rope_type`, and
+    the theta (compared on its own) and unset keys drop out."""
+    if not scaling:
+        return ()
+    d = {("rope_type" if k == "type" else k): v for k, v in scaling.items() if v is not None and k != "rope_theta"}
+    if d.get("rope_type", "default") == "default":
+        return ()
+    # JSON may give 4 or 4.0 for the same factor
+    num = lambda v: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v  # noqa: E731
+    return tuple(sorted((k, repr(num(v))) for k, v in d.items()))
+
+
+def _describe_scaling(scaling: Mapping | None) -> str:
+    key = _scaling_key(scaling)
+    return "none" if not key else "{" + ", ".join(f"{k}: {v}" for k, v in key) + "}"
 
 # ---- tensor parallelism ---------------------------------------------------------------------
 
@@ -328,7 +379,8 @@ def shard_for_tp(tensors: LayerTensors, tp_rank: int, tp_size: int) -> LayerTens
 # ---- identity -------------------------------------------------------------------------------
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks (a gate checkpoint's identity)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -347,7 +399,7 @@ def checkpoint_identity(path: str | os.PathLike) -> dict:
         "path": os.path.abspath(d),
         "format": fmt,
         "weights_file": _WEIGHTS_OF[fmt],
-        "sha256": _sha256(weights),
+        "sha256": sha256_file(weights),
         "base_model": config.base_model,
         "layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,

@@ -29,14 +29,13 @@ from typing import Dict, List, Mapping, Optional
 import torch
 
 from sas_backend.gate.module import AttnGate
-from sas_backend.geometry import ModelGeometry
+from sas_backend.geometry import ARCHITECTURES, ModelGeometry, architecture_by_model_type, gate_rope_table
 from sas_backend.hf.sparse_eval import causal_sdpa, model_rope_table
-from sas_backend.ops.rope import invert_rope, rope_cos_sin_table
+from sas_backend.ops.rope import invert_rope
 from sas_backend.training.packing import query_bounds, seq_bounds
 from sas_backend.training.scoring import DEFAULT_QUERY_CHUNK, score_gate
 
 ATTN_NAME = "sas_gate_train"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 OBJECTIVES = ("lm", "distill")
 KERNELS = ("auto", "triton", "naive")
 # Distill targets are built from dense attention rows in chunks of at most this many fp32 logits.
@@ -44,7 +43,7 @@ _DENSE_CHUNK_ELEMS = 1 << 26
 
 
 class UnsupportedModelError(ValueError):
-    """The model is not a Llama / Qwen2 / Qwen3 causal LM this trainer knows how to gate."""
+    """The model is not a causal LM this trainer knows how to gate (see `geometry.ARCHITECTURES`)."""
 
 
 @dataclasses.dataclass
@@ -94,14 +93,20 @@ class GateTrainSpec:
 
 
 def check_supported(model) -> None:
-    """Raise UnsupportedModelError unless `model` is a Llama / Qwen2 / Qwen3 causal LM we can gate."""
+    """Raise UnsupportedModelError unless `model` is a causal LM whose `model_type`
+    `geometry.ARCHITECTURES` marks as trainable."""
     cfg = getattr(model, "config", None)
     mtype = getattr(cfg, "model_type", None)
-    if mtype not in SUPPORTED_MODEL_TYPES:
+    support = architecture_by_model_type(mtype)
+    if support is None or not support.train:
+        trained = [a for a in ARCHITECTURES.values() if a.train]
+        msg = (f"gate training supports model types {', '.join(a.model_type for a in trained)} "
+               f"({', '.join(a.family for a in trained)} families)")
+        if support is None:
+            raise UnsupportedModelError(f"{msg}; this model is {mtype!r} ({type(model).__name__})")
         raise UnsupportedModelError(
-            f"gate training supports model types {', '.join(SUPPORTED_MODEL_TYPES)} "
-            f"(Llama, Qwen2, Qwen3 families); this model is {mtype!r} "
-            f"({type(model).__name__})"
+            f"gate training does not support {support.family} ({mtype}), which the backend "
+            f"{'serves' if support.serve else 'does not serve either'}: {support.train_refusal}; {msg}"
         )
     if getattr(cfg, "use_sliding_window", False) or (getattr(cfg, "layer_types", None) and any(
             t != "full_attention" for t in cfg.layer_types)):
@@ -248,12 +253,6 @@ def training_attention(module, query, key, value, attention_mask, scaling, dropo
     return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
 
 
-def gate_rope_table(model, gate_dim: int, max_pos: int, device=None) -> torch.Tensor:
-    """The gate's `[max_pos, Dg]` RoPE table: the model's rotary formula and theta on Dg dims."""
-    geo = ModelGeometry.from_hf_config(model.config)
-    return rope_cos_sin_table(gate_dim, max_pos, geo.rope_theta, geo.rope_scaling, device=device)
-
-
 def attach_gates(
     model,
     spec: GateTrainSpec,
@@ -292,7 +291,7 @@ def attach_gates(
     ctx = _TrainContext(
         spec, kernel,
         model_rope_table(model, max_pos, device),
-        gate_rope_table(model, gate_dim, max_pos, device),
+        gate_rope_table(gate_dim, geo, max_pos, device),
     )
     out: Dict[int, AttnGate] = {}
     for i, attn in enumerate(modules):

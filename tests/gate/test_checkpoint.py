@@ -21,7 +21,9 @@ from sas_backend.gate.checkpoint import (
     load_gate_checkpoint,
     save_gate_checkpoint,
     shard_for_tp,
+    sha256_file,
     tp_kv_head_range,
+    validate_for_geometry,
     validate_for_model,
 )
 from sas_backend.gate.config import KEY_TEMPLATE, GateConfig
@@ -338,6 +340,69 @@ def test_validate_for_model_checks_tensors_too():
     bad[0]["attngate_linear_q.weight"] = torch.zeros(3, 2, 8, GATE_DIM)
     with pytest.raises(GateCheckpointError, match="layer 0 attngate_linear_q.weight has shape"):
         validate_for_model(config, bad, num_layers=3, num_q_heads=6, num_kv_heads=3, head_dim=16, block_size=BLOCK)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+def test_validate_for_geometry_checks_the_rope():
+    """The server's one fit check: a gate trained under another RoPE theta or scaling is refused,
+    naming both; the same scaling spelled differently (`type`, 4 vs 4.0) is the same RoPE."""
+    import dataclasses
+
+    config, tensors = _init()
+    validate_for_geometry(config, tensors, GEOM, block_size=BLOCK)
+    with pytest.raises(GateCheckpointError, match=r"made for rope theta 10000; the served model has rope theta "
+                                                  r"1e\+06 \(the gate rotates .*train a gate on this model\)"):
+        validate_for_geometry(config, tensors, dataclasses.replace(GEOM, rope_theta=1e6), block_size=BLOCK)
+    with pytest.raises(GateCheckpointError, match=r"made for rope scaling none; the served model has rope scaling "
+                                                  r"\{factor: 4.0, .*rope_type: 'yarn'\}"):
+        validate_for_geometry(config, tensors, dataclasses.replace(GEOM, rope_scaling=YARN), block_size=BLOCK)
+
+    yarn_gate = dataclasses.replace(config, rope_scaling=YARN)
+    same = {"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
+    validate_for_geometry(yarn_gate, tensors, dataclasses.replace(GEOM, rope_scaling=same), block_size=BLOCK)
+    with pytest.raises(GateCheckpointError, match="rope scaling"):
+        validate_for_geometry(yarn_gate, tensors, dataclasses.replace(GEOM, rope_scaling={**YARN, "factor": 8.0}),
+                              block_size=BLOCK)
+    with pytest.raises(GateCheckpointError, match="block size 16; the served model has block size 64"):
+        validate_for_geometry(config, tensors, GEOM, block_size=64)
+    # a checkpoint that records no RoPE (SeerAttention-R configs may not) is not judged on it
+    validate_for_geometry(dataclasses.replace(config, rope_theta=None), tensors,
+                          dataclasses.replace(GEOM, rope_theta=1e6, rope_scaling=YARN), block_size=BLOCK)
+
+
+def _load_default_gate():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("default_gate", os.path.join(REPO, "serve", "default_gate.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_default_gate_picks_only_a_fitting_checkpoint(tmp_path):
+    """serve/default_gate.py uses the server's check: block size and RoPE count, not only the shapes."""
+    import dataclasses
+    import pathlib
+
+    default_gate = _load_default_gate()
+    config, tensors = _init()
+    save_gate_checkpoint(tmp_path / "a-distill", dataclasses.replace(config, training={"objective": "distill"}), tensors)
+    save_gate_checkpoint(tmp_path / "b-sas", dataclasses.replace(config, training={"objective": "lm"}), tensors)
+    root = pathlib.Path(tmp_path)
+    assert default_gate.shipped_gate(GEOM, BLOCK, root) == root / "b-sas"  # SAS-trained first
+    assert default_gate.shipped_gate(GEOM, 64, root) is None  # another block size
+    assert default_gate.shipped_gate(dataclasses.replace(GEOM, rope_theta=5e5), BLOCK, root) is None
+    assert default_gate.shipped_gate(dataclasses.replace(GEOM, num_kv_heads=1, num_q_heads=2), BLOCK, root) is None
+
+
+def test_sha256_file(tmp_path):
+    import hashlib
+
+    p = tmp_path / "blob"
+    p.write_bytes(bytes(range(256)) * 5000)  # > one read chunk
+    assert sha256_file(p) == hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 def test_geometry_from_hf_configs():

@@ -26,6 +26,17 @@ def test_refuses_other_architectures():
         attach_gates(model, GateTrainSpec(block_size=16, budget=32))
 
 
+def test_served_but_untrainable_architecture_says_why():
+    """Qwen3-MoE is in the serving table but not the training one: the refusal says both and why."""
+    import types
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen3_moe"))
+    with pytest.raises(UnsupportedModelError, match=r"does not support Qwen3-MoE \(qwen3_moe\), which the backend "
+                                                    r"serves: the trainer is untested on mixture-of-experts.*; "
+                                                    r"gate training supports model types llama, qwen2, qwen3"):
+        attach_gates(model, GateTrainSpec(block_size=16, budget=32))
+
+
 def test_spec_validation():
     assert GateTrainSpec(block_size=64, budget=512).top_k == 7  # budget counts the own block
     with pytest.raises(ValueError, match="smaller than one block"):
