@@ -2,7 +2,7 @@
 
     python -m sas_backend.training.eval_ppl --model DIR --data PATH [PATH ...] [--window 4096]
         [--last 512] [--budgets 256 512 1024] [--gate NAME=DIR ...] [--window-baseline]
-        [--block-size 64] [--max-windows N] [--json OUT.json]
+        [--block-size 64] [--max-windows N] [--json OUT.json] [--no-progress]
 
 Each held-out row has window + 1 tokens: the model reads the first `window`; the queries at the
 last `last` positions (window-last .. window-1) are sparse and each predicts the next token,
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="document order of the packed windows")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar (a log line per window instead)")
     return p
 
 
@@ -64,15 +65,13 @@ def parse_gates(specs: List[str]) -> Dict[str, str]:
 
 def load_gates(path: str, model, block_size: int, device):
     """`{layer: AttnGate}` from a checkpoint, refused unless it fits `model` and `block_size`."""
-    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_model
+    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_geometry
     from sas_backend.gate.module import gates_from_tensors
     from sas_backend.geometry import ModelGeometry
 
     config, tensors = load_gate_checkpoint(path)
     geo = ModelGeometry.from_hf_config(model.config)
-    validate_for_model(config, tensors, num_layers=geo.num_layers, num_q_heads=geo.num_q_heads,
-                       num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, block_size=block_size,
-                       rope_theta=geo.rope_theta)
+    validate_for_geometry(config, tensors, geo, block_size=block_size)
     return gates_from_tensors(tensors, range(geo.num_layers), gate_dim=config.gate_dim, device=device)
 
 
@@ -124,6 +123,7 @@ def main(argv: Optional[list] = None) -> int:
 
     from sas_backend.hf.sparse_eval import SparseEvalSpec
     from sas_backend.training.data import DEFAULT_HELDOUT_FRACTION, load_packed
+    from sas_backend.training.train import progress_bar
 
     b = args.block_size
     if args.last < 1 or args.window <= args.last:
@@ -150,6 +150,7 @@ def main(argv: Optional[list] = None) -> int:
     nll_dense = 0.0
     nll = {s: {bud: 0.0 for bud in args.budgets} for s in selectors}
     t0 = time.time()
+    bar = progress_bar(int(rows.shape[0]), "eval_ppl", enabled=not args.no_progress)
     for w in range(rows.shape[0]):
         ids = rows[w].to(device)
         cache = prefix_cache(model, ids, args.last)
@@ -163,7 +164,13 @@ def main(argv: Optional[list] = None) -> int:
                 spec = SparseEvalSpec(top_k=k, block_size=b, selector="window", sink_blocks=min(1, k),
                                       local_blocks=max(0, k - 1), sparse_from=sparse_from)
                 nll["sink+local window"][bud] += window_nll(model, ids, args.last, spec, cache)
-        print(f"[eval_ppl] window {w + 1}/{rows.shape[0]} done ({time.time() - t0:.0f} s)", flush=True)
+        if bar is not None:  # loss: the dense model's mean NLL per scored token so far
+            bar.set_postfix(dense_loss=f"{nll_dense / ((w + 1) * args.last):.4f}", refresh=False)
+            bar.update(1)
+        else:
+            print(f"[eval_ppl] window {w + 1}/{rows.shape[0]} done ({time.time() - t0:.0f} s)", flush=True)
+    if bar is not None:
+        bar.close()
 
     n_tok = rows.shape[0] * args.last
     dense = math.exp(nll_dense / n_tok)

@@ -13,7 +13,8 @@ The gates start from the seeded init (`init_gate_state(--seed)`, the same tensor
 `python -m sas_backend.gate.init --seed`), so "before training" is exactly that init; or, with
 `--init-gate DIR`, from an earlier gate checkpoint (a curriculum stage, a fine-tune), whose training
 record is kept in the new record's `init`. Only the
-gates train (AdamW, linear warmup then cosine decay, gradient clipping); the backbone is frozen.
+gates train (AdamW, transformers' linear warmup then cosine decay to `--min-lr-ratio` at the last
+step, gradient clipping); the backbone is frozen.
 
 Output in --out: `config.json` + `gate.safetensors` (canonical format, config `training` = the
 record: objective, budget, block size, data, steps, seq len, lr, losses, the command line),
@@ -25,10 +26,9 @@ uninterrupted one.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import json
-import math
 import os
 import shlex
 import sys
@@ -36,6 +36,8 @@ import time
 from typing import Optional
 
 import torch
+
+from sas_backend.geometry import supported_families
 
 STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.jsonl"
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sas_backend.training.train",
         description="Train SAS AttnGates (backbone frozen) and write a canonical gate checkpoint.",
     )
-    p.add_argument("--model", required=True, help="Hugging Face model directory (Llama / Qwen2 / Qwen3)")
+    p.add_argument("--model", required=True, help=f"Hugging Face model directory ({supported_families('train')})")
     p.add_argument("--data", required=True, nargs="+",
                    help="text files, JSONL (text or chat messages), directories, @essays, @stdlib")
     p.add_argument("--out", required=True, help="output directory (checkpoint, state, log)")
@@ -134,14 +136,28 @@ def _barrier(world: int) -> None:
 # ---- schedule and data order ----------------------------------------------------------------
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Multiplier of the base lr for optimizer step `step` (0-based): linear warmup over `warmup`
-    steps, then cosine from 1 down to `min_ratio` at the last step."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    span = max(1, total - warmup - 1)
-    frac = min(1.0, (step - warmup) / span)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
+def lr_schedule(optimizer, warmup: int, total: int, min_ratio: float):
+    """transformers' warmup + cosine schedule (the min-lr variant of `get_cosine_schedule_with_warmup`,
+    for `--min-lr-ratio`): lr * s / warmup for 0-based steps s < warmup, then cosine from lr down to
+    lr * min_ratio at the last step. Its cosine reaches the floor at `num_training_steps`, so that is
+    `total - 1`, the last step."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=warmup, num_training_steps=max(total - 1, warmup), min_lr_rate=min_ratio
+    )
+
+
+def progress_bar(total: int, desc: str, initial: int = 0, enabled: bool = True):
+    """A tqdm bar on stderr (ETA; callers add the loss as postfix), or None when not `enabled`.
+    Off a terminal (a log file, CI) it redraws at most every 30 s instead of 10 times a second."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, desc=desc, file=sys.stderr, dynamic_ncols=tty,
+                mininterval=0.1 if tty else 30.0)
 
 
 def batch_rows(step: int, micro: int, rank: int, *, world: int, batch: int, accum: int, n_rows: int,
@@ -232,8 +248,6 @@ def training_record(args, argv, data, rows_used, spec, kernel, step, losses, wor
 
 
 def write_checkpoint(out: str, config, model, record: dict) -> None:
-    import dataclasses
-
     from sas_backend.gate.checkpoint import save_gate_checkpoint
     from sas_backend.training.model import gates_of
 
@@ -246,14 +260,12 @@ def write_checkpoint(out: str, config, model, record: dict) -> None:
 
 def load_init_gate(path: str, geometry, block_size: int):
     """`(tensors, init record)` of the checkpoint a run starts from; SystemExit if it does not fit."""
-    from sas_backend.gate.checkpoint import checkpoint_identity, load_gate_checkpoint, validate_for_model
+    from sas_backend.gate.checkpoint import checkpoint_identity, load_gate_checkpoint, validate_for_geometry
     from sas_backend.gate.errors import GateCheckpointError
 
     try:
         config, tensors = load_gate_checkpoint(path)
-        validate_for_model(config, tensors, num_layers=geometry.num_layers, num_q_heads=geometry.num_q_heads,
-                           num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
-                           block_size=block_size, rope_theta=geometry.rope_theta)
+        validate_for_geometry(config, tensors, geometry, block_size=block_size)
         ident = checkpoint_identity(path)
     except GateCheckpointError as e:
         raise SystemExit(f"error: --init-gate: {e}") from None
@@ -334,8 +346,7 @@ def main(argv: Optional[list] = None) -> int:
         # gradients exist only for the gate parameters, so only they are all-reduced
         runner = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, args.warmup, args.steps, args.min_lr_ratio))
+    scheduler = lr_schedule(optimizer, args.warmup, args.steps, args.min_lr_ratio)
 
     os.makedirs(args.out, exist_ok=True)
     state_path = os.path.join(args.out, STATE_FILE)
@@ -359,11 +370,7 @@ def main(argv: Optional[list] = None) -> int:
               + (f"gated: last {args.train_last} of each row | " if args.train_last else "")
               + f"{world} process(es) on {device} | "
               f"steps {start}->{end}", flush=True)
-    bar = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True)
+    bar = progress_bar(args.steps, "train", initial=start, enabled=rank == 0 and not args.no_progress)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     tokens_per_step = args.batch_size * args.grad_accum * world * args.seq_len
     t_start = time.time()
@@ -395,10 +402,10 @@ def main(argv: Optional[list] = None) -> int:
                    "grad_norm": float(grad_norm), "seconds": round(dt, 3), "tokens_per_s": round(tokens_per_step / dt, 1)}
             with open(log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(rec) + "\n")
-            if bar is not None:
-                bar.update(1)
+            if bar is not None:  # refresh=False: update() redraws, at the bar's own pace
                 bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tokens_per_step / dt:.0f}",
-                                lr=f"{rec['lr']:.2e}")
+                                lr=f"{rec['lr']:.2e}", refresh=False)
+                bar.update(1)
             else:
                 print(f"[train] step {step + 1}/{args.steps} loss {loss_val:.4f} "
                       f"{tokens_per_step / dt:.0f} tok/s", flush=True)
