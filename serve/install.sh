@@ -7,7 +7,7 @@
 #   SAS_SGLANG_VERSION=0.5.21 ...    # pin another SGLang release
 #   SAS_EXTRAS=test,train ...        # optional extras of sas-backend
 #
-# CPU recipe (verified on a 2-core CPU-only box, see ../shared/FACTS.md in the dev repo):
+# CPU recipe (the one tests/run.sh installs with; verified on a 2-core CPU-only x86_64 box):
 #   torch 2.13.0 CPU wheel, `sglang --no-deps` (its metadata pins CUDA-only packages that
 #   do not install without NVIDIA's index), then sglang's own requirements minus the
 #   CUDA-only ones, with torch held by a constraints file, then a tiny `sgl_kernel`

@@ -210,10 +210,3 @@ def score_gate(
         kg = block_summaries(gate, k_pre, bounds, block_size, nb, gate_table)
         log_g, thr = BlockLogGate.apply(qg, kg, bounds, block_size, top_k, query_chunk, query_start)
     return GateScores(log_g=log_g, threshold=thr, top_k=top_k, block_size=block_size, num_blocks=nb)
-
-
-def scoring_state_bytes(tokens: int, num_kv_heads: int, block_size: int, *, layers: int = 1) -> int:
-    """Bytes of the O(T * NB) state the scoring keeps per layer (log_g fp32, shared with the
-    gated attention) times `layers`: `4 * Hkv * T * ceil(T / b)` each. Its gradient, of the same
-    size, lives only during that layer's backward."""
-    return 4 * num_kv_heads * tokens * (-(-tokens // block_size)) * layers
