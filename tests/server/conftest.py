@@ -6,9 +6,10 @@ import pathlib
 
 import pytest
 
-from .harness import DEFAULT_MODEL, ON_GPU, REPO, Server
+from sas_backend.corpus import default_essays_dir
+from sas_backend.server_harness import DEFAULT_MODEL, ON_GPU, Server
 
-ESSAYS = REPO / "models" / "text" / "essays"
+ESSAYS = pathlib.Path(default_essays_dir())
 DENSE_ARGS = ["--page-size", "64", "--enable-cache-report"]
 
 

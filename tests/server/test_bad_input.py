@@ -7,7 +7,7 @@ import shutil
 import pytest
 import requests
 
-from .harness import complete, launch_expect_failure
+from sas_backend.server_harness import complete, launch_expect_failure
 
 
 def _fails_with(args, *needles):

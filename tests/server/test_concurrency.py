@@ -7,7 +7,7 @@ import json
 
 import requests
 
-from .harness import complete
+from sas_backend.server_harness import complete
 
 LENGTHS = [30, 64, 65, 100, 128, 200, 300, 400, 500, 640, 700, 900, 1000, 1200, 1500, 1800]
 NEW_TOKENS = 12

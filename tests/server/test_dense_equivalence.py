@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from .harness import ON_GPU, complete
+from sas_backend.server_harness import ON_GPU, complete
 
 # Within one block; exactly on a block boundary; many blocks. 30 new tokens make the first
 # prompt complete a block during decode (the decode-time summary update).

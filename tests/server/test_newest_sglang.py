@@ -35,7 +35,7 @@ if sglang.__version__ != NEWEST_SGLANG:
     )
 
 from .conftest import DENSE_ARGS  # noqa: E402
-from .harness import ON_GPU, Server, complete  # noqa: E402
+from sas_backend.server_harness import ON_GPU, Server, complete  # noqa: E402
 
 pytestmark = pytest.mark.newest_sglang
 

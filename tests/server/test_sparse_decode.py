@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from .harness import ON_GPU, complete
+from sas_backend.server_harness import ON_GPU, complete
 
 # The server runs fp32 on CPU (same math as the oracle up to summation order); bf16 on GPU.
 LOGPROB_TOL = 0.15 if ON_GPU else 2e-3

@@ -1,0 +1,228 @@
+"""Start and stop real SGLang servers on this machine, for the end-to-end tests and the benchmarks.
+
+`Server(...)` launches `python -m sglang.launch_server` (or `sglang serve`) with the attention
+backend asked for, in its own session, its output in a temporary log file, and returns once
+`/health` answers (SGLang's own `sglang.utils.wait_for_http_ready` polls it); if the server exits
+during startup the error carries the log's tail. `stop()` (or leaving the `with` block) terminates
+the whole process group (launcher, scheduler, detokenizer).
+
+A server must not outlive the process that started it (an idle SGLang server keeps CPU cores
+busy). Besides `stop()`:
+- at interpreter exit (atexit), and on SIGTERM/SIGHUP (which skip atexit), every server still
+  running is terminated;
+- on Linux each launcher also gets SIGTERM from the kernel when the thread that started it dies,
+  even by SIGKILL, which no handler sees (PR_SET_PDEATHSIG; SGLang's workers in turn die with the
+  launcher). Start servers from a thread that lives as long as they should: the main thread.
+
+On a GPU host the servers run on CUDA (FlashInfer, Triton, CUDA graphs); otherwise on the CPU
+engine (`cpu_env`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import requests
+import torch
+
+from sas_backend.paths import default_model_dir
+
+ON_GPU = torch.cuda.is_available()
+DEFAULT_MODEL = default_model_dir()
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# looked up here, not in the forked child, which should do as little as possible before exec
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+_live: dict = {}  # pid (= process-group id) -> Popen of every server started and not yet stopped
+_lock = threading.RLock()  # reentrant: the signal handler may run while the main thread holds it
+_exit_hooks_installed = False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(extra=None) -> dict:
+    """The server's environment: the CPU engine switches (not on GPU), no inherited SAS_* vars."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if ON_GPU:
+        env.pop("TRITON_INTERPRET", None)
+    else:
+        env.update({"SGLANG_USE_CPU_ENGINE": "1", "TRITON_INTERPRET": "1"})
+    for k in list(env):  # flags, not inherited variables, configure each test server
+        if k.startswith("SAS_"):
+            del env[k]
+    env.update(extra or {})
+    return env
+
+
+def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_server") -> list:
+    """`python -m sglang.launch_server ...`, or `sglang serve ...` with entry="serve"."""
+    if entry == "serve":
+        launcher = [str(pathlib.Path(sys.executable).parent / "sglang"), "serve"]
+    else:
+        launcher = [sys.executable, "-m", "sglang.launch_server"]
+    return [
+        *launcher,
+        "--model-path", str(model),
+        "--attention-backend", backend,
+        *([] if ON_GPU else ["--device", "cpu", "--max-total-tokens", "16384"]),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--random-seed", "0",
+        "--log-level", "info",
+        *map(str, extra_args),
+    ]
+
+
+# ------------------------------------------------------------------------- process lifetime
+def _die_with_parent(parent_pid: int) -> None:
+    """In the forked child, before exec: ask the kernel for SIGTERM when the parent dies."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _spawn(cmd: list, env: dict, **popen_kwargs) -> subprocess.Popen:
+    """Popen in a new session (one killpg reaches all of the server's processes), remembered
+    until `_terminate` so that exit and signal hooks can end it."""
+    _install_exit_hooks()
+    parent = os.getpid()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                            preexec_fn=lambda: _die_with_parent(parent), **popen_kwargs)
+    with _lock:
+        _live[proc.pid] = proc
+    return proc
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+def _terminate(procs, grace: float = 30.0) -> None:
+    """SIGTERM to each process group still running, SIGKILL to those not gone after `grace` s."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+    with _lock:
+        for p in procs:
+            _live.pop(p.pid, None)
+
+
+def _terminate_all(grace: float = 10.0) -> None:
+    with _lock:
+        procs = list(_live.values())
+    _terminate(procs, grace)
+
+
+def _on_signal(signum, frame) -> None:
+    """End the servers, then die of the same signal as without this handler."""
+    _terminate_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_exit_hooks() -> None:
+    """Once per process: atexit, and SIGTERM/SIGHUP where nobody else handles them (their
+    default action kills the interpreter without running atexit)."""
+    global _exit_hooks_installed
+    if _exit_hooks_installed:
+        return
+    _exit_hooks_installed = True
+    atexit.register(_terminate_all)
+    if threading.current_thread() is threading.main_thread():  # signal.signal works only there
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, _on_signal)
+
+
+# --------------------------------------------------------------------------------- servers
+class Server:
+    """A running `python -m sglang.launch_server` on this machine; its log goes to a temp file."""
+
+    def __init__(self, model=DEFAULT_MODEL, backend="sas", extra_args=(), env=None, startup_timeout=600,
+                 entry="launch_server"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"sglang-{backend}-", suffix=".log", delete=False)
+        self.proc = _spawn(server_cmd(model, backend, self.port, extra_args, entry), cpu_env(env),
+                           stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready(startup_timeout)
+
+    def _wait_ready(self, timeout):
+        # imported here: sglang.utils pulls in SGLang's runtime (seconds), needed only once a server starts
+        from sglang.utils import wait_for_http_ready
+
+        try:
+            wait_for_http_ready(f"{self.url}/health", timeout=timeout, process=self.proc, request_timeout=2)
+        except (RuntimeError, TimeoutError):  # the helper's messages name neither the exit code nor the log
+            if self.proc.poll() is not None:
+                self.stop()  # forgets it (its workers die with it: SGLang sets their parent-death signal)
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} during startup:\n{self.log_tail()}") from None
+            self.stop()
+            raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}") from None
+
+    def log_text(self) -> str:
+        return pathlib.Path(self.log.name).read_text(errors="replace")
+
+    def log_tail(self, n=60) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self):
+        _terminate([self.proc])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def launch_expect_failure(model=DEFAULT_MODEL, backend="sas", extra_args=(), env=None, timeout=600):
+    """Launch a server that must refuse to start; returns (exit code, full output)."""
+    proc = _spawn(server_cmd(model, backend, free_port(), extra_args), cpu_env(env),
+                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"server did not exit within {timeout}s; output tail:\n{out[-4000:]}")
+    finally:
+        with _lock:
+            _live.pop(proc.pid, None)
+    return proc.returncode, out
+
+
+def complete(url, prompt, max_tokens=16, **extra) -> dict:
+    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    r = requests.post(f"{url}/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()
