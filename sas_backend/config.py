@@ -28,6 +28,9 @@ def _setting(default, env: str, flag: Optional[str] = None, help: str = ""):
 class SASConfig:
     """What the `sas` backend needs besides the model.
 
+    selector: how blocks are chosen: "gate" (the trained AttnGate, needs gate_path), "quest"
+        (training-free: per-block key min/max bound of q.k) or "sink-local" (training-free: the
+        first block(s) and the blocks right before the current one). See `sas_backend.selection`.
     gate_path: gate checkpoint directory (canonical or SeerAttention-R format).
     budget: tokens of previous complete blocks each decode step attends, besides the current block;
         K = budget // block_size blocks are selected per (request, kv head).
@@ -40,6 +43,9 @@ class SASConfig:
     Each field's metadata names its variable and flag; `SETTINGS` lists them.
     """
 
+    selector: str = _setting(
+        "gate", "SAS_SELECTOR", "--sas-selector",
+        "Block selector: gate (the trained gate, needs --sas-gate), quest or sink-local (training-free).")
     gate_path: Optional[str] = _setting(
         None, "SAS_GATE", "--sas-gate",
         "Gate checkpoint directory (config.json + gate.safetensors, or SeerAttention-R's).")
@@ -83,10 +89,15 @@ class SASConfig:
                 f"SAS sink ({self.sink_blocks}) + local ({self.local_blocks}) blocks exceed the "
                 f"{self.top_k} blocks the budget {self.budget} allows"
             )
-        if not self.gate_path:
+        from sas_backend.selection import SELECTORS
+
+        if self.selector not in SELECTORS:
+            raise SASConfigError(f"--sas-selector must be one of {', '.join(SELECTORS)}, got {self.selector!r}")
+        if self.selector == "gate" and not self.gate_path:
             raise SASConfigError(
                 "the sas attention backend needs a gate checkpoint: pass --sas-gate DIR "
-                "(or set SAS_GATE); see gate_checkpoints/README.md"
+                "(or set SAS_GATE; see gate_checkpoints/README.md), or choose a training-free "
+                "selector with --sas-selector quest or --sas-selector sink-local"
             )
         return self
 

@@ -139,6 +139,8 @@ def _check_gate_fits(cfg: SASConfig, model_path) -> None:
     from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_geometry
     from sas_backend.geometry import ModelGeometry
 
+    if cfg.selector != "gate":  # training-free selectors read no checkpoint
+        return
     if not os.path.isdir(cfg.gate_path):
         raise SASConfigError(f"gate checkpoint directory {cfg.gate_path!r} does not exist")
     gate_cfg, layers = load_gate_checkpoint(cfg.gate_path)  # GateCheckpointError is a ValueError

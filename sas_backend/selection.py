@@ -1,12 +1,19 @@
 """Block selection, the first half of a sparse decode step, as one component.
 
-    summaries of complete blocks -> gate query (q with the model's RoPE undone) -> block scores
-    -> Top-K per (request, kv head)
+    per-page block summaries -> scores of each request's candidate blocks -> Top-K per (request, kv head)
 
 Used by the serving backend (SGLang's paged KV cache) and by the transformers evaluation
 (`hf/sparse_eval.py`, a contiguous sequence viewed as pages), so both select with the very same
-ops. Each step is an `sas_backend.ops` entry point that picks the Triton kernel on CUDA and the
-batched torch path elsewhere; all are fixed-shape and capturable in a CUDA graph.
+ops. Each op is an `sas_backend.ops` entry point (Triton on CUDA where a kernel exists, batched
+torch otherwise); all are fixed-shape and capturable in a CUDA graph.
+
+Three selectors share one interface (`SELECTORS`, `make_selector`):
+- `gate` (SAS): the trained AttnGate; summaries `[pages, H_kv, Dg]` from the keys with the model's
+  RoPE undone; scores = gate query . summary / sqrt(Dg).
+- `quest` (training-free): summaries `[pages, H_kv, 2D]` = min|max of the post-RoPE keys; scores =
+  the upper bound of q.k over the block, max over the kv group's query heads.
+- `sink-local` (training-free, StreamingLLM-like): no summaries; the first block(s) and the blocks
+  right before the current one.
 
 Vocabulary (the ops' docstrings use it too): a page is one block of b tokens; `block_table`
 `[bs, >= M + 1]` holds the KV slot of the first token of each logical block of each request
@@ -22,9 +29,12 @@ import torch
 
 from sas_backend.gate.module import AttnGate
 from sas_backend.ops.gate import gate_query_post_rope
+from sas_backend.ops.quest import key_bounds, quest_scores, update_key_bounds
 from sas_backend.ops.score import score_blocks
 from sas_backend.ops.summary import summarize_pages, update_summaries
 from sas_backend.ops.topk import select_blocks
+
+SELECTORS = ("gate", "quest", "sink-local")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,52 +48,123 @@ class SelectionRule:
     local_blocks: int = 0
 
 
-class BlockSelector:
-    """Selection under one `SelectionRule`; the gate and RoPE tables come with each call."""
+class Selector:
+    """One selector under one `SelectionRule`. Per layer, the caller passes the layer's gate (None
+    for the training-free selectors) and the RoPE tables; the selector holds no per-step state.
+
+    summarize(gate, k_buffer `[slots, H_kv, D]`, pages `[N]`, starts `[N]`, model_table, gate_table)
+        -> summaries `[N, H_kv, summary_dim]` of whole blocks (after an extend).
+    update(gate, k_buffer, summaries `[num_pages, H_kv, S]`, block_table, seq_lens, model_table, gate_table)
+        decode: the block each request's newest token completed, in place.
+    scores(gate, q_post `[bs, H_q, D]`, model_cos_sin `[bs, D]`, gate_cos_sin `[bs, Dg]`, summaries,
+        block_table, num_candidates, max_blocks) -> `[bs, H_kv, max_blocks]` fp32, -inf past candidates.
+    pick(scores, num_candidates) -> `[bs, H_kv, K]` int32 ascending, -1 padded.
+    """
+
+    name = ""
+    needs_gate = False
 
     def __init__(self, rule: SelectionRule):
         self.rule = rule
 
+    def summary_dim(self, head_dim: int, gate_dim: int) -> int:
+        raise NotImplementedError
+
+    def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
+        raise NotImplementedError
+
+    def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
+        raise NotImplementedError
+
+    def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
+        raise NotImplementedError
+
+    def pick(self, scores: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
+        r = self.rule
+        return select_blocks(scores, num_candidates, r.top_k, r.sink_blocks, r.local_blocks)
+
+    def select(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
+        """`pick(scores(...))`: selected blocks `[bs, H_kv, K]` int32 (ascending, -1 padded)."""
+        scores = self.scores(
+            gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks
+        )
+        return self.pick(scores, num_candidates)
+
+
+class GateSelector(Selector):
+    """SAS: the trained AttnGate (see the module doc)."""
+
+    name = "gate"
+    needs_gate = True
+
+    def summary_dim(self, head_dim: int, gate_dim: int) -> int:
+        return gate_dim
+
     def summarize(self, gate: AttnGate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
-        """Summaries `[N, H_kv, Dg]` fp32 of whole blocks in physical `pages` `[N]` with first
-        positions `starts` `[N]`. k_buffer: `[slots, H_kv, D]` post-RoPE keys; model_table:
-        `[max_pos, D]` the model's cos|sin; gate_table: `[max_pos, Dg]` the gate's."""
         return summarize_pages(
             k_buffer, pages, starts, model_table, gate_table,
             gate.attngate_linear_k.weight, gate.attngate_knorm.weight, self.rule.block_size,
         )
 
     def update(self, gate: AttnGate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
-        """Decode: summarize, into `summaries` `[num_pages, H_kv, Dg]`, the block each request's
-        newest token completed (block_table `[bs, >= M + 1]`, seq_lens `[bs]`)."""
         update_summaries(
             k_buffer, summaries, block_table, seq_lens, self.rule.block_size, model_table, gate_table,
             gate.attngate_linear_k.weight, gate.attngate_knorm.weight,
         )
 
-    def scores(
-        self, gate: AttnGate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks: int
-    ) -> torch.Tensor:
-        """Scores `[bs, H_kv, max_blocks]` fp32 (-inf past each row's candidates).
-
-        q_post: `[bs, H_q, D]` after the model's RoPE; model_cos_sin `[bs, D]` / gate_cos_sin
-        `[bs, Dg]`: both tables' rows at each query's position; summaries: `[num_pages, H_kv, Dg]`.
-        """
+    def scores(self, gate: AttnGate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates,
+               max_blocks):
         gate_q = gate_query_post_rope(
             q_post, model_cos_sin, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, gate_cos_sin
         )
         return score_blocks(gate_q, summaries, block_table, num_candidates, self.rule.block_size, max_blocks)
 
-    def pick(self, scores: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
-        """Top-K of `scores` `[bs, H_kv, M]` under the rule: `[bs, H_kv, K]` int32 ascending, -1 padded."""
-        r = self.rule
-        return select_blocks(scores, num_candidates, r.top_k, r.sink_blocks, r.local_blocks)
 
-    def select(
-        self, gate: AttnGate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks: int
-    ) -> torch.Tensor:
-        """`pick(scores(...))`: selected blocks `[bs, H_kv, K]` int32 (ascending, -1 padded)."""
-        scores = self.scores(
-            gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks
-        )
-        return self.pick(scores, num_candidates)
+class QuestSelector(Selector):
+    """Quest: per-block key min|max bound of q.k (see `ops.quest`)."""
+
+    name = "quest"
+
+    def summary_dim(self, head_dim: int, gate_dim: int) -> int:
+        return 2 * head_dim
+
+    def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
+        return key_bounds(k_buffer, pages, self.rule.block_size)
+
+    def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
+        update_key_bounds(k_buffer, summaries, block_table, seq_lens, self.rule.block_size)
+
+    def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
+        return quest_scores(q_post, summaries, block_table, num_candidates, self.rule.block_size, max_blocks)
+
+
+class SinkLocalSelector(Selector):
+    """The first `sink_blocks` (default 1) and the blocks before the current one, K in all; no summaries."""
+
+    name = "sink-local"
+
+    def __init__(self, rule: SelectionRule):
+        sink = min(rule.sink_blocks or 1, rule.top_k)
+        super().__init__(dataclasses.replace(rule, sink_blocks=sink, local_blocks=rule.top_k - sink))
+
+    def summary_dim(self, head_dim: int, gate_dim: int) -> int:
+        return 0
+
+    def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
+        return torch.zeros(pages.shape[0], k_buffer.shape[1], 0, device=k_buffer.device)
+
+    def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
+        return None
+
+    def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
+        # Every candidate is forced or unranked: equal scores, so only the forced tiers decide.
+        return torch.zeros(q_post.shape[0], summaries.shape[1], max_blocks, device=q_post.device)
+
+
+def make_selector(name: str, rule: SelectionRule) -> Selector:
+    """The selector called `name` (one of `SELECTORS`) under `rule`."""
+    kinds = {"gate": GateSelector, "quest": QuestSelector, "sink-local": SinkLocalSelector}
+    if name not in kinds:
+        raise ValueError(f"unknown selector {name!r}; choose one of {', '.join(SELECTORS)}")
+    return kinds[name](rule)
+

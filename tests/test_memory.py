@@ -61,6 +61,20 @@ def test_figure_matches_the_allocated_tensors(monkeypatch, graph_sizes):
     assert cpu.total_bytes(kv_tokens) == pool.nbytes
 
 
+def test_training_free_selectors_count_their_own_summaries():
+    """quest keeps min|max keys (2D floats per page and kv head) and no gate; sink-local keeps nothing."""
+    from sas_backend.selection import SelectionRule, make_selector
+    from sas_backend.backend.summary_pool import SummaryPool
+
+    rule, d, h = SelectionRule(top_k=8), 64, GEO["num_kv_heads"]
+    for name, want in (("quest", 2 * d), ("sink-local", 0)):
+        dim = make_selector(name, rule).summary_dim(d, 0)
+        assert dim == want
+        mem = sas_memory(**{**GEO, "gate_dim": 0}, summary_dim=dim, max_reqs=8, on_cuda=False, group_size=3, head_dim=d)
+        pool = SummaryPool(range(GEO["num_sparse_layers"]), 1000 + 1, h, dim, "cpu")
+        assert mem.total_bytes(64 * 1000) == pool.nbytes and "gate weights" not in mem.fixed
+
+
 def test_shared_workspace_is_not_counted():
     own = sas_memory(**GEO, max_reqs=8, on_cuda=True)
     shared = sas_memory(**GEO, max_reqs=8, on_cuda=True, shared_workspace=True)

@@ -114,6 +114,18 @@ def test_config_validation_rules():
     cfg = SASConfig(gate_path="g", budget=2048)
     assert cfg.validate().top_k == 32
     assert SASConfig.from_env(cfg.to_env()) == cfg
+    # Training-free selectors need no gate; an unknown selector is refused by name.
+    assert SASConfig(selector="quest").validate().selector == "quest"
+    assert SASConfig.from_env({"SAS_SELECTOR": "sink-local"}).validate().selector == "sink-local"
+    with pytest.raises(SASConfigError, match="gate, quest, sink-local"):
+        SASConfig(selector="h2o").validate()
+    with pytest.raises(SASConfigError, match="--sas-selector quest"):
+        SASConfig(selector="gate").validate()
+
+
+def test_training_free_selector_needs_no_gate_flag(parse, clean_env):
+    args = parse("--attention-backend", "sas", "--sas-selector", "quest", "--sas-budget", "512")
+    assert args.page_size == 64 and SASConfig.from_env().selector == "quest"
 
 
 def test_settings_table_is_the_fields(parse):

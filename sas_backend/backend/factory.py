@@ -162,24 +162,27 @@ def create_sas_backend(runner) -> SASAttnBackend:
     if kv_dtype != runner.dtype:
         raise SASConfigError(f"sas does not support a quantized KV cache yet (KV {kv_dtype}, model {runner.dtype})")
 
-    gate_cfg, layers = load_gate_checkpoint(cfg.gate_path)
-    validate_for_geometry(gate_cfg, layers, geo, block_size=cfg.block_size)
-    layers = shard_for_tp(layers, tp_rank, tp_size)
     kv_local = geo.num_kv_heads // tp_size
     q_local = geo.num_q_heads // tp_size
-    gates = gates_from_tensors(
-        layers, range(cfg.first_sparse_layer, geo.num_layers), gate_dim=gate_cfg.gate_dim, device=device
-    )
-
-    # The model's table is read from its rotary module (SGLang may replace it at runtime); the
-    # gate's is built with the same formula on Dg dims, checked against the model's first.
+    sparse_layers = range(cfg.first_sparse_layer, geo.num_layers)
     rotary = find_model_rotary(runner.model, geo.head_dim)
-    check_gate_rope_formula(rotary.cos_sin_cache, geo)
-    rope = RopeTables(rotary, gate_cfg.gate_dim, geo, device)
+    if cfg.selector == "gate":
+        gate_cfg, layers = load_gate_checkpoint(cfg.gate_path)
+        validate_for_geometry(gate_cfg, layers, geo, block_size=cfg.block_size)
+        layers = shard_for_tp(layers, tp_rank, tp_size)
+        gates = gates_from_tensors(layers, sparse_layers, gate_dim=gate_cfg.gate_dim, device=device)
+        gate_dim, source = gate_cfg.gate_dim, f"gate {cfg.gate_path} ({gate_cfg.base_model})"
+        # The gate's table is built with the model's formula on Dg dims: checked against the model's first.
+        check_gate_rope_formula(rotary.cos_sin_cache, geo)
+    else:  # training-free: no gate, no gate RoPE table (a [max_pos, 0] one keeps the shapes uniform)
+        gates = {lid: None for lid in sparse_layers}
+        gate_dim, source = 0, f"training-free selector {cfg.selector}"
+    # The model's table is read from its rotary module (SGLang may replace it at runtime).
+    rope = RopeTables(rotary, gate_dim, geo, device)
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
     inner = ATTENTION_BACKENDS["flashinfer" if device.type == "cuda" else "torch_native"](runner)
-    logger.info("sas: gate %s (%s), dense backend %s", cfg.gate_path, gate_cfg.base_model, type(inner).__name__)
+    logger.info("sas: %s, dense backend %s", source, type(inner).__name__)
     backend = SASAttnBackend(
         runner,
         inner,

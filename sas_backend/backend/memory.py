@@ -75,6 +75,7 @@ def sas_memory(
     top_k: int,
     max_reqs: int,
     on_cuda: bool,
+    summary_dim: Optional[int] = None,
     num_graph_batch_sizes: int = 0,
     shared_workspace: bool = False,
     group_size: int = 0,
@@ -85,14 +86,16 @@ def sas_memory(
     max_reqs: SGLang's max running requests (the req pool has `max_reqs + 1` rows).
     num_graph_batch_sizes: captured decode batch sizes (0 without CUDA graphs).
     shared_workspace: FlashInfer's float workspace is the wrapped backend's (not allocated).
-    group_size, head_dim: G and D, for the gate weights (0: not counted).
+    group_size, head_dim: G and D, for the gate weights (0: not counted; gate_dim 0: no gate).
+    summary_dim: floats per page and kv head in the summary pool (default gate_dim; the selector's
+    `summary_dim`: 2D for quest, 0 for sink-local).
     """
     from sas_backend.ops.gather import row_capacity
     from sas_backend.ops.sparse_decode.flashinfer import WORKSPACE_BYTES, WRAPPER_INT_WORKSPACE_BYTES
 
-    per_page = num_sparse_layers * num_kv_heads * gate_dim * 4
+    per_page = num_sparse_layers * num_kv_heads * (gate_dim if summary_dim is None else summary_dim) * 4
     fixed = {"summary padding page": per_page}
-    if head_dim:
+    if head_dim and gate_dim:
         per_layer = num_kv_heads * group_size * head_dim * gate_dim + num_kv_heads * 3 * head_dim * gate_dim + 2 * gate_dim
         fixed["gate weights"] = num_sparse_layers * per_layer * 4
     if on_cuda:
@@ -158,13 +161,17 @@ def memory_for_sglang(owner) -> tuple:
     kv_heads = max(1, geo.num_kv_heads // tp_size)
     kv_elem = torch.empty(0, dtype=owner.kv_cache_dtype).element_size()
     kv_bytes_per_token = 2 * kv_heads * geo.head_dim * geo.num_layers * kv_elem
-    gate_cfg, _ = load_gate_checkpoint(cfg.gate_path)
+    from sas_backend.selection import SelectionRule, make_selector
+
+    gate_dim = load_gate_checkpoint(cfg.gate_path)[0].gate_dim if cfg.selector == "gate" else 0
+    summary_dim = make_selector(cfg.selector, SelectionRule(cfg.top_k, cfg.block_size)).summary_dim(geo.head_dim, gate_dim)
     on_cuda = torch.device(owner.device).type == "cuda"
     max_reqs = getattr(server_args, "max_running_requests", None) or SGLANG_MAX_REQS_ESTIMATE_CAP
     mem = sas_memory(
         num_sparse_layers=geo.num_layers - cfg.first_sparse_layer,
         num_kv_heads=kv_heads,
-        gate_dim=gate_cfg.gate_dim,
+        gate_dim=gate_dim,
+        summary_dim=summary_dim,
         block_size=cfg.block_size,
         top_k=cfg.top_k,
         max_reqs=max_reqs,

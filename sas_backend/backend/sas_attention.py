@@ -7,7 +7,7 @@ layers below `first_sparse_layer`. Per sparse layer and decode step:
     -> block scores over the request's paged summaries -> Top-K per (request, kv head)
     -> token rows of the selected blocks + the current block -> attention over those rows
 
-Selection is one component (`sas_backend.selection.BlockSelector`), attention one plan/run object
+Selection is one component (`sas_backend.selection`, the gate selector), attention one plan/run object
 (`ops.sparse_decode.make_sparse_decode`); every op picks the Triton kernel / FlashInfer on CUDA and
 batched torch ops on CPU. The whole decode step is capturable in a CUDA graph: `_out_graph` plans
 on the host what is fixed for the batch shape, `_in_graph` (captured) computes the step's device
@@ -29,7 +29,7 @@ from sas_backend.backend.summary_pool import SummaryPool
 from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
 from sas_backend.ops.sparse_decode import make_sparse_decode
-from sas_backend.selection import BlockSelector, SelectionRule
+from sas_backend.selection import SelectionRule, make_selector
 
 try:
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -56,14 +56,18 @@ def model_attention_scaling(model, layer_ids, default: float) -> float:
 
 
 class SASAttnBackend(AttentionBackend):
-    """SGLang AttentionBackend for SAS block-sparse decode. Built by `factory.create_sas_backend`."""
+    """SGLang AttentionBackend for SAS block-sparse decode. Built by `factory.create_sas_backend`.
+
+    gates: `{layer_id: AttnGate}` for every sparse layer (values None under a training-free
+    selector, `cfg.selector`); layers not in it decode densely.
+    """
 
     def __init__(
         self,
         runner,
         inner,
         cfg: SASConfig,
-        gates: Dict[int, AttnGate],
+        gates: Dict[int, Optional[AttnGate]],
         model_rope_table: torch.Tensor,
         gate_rope_table: torch.Tensor,
         num_kv_heads: int,
@@ -90,10 +94,12 @@ class SASAttnBackend(AttentionBackend):
         self.use_cuda = self.device.type == "cuda"
         self.scaling = model_attention_scaling(getattr(runner, "model", None), set(gates), head_dim**-0.5)
 
+        rule = SelectionRule(cfg.top_k, cfg.block_size, cfg.sink_blocks, cfg.local_blocks)
+        self.selector = make_selector(cfg.selector, rule)
         num_pages = self.token_to_kv_pool.get_key_buffer(min(gates)).shape[0] // self.block_size
-        self.summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, gate_rope_table.shape[-1], self.device)
+        summary_dim = self.selector.summary_dim(head_dim, gate_rope_table.shape[-1])
+        self.summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, summary_dim, self.device)
         max_reqs = self.req_to_token_pool.req_to_token.shape[0]
-        self.selector = BlockSelector(SelectionRule(cfg.top_k, cfg.block_size, cfg.sink_blocks, cfg.local_blocks))
         self.sparse_decode = make_sparse_decode(
             self.device,
             num_kv_heads,
@@ -117,11 +123,11 @@ class SASAttnBackend(AttentionBackend):
         self._extend_blocks = None  # (pages [N], starts [N]) of blocks completed by this extend
         self._debug_step = 0
         logger.info(
-            "sas: %d sparse layers from layer %d, budget %d tokens (K=%d blocks of %d), "
+            "sas: %s selector, %d sparse layers from layer %d, budget %d tokens (K=%d blocks of %d), "
             "sink %d, local %d; summary pool %d pages x %d kv heads x %d dims fp32 = %.1f MiB",
-            len(gates), cfg.first_sparse_layer, cfg.budget, self.top_k, self.block_size,
-            cfg.sink_blocks, cfg.local_blocks, num_pages, num_kv_heads,
-            gate_rope_table.shape[-1], self.summaries.nbytes / 2**20,
+            cfg.selector, len(gates), cfg.first_sparse_layer, cfg.budget, self.top_k, self.block_size,
+            self.selector.rule.sink_blocks, self.selector.rule.local_blocks, num_pages, num_kv_heads,
+            summary_dim, self.summaries.nbytes / 2**20,
         )
 
     # ------------------------------------------------------------------ metadata
@@ -247,8 +253,8 @@ class SASAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        gate = self.gates.get(layer.layer_id)
-        if gate is not None and self._extend_blocks is not None:
+        if layer.layer_id in self.gates and self._extend_blocks is not None:
+            gate = self.gates[layer.layer_id]  # None for the training-free selectors
             pages, starts = self._extend_blocks
             k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
             self.summaries[layer.layer_id][pages] = self.selector.summarize(
@@ -257,9 +263,9 @@ class SASAttnBackend(AttentionBackend):
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        gate = self.gates.get(layer.layer_id)
-        if gate is None:
+        if layer.layer_id not in self.gates:  # a dense layer (below first_sparse_layer)
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        gate = self.gates[layer.layer_id]  # None for the training-free selectors
         plan = self._plan
         lid = layer.layer_id
         if save_kv_cache and k is not None and v is not None:

@@ -19,10 +19,14 @@ from typing import Dict, Optional
 import torch
 
 from sas_backend.gate.module import AttnGate
-from sas_backend.selection import BlockSelector, SelectionRule
+from sas_backend.selection import SelectionRule, make_selector
 
 ATTN_NAME = "sas_sparse_eval"
-SELECTORS = ("gate", "window", "dense")
+# The server's selectors, plus evaluation-only references: "oracle" ranks blocks by their true
+# attention mass (max over the kv group's query heads, from the dense softmax), "random" draws
+# scores (seeded by layer), "dense" attends everything.
+SERVER_SELECTORS = ("gate", "quest", "sink-local")
+SELECTORS = SERVER_SELECTORS + ("oracle", "random", "dense")
 
 
 @dataclasses.dataclass
@@ -30,8 +34,10 @@ class SparseEvalSpec:
     """How queries select blocks.
 
     top_k: previous complete blocks each sparse query attends (its own block comes on top).
-    selector: "gate" (AttnGate scores), "window" (sink + local blocks only), "dense" (no sparsity).
+    selector: one of `SELECTORS` ("gate": AttnGate scores; "quest": key min/max bound; "sink-local":
+    the first block(s) and the most recent ones; "oracle": true attention mass; "random"; "dense").
     gates: `{layer: AttnGate}` for the "gate" selector. sparse_from: first sparse query position.
+    sink_blocks / local_blocks: forced blocks inside K (sink-local: sink default 1, local = K - sink).
     """
 
     top_k: int
@@ -60,29 +66,45 @@ def model_rope_table(model, max_pos: int, device=None) -> torch.Tensor:
     return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).float()
 
 
-def select_for_queries(spec: SparseEvalSpec, layer_idx: int, q_post, k_post, positions, model_table, gate_table):
+def select_for_queries(spec: SparseEvalSpec, layer_idx: int, q_post, k_post, positions, model_table, gate_table,
+                       logits=None):
     """Selected blocks `[P, H_kv, K]` (ascending, -1 padded) for the queries at `positions` `[P]`.
 
     q_post: `[P, H_q, D]`, k_post: `[T, H_kv, D]` after the model's RoPE; model_table: the model's
-    `[max_pos, D]` cos|sin; gate_table: the gate's `[max_pos, Dg]`. The T keys are viewed as
-    SGLang's paged cache with page m = block m (slot = position), so the server's selection
-    component runs unchanged.
+    `[max_pos, D]` cos|sin; gate_table: the gate's `[max_pos, Dg]` (gate selector only); logits:
+    `[H_kv, G, P, T]` scaled q.k of these queries (oracle only). The T keys are viewed as SGLang's
+    paged cache with page m = block m (slot = position), so the server's selectors run unchanged.
     """
     b = spec.block_size
     t, h_kv, _ = k_post.shape
     n_blocks = t // b
     m = max(n_blocks, 1)
     n_cand = torch.div(positions, b, rounding_mode="floor")
-    selector = BlockSelector(SelectionRule(spec.top_k, b, spec.sink_blocks, spec.local_blocks))
-    if spec.selector == "window" or n_blocks == 0:  # forced blocks only; ties to the lower index
-        return selector.pick(torch.zeros(positions.numel(), h_kv, m, device=q_post.device), n_cand)
-    gate = spec.gates[layer_idx]
+    name = spec.selector if spec.selector in SERVER_SELECTORS else "gate"
+    selector = make_selector(name, SelectionRule(spec.top_k, b, spec.sink_blocks, spec.local_blocks))
+    if spec.selector == "oracle":
+        return selector.pick(oracle_scores(logits, positions, b, m), n_cand)
+    if spec.selector == "random":
+        g = torch.Generator().manual_seed(1000 + layer_idx)
+        return selector.pick(torch.rand(positions.numel(), h_kv, m, generator=g).to(q_post.device), n_cand)
+    gate = spec.gates[layer_idx] if spec.selector == "gate" else None
     pages = torch.arange(n_blocks, device=q_post.device)
-    summaries = selector.summarize(gate, k_post, pages, pages * b, model_table, gate_table)  # [NB, H_kv, Dg]
+    summaries = selector.summarize(gate, k_post, pages, pages * b, model_table, gate_table)  # [NB, H_kv, S]
     block_table = (torch.arange(m + 1, device=q_post.device) * b).expand(positions.numel(), -1)
-    return selector.select(
-        gate, q_post, model_table[positions], gate_table[positions], summaries, block_table, n_cand, m
-    )
+    gate_rows = gate_table[positions] if gate_table is not None else None
+    return selector.select(gate, q_post, model_table[positions], gate_rows, summaries, block_table, n_cand, m)
+
+
+def oracle_scores(logits: torch.Tensor, positions: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """Attention mass of each block `[P, H_kv, width]`: the dense causal softmax of `logits`
+    `[H_kv, G, P, T]` summed over each block's tokens, max over the G query heads of a kv head."""
+    h_kv, g, n_p, t = logits.shape
+    causal = torch.arange(t, device=logits.device)[None, :] <= positions[:, None]  # [P, T]
+    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    n_blocks = min(width, t // block_size)
+    mass = torch.zeros(h_kv, g, n_p, width, device=logits.device)
+    mass[..., :n_blocks] = probs[..., : n_blocks * block_size].unflatten(-1, (n_blocks, block_size)).sum(-1)
+    return mass.amax(dim=1).transpose(0, 1)
 
 
 def _sparse_rows_mask(selected, positions, t: int, b: int) -> torch.Tensor:
@@ -130,14 +152,16 @@ def sparse_eval_attention(module, query, key, value, attention_mask, scaling, dr
         return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
     positions = torch.arange(start, t, device=query.device)
     rows = slice(start - offset, t_q)  # the sparse queries among the given ones
-    q_post = query[0, :, rows].transpose(0, 1)  # [P, H_q, D]
-    k_post = key[0].transpose(0, 1)  # [T, H_kv, D]
-    selected = select_for_queries(spec, layer, q_post, k_post, positions, ctx["model_table"], ctx["gate_table"])
-    allowed = _sparse_rows_mask(selected, positions, t, spec.block_size)  # [H_kv, P, T]
     g = h_q // h_kv
     n_p = positions.numel()
     qs = query[0, :, rows].float().reshape(h_kv, g * n_p, -1)  # q head h*G+j belongs to kv head h
     logits = torch.bmm(qs, key[0].float().transpose(1, 2)).view(h_kv, g, n_p, t) * scaling
+    q_post = query[0, :, rows].transpose(0, 1)  # [P, H_q, D]
+    k_post = key[0].transpose(0, 1)  # [T, H_kv, D]
+    selected = select_for_queries(
+        spec, layer, q_post, k_post, positions, ctx["model_table"], ctx["gate_table"], logits=logits
+    )
+    allowed = _sparse_rows_mask(selected, positions, t, spec.block_size)  # [H_kv, P, T]
     logits.masked_fill_(~allowed[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).view(h_kv, g * n_p, t)
     sparse = torch.bmm(probs, value[0].float()).view(h_q, n_p, -1).to(query.dtype)
@@ -165,12 +189,10 @@ def sparse_eval(model, spec: SparseEvalSpec, max_pos: Optional[int] = None, reco
     table = model_rope_table(model, max_pos, device)
     gate_table = None
     if spec.gates:
-        from sas_backend.ops.rope import rope_cos_sin_table
-        from sas_backend.geometry import ModelGeometry
+        from sas_backend.geometry import ModelGeometry, gate_rope_table
 
-        geo = ModelGeometry.from_hf_config(model.config)
         dg = next(iter(spec.gates.values())).gate_dim
-        gate_table = rope_cos_sin_table(dg, max_pos, geo.rope_theta, geo.rope_scaling, device=device)
+        gate_table = gate_rope_table(dg, ModelGeometry.from_hf_config(model.config), max_pos, device=device)
     attn_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
     for m in attn_modules:
         m._sas_eval = {"spec": spec, "model_table": table, "gate_table": gate_table, "record": record}

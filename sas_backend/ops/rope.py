@@ -10,8 +10,9 @@ A table may carry a magnitude: YaRN multiplies cos and sin by its attention fact
 (SGLang and transformers both bake it into the table), so "applying" it scales as well as
 rotates, and the exact inverse divides by `mscale^2 = cos^2 + sin^2` (`invert_rope`).
 
-`rope_cos_sin_table` is the ONE builder of the gate's RoPE table (serving, training and the HF
-evaluation all call it), so a gate is served with the very table it was trained with. It follows
+`rope_cos_sin_table` builds every RoPE table here; the gate's goes through
+`sas_backend.geometry.gate_rope_table` (serving, training and the HF evaluation all call it), so a
+gate is served with the very table it was trained with. It follows
 SGLang's `get_rope` formulas (fp32 frequencies, fp32 angles) for the scalings Llama/Qwen use;
 tests/test_model_support.py checks it against `get_rope` at the gate dim for each of them.
 """

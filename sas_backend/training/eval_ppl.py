@@ -1,18 +1,21 @@
 """Perplexity of the last tokens of held-out windows under SAS sparse attention.
 
     python -m sas_backend.training.eval_ppl --model DIR --data PATH [PATH ...] [--window 4096]
-        [--last 512] [--budgets 256 512 1024] [--gate NAME=DIR ...] [--window-baseline]
-        [--block-size 64] [--max-windows N] [--json OUT.json] [--no-progress]
+        [--last 512] [--budgets 256 512 1024] [--gate NAME=DIR ...]
+        [--baselines oracle quest sink-local random] [--block-size 64] [--max-windows N]
+        [--json OUT.json] [--no-progress]
 
 Each held-out row has window + 1 tokens: the model reads the first `window`; the queries at the
 last `last` positions (window-last .. window-1) are sparse and each predicts the next token,
 so the score is the perplexity of the last `last` tokens. A sparse query attends its own block
-(causal) plus K previous complete blocks, K = budget // block - 1 (the budget counts the own
-block, as in training); earlier positions attend densely, as after a dense prefill. Selectors:
-dense; every `--gate` checkpoint (Top-K by gate score, the serving path's ops, via
-`sas_backend.hf.sparse_eval`); with `--window-baseline` the sink + local window (block 0 plus
-the K-1 blocks right before the own block). Held-out rows come from the same deterministic
-document split as training (`data.split_documents`).
+(causal) plus K previous complete blocks, K = budget // block: the serving rule (`--sas-budget B`
+selects B // 64 blocks besides the current one), the same in training. Earlier positions attend
+densely, as after a dense prefill. Selectors (all through `sas_backend.hf.sparse_eval`, the
+server's selection component): dense; every `--gate` checkpoint; and the `--baselines`:
+`oracle` (blocks ranked by their true attention mass, max over the kv group's heads), `quest`
+(per-block key min/max bound), `sink-local` (block 0 plus the K-1 blocks right before the own
+block), `random`. Held-out rows come from the same deterministic document split as training
+(`data.split_documents`).
 """
 
 from __future__ import annotations
@@ -28,17 +31,22 @@ from typing import Dict, List, Optional
 
 import torch
 
+BASELINES = ("oracle", "quest", "sink-local", "random")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sas_backend.training.eval_ppl",
-                                description="Held-out perplexity under SAS sparse attention: dense vs gates vs window.")
+                                description="Held-out perplexity under SAS sparse attention: dense vs gates vs baselines.")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--data", required=True, nargs="+", help="same sources as training (files, dirs, @essays, @stdlib)")
     p.add_argument("--window", type=int, default=4096, help="context tokens per window")
     p.add_argument("--last", type=int, default=512, help="sparse queries at the end of each window (scored)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024], help="token budgets (own block included)")
+    p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024],
+                   help="token budgets: K = budget // block previous blocks, besides the query's own")
     p.add_argument("--gate", action="append", default=[], metavar="NAME=DIR", help="a gate checkpoint to evaluate")
-    p.add_argument("--window-baseline", action="store_true", help="also evaluate the sink + local window")
+    p.add_argument("--baselines", nargs="*", default=[], choices=BASELINES,
+                   help="training-free selectors to evaluate beside the gates")
+    p.add_argument("--window-baseline", action="store_true", help="same as --baselines sink-local")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-windows", type=int, default=None, help="evaluate at most this many windows")
     p.add_argument("--split", choices=("heldout", "train"), default="heldout")
@@ -57,7 +65,7 @@ def parse_gates(specs: List[str]) -> Dict[str, str]:
         name, sep, path = s.partition("=")
         if not sep or not name or not path:
             raise SystemExit(f"error: --gate expects NAME=DIR, got {s!r}")
-        if name in out or name in ("dense", "window"):
+        if name in out or name in ("dense",) + BASELINES:
             raise SystemExit(f"error: --gate name {name!r} is repeated or reserved")
         out[name] = path
     return out
@@ -110,7 +118,7 @@ def window_nll(model, ids: torch.Tensor, last: int, spec=None, cache=None) -> fl
 
 
 def markdown_table(results: Dict[str, Dict[int, float]], dense: float, budgets: List[int], block: int) -> str:
-    head = "| selector | " + " | ".join(f"budget {b} (K={b // block - 1})" for b in budgets) + " |"
+    head = "| selector | " + " | ".join(f"budget {b} (K={b // block})" for b in budgets) + " |"
     lines = [head, "|" + "---|" * (len(budgets) + 1), "| dense | " + " | ".join(f"{dense:.3f}" for _ in budgets) + " |"]
     for name, per in results.items():
         lines.append(f"| {name} | " + " | ".join(f"{per[b]:.3f}" for b in budgets) + " |")
@@ -128,9 +136,10 @@ def main(argv: Optional[list] = None) -> int:
     b = args.block_size
     if args.last < 1 or args.window <= args.last:
         raise SystemExit("error: need 1 <= --last < --window")
-    bad = [x for x in args.budgets if x < b]
+    bad = [x for x in args.budgets if x < b or x % b]
     if bad:
-        raise SystemExit(f"error: budgets {bad} are smaller than one block ({b} tokens)")
+        raise SystemExit(f"error: budgets {bad} are not positive multiples of the block size {b}")
+    baselines = list(dict.fromkeys(args.baselines + (["sink-local"] if args.window_baseline else [])))
     gate_paths = parse_gates(args.gate)
     frac = DEFAULT_HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -142,8 +151,8 @@ def main(argv: Optional[list] = None) -> int:
     gates = {name: load_gates(path, model, b, device) for name, path in gate_paths.items()}
     sparse_from = args.window - args.last
 
-    selectors = list(gates) + (["sink+local window"] if args.window_baseline else [])
-    top_k = {bud: bud // b - 1 for bud in args.budgets}
+    selectors = list(gates) + baselines
+    top_k = {bud: bud // b for bud in args.budgets}
     print(f"[eval_ppl] {rows.shape[0]} {args.split} windows of {args.window} tokens (+1 target), last {args.last} "
           f"scored; block {b}; " + ", ".join(f"budget {bud} -> top_k {k}" for bud, k in top_k.items()), flush=True)
 
@@ -160,10 +169,9 @@ def main(argv: Optional[list] = None) -> int:
             for name in gates:
                 spec = SparseEvalSpec(top_k=k, block_size=b, selector="gate", gates=gates[name], sparse_from=sparse_from)
                 nll[name][bud] += window_nll(model, ids, args.last, spec, cache)
-            if args.window_baseline:
-                spec = SparseEvalSpec(top_k=k, block_size=b, selector="window", sink_blocks=min(1, k),
-                                      local_blocks=max(0, k - 1), sparse_from=sparse_from)
-                nll["sink+local window"][bud] += window_nll(model, ids, args.last, spec, cache)
+            for name in baselines:
+                spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from)
+                nll[name][bud] += window_nll(model, ids, args.last, spec, cache)
         if bar is not None:  # loss: the dense model's mean NLL per scored token so far
             bar.set_postfix(dense_loss=f"{nll_dense / ((w + 1) * args.last):.4f}", refresh=False)
             bar.update(1)

@@ -50,8 +50,9 @@ class UnsupportedModelError(ValueError):
 class GateTrainSpec:
     """How the gates train.
 
-    block_size b; budget B tokens per query (its own block included), so K = B // b - 1 previous
-    blocks are selected; objective "lm" (SAS) or "distill"; kernel "auto" (Triton on CUDA, torch
+    block_size b; budget B tokens of previous blocks per query, so K = B // b previous blocks are
+    selected besides the query's own (the serving rule: a gate trained at B is served with
+    `--sas-budget B` and sees the same K); objective "lm" (SAS) or "distill"; kernel "auto" (Triton on CUDA, torch
     reference on CPU), "triton" or "naive"; query_chunk: queries scored at a time (memory bound).
     train_last: None trains every position of a row; N trains only the last N positions: the
     first L - N run dense without gradient (as after a dense prefill, the serving regime) and
@@ -80,16 +81,16 @@ class GateTrainSpec:
         if self.train_last is not None and self.kernel == "triton":
             raise ValueError("the Triton kernel trains whole rows; train_last runs the torch reference "
                              "(kernel 'naive' or 'auto')")
-        if self.budget < self.block_size:
+        if self.budget < self.block_size or self.budget % self.block_size:
             raise ValueError(
-                f"budget {self.budget} is smaller than one block ({self.block_size}): the query's own "
-                "block alone uses a whole block of the budget"
+                f"budget {self.budget} must be a positive multiple of the block size {self.block_size} "
+                "(it is spent in whole blocks, as in serving)"
             )
 
     @property
     def top_k(self) -> int:
-        """K previous blocks per query: the budget minus the query's own block."""
-        return self.budget // self.block_size - 1
+        """K previous blocks per query besides its own: budget // block_size (the serving rule)."""
+        return self.budget // self.block_size
 
 
 def check_supported(model) -> None:

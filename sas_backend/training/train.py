@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (checkpoint, state, log)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per packed training row")
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--budget", type=int, default=512, help="tokens per query incl. its own block: K = budget // block - 1")
+    p.add_argument("--budget", type=int, default=512, help="tokens of previous blocks per query: K = budget // block (as --sas-budget serves it)")
     p.add_argument("--objective", choices=("lm", "distill"), default="lm",
                    help="lm: SAS next-token loss through the gated attention; distill: SeerAttention-R KL")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")

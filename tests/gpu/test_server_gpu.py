@@ -12,7 +12,7 @@ import re
 import pytest
 
 from tests.server.conftest import essay_ids, model_dir, shipped_gate, tokenizer  # noqa: F401 (fixtures)
-from tests.server.harness import Server, complete
+from sas_backend.server_harness import Server, complete
 
 pytestmark = pytest.mark.gpu
 

@@ -1,5 +1,5 @@
 """eval_ppl's shared dense prefix: running only the scored queries on a cached prefix gives the
-same NLL as the whole window, for dense, gate and window selectors, and leaves the cache reusable."""
+same NLL as the whole window, for every selector, and leaves the cache reusable."""
 
 from __future__ import annotations
 
@@ -24,16 +24,15 @@ def _gates(seed=0):
     return out
 
 
-@pytest.mark.parametrize("selector", ["dense", "gate", "window"])
+@pytest.mark.parametrize("selector", ["dense", "gate", "sink-local", "quest", "oracle", "random"])
 def test_cached_prefix_equals_whole_window(selector):
     model = tiny_llama()
     ids = torch.randint(0, 256, (WINDOW + 1,), generator=torch.Generator().manual_seed(1))
     spec = None
     if selector == "gate":
         spec = SparseEvalSpec(top_k=2, block_size=B, selector="gate", gates=_gates(), sparse_from=WINDOW - LAST)
-    elif selector == "window":
-        spec = SparseEvalSpec(top_k=2, block_size=B, selector="window", sink_blocks=1, local_blocks=1,
-                              sparse_from=WINDOW - LAST)
+    elif selector != "dense":
+        spec = SparseEvalSpec(top_k=2, block_size=B, selector=selector, sparse_from=WINDOW - LAST)
     whole = window_nll(model, ids, LAST, spec)
     cache = prefix_cache(model, ids, LAST)
     assert cache.get_seq_length() == WINDOW - LAST

@@ -38,9 +38,11 @@ def test_served_but_untrainable_architecture_says_why():
 
 
 def test_spec_validation():
-    assert GateTrainSpec(block_size=64, budget=512).top_k == 7  # budget counts the own block
-    with pytest.raises(ValueError, match="smaller than one block"):
+    assert GateTrainSpec(block_size=64, budget=512).top_k == 8  # the serving rule: K = B // b
+    with pytest.raises(ValueError, match="positive multiple of the block size"):
         GateTrainSpec(block_size=64, budget=32)
+    with pytest.raises(ValueError, match="positive multiple of the block size"):
+        GateTrainSpec(block_size=64, budget=100)
     with pytest.raises(ValueError, match="objective"):
         GateTrainSpec(objective="rl")
     with pytest.raises(ValueError, match="train_last must be >= 2"):

@@ -69,7 +69,7 @@ def test_checkpoint_loads_and_fits_the_model(trained, setup):
     validate_for_model(config, tensors, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
                        rope_theta=10000.0)
     rec = config.training
-    assert rec["objective"] == "lm" and rec["budget"] == 64 and rec["block_size"] == 16 and rec["top_k"] == 3
+    assert rec["objective"] == "lm" and rec["budget"] == 64 and rec["block_size"] == 16 and rec["top_k"] == 4  # K = B // b
     assert rec["steps"] == STEPS and rec["seq_len"] == 256 and rec["lr"] == 1e-2
     assert rec["data"]["sources"] == essays and rec["data"]["tokens"] > 0
     assert rec["final_loss"] < rec["initial_loss"]
@@ -138,14 +138,14 @@ def test_eval_ppl_table(trained, setup, capsys):
     # essays held out from 8 files are few: evaluate the train split rows here (the CLI path is what is tested)
     assert eval_ppl.main(["--model", model_dir, "--data", *essays, "--split", "train", "--window", "128",
                           "--last", "32", "--budgets", "32", "64", "--block-size", "16", "--gate", f"sas={trained}",
-                          "--window-baseline", "--max-windows", "1", "--json", js]) == 0
+                          "--baselines", "sink-local", "oracle", "--max-windows", "1", "--json", js]) == 0
     table = capsys.readouterr().out
-    assert "| dense |" in table and "| sas |" in table and "| sink+local window |" in table
-    assert "budget 64 (K=3)" in table
+    assert "| dense |" in table and "| sas |" in table and "| sink-local |" in table and "| oracle |" in table
+    assert "budget 64 (K=4)" in table  # the serving rule: K = budget // block
     with open(js) as f:
         res = json.load(f)
-    assert res["budgets"] == [{"budget": 32, "top_k": 1}, {"budget": 64, "top_k": 3}]
-    assert set(res["results"]) == {"sas", "sink+local window"} and res["dense"] > 1
+    assert res["budgets"] == [{"budget": 32, "top_k": 2}, {"budget": 64, "top_k": 4}]
+    assert set(res["results"]) == {"sas", "sink-local", "oracle"} and res["dense"] > 1
 
 
 def test_init_gate_and_train_last_stage(trained, setup):
