@@ -38,6 +38,10 @@ from sas_backend.training.scoring import DEFAULT_QUERY_CHUNK, score_gate
 ATTN_NAME = "sas_gate_train"
 OBJECTIVES = ("lm", "distill")
 KERNELS = ("auto", "triton", "naive")
+# Training scope (the paper's gating ablation): "sparse" keeps only the Top-K blocks per query (a
+# threshold on log g, the fused kernel's regime); "full" keeps every previous block with its soft gate
+# (dense cost), so every block gets a ranking signal from the first step.
+SCOPES = ("sparse", "full")
 # Distill targets are built from dense attention rows in chunks of at most this many fp32 logits.
 _DENSE_CHUNK_ELEMS = 1 << 26
 
@@ -52,7 +56,8 @@ class GateTrainSpec:
 
     block_size b; budget B tokens of previous blocks per query, so K = B // b previous blocks are
     selected besides the query's own (the serving rule: a gate trained at B is served with
-    `--sas-budget B` and sees the same K); objective "lm" (SAS) or "distill"; kernel "auto" (Triton on CUDA, torch
+    `--sas-budget B` and sees the same K); objective "lm" (SAS) or "distill"; scope (lm only)
+    "sparse" (the Top-K blocks by log g) or "full" (every previous block, soft-gated; see SCOPES); kernel "auto" (Triton on CUDA, torch
     reference on CPU), "triton" or "naive"; query_chunk: queries scored at a time (memory bound).
     train_last: None trains every position of a row; N trains only the last N positions: the
     first L - N run dense without gradient (as after a dense prefill, the serving regime) and
@@ -64,6 +69,7 @@ class GateTrainSpec:
     block_size: int = 64
     budget: int = 512
     objective: str = "lm"
+    scope: str = "sparse"
     kernel: str = "auto"
     query_chunk: int = DEFAULT_QUERY_CHUNK
     train_last: Optional[int] = None
@@ -71,6 +77,8 @@ class GateTrainSpec:
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         if self.block_size < 1:
@@ -243,7 +251,9 @@ def training_attention(module, query, key, value, attention_mask, scaling, dropo
         query_chunk=spec.query_chunk, query_start=q_start,
     )
     if spec.objective == "lm":
-        out = gated_attention_op(q, k, v, scores.log_g, scores.threshold, cu, spec.block_size,
+        # Full scope: a -inf threshold keeps every previous block, each biased by its log g.
+        threshold = scores.threshold if spec.scope == "sparse" else torch.full_like(scores.threshold, float("-inf"))
+        out = gated_attention_op(q, k, v, scores.log_g, threshold, cu, spec.block_size,
                                  scaling, ctx.kernel, q_start)
         return out.view(bsz, q_len, h_q, d), None
     # distill: dense attention for the forward, KL on the side (target carries no gradient)

@@ -42,9 +42,12 @@ from sas_backend.geometry import supported_families
 STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.jsonl"
 # Arguments a resumed run must share with the run that wrote the state.
-_RESUME_KEYS = ("model", "seq_len", "block_size", "budget", "objective", "gate_dim", "steps", "seed",
+_RESUME_KEYS = ("model", "seq_len", "block_size", "budget", "objective", "scope", "gate_dim", "steps", "seed",
                 "batch_size", "grad_accum", "lr", "warmup", "min_lr_ratio", "weight_decay", "clip", "data",
                 "heldout_fraction", "max_tokens", "max_rows", "train_last", "init_gate")
+
+# Keys added after some runs were saved: what a state without them meant.
+_RESUME_DEFAULTS = {"scope": "sparse"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=512, help="tokens of previous blocks per query: K = budget // block (as --sas-budget serves it)")
     p.add_argument("--objective", choices=("lm", "distill"), default="lm",
                    help="lm: SAS next-token loss through the gated attention; distill: SeerAttention-R KL")
+    p.add_argument("--scope", choices=("sparse", "full"), default="sparse",
+                   help="lm only: sparse = the Top-K blocks per query (the serving regime); full = every "
+                        "previous block with its soft gate (dense cost, every block learns from step 1)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
@@ -206,6 +212,7 @@ def load_state(path: str, args) -> dict:
     state = torch.load(path, map_location="cpu", weights_only=True)
     saved = state.get("args", {})
     now = _resume_view(args)
+    saved = {**_RESUME_DEFAULTS, **saved}
     diff = [f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in _RESUME_KEYS if saved.get(k) != now[k]]
     if diff:
         raise SystemExit("error: --resume with different settings than the saved run: " + "; ".join(diff))
@@ -216,6 +223,7 @@ def training_record(args, argv, data, rows_used, spec, kernel, step, losses, wor
     tail = losses[-min(10, len(losses)):] if losses else []
     return {
         "objective": args.objective,
+        "scope": args.scope if args.objective == "lm" else None,
         "method": ("SAS: backbone frozen, gates trained end to end by the next-token loss through "
                    "gated sparse attention" if args.objective == "lm" else
                    "SeerAttention-R style distillation: KL(block-max-pooled dense attention || gate)"),
@@ -322,7 +330,7 @@ def main(argv: Optional[list] = None) -> int:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
     spec = GateTrainSpec(block_size=args.block_size, budget=args.budget, objective=args.objective,
-                         kernel=args.kernel, query_chunk=args.query_chunk, train_last=args.train_last)
+                         scope=args.scope, kernel=args.kernel, query_chunk=args.query_chunk, train_last=args.train_last)
     geometry = ModelGeometry.from_model_dir(args.model)
     gate_config, init_tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim,
                                                 block_size=args.block_size)

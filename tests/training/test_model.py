@@ -251,3 +251,36 @@ def test_train_last_refuses_the_triton_kernel():
     with pytest.raises(ValueError, match="train_last runs the torch reference"):
         GateTrainSpec(block_size=16, budget=32, kernel="triton", train_last=16)
     assert tm.resolve_kernel("auto", torch.device("cuda"), train_last=16) == "naive"
+
+
+@pytest.mark.parametrize("train_last", [None, 32])
+def test_full_scope_gives_every_previous_block_a_gradient(monkeypatch, train_last):
+    """Full scope: every previous block is attended with its soft gate (threshold -inf), so d loss /
+    d log g is nonzero for every previous block of every trained query; sparse scope (K = 1 of up
+    to 4 blocks) leaves the unselected blocks without any."""
+    seen = {}
+
+    def spy(q, k, v, log_g, threshold, *args):
+        log_g.retain_grad()
+        seen["log_g"], seen["threshold"] = log_g, threshold
+        return real(q, k, v, log_g, threshold, *args)
+
+    real = tm.gated_attention_op
+    monkeypatch.setattr(tm, "gated_attention_op", spy)
+    grads = {}
+    for scope in ("sparse", "full"):
+        model = tiny_llama()
+        attach_gates(model, GateTrainSpec(block_size=16, budget=16, scope=scope, train_last=train_last))
+        objective_loss(model, _ids()).backward()
+        grads[scope] = seen["log_g"].grad  # last layer's [Hkv, Tq, NB]
+        if scope == "full":
+            assert torch.isinf(seen["threshold"]).all() and (seen["threshold"] < 0).all()
+    q_len = grads["full"].shape[1] // 2  # two packed rows of the same positions
+    pos = torch.arange(SEQ - q_len, SEQ).repeat(2)
+    prev = torch.arange(grads["full"].shape[2])[None, :] < (pos // 16)[:, None]  # [Tq, NB] previous blocks
+    # queries with more than K = 1 previous blocks, except each row's last (it predicts no token)
+    prev = prev & ((pos // 16 >= 2) & (pos < SEQ - 1))[:, None]
+    assert (grads["full"].abs()[:, prev] > 0).all()
+    assert (grads["sparse"].abs()[:, prev] == 0).any()  # sparse: unselected blocks get nothing
+    with pytest.raises(ValueError, match="scope"):
+        GateTrainSpec(scope="partial")

@@ -150,20 +150,22 @@ def test_eval_ppl_table(trained, setup, capsys):
 
 def test_init_gate_and_train_last_stage(trained, setup):
     """A second stage starts from the first stage's checkpoint (its record kept under `init`) and
-    trains only the tails of the rows; a checkpoint for another block size is refused."""
+    trains only the tails of the rows, here in full scope (stages compose through --init-gate); a
+    checkpoint for another block size is refused."""
     from sas_backend.gate.checkpoint import load_gate_checkpoint
     from sas_backend.training import train
 
     root, model_dir, essays = setup
     out = str(root / "stage2")
     args = ["--model", model_dir, "--data", *essays, "--out", out, "--steps", "2", "--init-gate", trained,
-            "--train-last", "64", *COMMON]
+            "--train-last", "64", "--scope", "full", *COMMON]
     assert train.main(args) == 0
     config, tensors = load_gate_checkpoint(out)
     rec = config.training
-    assert rec["train_last"] == 64 and rec["steps"] == 2
+    assert rec["train_last"] == 64 and rec["steps"] == 2 and rec["scope"] == "full"
     assert rec["init"]["checkpoint"] == os.path.abspath(trained)
     assert rec["init"]["training"]["steps"] == STEPS and rec["init"]["training"]["objective"] == "lm"
+    assert rec["init"]["training"]["scope"] == "sparse"  # stage 1 ran the default scope
     _, first = load_gate_checkpoint(trained)
     assert not torch.equal(tensors[0]["attngate_linear_q.weight"], first[0]["attngate_linear_q.weight"])
     bad = [a if a != "16" else "32" for a in args]  # --block-size 32: the checkpoint has 16
