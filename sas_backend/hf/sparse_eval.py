@@ -161,6 +161,8 @@ def sparse_eval_attention(module, query, key, value, attention_mask, scaling, dr
     selected = select_for_queries(
         spec, layer, q_post, k_post, positions, ctx["model_table"], ctx["gate_table"], logits=logits
     )
+    if ctx.get("recall") is not None:
+        _add_recall(ctx["recall"], layer, logits, selected, positions, spec.block_size)
     allowed = _sparse_rows_mask(selected, positions, t, spec.block_size)  # [H_kv, P, T]
     logits.masked_fill_(~allowed[:, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1).view(h_kv, g * n_p, t)
@@ -175,11 +177,30 @@ def sparse_eval_attention(module, query, key, value, attention_mask, scaling, dr
     return out.transpose(1, 2), None
 
 
+def _add_recall(recall: dict, layer: int, logits, selected, positions, block_size: int) -> None:
+    """Accumulate into `recall[layer]` = [mass the selection captured, mass the oracle's K blocks
+    capture], both over every (query, kv head): block attention mass as `oracle_scores` defines it."""
+    width = max(logits.shape[-1] // block_size, 1)
+    mass = oracle_scores(logits, positions, block_size, width)  # [P, H_kv, M]
+    cand = torch.arange(width, device=mass.device)[None, :] < torch.div(positions, block_size, rounding_mode="floor")[:, None]
+    mass = mass * cand[:, None, :]
+    k = selected.shape[-1]
+    captured = (mass.gather(-1, selected.long().clamp_min(0)) * (selected >= 0)).sum()
+    best = mass.topk(min(k, width), dim=-1).values.sum() if k else mass.new_zeros(())
+    acc = recall.setdefault(layer, [0.0, 0.0])
+    acc[0] += float(captured)
+    acc[1] += float(best)
+
+
 @contextlib.contextmanager
-def sparse_eval(model, spec: SparseEvalSpec, max_pos: Optional[int] = None, record: Optional[dict] = None):
+def sparse_eval(model, spec: SparseEvalSpec, max_pos: Optional[int] = None, record: Optional[dict] = None,
+                recall: Optional[dict] = None):
     """Within the block, `model(...)` runs SAS sparse attention per `spec`.
 
     record: optional dict filled with `{layer: selected [P, H_kv, K]}` of the last forward.
+    recall: optional dict accumulating `{layer: [captured, best]}` over forwards: the dense attention
+    mass (per kv head, max over its query heads) of the selected blocks, and of the oracle's K best
+    blocks; captured / best is the selection's attention-mass recall (1 for the oracle).
     """
     from transformers import AttentionInterface
 
@@ -195,7 +216,8 @@ def sparse_eval(model, spec: SparseEvalSpec, max_pos: Optional[int] = None, reco
         gate_table = gate_rope_table(dg, ModelGeometry.from_hf_config(model.config), max_pos, device=device)
     attn_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
     for m in attn_modules:
-        m._sas_eval = {"spec": spec, "model_table": table, "gate_table": gate_table, "record": record}
+        m._sas_eval = {"spec": spec, "model_table": table, "gate_table": gate_table, "record": record,
+                       "recall": recall}
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     try:

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-fraction", type=float, default=None, help="must match training (default 0.2)")
     p.add_argument("--seed", type=int, default=0, help="document order of the packed windows")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
+    p.add_argument("--plot", default=None, metavar="PREFIX",
+                   help="write PREFIX-ppl.png (perplexity change vs budget) and PREFIX-recall.png (recall per layer)")
+    p.add_argument("--no-recall", action="store_true", help="skip the per-layer attention-mass recall analysis")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (a log line per window instead)")
     return p
@@ -92,11 +95,12 @@ def prefix_cache(model, ids: torch.Tensor, last: int):
 
 
 @torch.no_grad()
-def window_nll(model, ids: torch.Tensor, last: int, spec=None, cache=None) -> float:
+def window_nll(model, ids: torch.Tensor, last: int, spec=None, cache=None, recall=None) -> float:
     """Summed NLL of the last `last` tokens of `ids` `[window + 1]` given the first `window`;
     `spec` (a SparseEvalSpec) makes the attention sparse, None keeps the model dense.
     cache: `prefix_cache(model, ids, last)` to run only the last `last` queries on top of it (left
-    as it was on return); None runs the whole window."""
+    as it was on return); None runs the whole window. recall: optional dict the selection's
+    attention-mass recall accumulates into (see `sparse_eval`)."""
     from sas_backend.hf.sparse_eval import sparse_eval
 
     inp = ids[:-1][None]
@@ -109,7 +113,7 @@ def window_nll(model, ids: torch.Tensor, last: int, spec=None, cache=None) -> fl
         if spec is None:
             logits = model(**kw).logits
         else:
-            with sparse_eval(model, spec, max_pos=inp.shape[1]):
+            with sparse_eval(model, spec, max_pos=inp.shape[1], recall=recall):
                 logits = model(**kw).logits
     finally:
         if cache is not None:
@@ -118,11 +122,100 @@ def window_nll(model, ids: torch.Tensor, last: int, spec=None, cache=None) -> fl
 
 
 def markdown_table(results: Dict[str, Dict[int, float]], dense: float, budgets: List[int], block: int) -> str:
+    """Perplexity per selector and budget, then the change vs dense in percent."""
     head = "| selector | " + " | ".join(f"budget {b} (K={b // block})" for b in budgets) + " |"
-    lines = [head, "|" + "---|" * (len(budgets) + 1), "| dense | " + " | ".join(f"{dense:.3f}" for _ in budgets) + " |"]
+    rule = "|" + "---|" * (len(budgets) + 1)
+    lines = [head, rule, "| dense | " + " | ".join(f"{dense:.3f}" for _ in budgets) + " |"]
     for name, per in results.items():
         lines.append(f"| {name} | " + " | ".join(f"{per[b]:.3f}" for b in budgets) + " |")
+    lines += ["", head.replace("| selector |", "| perplexity change vs dense |"), rule]
+    for name, per in results.items():
+        lines.append(f"| {name} | " + " | ".join(f"{100 * (per[b] / dense - 1):+.1f}%" for b in budgets) + " |")
     return "\n".join(lines)
+
+
+def recall_table(recall: Dict[str, Dict[int, Dict[int, list]]], budgets: List[int]) -> str:
+    """Attention-mass recall (selected / oracle's best K), all layers pooled, per selector and budget."""
+    lines = ["| recall (all layers) | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+             "|" + "---|" * (len(budgets) + 1)]
+    for name, per in recall.items():
+        cells = []
+        for b in budgets:
+            cap = sum(v[0] for v in per[b].values())
+            best = sum(v[1] for v in per[b].values())
+            cells.append(f"{cap / best:.3f}" if best > 0 else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def self_checks(window_nll_of: Dict[str, Dict[int, List[float]]], dense_nll: List[float], budgets: List[int],
+                window: int, block: int) -> List[str]:
+    """Invariants of the harness. Every selector equals dense where the budget covers the window
+    (K * b >= window: every query attends everything): a violation raises. The oracle (most
+    attention mass) should beat the others in each window; mass is not loss, so a window where it
+    does not is reported, not fatal. Returns the report lines."""
+    notes = []
+    for b in budgets:
+        if (b // block) * block < window:
+            continue
+        for name, per in window_nll_of.items():
+            for w, (got, want) in enumerate(zip(per[b], dense_nll)):
+                if abs(got - want) > 1e-4 * abs(want) + 1e-3:
+                    raise SystemExit(f"error: self-check failed: {name} at budget {b} covers the {window}-token "
+                                     f"window but its NLL {got:.4f} differs from dense {want:.4f} (window {w})")
+        notes.append(f"check: budget {b} covers the window: every selector equals dense")
+    if "oracle" in window_nll_of:
+        for b in budgets:
+            for name, per in window_nll_of.items():
+                if name == "oracle":
+                    continue
+                worse = [w for w, (o, x) in enumerate(zip(window_nll_of["oracle"][b], per[b])) if o > x + 1e-6 * abs(x)]
+                if worse:
+                    notes.append(f"note: budget {b}: {name} had a lower NLL than the oracle in windows {worse}")
+    return notes
+
+
+def plot(results, dense: float, recall, budgets: List[int], prefix: str, title: str) -> List[str]:
+    """PREFIX-ppl.png: perplexity change vs dense against the budget, a line per selector;
+    PREFIX-recall.png: attention-mass recall per layer, a panel per budget. Returns the paths."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("error: --plot needs matplotlib (SAS_EXTRAS=bench bash serve/install.sh)") from None
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, per in results.items():
+        ax.plot(budgets, [100 * (per[b] / dense - 1) for b in budgets], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("budget (tokens)")
+    ax.set_ylabel("perplexity change vs dense (%)")
+    ax.set_title(title, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths = [f"{prefix}-ppl.png"]
+    fig.savefig(paths[0], dpi=120)
+    if recall:
+        fig, axes = plt.subplots(1, len(budgets), figsize=(4 * len(budgets), 3.5), squeeze=False)
+        for ax, b in zip(axes[0], budgets):
+            for name, per in recall.items():
+                layers = sorted(per[b])
+                ax.plot(layers, [per[b][i][0] / per[b][i][1] if per[b][i][1] else 1.0 for i in layers], label=name)
+            ax.set_title(f"budget {b}", fontsize=8)
+            ax.set_xlabel("layer")
+            ax.set_ylabel("attention-mass recall")
+            ax.set_ylim(0, 1.02)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(title, fontsize=8)
+        fig.tight_layout()
+        paths.append(f"{prefix}-recall.png")
+        fig.savefig(paths[1], dpi=120)
+    return paths
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -156,24 +249,27 @@ def main(argv: Optional[list] = None) -> int:
     print(f"[eval_ppl] {rows.shape[0]} {args.split} windows of {args.window} tokens (+1 target), last {args.last} "
           f"scored; block {b}; " + ", ".join(f"budget {bud} -> top_k {k}" for bud, k in top_k.items()), flush=True)
 
-    nll_dense = 0.0
-    nll = {s: {bud: 0.0 for bud in args.budgets} for s in selectors}
+    dense_per_window: List[float] = []
+    per_window = {s: {bud: [] for bud in args.budgets} for s in selectors}  # summed NLL of each window
+    recall = None if args.no_recall else {s: {bud: {} for bud in args.budgets} for s in selectors}
     t0 = time.time()
     bar = progress_bar(int(rows.shape[0]), "eval_ppl", enabled=not args.no_progress)
     for w in range(rows.shape[0]):
         ids = rows[w].to(device)
         cache = prefix_cache(model, ids, args.last)
-        nll_dense += window_nll(model, ids, args.last, cache=cache)
+        dense_per_window.append(window_nll(model, ids, args.last, cache=cache))
         for bud in args.budgets:
             k = top_k[bud]
-            for name in gates:
-                spec = SparseEvalSpec(top_k=k, block_size=b, selector="gate", gates=gates[name], sparse_from=sparse_from)
-                nll[name][bud] += window_nll(model, ids, args.last, spec, cache)
-            for name in baselines:
-                spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from)
-                nll[name][bud] += window_nll(model, ids, args.last, spec, cache)
+            for name in selectors:
+                if name in gates:
+                    spec = SparseEvalSpec(top_k=k, block_size=b, selector="gate", gates=gates[name],
+                                          sparse_from=sparse_from)
+                else:
+                    spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from)
+                rec = None if recall is None else recall[name][bud]
+                per_window[name][bud].append(window_nll(model, ids, args.last, spec, cache, recall=rec))
         if bar is not None:  # loss: the dense model's mean NLL per scored token so far
-            bar.set_postfix(dense_loss=f"{nll_dense / ((w + 1) * args.last):.4f}", refresh=False)
+            bar.set_postfix(dense_loss=f"{sum(dense_per_window) / ((w + 1) * args.last):.4f}", refresh=False)
             bar.update(1)
         else:
             print(f"[eval_ppl] window {w + 1}/{rows.shape[0]} done ({time.time() - t0:.0f} s)", flush=True)
@@ -181,10 +277,20 @@ def main(argv: Optional[list] = None) -> int:
         bar.close()
 
     n_tok = rows.shape[0] * args.last
-    dense = math.exp(nll_dense / n_tok)
-    results = {s: {bud: math.exp(v / n_tok) for bud, v in per.items()} for s, per in nll.items()}
+    dense = math.exp(sum(dense_per_window) / n_tok)
+    results = {s: {bud: math.exp(sum(v) / n_tok) for bud, v in per.items()} for s, per in per_window.items()}
+    checks = self_checks(per_window, dense_per_window, args.budgets, args.window, b)
     table = markdown_table(results, dense, args.budgets, b)
+    if recall is not None:
+        table += "\n\n" + recall_table(recall, args.budgets)
     print(table)
+    for line in checks:
+        print(f"[eval_ppl] {line}")
+    plots = []
+    if args.plot:
+        title = f"{os.path.basename(os.path.normpath(args.model))}, {' '.join(args.data)}, {rows.shape[0]} windows of {args.window}, last {args.last}"
+        plots = plot(results, dense, recall, args.budgets, args.plot, title)
+        print(f"[eval_ppl] wrote {', '.join(plots)}")
     if args.json:
         out = {
             "model": args.model,
@@ -199,6 +305,13 @@ def main(argv: Optional[list] = None) -> int:
             "gates": gate_paths,
             "dense": dense,
             "results": {s: {str(bud): v for bud, v in per.items()} for s, per in results.items()},
+            "dense_nll_per_window": dense_per_window,
+            "nll_per_window": {s: {str(bud): v for bud, v in per.items()} for s, per in per_window.items()},
+            "recall_per_layer": None if recall is None else {
+                s: {str(bud): {str(layer): cb for layer, cb in sorted(per[bud].items())} for bud in per}
+                for s, per in recall.items()},
+            "checks": checks,
+            "plots": [os.path.relpath(p_) for p_ in plots],
             "table_markdown": table,
             "seconds": round(time.time() - t0, 1),
             "command": "python -m sas_backend.training.eval_ppl " + shlex.join(sys.argv[1:] if argv is None else argv),

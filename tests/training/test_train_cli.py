@@ -136,16 +136,44 @@ def test_eval_ppl_table(trained, setup, capsys):
     root, model_dir, essays = setup
     js = str(root / "ppl.json")
     # essays held out from 8 files are few: evaluate the train split rows here (the CLI path is what is tested)
+    try:  # plots need matplotlib (the `bench` extra); the rest of the harness does not
+        import matplotlib  # noqa: F401
+
+        prefix = str(root / "plots" / "ppl")
+    except ImportError:
+        prefix = None
     assert eval_ppl.main(["--model", model_dir, "--data", *essays, "--split", "train", "--window", "128",
-                          "--last", "32", "--budgets", "32", "64", "--block-size", "16", "--gate", f"sas={trained}",
-                          "--baselines", "sink-local", "oracle", "--max-windows", "1", "--json", js]) == 0
+                          "--last", "32", "--budgets", "32", "64", "128", "--block-size", "16", "--gate",
+                          f"sas={trained}", "--baselines", "sink-local", "oracle", "--max-windows", "1",
+                          "--json", js] + (["--plot", prefix] if prefix else [])) == 0
     table = capsys.readouterr().out
     assert "| dense |" in table and "| sas |" in table and "| sink-local |" in table and "| oracle |" in table
     assert "budget 64 (K=4)" in table  # the serving rule: K = budget // block
+    assert "| perplexity change vs dense |" in table and "| recall (all layers) |" in table
+    assert "check: budget 128 covers the window: every selector equals dense" in table
     with open(js) as f:
         res = json.load(f)
-    assert res["budgets"] == [{"budget": 32, "top_k": 2}, {"budget": 64, "top_k": 4}]
+    assert res["budgets"] == [{"budget": 32, "top_k": 2}, {"budget": 64, "top_k": 4}, {"budget": 128, "top_k": 8}]
     assert set(res["results"]) == {"sas", "sink-local", "oracle"} and res["dense"] > 1
+    for name in res["results"]:  # the covering budget is dense for everyone
+        assert res["results"][name]["128"] == pytest.approx(res["dense"], rel=1e-4)
+    oracle = res["recall_per_layer"]["oracle"]["32"]
+    assert all(cap == pytest.approx(best) for cap, best in oracle.values())  # the oracle's recall is 1
+    sink_local = res["recall_per_layer"]["sink-local"]["32"]
+    assert sum(c for c, _ in sink_local.values()) < sum(b_ for _, b_ in sink_local.values())
+    if prefix:
+        assert all(os.path.getsize(p) > 0 for p in (prefix + "-ppl.png", prefix + "-recall.png"))
+
+
+def test_eval_self_check_refuses_a_covering_budget_that_is_not_dense():
+    from sas_backend.training.eval_ppl import self_checks
+
+    ok = self_checks({"x": {128: [10.0]}}, [10.0], [128], window=128, block=16)
+    assert ok == ["check: budget 128 covers the window: every selector equals dense"]
+    with pytest.raises(SystemExit, match="self-check failed: x at budget 128"):
+        self_checks({"x": {128: [10.5]}}, [10.0], [128], window=128, block=16)
+    notes = self_checks({"oracle": {32: [11.0]}, "gate": {32: [10.0]}}, [9.0], [32], window=128, block=16)
+    assert notes == ["note: budget 32: gate had a lower NLL than the oracle in windows [0]"]
 
 
 def test_init_gate_and_train_last_stage(trained, setup):
