@@ -39,10 +39,10 @@ def test_sas_info_reports_config_and_gate(sas_full_server, shipped_gate):
     info = requests.get(f"{sas_full_server.url}/sas/info", timeout=30).json()
     assert info["active"] is True
     assert info["config"]["budget"] == 8192 and info["config"]["block_size"] == 64
-    assert info["config"]["top_k"] == 128
+    assert info["config"]["top_k"] == 128 and info["config"]["selector"] == "gate"
     assert info["gate"]["format"] == "canonical"
     assert info["gate"]["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert info["gate"]["sha256"] == hashlib.sha256((shipped_gate / "gate.safetensors").read_bytes()).hexdigest()
     assert info["gate"]["training"]["objective"] == "lm" and info["gate"]["training"]["budget"] == 512
-    assert "sas: 30 sparse layers" in sas_full_server.log_text()
+    assert "sas: gate selector, 30 sparse layers" in sas_full_server.log_text()
     assert "summary pool" in sas_full_server.log_text()

@@ -103,7 +103,7 @@ def test_sas_info(newest_run):
     assert info["active"] is True
     assert info["config"]["budget"] == BUDGET and info["config"]["block_size"] == BLOCK
     assert info["gate"]["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert "sas: 30 sparse layers" in newest_run["sas_log"]
+    assert "sas: gate selector, 30 sparse layers" in newest_run["sas_log"]
 
 
 def test_within_budget_equals_dense_backend(newest_run):

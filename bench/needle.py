@@ -1,0 +1,142 @@
+"""Needle in a haystack through the real server: does a sparse decode still find one fact?
+
+    .venv/bin/python bench/needle.py                 # dense + sas (gate, quest, sink-local) x budgets 512 1024 2048
+    .venv/bin/python bench/needle.py --quick         # rehearsal: one depth, budget 512, gate only
+
+A fact ("The secret passphrase of the <place> is <word>-<number>.") is placed at several depths of
+~`--context` tokens of essay text (the default model's held-out-agnostic essays, `sas_backend.corpus`),
+then a chat turn asks for it (OpenAI API, greedy, 24 tokens). One server at a time, as a user would run
+them: dense (`--attention-backend torch_native`), then `--attention-backend sas` per selector and budget
+(the shipped gate for `gate`). fp32 on CPU, like the other CPU benchmarks. A depth counts as recalled
+when the answer contains the passphrase.
+
+Note what a decode-only sparse backend changes here: the prompt (haystack + question) is prefilled
+densely, so the first answer token comes from dense attention; every later token is decoded sparse.
+
+Writes bench/results/needle-<date>[-quick].{json,md} (table, answers, model, gate, commit, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import shlex
+import subprocess
+import sys
+import time
+
+import requests
+
+from sas_backend.corpus import read_essays
+from sas_backend.server_harness import DEFAULT_MODEL, Server
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SHIPPED_GATE = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas-b512"
+NEEDLE = "The secret passphrase of the {place} is {code}."
+QUESTION = "What is the secret passphrase of the {place}? Answer with the passphrase only."
+PLACES = ["blue harbor", "old mill", "north tower", "silent garden", "copper bridge", "glass library"]
+CODES = ["saffron-7412", "walnut-3958", "cobalt-6027", "juniper-1846", "marble-5391", "thistle-2764"]
+
+
+def haystack_with_needle(tok, essay_text: str, context: int, depth: float, needle: str) -> str:
+    """~`context` tokens of essay text with `needle` inserted at a sentence boundary near `depth`."""
+    ids = tok(essay_text)["input_ids"][:context]
+    text = tok.decode(ids)
+    cut = int(len(text) * depth)
+    dot = text.find(". ", cut)
+    cut = len(text) if dot < 0 else dot + 2
+    return text[:cut] + needle + " " + text[cut:]
+
+
+def ask(url: str, prompt: str) -> str:
+    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
+            "temperature": 0.0}
+    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=1800)
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--gate", default=str(SHIPPED_GATE))
+    ap.add_argument("--context", type=int, default=3072, help="haystack tokens")
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--selectors", nargs="+", default=["gate", "quest", "sink-local"],
+                    choices=["gate", "quest", "sink-local"])
+    ap.add_argument("--quick", action="store_true", help="rehearsal: depth 0.5, budget 512, gate; not a result")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.depths, args.budgets, args.selectors = [0.5], [512], ["gate"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    tok.model_max_length = 1 << 30
+    essays = read_essays()
+    text = "\n\n".join(essays[k] for k in sorted(essays))
+    cases = []
+    for i, depth in enumerate(args.depths):
+        place, code = PLACES[i % len(PLACES)], CODES[i % len(CODES)]
+        hay = haystack_with_needle(tok, text, args.context, depth, NEEDLE.format(place=place, code=code))
+        prompt = hay + "\n\n" + QUESTION.format(place=place)
+        cases.append({"depth": depth, "code": code, "prompt_tokens": len(tok(prompt)["input_ids"]), "prompt": prompt})
+    common = ["--dtype", "float32", "--context-length", str(args.context + 512)]
+    configs = [("dense", "torch_native", [])]
+    for sel in args.selectors:
+        for b in args.budgets:
+            extra = ["--sas-selector", sel, "--sas-budget", str(b)] + (["--sas-gate", args.gate] if sel == "gate" else [])
+            configs.append((f"sas {sel} b{b}", "sas", extra))
+    rows = []
+    started = time.time()
+    for name, backend, extra in configs:
+        print(f"[needle] starting {name} ...", flush=True)
+        with Server(args.model, backend=backend, extra_args=common + extra) as server:
+            answers = []
+            for case in cases:
+                answer = ask(server.url, case["prompt"])
+                answers.append({"depth": case["depth"], "answer": answer, "recalled": case["code"] in answer})
+                print(f"[needle] {name:18s} depth {case['depth']:.1f}: {'yes' if answers[-1]['recalled'] else 'no ':3s} "
+                      f"{answer!r}", flush=True)
+        rows.append({"server": name, "answers": answers})
+
+    head = "| server | " + " | ".join(f"depth {c['depth']:.1f}" for c in cases) + " | recalled |"
+    lines = [head, "|" + "---|" * (len(cases) + 2)]
+    for row in rows:
+        hits = [a["recalled"] for a in row["answers"]]
+        lines.append(f"| {row['server']} | " + " | ".join("yes" if h else "no" for h in hits) + f" | {sum(hits)}/{len(hits)} |")
+    table = "\n".join(lines)
+    date = datetime.date.today().isoformat()
+    tag = f"needle-{date}" + ("-quick" if args.quick else "")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rel = lambda p: str(pathlib.Path(p).resolve().relative_to(REPO)) if pathlib.Path(p).resolve().is_relative_to(REPO) else pathlib.Path(p).name  # noqa: E731
+    record = {
+        "what": "needle in a haystack through the real server (OpenAI chat API, greedy)", "rehearsal": args.quick,
+        "date": date, "commit": git_commit(), "model": rel(args.model), "gate": rel(args.gate),
+        "context_tokens": args.context, "server_flags": common, "rows": rows,
+        "cases": [{k: v for k, v in c.items() if k != "prompt"} for c in cases],
+        "needle": NEEDLE, "question": QUESTION, "wall_s": round(time.time() - started, 1),
+        "command": " ".join(shlex.quote(a) for a in ["python", "bench/needle.py", *(sys.argv[1:] if argv is None else argv)]),
+        "table_markdown": table,
+    }
+    (out / f"{tag}.json").write_text(json.dumps(record, indent=2))
+    (out / f"{tag}.md").write_text(f"# Needle in a haystack, {date}\n\n{record['command']} (commit {record['commit']})\n\n{table}\n")
+    print(table)
+    print(f"[needle] wrote {out / (tag + '.json')} and {out / (tag + '.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
