@@ -107,11 +107,11 @@ def main(argv=None) -> int:
             for case in cases:
                 answer = ask(server.url, case["prompt"])
                 answers.append({"depth": case["depth"], "answer": answer, "recalled": case["code"] in answer})
-                print(f"[needle] {name:18s} depth {case['depth']:.1f}: {'yes' if answers[-1]['recalled'] else 'no ':3s} "
+                print(f"[needle] {name:18s} depth {case['depth']:g}: {'yes' if answers[-1]['recalled'] else 'no ':3s} "
                       f"{answer!r}", flush=True)
         rows.append({"server": name, "answers": answers})
 
-    head = "| server | " + " | ".join(f"depth {c['depth']:.1f}" for c in cases) + " | recalled |"
+    head = "| server | " + " | ".join(f"depth {c['depth']:g}" for c in cases) + " | recalled |"
     lines = [head, "|" + "---|" * (len(cases) + 2)]
     for row in rows:
         hits = [a["recalled"] for a in row["answers"]]
