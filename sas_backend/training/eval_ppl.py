@@ -31,7 +31,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-BASELINES = ("oracle", "quest", "sink-local", "random")
+from sas_backend.hf.sparse_eval import SELECTORS  # noqa: E402
+
+# The training-free selectors and evaluation references: every selector but the gate and dense.
+BASELINES = tuple(s for s in SELECTORS if s not in ("gate", "dense"))
 
 
 def build_parser() -> argparse.ArgumentParser:
