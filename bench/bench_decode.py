@@ -9,6 +9,12 @@ between streamed chunks after the first. Prints a table with the sas/dense ratio
     python bench/bench_decode.py   # CPU smoke run on the default model (numbers mean nothing for speed)
 
 On GPU the dense baseline is FlashInfer with CUDA graphs (SGLang's default); on CPU torch_native.
+Before each point its prompts are prefilled once (1 token) into the radix cache, so the timed
+requests decode together instead of waiting for each other's prefill. `--shared-prefix`: the
+batch's prompts share all but their last 64 tokens (long contexts at batch 8 fit the KV pool and
+the prefill is paid once; each request still attends its whole context). `--report`: also write
+a Markdown summary and a PNG beside the JSON, with the environment (device, driver, versions, commit).
+The GPU tier 2 (bench/gpu/run.py) drives this with a Qwen3-4B-shaped model and random weights.
 """
 
 from __future__ import annotations
@@ -46,9 +52,20 @@ def _stream_itl(url: str, prompt: list, new_tokens: int) -> float:
     return statistics.mean(gaps) if gaps else float("nan")
 
 
-def measure(url, context, batch, new_tokens, vocab, seed) -> float:
+def random_prompts(context, batch, vocab, seed, shared_prefix=False) -> list:
+    """`batch` prompts of `context` random token ids; with shared_prefix all but the last 64 are common."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(batch)]
+    if not shared_prefix:
+        return [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(batch)]
+    head = [rng.randrange(100, vocab) for _ in range(max(context - 64, 0))]
+    return [head + [rng.randrange(100, vocab) for _ in range(context - len(head))] for _ in range(batch)]
+
+
+def measure(url, context, batch, new_tokens, vocab, seed, shared_prefix=False) -> float:
+    prompts = random_prompts(context, batch, vocab, seed, shared_prefix)
+    for p in prompts:  # prefill into the radix cache, outside the timing
+        body = {"model": "default", "prompt": p, "max_tokens": 1, "temperature": 0.0}
+        requests.post(f"{url}/v1/completions", json=body, timeout=3600).raise_for_status()
     with concurrent.futures.ThreadPoolExecutor(batch) as pool:
         itls = list(pool.map(lambda p: _stream_itl(url, p, new_tokens), prompts))
     return statistics.median(itls) * 1000.0
@@ -62,6 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--shared-prefix", action="store_true", help="prompts of a point share all but 64 tokens")
+    ap.add_argument("--report", action="store_true", help="also write .md and .png beside the JSON")
+    ap.add_argument("--dry-run", action="store_true", help="print the servers and points, start nothing")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more server flags (both backends)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = ap.parse_args(argv)
@@ -79,7 +99,8 @@ def main(argv=None) -> int:
     max_ctx = max(args.contexts) + args.new_tokens + 64
     common = ["--page-size", "64", "--context-length", str(max_ctx)]
     if not on_gpu:
-        common += ["--max-total-tokens", str(max(16384, max_ctx * max(args.batch) + 4096))]
+        per_point = max_ctx + (max(args.batch) - 1) * (args.new_tokens + 128) if args.shared_prefix else max_ctx * max(args.batch)
+        common += ["--max-total-tokens", str(max(16384, per_point + 4096))]
     backends = {
         "dense": ("flashinfer" if on_gpu else "torch_native", common),
         "sas": ("sas", common + ["--sas-gate", gate, "--sas-budget", str(args.budget)]),
@@ -87,6 +108,12 @@ def main(argv=None) -> int:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    if args.dry_run:
+        for name, (backend, flags) in backends.items():
+            print(f"[bench] would start {name}: --attention-backend {backend} {' '.join(map(str, flags + args.extra))}")
+        print(f"[bench] points (context x batch): {[(c, b) for c in args.contexts for b in args.batch]}, "
+              f"{args.new_tokens} new tokens, vocab {vocab}, shared prefix {args.shared_prefix}")
+        return 0
     results = {}
     for name, (backend, flags) in backends.items():
         print(f"[bench] starting {name} ({backend}) ...", flush=True)
@@ -94,7 +121,7 @@ def main(argv=None) -> int:
             measure(server.url, 256, 1, 4, vocab, seed=0)  # warm-up
             for ctx in args.contexts:
                 for bs in args.batch:
-                    ms = measure(server.url, ctx, bs, args.new_tokens, vocab, seed=ctx + bs)
+                    ms = measure(server.url, ctx, bs, args.new_tokens, vocab, seed=ctx, shared_prefix=args.shared_prefix)
                     results.setdefault((ctx, bs), {})[name] = ms
                     print(f"[bench] {name:5s} context {ctx:7d} batch {bs:3d}: {ms:8.2f} ms/token", flush=True)
 
@@ -112,16 +139,51 @@ def main(argv=None) -> int:
     import sas_backend
 
     record = {
-        "date": datetime.date.today().isoformat(), "device": device, "model": args.model, "gate": gate,
-        "budget": args.budget, "new_tokens": args.new_tokens, "sglang": sglang.__version__,
-        "torch": torch.__version__, "sas_backend": sas_backend.__version__, "rows": rows,
+        "date": datetime.date.today().isoformat(), "device": device, "model": pathlib.Path(args.model).name,
+        "gate": pathlib.Path(gate).name, "budget": args.budget, "new_tokens": args.new_tokens,
+        "shared_prefix": args.shared_prefix, "server_flags": [str(f) for f in common + args.extra],
+        "sglang": sglang.__version__, "torch": torch.__version__, "sas_backend": sas_backend.__version__, "rows": rows,
     }
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"decode-{'gpu' if on_gpu else 'cpu'}-{record['date']}.json"
+    if args.report:
+        write_report(record, path)
     path.write_text(json.dumps(record, indent=2))
     print(f"[bench] wrote {path}")
     return 0
+
+
+def write_report(record: dict, path: pathlib.Path) -> None:
+    """Add the environment to `record`; write `path` with .md and .png (sas/dense per context)."""
+    sys.path.insert(0, str(REPO / "bench" / "gpu"))
+    from report import env_markdown, environment, md_table, pyplot
+
+    record["environment"] = environment()
+    rows = record["rows"]
+    table = md_table(["context", "batch", "dense ms/token", "sas ms/token", "sas / dense"],
+                     [[r["context"], r["batch"], r["dense_ms"], r["sas_ms"], r["ratio"]] for r in rows])
+    path.with_suffix(".md").write_text(
+        f"# End-to-end decode latency, {record['model']}, budget {record['budget']}\n\n"
+        f"{env_markdown(record['environment'])}\n- server flags (both): {' '.join(record['server_flags'])}\n\n"
+        f"{table}\n")
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, bs in enumerate(sorted({r["batch"] for r in rows})):
+        rs = sorted((r for r in rows if r["batch"] == bs), key=lambda r: r["context"])
+        x = [r["context"] for r in rs]
+        ax.plot(x, [r["dense_ms"] for r in rs], "o--", color=f"C{i}", label=f"dense, batch {bs}")
+        ax.plot(x, [r["sas_ms"] for r in rs], "s-", color=f"C{i}", label=f"sas, batch {bs}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"{record['model']}, budget {record['budget']}, {record['device']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=120)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Peak memory is the extra over the inputs, for one forward+backward. Needs a CUDA
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 
@@ -130,7 +131,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--json", help="also write the rows (ms, peak MiB per variant) to this JSON file")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (no CUDA needed)")
     args = ap.parse_args(argv)
+    if args.dry_run:
+        print(f"bench_gated_attention (dry run): sizes {args.sizes}, budget {args.budget}, Hq={H_Q} Hkv={H_KV} "
+              f"D={D}; kernel vs naive (skipped above {0.8:.0%} of free memory) vs dense SDPA, fwd+bwd")
+        return 0
     if not torch.cuda.is_available():
         print("bench_gated_attention: needs a CUDA GPU (Triton kernels, do_bench); skipping.")
         return 0
@@ -139,11 +146,23 @@ def main(argv=None):
           f"budget={args.budget} (K={args.budget // BLOCK - 1} previous blocks); fwd+bwd, one sequence")
     print(f"{'T':>6} {'attended':>8} | {'kernel ms':>9} {'naive ms':>9} {'dense ms':>9} | "
           f"{'naive/ker':>9} {'ker/dense':>9} | {'ker MiB':>9} {'naive MiB':>9} {'dense MiB':>9}")
+    rows = []
     for seqlen in args.sizes:
         skip = naive_bytes(seqlen) > 0.8 * free  # the reference materializes [Hq, T, T]
-        print(fmt_row(run_size(seqlen, args.budget, skip)), flush=True)
+        rows.append(run_size(seqlen, args.budget, skip))
+        print(fmt_row(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     print("# attended = mean keys per query; naive 'skip/OOM': estimated or actual OOM")
+    if args.json:
+        def entry(x):  # (ms, peak MiB) | None (OOM) | "skip"
+            return {"ms": x[0], "peak_mib": x[1]} if isinstance(x, tuple) else (x or "OOM")
+
+        record = {"device": torch.cuda.get_device_name(), "budget": args.budget, "block": BLOCK,
+                  "heads": [H_Q, H_KV], "head_dim": D, "dtype": "bfloat16",
+                  "rows": [{"T": r["T"], "attended": r["attended"],
+                            **{k: entry(r[k]) for k in ("kernel", "naive", "dense")}} for r in rows]}
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
     return 0
 
 

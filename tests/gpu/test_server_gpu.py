@@ -1,13 +1,20 @@
 """Real SGLang servers on CUDA: captured-graph decode equals eager decode, full-budget sas equals
 dense FlashInfer, and the memory sas allocates stays within what it told SGLang to reserve.
 
-The servers run one after another (each takes most of the GPU), on the default model.
+The servers run one after another (each takes most of the GPU), on the default model; or, where
+the default model is not at hand (the offline GPU host of bench/gpu/run.py tier2), on the model in
+$SAS_GPU_MODEL with the gate in $SAS_GPU_GATE and random prompts sharing a 640-token prefix (a
+radix-cache hit for the later prompts); $SAS_GPU_SERVER_FLAGS adds flags to every server (e.g. a
+small --chunked-prefill-size, so the prompts are prefilled in chunks).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import random
 import re
+import shlex
 
 import pytest
 
@@ -23,21 +30,32 @@ FULL = ["--sas-budget", "8192"]  # above the context: every block selected
 NO_GRAPH = ["--disable-cuda-graph"]
 
 
+GPU_MODEL, GPU_GATE = os.environ.get("SAS_GPU_MODEL"), os.environ.get("SAS_GPU_GATE")
+SERVER_FLAGS = shlex.split(os.environ.get("SAS_GPU_SERVER_FLAGS", ""))
+
+
 @pytest.fixture(scope="module")
-def prompts(essay_ids):  # noqa: F811
+def prompts(request):
+    if GPU_MODEL:
+        rng = random.Random(0)
+        head = [rng.randrange(100, 32000) for _ in range(640)]
+        return [head + [rng.randrange(100, 32000) for _ in range(n - len(head))] for n in PROMPT_LENGTHS]
+    essay_ids = request.getfixturevalue("essay_ids")
     return [essay_ids[2000 + 5 * n : 2000 + 5 * n + n] for n in PROMPT_LENGTHS]
 
 
 @pytest.fixture(scope="module")
-def serve(model_dir, shipped_gate, prompts):  # noqa: F811
+def serve(request, prompts):
     """serve(backend, *args) -> (completions, server log); each configuration runs once."""
+    model = GPU_MODEL or request.getfixturevalue("model_dir")
+    gate = GPU_GATE or request.getfixturevalue("shipped_gate")
 
     @functools.lru_cache(maxsize=None)
     def run(backend, *args):
-        extra = ["--page-size", "64", *args]
+        extra = ["--page-size", "64", *SERVER_FLAGS, *args]
         if backend == "sas":
-            extra += ["--sas-gate", str(shipped_gate)]
-        with Server(model_dir, backend=backend, extra_args=extra) as s:
+            extra += ["--sas-gate", str(gate)]
+        with Server(model, backend=backend, extra_args=extra) as s:
             outs = [
                 complete(s.url, p, max_tokens=NEW_TOKENS, logprobs=2, return_token_ids=True)["choices"][0]
                 for p in prompts

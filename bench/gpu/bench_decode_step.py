@@ -1,0 +1,572 @@
+"""Tier 1: one decode step of a Qwen3-4B-shaped attention stack, dense FlashInfer vs the full SAS step.
+
+No SGLang and no model: torch + Triton + FlashInfer, the package's op entry points
+(`sas_backend.ops`), random K/V, random gates. Geometry of Qwen3-4B: 36 layers, 32 q / 8 kv
+heads, head dim 128, gate dim 128, block 64, bf16 KV.
+
+Per point (context, batch, budget), CUDA graphs on (each timed thing is one captured graph over
+all layers, replayed; `triton.testing.do_bench` median, L2 flushed between replays):
+- dense:  FlashInfer's paged decode (page 64, tensor cores) over the whole context, every layer;
+- sas:    per layer the full step: summary update of the block the newest token completed (every
+          row runs the masked kernel, as under graphs in the server), gate query, block scores,
+          Top-K, gather of the selected token rows, FlashInfer sparse decode;
+- breakdown: each of those ops alone over all layers (its own graph); `attn` = gather + decode;
+- roofline: the bytes the attention step must read (dense: K and V of the whole context; sas:
+  K and V of (K+1) blocks per kv head, every candidate's fp32 summary, the gate's query weights),
+  its time at the device's peak bandwidth, and the achieved bandwidth.
+Before timing, `--check` (default on) compares every compiled kernel with its torch reference at
+these shapes (contexts up to 128K) and the captured step with the eager one: results in "checks".
+
+K/V: the contexts and batches up to 256K x 8 do not fit 36 distinct layers; layers cycle over
+`distinct_layers` buffer sets (as many as fit `--mem-fraction` of free memory, at least 2, so no
+layer reads what the previous one left in L2). Recorded per point.
+
+    python bench/gpu/bench_decode_step.py --out DIR            # full: 8K..256K, batch 1 8, budgets 1024 2048 4096
+    python bench/gpu/bench_decode_step.py --quick --out DIR    # 8K 32K, batch 1 8, budget 2048
+    python bench/gpu/bench_decode_step.py --dry-run --out DIR  # CPU: the same step through the torch paths, tiny
+
+Writes DIR/decode-step.json, DIR/decode-step.md, DIR/decode-step.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from report import env_markdown, environment, md_table, pyplot  # noqa: E402
+
+BLOCK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Attention geometry of the stack; `params` only for the whole-model weight floor."""
+
+    layers: int = 36
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    gate_dim: int = 128
+    rope_theta: float = 1e6
+    params: float = 4.02e9  # Qwen3-4B, bf16 weights read once per step by the real model
+
+    @property
+    def group(self) -> int:
+        """G = H_q // H_kv, query heads per kv head."""
+        return self.q_heads // self.kv_heads
+
+
+QWEN3_4B = Geometry()
+TINY = Geometry(layers=2, q_heads=4, kv_heads=2, head_dim=64, gate_dim=32, params=0)
+# Peak HBM bandwidth (GB/s) by device name; `--peak-gbs` overrides.
+PEAK_GBS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100": 3350.0, "A100": 2039.0}
+
+
+def peak_gbs(name: str) -> float | None:
+    """The device's peak memory bandwidth from its name, or None if unknown."""
+    for key, v in PEAK_GBS.items():
+        if key in name:
+            return v
+    return None
+
+
+# ----------------------------------------------------------------------------------- the world
+class World:
+    """One point's device state: paged KV per buffer set, block table, summaries, gates, RoPE rows.
+
+    Request r owns `ctx // 64 (+1)` random pages; seq_len = ctx for every request, so each
+    request's newest token completes a block (the summary update does real work every step).
+    """
+
+    def __init__(self, geo: Geometry, ctx: int, bs: int, distinct: int, device, seed: int = 0):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.geo, self.ctx, self.bs, self.device = geo, ctx, bs, torch.device(device)
+        self.distinct = distinct
+        pages_per_req = ctx // BLOCK + 1
+        self.num_pages = bs * pages_per_req + 1  # page 0: SGLang's padding page
+        perm = torch.randperm(self.num_pages - 1, generator=g) + 1
+        self.pages = perm[: bs * pages_per_req].view(bs, pages_per_req)  # [bs, blocks] physical page
+        self.max_blocks = (ctx - 1) // BLOCK  # candidates of every request
+        dev = self.device
+        self.block_table = (self.pages[:, : self.max_blocks + 1] * BLOCK).long().to(dev)
+        self.seq_lens = torch.full((bs,), ctx, dtype=torch.int64, device=dev)
+        self.seq_lens_cpu = torch.full((bs,), ctx, dtype=torch.int64)
+        self.num_candidates = torch.full((bs,), self.max_blocks, dtype=torch.int64, device=dev)
+        slots = self.num_pages * BLOCK
+        shape = (distinct, slots, geo.kv_heads, geo.head_dim)
+        self.k = torch.randn(shape, dtype=torch.bfloat16, device=dev, generator=self._dev_gen(seed + 1))
+        self.v = torch.randn(shape, dtype=torch.bfloat16, device=dev, generator=self._dev_gen(seed + 2))
+        self.summaries = torch.randn(distinct, self.num_pages, geo.kv_heads, geo.gate_dim, device=dev,
+                                     generator=self._dev_gen(seed + 3))
+        from sas_backend.gate.module import AttnGate
+        from sas_backend.ops.rope import rope_cos_sin_table
+
+        self.gates = []
+        for _ in range(geo.layers):
+            gate = AttnGate(geo.kv_heads, geo.group, geo.head_dim, geo.gate_dim)
+            gate.reset_parameters(g)
+            self.gates.append(gate.to(dev).requires_grad_(False))
+        self.model_table = rope_cos_sin_table(geo.head_dim, ctx + BLOCK, geo.rope_theta).to(dev)
+        self.gate_table = rope_cos_sin_table(geo.gate_dim, ctx + BLOCK, geo.rope_theta).to(dev)
+        pos = (self.seq_lens - 1).long()
+        self.model_rows, self.gate_rows = self.model_table[pos], self.gate_table[pos]
+        self.q = torch.randn(bs, geo.q_heads, geo.head_dim, generator=g).to(dev, torch.bfloat16)
+        self.scale = geo.head_dim**-0.5
+
+    def _dev_gen(self, seed):
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def kv(self, layer: int):
+        """`[slots, H_kv, D]` K and V of the buffer set `layer` uses."""
+        i = layer % self.distinct
+        return self.k[i], self.v[i]
+
+    @staticmethod
+    def bytes_per_layer_set(geo: Geometry, ctx: int, bs: int) -> int:
+        """Device bytes one buffer set takes (K, V, summaries)."""
+        slots = bs * (ctx // BLOCK + 1) * BLOCK + BLOCK
+        return slots * geo.kv_heads * (2 * geo.head_dim * 2 + geo.gate_dim * 4 // BLOCK)
+
+
+# ----------------------------------------------------------------------------------- the steps
+class LayerStack:
+    """A decode step as `layer(i)` over the world's layers."""
+
+    w: World
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """One layer's attention output `[bs, H_q, D]`."""
+        raise NotImplementedError
+
+    def step(self):
+        """All layers; returns the last layer's output."""
+        out = None
+        for lid in range(self.w.geo.layers):
+            out = self.layer(lid)
+        return out
+
+
+class SasStep(LayerStack):
+    """The full SAS decode step over all layers, as op closures (one list per op) over fixed buffers."""
+
+    def __init__(self, w: World, budget: int, graphs: bool):
+        from sas_backend.ops.sparse_decode import make_sparse_decode
+
+        geo = w.geo
+        self.w, self.top_k = w, budget // BLOCK
+        dev = w.device
+        self.gate_q = torch.empty(w.bs, geo.kv_heads, geo.gate_dim, device=dev)
+        self.scores = torch.empty(w.bs, geo.kv_heads, w.max_blocks, device=dev)
+        self.selected = torch.empty(w.bs, geo.kv_heads, self.top_k, dtype=torch.int32, device=dev)
+        self.workspace = None
+        if w.device.type == "cuda":
+            from sas_backend.ops.topk.triton import topk_workspace_numel
+
+            n = topk_workspace_numel(w.bs, geo.kv_heads, w.max_blocks, self.top_k)
+            self.workspace = torch.empty(max(n, 1), dtype=torch.int32, device=dev)
+        self.sd = make_sparse_decode(dev, geo.kv_heads, geo.group, geo.head_dim, self.top_k, BLOCK,
+                                     w.bs * geo.kv_heads, torch.bfloat16, torch.bfloat16)
+        self.sd.plan(w.seq_lens_cpu, w.scale, graph_bs=w.bs if graphs else None)
+
+    def summary(self, layer):
+        """Summary update of the block each request's newest token completed (masked kernel)."""
+        from sas_backend.ops.summary import update_summaries
+
+        w, gate = self.w, self.w.gates[layer]
+        update_summaries(w.kv(layer)[0], w.summaries[layer % w.distinct], w.block_table, w.seq_lens, BLOCK,
+                         w.model_table, w.gate_table, gate.attngate_linear_k.weight, gate.attngate_knorm.weight)
+
+    def gate_query(self, layer):
+        """Gate query from the post-RoPE q into the fixed buffer."""
+        from sas_backend.ops.gate import gate_query_post_rope
+
+        w, gate = self.w, self.w.gates[layer]
+        gate_query_post_rope(w.q, w.model_rows, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight,
+                             w.gate_rows, out=self.gate_q)
+
+    def score(self, layer):
+        """Scores of every candidate block into the fixed buffer."""
+        from sas_backend.ops.score import score_blocks
+
+        w = self.w
+        score_blocks(self.gate_q, w.summaries[layer % w.distinct], w.block_table, w.num_candidates, BLOCK,
+                     w.max_blocks, out=self.scores)
+
+    def topk(self, layer):
+        """Top-K blocks per (request, kv head) into the fixed buffer."""
+        from sas_backend.ops.topk import select_blocks
+
+        select_blocks(self.scores, self.w.num_candidates, self.top_k, out=self.selected, workspace=self.workspace)
+
+    def gather(self, layer):
+        """The gather kernel alone (CUDA; on CPU the sparse decode gathers a padded view itself)."""
+        from sas_backend.ops.gather import gather_kv_indices
+
+        rows = self.w.bs * self.w.geo.kv_heads
+        gather_kv_indices(self.selected, self.w.block_table, self.w.seq_lens, BLOCK,
+                          self.sd.gather_indptr[: rows + 1], self.sd.indices_buf)
+
+    def attn(self, layer):
+        """Gather of the selected token rows + sparse decode; returns `[bs, H_q, D]`."""
+        k, v = self.w.kv(layer)
+        return self.sd.run(self.w.q, k, v, self.selected, self.w.block_table, self.w.seq_lens)
+
+    OPS = ("summary", "gate_query", "score", "topk", "attn")
+
+    def layer(self, layer):
+        """One layer of the step, in the server's order; returns the attention output."""
+        for op in self.OPS[:-1]:
+            getattr(self, op)(layer)
+        return self.attn(layer)
+
+
+    def op_over_layers(self, op):
+        """A callable running one op for every layer (the breakdown)."""
+        return lambda: [getattr(self, op)(lid) for lid in range(self.w.geo.layers)]
+
+
+def all_blocks(w: World) -> torch.Tensor:
+    """`[bs, H_kv, M]` int32: every candidate block selected (attention = dense)."""
+    sel = torch.arange(w.max_blocks, dtype=torch.int32, device=w.device)
+    return sel.expand(w.bs, w.geo.kv_heads, w.max_blocks).contiguous()
+
+
+def reference_attention(w: World, layer: int, selected: torch.Tensor) -> torch.Tensor:
+    """The torch oracle: plain SDPA over the selected blocks + the current block (all blocks = dense)."""
+    from sas_backend.ops.gather.naive import build_kv_indices, kv_indptr_for
+    from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
+
+    k, v = w.kv(layer)
+    indptr = kv_indptr_for(w.seq_lens_cpu, selected.shape[-1], BLOCK, w.geo.kv_heads).to(w.device)
+    idx = torch.zeros(int(indptr[-1]), dtype=torch.int32, device=w.device)
+    build_kv_indices(selected, w.block_table, w.seq_lens, BLOCK, indptr, idx)
+    return sparse_decode_attention(w.q, k, v, indptr, idx, scale=w.scale)
+
+
+class DenseStep(LayerStack):
+    """Dense decode over the whole context in every layer: FlashInfer's paged decode (page = block)
+    on CUDA; on CPU the torch oracle with every block selected (the dry run's stand-in)."""
+
+    def __init__(self, w: World, graphs: bool):
+        self.w = w
+        geo = w.geo
+        if w.device.type != "cuda":
+            self.sel = all_blocks(w)
+            return
+        import flashinfer
+
+        dev = w.device
+        n = w.max_blocks + 1
+        indptr = torch.arange(0, (w.bs + 1) * n, n, dtype=torch.int32)
+        indices = w.pages[:, :n].reshape(-1).to(torch.int32)
+        last = torch.full((w.bs,), w.ctx - w.max_blocks * BLOCK, dtype=torch.int32)
+        self.workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+        kw = {}
+        if graphs:
+            kw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr.to(dev),
+                      paged_kv_indices_buffer=indices.to(dev), paged_kv_last_page_len_buffer=last.to(dev))
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=geo.group >= 4, **kw)
+        self.wrapper.plan(indptr, indices.to(dev), last, geo.q_heads, geo.kv_heads, geo.head_dim, BLOCK,
+                          q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=w.scale)
+
+    def layer(self, layer):
+        """Dense attention of one layer `[bs, H_q, D]`."""
+        w = self.w
+        if w.device.type != "cuda":
+            return reference_attention(w, layer, self.sel)
+        k, v = w.kv(layer)
+        shape = (-1, BLOCK, w.geo.kv_heads, w.geo.head_dim)
+        return self.wrapper.run(w.q, (k.view(shape), v.view(shape)))
+
+
+
+# ------------------------------------------------------------------------------------- timing
+def time_ms(fn, graphs: bool, reps: int) -> float:
+    """Median ms of fn: captured once in a CUDA graph and replayed (graphs), or called eagerly.
+    On CPU: wall clock over `reps` calls."""
+    if not torch.cuda.is_available():
+        fn()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) / reps * 1e3
+    from triton.testing import do_bench
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up off the default stream: compiles, autotunes, JIT
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    if not graphs:
+        return do_bench(fn, warmup=5, rep=max(reps, 20), return_mode="median")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    ms = do_bench(graph.replay, warmup=5, rep=max(reps, 20), return_mode="median")
+    del graph
+    return ms
+
+
+# ------------------------------------------------------------------------------------ roofline
+def step_bytes(geo: Geometry, ctx: int, bs: int, budget: int | None) -> int:
+    """Bytes the attention step of all layers must read (bf16 KV; None: dense)."""
+    kv_token = geo.kv_heads * geo.head_dim * 2 * 2  # K and V, bf16
+    cand = (ctx - 1) // BLOCK
+    if budget is None:
+        return geo.layers * bs * ctx * kv_token
+    k = budget // BLOCK
+    attended = min(k, cand) * BLOCK + (ctx - cand * BLOCK)
+    summaries = cand * geo.kv_heads * geo.gate_dim * 4
+    gate_w = geo.kv_heads * geo.group * geo.head_dim * geo.gate_dim * 4
+    return geo.layers * (bs * (attended * kv_token + summaries) + gate_w)
+
+
+# ------------------------------------------------------------------------------------- checks
+def _err(a, b) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def check_point(w: World, budget: int, graphs: bool) -> list:
+    """Every kernel of the step vs its torch reference at this point, on layer 0 (fresh buffers),
+    then the captured step vs the eager one. Returns [{"op", "max_abs_err", "tol", "ok"}]."""
+    from sas_backend.ops.gate.naive import gate_query_post_rope as gq_ref
+    from sas_backend.ops.score.naive import score_blocks as score_ref
+    from sas_backend.ops.summary.naive import summary_update_decode as summary_ref
+    from sas_backend.ops.topk.naive import select_blocks as topk_ref
+
+    out = []
+
+    def record(op, err, tol):
+        out.append({"op": op, "context": w.ctx, "batch": w.bs, "budget": budget, "max_abs_err": err, "tol": tol,
+                    "ok": bool(err <= tol)})
+
+    st = SasStep(w, budget, graphs=False)
+    gate = w.gates[0]
+    before = w.summaries[0].clone()
+    st.summary(0)
+    ref = summary_ref(w.k[0], before.clone(), w.block_table, w.seq_lens, BLOCK, w.model_table, w.gate_table,
+                      gate.attngate_linear_k.weight, gate.attngate_knorm.weight)
+    record("summary_update", _err(w.summaries[0], ref), 1e-3)
+    st.gate_query(0)
+    record("gate_query", _err(st.gate_q, gq_ref(w.q, w.model_rows, gate.attngate_linear_q.weight,
+                                                gate.attngate_qnorm.weight, w.gate_rows)), 1e-3)
+    st.score(0)
+    record("score", _err(st.scores, score_ref(st.gate_q, w.summaries[0], w.block_table, w.num_candidates, BLOCK,
+                                              w.max_blocks)), 1e-3)
+    st.topk(0)
+    ref_sel = topk_ref(st.scores, w.num_candidates, st.top_k)
+    record("topk (exact)", float((st.selected != ref_sel).sum()), 0.0)
+    if w.device.type == "cuda":
+        from sas_backend.ops.gather.naive import build_kv_indices
+
+        st.gather(0)
+        rows = w.bs * w.geo.kv_heads
+        indptr = st.sd.gather_indptr[: rows + 1]
+        n = int(indptr[-1])
+        ref_idx = build_kv_indices(st.selected, w.block_table, w.seq_lens, BLOCK, indptr,
+                                   torch.zeros(n, dtype=torch.int32, device=w.device))
+        record("gather (exact)", float((st.sd.indices_buf[:n] != ref_idx).sum()), 0.0)
+    sparse = st.attn(0)
+    record("sparse_decode", _err(sparse, reference_attention(w, 0, st.selected)), 2e-2)
+    dense = DenseStep(w, graphs=False).layer(0)
+    record("dense_decode", _err(dense, reference_attention(w, 0, all_blocks(w))), 2e-2)
+    if graphs and w.device.type == "cuda":  # the whole step, captured, replayed on the same inputs
+        w.summaries.copy_(before.expand_as(w.summaries))
+        eager = SasStep(w, budget, graphs=False).step().clone()
+        w.summaries.copy_(before.expand_as(w.summaries))
+        g_step = SasStep(w, budget, graphs=True)
+        g_step.step()  # warm-up
+        torch.cuda.synchronize()
+        w.summaries.copy_(before.expand_as(w.summaries))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res = g_step.step()
+        w.summaries.copy_(before.expand_as(w.summaries))
+        graph.replay()
+        torch.cuda.synchronize()
+        record("graph step == eager step", _err(res, eager), 0.0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- main
+def distinct_sets(geo: Geometry, ctx: int, bs: int, mem_fraction: float) -> int:
+    """Buffer sets that fit `mem_fraction` of free device memory (2 .. layers)."""
+    if not torch.cuda.is_available():
+        return min(geo.layers, 2)
+    free = torch.cuda.mem_get_info()[0]
+    per = World.bytes_per_layer_set(geo, ctx, bs)
+    return max(2, min(geo.layers, int(free * mem_fraction // per)))
+
+
+def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
+    """Check (up to --check-max-context) and time one (context, batch) for dense and every budget."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w = World(geo, ctx, bs, distinct_sets(geo, ctx, bs, args.mem_fraction), dev)
+    if args.check and ctx <= args.check_max_context:
+        for b in budgets:
+            checks.extend(check_point(w, b, args.graphs))
+    dense = DenseStep(w, args.graphs)
+    row = {"context": ctx, "batch": bs, "distinct_layers": w.distinct,
+           "dense_ms": time_ms(dense.step, args.graphs, args.reps), "dense_bytes": step_bytes(geo, ctx, bs, None),
+           "sas": {}}
+    del dense
+    for b in budgets:
+        st = SasStep(w, b, args.graphs)
+        res = {"ms": time_ms(st.step, args.graphs, args.reps), "bytes": step_bytes(geo, ctx, bs, b),
+               "breakdown_ms": {}}
+        ops = list(SasStep.OPS) + (["gather"] if w.device.type == "cuda" else [])
+        for op in ops:
+            res["breakdown_ms"][op] = time_ms(st.op_over_layers(op), args.graphs, args.reps)
+        res["speedup"] = row["dense_ms"] / res["ms"]
+        res["roofline_speedup"] = row["dense_bytes"] / res["bytes"]
+        row["sas"][str(b)] = res
+        del st
+    peak = args.peak_gbs
+    if peak:
+        row["dense_roofline_ms"] = row["dense_bytes"] / peak / 1e6
+        row["dense_achieved_gbs"] = row["dense_bytes"] / row["dense_ms"] / 1e6
+        for res in row["sas"].values():
+            res["roofline_ms"] = res["bytes"] / peak / 1e6
+            res["achieved_gbs"] = res["bytes"] / res["ms"] / 1e6
+    del w
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def markdown(record: dict) -> str:
+    """The summary: checks, then one table row per (context, batch, budget)."""
+    bad = [c for c in record["checks"] if not c["ok"]]
+    lines = [f"# Decode step, {record['geometry_name']}: dense FlashInfer vs SAS ({record['mode']})", "",
+             env_markdown(record["environment"]), "",
+             f"- graphs: {record['graphs']}; peak bandwidth used for the roofline: {record['peak_gbs']} GB/s; "
+             f"whole-model weight floor {record['weights_floor_ms']} ms/step (not in the times below)",
+             f"- checks vs torch references: {len(record['checks']) - len(bad)}/{len(record['checks'])} ok"
+             + ("" if not bad else "; FAILED: " + ", ".join(f"{c['op']}@{c['context']}x{c['batch']}" for c in bad)),
+             ""]
+    head = ["context", "batch", "budget", "dense ms", "sas ms", "speedup", "roofline x", "dense GB/s", "sas GB/s",
+            "summary", "gate_q", "score", "topk", "attn", "gather"]
+    rows = []
+    for r in record["rows"]:
+        for b, s in r["sas"].items():
+            bd = s["breakdown_ms"]
+            rows.append([r["context"], r["batch"], int(b), r["dense_ms"], s["ms"], s["speedup"], s["roofline_speedup"],
+                         r.get("dense_achieved_gbs", "-"), s.get("achieved_gbs", "-"),
+                         *[bd.get(k, "-") for k in ("summary", "gate_query", "score", "topk", "attn", "gather")]])
+    lines.append(md_table(head, rows))
+    lines.append("")
+    lines.append("Times are ms for all layers of one step (breakdown columns: that op alone over all layers).")
+    return "\n".join(lines) + "\n"
+
+
+def plot(record: dict, path: pathlib.Path) -> bool:
+    """Step time vs context per batch (dense, sas per budget, roofline dotted). False without matplotlib."""
+    plt = pyplot()
+    if plt is None or not record["rows"]:
+        return False
+    batches = sorted({r["batch"] for r in record["rows"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), squeeze=False)
+    for ax, bs in zip(axes[0], batches):
+        rs = sorted((r for r in record["rows"] if r["batch"] == bs), key=lambda r: r["context"])
+        x = [r["context"] for r in rs]
+        ax.plot(x, [r["dense_ms"] for r in rs], "o-", color="k", label="dense FlashInfer")
+        if "dense_roofline_ms" in rs[0]:
+            ax.plot(x, [r["dense_roofline_ms"] for r in rs], "k:", label="dense roofline")
+        for i, b in enumerate(record["budgets"]):
+            ax.plot(x, [r["sas"][str(b)]["ms"] for r in rs], "s-", color=f"C{i}", label=f"sas budget {b}")
+            if "roofline_ms" in rs[0]["sas"][str(b)]:
+                ax.plot(x, [r["sas"][str(b)]["roofline_ms"] for r in rs], ":", color=f"C{i}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(f"attention ms per step ({record['geometry']['layers']} layers)")
+        ax.set_title(f"batch {bs}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    env = record["environment"]
+    fig.suptitle(f"{record['geometry_name']} decode step, {env['device']}, {record['mode']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None) -> int:
+    """CLI (see the module doc); exit 1 if a check failed, 2 without CUDA and --dry-run."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072, 262144])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--layers", type=int, default=QWEN3_4B.layers)
+    ap.add_argument("--reps", type=int, default=50, help="do_bench rep time in ms (CPU: calls)")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="time eagerly instead")
+    ap.add_argument("--no-check", dest="check", action="store_false")
+    ap.add_argument("--check-max-context", type=int, default=131072)
+    ap.add_argument("--mem-fraction", type=float, default=0.4, help="of free memory for the K/V buffer sets")
+    ap.add_argument("--peak-gbs", type=float, default=None, help="peak HBM GB/s (default: from the device name)")
+    ap.add_argument("--quick", action="store_true", help="8K and 32K, batch 1 and 8, budget 2048")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="no CUDA needed: a tiny geometry through the torch paths (proves the plumbing only)")
+    ap.add_argument("--out", default="bench/out/gpu")
+    args = ap.parse_args(argv)
+    geo, name = dataclasses.replace(QWEN3_4B, layers=args.layers), "Qwen3-4B shape"
+    mode = "full"
+    if args.quick:
+        args.contexts, args.budgets, mode = [8192, 32768], [2048], "quick"
+    if args.dry_run:
+        geo, name, mode = TINY, "tiny (dry run)", "dry run"
+        args.contexts, args.batches, args.budgets, args.reps = [1024], [1, 2], [256], 2
+    elif not torch.cuda.is_available():
+        print("bench_decode_step: needs a CUDA GPU (FlashInfer, compiled Triton, CUDA graphs); "
+              "--dry-run rehearses the plumbing on CPU.")
+        return 2
+    args.graphs = args.graphs and torch.cuda.is_available()  # CPU: nothing to capture
+    if args.peak_gbs is None and torch.cuda.is_available():
+        args.peak_gbs = peak_gbs(torch.cuda.get_device_name())
+    for b in args.budgets:
+        if b % BLOCK:
+            ap.error(f"budget {b} is not a multiple of {BLOCK}")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    env = environment()
+    checks, rows = [], []
+    torch.set_grad_enabled(False)
+    for ctx in args.contexts:
+        for bs in args.batches:
+            row = run_point(geo, ctx, bs, args.budgets, args, checks)
+            rows.append(row)
+            sas = "  ".join(f"b{b} {s['ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items())
+            print(f"[step] ctx {ctx:7d} bs {bs}: dense {row['dense_ms']:.3f} ms  {sas}", flush=True)
+    record = {
+        "what": "attention part of one decode step over all layers: dense FlashInfer vs the full SAS step",
+        "mode": mode, "geometry_name": name, "geometry": dataclasses.asdict(geo), "graphs": args.graphs,
+        "budgets": args.budgets, "peak_gbs": args.peak_gbs,
+        "weights_floor_ms": round(geo.params * 2 / args.peak_gbs / 1e6, 3) if args.peak_gbs else None,
+        "environment": env, "checks": checks, "rows": rows, "wall_s": round(time.time() - t0, 1),
+    }
+    (out / "decode-step.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "decode-step.md").write_text(markdown(record))
+    drew = plot(record, out / "decode-step.png")
+    failed = [c for c in checks if not c["ok"]]
+    print(markdown(record))
+    print(f"[step] wrote decode-step.json/.md{'/.png' if drew else ''} under {out}")
+    if failed:
+        print(f"[step] {len(failed)} check(s) FAILED", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,438 @@
+"""One command per GPU tier: unpack the kit, install this package, run the tier, write the results.
+
+    python3 bench/gpu/run.py tier1 [--quick]       # torch + Triton + FlashInfer (no SGLang)
+    python3 bench/gpu/run.py tier2 [--quick]       # the real SGLang server, dense vs sas
+    python3 bench/gpu/run.py tier1 --dry-run       # on a CPU machine: everything up to where CUDA is needed
+
+Steps of every tier: (1) the kit in `.whl/` (bench/gpu/kit.py) is checked against SHA256SUMS,
+unpacked into `--site` (default /tmp/site) and this repository is installed there with
+`pip install --no-index --no-deps --no-build-isolation --no-compile --target`; (2) the Python side
+is imported from there (`imports`); (3) the tier's tests and benchmarks run one after another in
+that environment (PYTHONPATH=site:repo, FlashInfer JIT settings), each under its own time limit
+that the tier's `--budget-min` caps; (4) `<tier>.json`, `<tier>.md` and `<tier>.log` plus the
+benchmarks' PNGs land in `--out` (default $OUT, else bench/out/gpu/). The summary is rewritten after
+every step, so a run cut short still returns what finished.
+
+Tier 1: kernel tests (tests/ops, the gated-attention kernel tests, FlashInfer sparse decode eager
+and in a CUDA graph) compiled on the GPU against their torch references; the standalone decode-step
+benchmark (bench_decode_step.py: Qwen3-4B shapes, checks up to 128K, timings 8K..256K, batch 1 and 8,
+budgets 1024/2048/4096, per-op breakdown, roofline); the gated training kernel fwd+bwd vs the
+reference and SDPA (bench/bench_gated_attention.py).
+Tier 2: make a Qwen3-4B-shaped model (4 layers with random weights for the tests; 36 layers,
+`--load-format dummy`, for the benchmark) and seeded gates (make_model.py); the server tests
+(tests/gpu/test_server_gpu.py: graph == eager, covering budget == dense FlashInfer, memory
+reservation; tests/gpu/test_decode_step_gpu.py: no host sync, launches per layer) with chunked
+prefill and a radix-cache prefix; then end-to-end decode latency dense vs sas at 32K..128K, batch
+1 and 8 (bench/bench_decode.py).
+
+--dry-run (any machine, no CUDA): the same kit steps into a scratch site, imports of what needs no
+CUDA (the kit's compiled packages only where this Python matches the kit's), `pytest --collect-only`
+for every test step and each benchmark's own --dry-run (tiny shapes through the torch paths), then
+the same summary files; it stops there with a message naming what needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import kit  # noqa: E402
+
+REPO = kit.REPO
+PY = sys.executable
+
+
+@dataclasses.dataclass
+class Step:
+    """One command of a tier. argv/dry_argv use `{work}`, `{py}` placeholders; dry_argv None: the
+    step has no CPU rehearsal. produces: files under {work} that the step writes (JSON to embed,
+    PNGs to copy to --out)."""
+
+    name: str
+    argv: list
+    minutes: float  # expected device minutes (estimates until measured on a GPU)
+    dry_argv: list | None = None
+    env: dict = dataclasses.field(default_factory=dict)
+    produces: tuple = ()
+    needs: tuple = ()  # steps that must run first (added when --only names this one)
+
+
+PYTEST = ["{py}", "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
+TIER1_TESTS = ["tests/ops", "tests/training/test_gated_attention.py", "tests/gpu/test_flashinfer_sparse_decode.py"]
+TIER2_TESTS = ["tests/gpu/test_server_gpu.py", "tests/gpu/test_decode_step_gpu.py"]
+TEST_MODEL, BENCH_MODEL = "{work}/models/qwen3-4b-4l", "{work}/models/qwen3-4b-shape"
+SERVER_TEST_FLAGS = "--chunked-prefill-size 1024 --grammar-backend none --cuda-graph-max-bs 8"
+E2E_FLAGS = ["--load-format", "dummy", "--grammar-backend", "none", "--cuda-graph-max-bs", "8",
+             "--mem-fraction-static", "0.85"]
+
+
+def e2e_argv(model: str, contexts, dry: bool = False) -> list:
+    """bench/bench_decode.py on `model` and its `-gate`; dry: the same flags, nothing started."""
+    return ["{py}", "bench/bench_decode.py", "--model", model, "--gate", model + "-gate", "--contexts", *contexts,
+            "--batch", "1", "8", "--budget", "2048", "--new-tokens", "64", "--shared-prefix", "--report",
+            "--out", "{work}/e2e", *(["--dry-run"] if dry else []), "--extra", *E2E_FLAGS]
+
+
+def tier_steps(tier: str, quick: bool) -> list:
+    """The steps of a tier (quick: smaller sizes, for a first look within a few minutes)."""
+    if tier == "tier1":
+        step_args = ["--quick"] if quick else []
+        sizes = ["4096", "8192"] if quick else ["4096", "8192", "16384", "32768"]
+        return [
+            Step("kernel-tests", [*PYTEST, "--junitxml", "{work}/kernel-tests.xml", *TIER1_TESTS], 4.0,
+                 [*PYTEST, "--collect-only", *TIER1_TESTS]),
+            Step("decode-step", ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", *step_args], 3.0,
+                 ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", "--dry-run"],
+                 produces=("decode-step.json", "decode-step.png")),
+            Step("gated-attention", ["{py}", "bench/bench_gated_attention.py", "--sizes", *sizes,
+                                     "--json", "{work}/gated-attention.json"], 1.5,
+                 ["{py}", "bench/bench_gated_attention.py", "--dry-run", "--sizes", *sizes],
+                 produces=("gated-attention.json",)),
+        ]
+    if tier == "tier2":
+        contexts = ["32768"] if quick else ["32768", "65536", "131072"]
+        model_env = {"SAS_GPU_MODEL": TEST_MODEL, "SAS_GPU_GATE": TEST_MODEL + "-gate",
+                     "SAS_GPU_SERVER_FLAGS": SERVER_TEST_FLAGS}
+        return [
+            Step("make-test-model", ["{py}", "bench/gpu/make_model.py", "--out", TEST_MODEL, "--layers", "4",
+                                     "--weights"], 0.5,
+                 ["{py}", "bench/gpu/make_model.py", "--out", "{work}/models/tiny", "--tiny", "--weights", "--check"]),
+            Step("make-bench-model", ["{py}", "bench/gpu/make_model.py", "--out", BENCH_MODEL], 0.3,
+                 ["{py}", "bench/gpu/make_model.py", "--out", "{work}/models/tiny-dummy", "--tiny", "--check"]),
+            Step("server-tests", [*PYTEST, "--junitxml", "{work}/server-tests.xml", *TIER2_TESTS], 4.0,
+                 [*PYTEST, "--collect-only", *TIER2_TESTS], env=model_env, needs=("make-test-model",)),
+            Step("e2e-decode", e2e_argv(BENCH_MODEL, contexts), 5.0,
+                 e2e_argv("{work}/models/tiny-dummy", contexts, dry=True), produces=("e2e",),
+                 needs=("make-bench-model",)),
+        ]
+    raise SystemExit(f"unknown tier {tier!r}: tier1 or tier2")
+
+
+def selected(steps, only=None, skip=()) -> set:
+    """Names of the steps to run: `only` (default all) plus what they need, minus `skip`."""
+    by_name = {s.name: s for s in steps}
+    unknown = [n for n in list(only or []) + list(skip) if n not in by_name]
+    if unknown:
+        raise SystemExit(f"unknown step(s) {unknown}; this tier has {list(by_name)}")
+    want = set(only or by_name)
+    for name in list(want):
+        want.update(by_name[name].needs)
+    return want - set(skip)
+
+
+# ------------------------------------------------------------------------------------- running
+def fill(argv, work: pathlib.Path) -> list:
+    """Placeholders -> values."""
+    return [a.replace("{work}", str(work)).replace("{py}", PY) for a in argv]
+
+
+def shown(argv) -> str:
+    """A command as it is recorded: the interpreter as `python3`, scratch paths as they are."""
+    return " ".join(shlex.quote("python3" if a == PY else a) for a in argv)
+
+
+def run_logged(argv, env, timeout_s: float, log) -> tuple:
+    """Run argv in the repo root, its output streamed to stdout and the log; (rc, seconds, tail).
+    rc 124 when the time limit ended it (its whole process group is killed)."""
+    t0 = time.time()
+    tail = collections.deque(maxlen=60)
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)
+    timed_out = False
+    import threading
+
+    def killer():
+        nonlocal timed_out
+        timed_out = True
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(max(timeout_s, 1), killer)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+            tail.append(line.rstrip("\n"))
+        proc.wait()
+    finally:
+        timer.cancel()
+    log.flush()
+    return (124 if timed_out else proc.returncode), round(time.time() - t0, 1), list(tail)
+
+
+def pytest_counts(tail) -> dict:
+    """{"passed": n, "failed": n, ...} from pytest's last summary line (or collect-only's count)."""
+    counts = {}
+    for line in reversed(tail):
+        found = re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed|tests? collected)", line)
+        if found:
+            for n, what in found:
+                counts[what.rstrip("s") if what.startswith("error") else what] = int(n)
+            break
+    return counts
+
+
+IMPORT_PROBE = r"""
+import importlib, json, sys
+out = {}
+for name in sys.argv[1:]:
+    try:
+        m = importlib.import_module(name)
+        out[name] = {"ok": True, "version": getattr(m, "__version__", None), "file": (getattr(m, "__file__", "") or "")}
+    except Exception as e:
+        out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+print("IMPORTS " + json.dumps(out))
+"""
+
+
+def probe_imports(modules, env) -> dict:
+    """Import each module in a fresh interpreter (cwd /, so only PYTHONPATH serves them)."""
+    proc = subprocess.run([PY, "-c", IMPORT_PROBE, *modules], cwd="/", env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("IMPORTS "):
+            return json.loads(line[len("IMPORTS "):])
+    return {"probe": {"ok": False, "error": proc.stderr[-500:]}}
+
+
+TIER_MODULES = {
+    "tier1": (["sas_backend", "sas_backend.ops.gate", "sas_backend.ops.sparse_decode", "sas_backend.training.ops.gated_attention"],
+              ["flashinfer"], []),
+    "tier2": (["sas_backend", "sas_backend.server_harness"],
+              ["flashinfer", "sglang", "sas_backend.plugin", "sglang.srt.layers.attention.flashinfer_backend", "sas_backend.backend.sas_attention"],
+              ["sgl_kernel"]),
+}
+
+
+def check_imports(tier, site, env, dry: bool) -> dict:
+    """Import the tier's Python side from the site. Dry run: the kit's compiled packages only where
+    this Python is the kit's, CUDA-only modules never (recorded as not attempted, with the reason)."""
+    plain, kit_built, cuda_only = TIER_MODULES[tier]
+    tag = kit.site_python_tag(site)
+    here = f"{sys.version_info.major}{sys.version_info.minor}"
+    mods, skipped = list(plain), {}
+    for m in kit_built:
+        if dry and tag and tag != here:
+            skipped[m] = f"not attempted: the kit is built for CPython {tag[0]}.{tag[1:]}, this is {here[0]}.{here[1:]}"
+        else:
+            mods.append(m)
+    for m in cuda_only:
+        if dry:
+            skipped[m] = "not attempted: loads CUDA libraries"
+        else:
+            mods.append(m)
+    result = probe_imports(mods, env)
+    for m, r in result.items():  # the package must come from the --target install, not the checkout
+        if m.startswith("sas_backend") and r.get("ok"):
+            r["from_site"] = r["file"].startswith(str(site))
+        r.pop("file", None)
+    result.update({m: {"ok": None, "skipped": why} for m, why in skipped.items()})
+    return result
+
+
+# ------------------------------------------------------------------------------------ reporting
+def summary_markdown(rec: dict) -> str:
+    """The tier's Markdown summary: environment, kit, imports, one line per step, then the steps' own."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from report import env_markdown, md_table
+
+    lines = [f"# GPU {rec['tier']} ({rec['mode']})", "", env_markdown(rec["environment"]), ""]
+    if rec.get("kit"):
+        k = rec["kit"]
+        lines.append(f"- kit: {k.get('unpacked') or k.get('installed_wheels')}; checked {k.get('checked')}; "
+                     f"{k.get('seconds')} s")
+    if rec.get("imports"):
+        bad = [m for m, r in rec["imports"].items() if isinstance(r, dict) and r.get("ok") is False]
+        skipped = [m for m, r in rec["imports"].items() if isinstance(r, dict) and r.get("ok") is None]
+        lines.append(f"- imports: {'all ok' if not bad else 'FAILED ' + ', '.join(bad)}"
+                     + (f"; not attempted here: {', '.join(skipped)}" if skipped else ""))
+    if rec.get("site_versions"):
+        lines.append(f"- installed in the site (CPython {rec.get('kit_python')}): "
+                     + ", ".join(f"{k} {v}" for k, v in rec["site_versions"].items()))
+    if rec.get("stopped"):
+        lines.append(f"- **stopped**: {rec['stopped']}")
+    lines.append("")
+    rows = [[s["name"], s["rc"], s["seconds"], s["expected_minutes"], json.dumps(s.get("counts", {})) or "",
+             s["command"][:90]] for s in rec["steps"]]
+    lines.append(md_table(["step", "rc", "seconds", "expected min", "counts", "command"], rows))
+    for s in rec["steps"]:
+        if s.get("markdown"):
+            lines += ["", s["markdown"]]
+    return "\n".join(lines) + "\n"
+
+
+def gated_markdown(result: dict) -> str:
+    """The gated-attention bench rows as a table (ms and peak MiB per variant)."""
+    from report import md_table
+
+    def ms(x):
+        return x["ms"] if isinstance(x, dict) else x
+
+    def mib(x):
+        return x["peak_mib"] if isinstance(x, dict) else "-"
+
+    rows = [[r["T"], r["attended"], ms(r["kernel"]), ms(r["naive"]), ms(r["dense"]), mib(r["kernel"]),
+             mib(r["naive"]), mib(r["dense"])] for r in result["rows"]]
+    return (f"## Gated attention fwd+bwd, budget {result['budget']}\n\n"
+            + md_table(["T", "attended", "kernel ms", "naive ms", "SDPA ms", "kernel MiB", "naive MiB", "SDPA MiB"],
+                       rows))
+
+
+def collect(step: Step, work: pathlib.Path, out: pathlib.Path, rec: dict) -> None:
+    """Embed the step's JSON and Markdown in its record and copy its PNGs to out. A produced name
+    is a file (its .md and .png siblings count too) or a directory (all its files)."""
+    for name in step.produces:
+        path = work / name
+        files = sorted(path.iterdir()) if path.is_dir() else [path, path.with_suffix(".md"), path.with_suffix(".png")]
+        for f in files:
+            if not f.is_file():
+                continue
+            if f.suffix == ".json":
+                data = json.loads(f.read_text())
+                rec.setdefault("results", {})[f.stem] = data
+                if f.stem == "gated-attention":
+                    rec["markdown"] = gated_markdown(data)
+            elif f.suffix == ".md":
+                rec["markdown"] = f.read_text()
+            elif f.suffix == ".png":
+                shutil.copy(f, out / f.name)
+
+
+def main(argv=None) -> int:
+    """CLI (see the module doc); exit 0 when every step passed, 1 otherwise, 3 without a kit."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("tier", choices=["tier1", "tier2"])
+    ap.add_argument("--dry-run", action="store_true", help="CPU rehearsal: stop where CUDA is needed")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a first look)")
+    ap.add_argument("--only", nargs="+", help="run only these steps (names as in the summary)")
+    ap.add_argument("--skip", nargs="+", default=[], help="skip these steps")
+    ap.add_argument("--kit", default=str(kit.DEFAULT_KIT_DIR), help="the kit directory (default .whl/)")
+    ap.add_argument("--site", default=None, help="install target (default /tmp/site; dry run: a scratch dir)")
+    ap.add_argument("--no-install", action="store_true", help="reuse --site as it is (a second command in the same lease)")
+    ap.add_argument("--work", default=None, help="scratch for models and step outputs (default /tmp/sas-gpu[-dry])")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "out" / "gpu"))
+    ap.add_argument("--budget-min", type=float, default=9.3, help="wall minutes the whole tier may take")
+    args = ap.parse_args(argv)
+    t_start = time.time()
+    deadline = t_start + args.budget_min * 60
+    dry = args.dry_run
+    site = pathlib.Path(args.site or ("/tmp/sas-gpu-dry-site" if dry else "/tmp/site"))
+    work = pathlib.Path(args.work or ("/tmp/sas-gpu-dry" if dry else "/tmp/sas-gpu"))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    tag = args.tier + ("-dry" if dry else "-quick" if args.quick else "")
+    rec = {"tier": args.tier, "mode": "dry run" if dry else "quick" if args.quick else "full", "steps": []}
+
+    def save():
+        rec["wall_s"] = round(time.time() - t_start, 1)
+        kit.write_json(out / f"{tag}.json", rec)
+        (out / f"{tag}.md").write_text(summary_markdown(rec))
+
+    log = open(out / f"{tag}.log", "w")
+    print(f"[gpu] {args.tier} ({rec['mode']}): site {site}, work {work}, results {out}", flush=True)
+    try:
+        if not args.no_install:
+            if site.exists():
+                shutil.rmtree(site)
+            rec["kit"] = kit.prepare_site(pathlib.Path(args.kit), site, need_sglang=args.tier == "tier2")
+            print(f"[gpu] kit ready in {rec['kit']['seconds']} s: {rec['kit']}", flush=True)
+    except kit.KitError as e:
+        rec["stopped"] = f"kit: {e}"
+        rec["environment"] = _environment(os.environ.copy())
+        save()
+        print(f"[gpu] STOP: {e}", file=sys.stderr)
+        return 3
+    env = kit.site_env(site)
+    if dry:
+        env["TRITON_INTERPRET"] = "1"  # the CPU test conftest would set it too; benches import kernels directly
+    tag_here = f"{sys.version_info.major}{sys.version_info.minor}"
+    kit_tag = kit.site_python_tag(site)
+    step_env = env
+    if dry and kit_tag and kit_tag != tag_here:
+        # The kit's compiled packages cannot load in this interpreter: rehearse the steps with the
+        # package from the --target install in front of this environment's own libraries.
+        step_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site / "_sas_only"), str(REPO)]),
+                        PYTHONUNBUFFERED="1", TRITON_INTERPRET="1")
+        shutil.copytree(site / "sas_backend", site / "_sas_only" / "sas_backend", dirs_exist_ok=True)
+    rec["environment"] = _environment(step_env)
+    rec["imports"] = check_imports(args.tier, site, env, dry)
+    rec["kit_python"] = kit_tag
+    rec["site_versions"] = kit.installed_versions(site, ["sglang", "sglang_kernel", "flashinfer_python",
+                                                         "apache_tvm_ffi", "transformers", "sas_backend"])
+    print(f"[gpu] imports: {json.dumps(rec['imports'])}", flush=True)
+    save()
+    failed_imports = [m for m, r in rec["imports"].items() if isinstance(r, dict) and r.get("ok") is False]
+    rc_all = 1 if failed_imports else 0
+    steps = tier_steps(args.tier, args.quick)
+    wanted = selected(steps, args.only, args.skip)
+    for step in steps:
+        if step.name not in wanted:
+            continue
+        argv = step.dry_argv if dry else step.argv
+        srec = {"name": step.name, "expected_minutes": step.minutes}
+        if argv is None:
+            srec.update(rc=None, seconds=0, command="(no CPU rehearsal)")
+            rec["steps"].append(srec)
+            continue
+        argv = fill(argv, work)
+        srec["command"] = shown(argv)
+        left = deadline - time.time()
+        if left < 20:
+            srec.update(rc=None, seconds=0, skipped="no time left in --budget-min")
+            rec["steps"].append(srec)
+            save()
+            continue
+        senv = dict(step_env, **{k: fill([v], work)[0] for k, v in step.env.items()})
+        print(f"\n[gpu] === {step.name} (expected {step.minutes} min, limit {left / 60:.1f} min): {srec['command']}",
+              flush=True)
+        log.write(f"\n=== {step.name}: {srec['command']}\n")
+        rc, secs, tail = run_logged(argv, senv, left, log)
+        srec.update(rc=rc, seconds=secs)
+        if "pytest" in argv:
+            srec["counts"] = pytest_counts(tail)
+        if rc not in (0, None):
+            srec["tail"] = tail[-25:]
+            rc_all = 1
+        if not dry or step.name == "decode-step":  # the dry run's tiny numbers still prove the report path
+            collect(step, work, out, srec)
+        rec["steps"].append(srec)
+        save()
+    if dry:
+        rec["stopped"] = ("dry run: kit unpacked, package installed, imports and test collection done; "
+                          "stopping before anything that needs CUDA (compiled Triton, FlashInfer JIT, CUDA graphs, "
+                          "GPU servers)")
+        print(f"\n[gpu] {rec['stopped']}", flush=True)
+    save()
+    log.close()
+    print(f"[gpu] wrote {tag}.json, {tag}.md, {tag}.log under {out} ({rec['wall_s']} s)", flush=True)
+    return rc_all
+
+
+def _environment(env: dict) -> dict:
+    """report.environment() run in the step environment (so versions are those the steps see)."""
+    code = ("import json, sys; sys.path.insert(0, 'bench/gpu'); import report; "
+            "print('ENV ' + json.dumps(report.environment()))")
+    proc = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("ENV "):
+            return json.loads(line[4:])
+    return {"device": "unknown", "error": proc.stderr[-500:], "versions": {}, "git": {"commit": "unknown",
+            "source": "-"}, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "source_digest": ""}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The GPU kit's builder and the tier runner, on CPU (bench/gpu/): no network, no GPU.
+
+A tiny fake package stands for the real wheels: the builder downloads it from a local wheel
+directory, installs it with --target, packs, writes SHA256SUMS and the manifest; the kit side
+verifies, unpacks and installs this repository into a site with --no-index --no-deps --target;
+each tier's --dry-run goes as far as a CPU machine can and leaves its summary files.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import pathlib
+import subprocess
+import sys
+import tarfile
+import zipfile
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+
+import build_kit  # noqa: E402
+import kit  # noqa: E402
+import run as gpu_run  # noqa: E402
+
+
+def fake_wheel(dest: pathlib.Path, name: str, version: str, files: dict) -> pathlib.Path:
+    """A pure-Python wheel `name-version-py3-none-any.whl` holding `files` {path: text}."""
+    dist = f"{name}-{version}.dist-info"
+    contents = dict(files)
+    contents[f"{dist}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    contents[f"{dist}/WHEEL"] = "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    record = []
+    for path, text in contents.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    record.append(f"{dist}/RECORD,,")
+    contents[f"{dist}/RECORD"] = "\n".join(record) + "\n"
+    dest.mkdir(parents=True, exist_ok=True)
+    whl = dest / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for path, text in contents.items():
+            z.writestr(path, text)
+    return whl
+
+
+def test_parse_pins_and_the_shipped_contents_list():
+    assert build_kit.parse_spec("partial_json_parser-0.2.1.1.post7") == ("partial_json_parser", "0.2.1.1.post7")
+    assert build_kit.parse_spec("flashinfer-python==0.6.12") == ("flashinfer-python", "0.6.12")
+    pins = dict(build_kit.read_contents(build_kit.CONTENTS))
+    assert pins["sglang"] == "0.5.15" and pins["sglang_kernel"] == "0.4.4" and pins["flashinfer_python"] == "0.6.12"
+    with pytest.raises(ValueError):
+        build_kit.parse_spec("noversion")
+
+
+def test_build_manifest_pack_verify_unpack(tmp_path):
+    wheels = tmp_path / "wheels"
+    whl = fake_wheel(wheels, "fakepkg", "0.1", {"fakepkg/__init__.py": "X = 1\n", "fakepkg/data/big.a": "x" * 4096})
+    out = tmp_path / "kit"
+    manifest = build_kit.build([("fakepkg", "0.1")], out, find_links=wheels, preset=1, command="test")
+    (pkg,) = manifest["packages"]
+    assert pkg["sha256"] == kit.sha256_of(whl) and pkg["bytes"] == whl.stat().st_size
+    archive = out / manifest["archive"]["name"]
+    assert manifest["archive"]["sha256"] == kit.sha256_of(archive)
+    assert json.loads((out / kit.MANIFEST_FILE).read_text()) == manifest
+    assert kit.verify(out, [archive.name]) == {archive.name: "ok"}
+    with tarfile.open(archive) as tar:  # reproducible members: root-owned, one mtime
+        assert {(m.uid, m.gid, m.mtime) for m in tar.getmembers()} == {(0, 0, build_kit.FIXED_MTIME)}
+    site = tmp_path / "site"
+    kit.unpack(archive, site)
+    assert (site / "fakepkg" / "__init__.py").read_text() == "X = 1\n"
+    assert kit.installed_versions(site, ["fakepkg", "other"]) == {"fakepkg": "0.1", "other": None}
+    # a second, identical build packs the same bytes
+    manifest2 = build_kit.build([("fakepkg", "0.1")], tmp_path / "kit2", find_links=wheels, preset=1)
+    assert manifest2["archive"]["sha256"] == manifest["archive"]["sha256"]
+    # compare: a file only in one archive shows up
+    fake_wheel(wheels, "fakepkg", "0.2", {"fakepkg/__init__.py": "X = 2\n", "fakepkg/extra.py": ""})
+    m3 = build_kit.build([("fakepkg", "0.2")], tmp_path / "kit3", find_links=wheels, preset=1)
+    diff = build_kit.compare(tmp_path / "kit3" / m3["archive"]["name"], archive)
+    assert "fakepkg/extra.py" in diff["only_mine_files"] and "fakepkg/data/big.a" in diff["only_theirs_files"]
+
+
+def test_corrupt_archive_is_refused(tmp_path):
+    (tmp_path / "a.tar.xz").write_bytes(b"not what was summed")
+    (tmp_path / kit.SUMS_FILE).write_text("0" * 64 + "  a.tar.xz\n")
+    with pytest.raises(kit.KitError, match="corrupt"):
+        kit.verify(tmp_path, ["a.tar.xz"])
+    with pytest.raises(kit.KitError, match="missing"):
+        kit.verify(tmp_path, ["b.whl"])
+
+
+def test_slim_removes_and_reports(tmp_path):
+    stage = tmp_path / "stage"
+    for rel in ["sgl_kernel/sm90/common_ops.abi3.so", "sgl_kernel/sm90/flash_ops.abi3.so",
+                "sgl_kernel/sm100/common_ops.abi3.so", "sgl_kernel/__init__.py", "xgrammar/lib/libx.a"]:
+        (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stage / rel).write_bytes(b"x" * 100)
+    info = stage / "sglang_kernel-0.4.4.dist-info"
+    info.mkdir()
+    (info / "RECORD").write_text("sgl_kernel/__init__.py,sha256=a,1\nsgl_kernel/sm90/flash_ops.abi3.so,sha256=b,2\n"
+                                 "sgl_kernel/sm100/common_ops.abi3.so,sha256=c,3\n")
+    (stage / "bin").mkdir()
+    (stage / "bin" / "tool").write_text("#!/build/machine/venv/bin/python\nimport sys\n")
+    (info / "direct_url.json").write_text('{"url": "file:///build/machine/wheels/x.whl"}')
+    rules = {"sglang_kernel": build_kit.SLIM["sglang_kernel"], "xgrammar": {"remove": ["xgrammar/*/*.a"]}}
+    report = build_kit.slim(stage, ["sglang_kernel", "xgrammar", "other"], rules)
+    assert build_kit.make_portable(stage) == {"direct_url_dropped": 1, "shebangs_rewritten": 1}
+    left = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file())
+    assert left == ["bin/tool", "sgl_kernel/__init__.py", "sgl_kernel/sm90/common_ops.abi3.so",
+                    "sglang_kernel-0.4.4.dist-info/RECORD"]
+    assert report["sglang_kernel"]["bytes_saved"] == 200 and report["xgrammar"]["removed"] == ["xgrammar/lib/libx.a"]
+    assert (info / "RECORD").read_text() == "sgl_kernel/__init__.py,sha256=a,1\n"
+    assert (stage / "bin" / "tool").read_text() == "#!/usr/bin/env python3\nimport sys\n"
+
+
+def test_pack_refuses_symlinks(tmp_path):
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "real").write_text("x")
+    (stage / "link").symlink_to(stage / "real")
+    with pytest.raises(kit.KitError, match="symbolic link"):
+        build_kit.pack(stage, tmp_path / "k.tar.xz", preset=0)
+
+
+def test_flashinfer_wheels_site_installs_this_package(tmp_path):
+    """Tier 1's kit form (two wheels, no archive): installed with --target, then sas-backend
+    itself with --no-index --no-deps --no-build-isolation; the installed copy imports from the site."""
+    kit_dir = tmp_path / "kit"
+    fake_wheel(kit_dir, "flashinfer_python", "0.0.1", {"flashinfer/__init__.py": "__version__ = '0.0.1'\n"})
+    fake_wheel(kit_dir, "apache_tvm_ffi", "0.0.1", {"tvm_ffi/__init__.py": ""})
+    site = tmp_path / "site"
+    record = kit.prepare_site(kit_dir, site, need_sglang=False)
+    assert record["installed_self"] == "pip" and len(record["installed_wheels"]) == 2
+    assert kit.installed_versions(site, ["sas_backend", "flashinfer_python"]) == {
+        "sas_backend": gpu_run.probe_imports(["sas_backend"], kit.site_env(site))["sas_backend"]["version"],
+        "flashinfer_python": "0.0.1"}
+    probe = gpu_run.probe_imports(["sas_backend", "flashinfer"], kit.site_env(site))
+    assert probe["flashinfer"]["file"].startswith(str(site)) and probe["sas_backend"]["file"].startswith(str(site))
+    with pytest.raises(kit.KitError, match="no sglang"):
+        kit.prepare_site(kit_dir, tmp_path / "site2", need_sglang=True)
+
+
+def test_fallback_install_is_found_by_plugin_discovery(tmp_path):
+    """Without pip (an old setuptools on the GPU image), the copied package still carries its
+    version and the SGLang plugin entry point."""
+    site = tmp_path / "site"
+    kit.install_self_by_copy(site)
+    code = ("import importlib.metadata as m; "
+            "d = m.distribution('sas-backend'); "
+            "print(d.locate_file('sas_backend'), d.entry_points.select(group='sglang.srt.plugins')[0].value)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=kit.site_env(site), capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == [str(site / "sas_backend"), "sas_backend.plugin:register"]
+    assert (site / "sas_backend" / "ops" / "topk" / "__init__.py").exists()
+
+
+def test_step_selection_adds_what_a_step_needs():
+    steps = gpu_run.tier_steps("tier2", quick=False)
+    assert gpu_run.selected(steps, ["e2e-decode"]) == {"e2e-decode", "make-bench-model"}
+    assert gpu_run.selected(steps, None, ["e2e-decode"]) == {s.name for s in steps} - {"e2e-decode"}
+    with pytest.raises(SystemExit):
+        gpu_run.selected(steps, ["nope"])
+
+
+@pytest.fixture(scope="module")
+def fake_site_kit(tmp_path_factory):
+    """A kit dir with a site archive whose compiled module claims a CPython no one runs, so the
+    dry run treats it as this machine treats the real cp312 kit (compiled packages not imported)."""
+    root = tmp_path_factory.mktemp("fakekit")
+    stage = root / "stage"
+    (stage / "fakecompiled").mkdir(parents=True)
+    (stage / "fakecompiled" / "_x.cpython-399-x86_64-linux-gnu.so").write_bytes(b"\0")
+    kit_dir = root / "kit"
+    kit_dir.mkdir()
+    archive = kit_dir / "sglang-0.0-h100-site.tar.xz"
+    build_kit.pack(stage, archive, preset=0)
+    (kit_dir / kit.SUMS_FILE).write_text(f"{kit.sha256_of(archive)}  {archive.name}\n")
+    return kit_dir
+
+
+@pytest.mark.parametrize("tier", ["tier1", "tier2"])
+def test_tier_dry_run(tier, fake_site_kit, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu/run.py", tier, "--dry-run", "--kit", str(fake_site_kit), "--site",
+         str(tmp_path / "site"), "--work", str(tmp_path / "work"), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads((out / f"{tier}-dry.json").read_text())
+    assert rec["stopped"].startswith("dry run") and "CUDA" in rec["stopped"]
+    assert rec["imports"]["sas_backend"]["ok"] and rec["imports"]["sas_backend"]["from_site"]
+    steps = {s["name"]: s for s in rec["steps"]}
+    assert set(steps) == {s.name for s in gpu_run.tier_steps(tier, quick=False)}
+    assert all(s["rc"] == 0 for s in steps.values()), steps
+    md = (out / f"{tier}-dry.md").read_text()
+    assert rec["environment"]["git"]["commit"] in md
+    if tier == "tier1":
+        assert steps["kernel-tests"]["counts"]["tests collected"] > 100
+        checks = steps["decode-step"]["results"]["decode-step"]["checks"]
+        assert checks and all(c["ok"] for c in checks)
+        assert (out / "decode-step.png").exists()
+    else:
+        assert steps["server-tests"]["counts"]["tests collected"] >= 5
+        assert "would start sas" in (out / "tier2-dry.log").read_text()
