@@ -418,6 +418,7 @@ def main(argv=None) -> int:
         print(f"\n[gpu] {rec['stopped']}", flush=True)
     save()
     log.close()
+    print("\n" + summary_markdown(rec))  # the end of the output is what a remote caller sees first
     print(f"[gpu] wrote {tag}.json, {tag}.md, {tag}.log under {out} ({rec['wall_s']} s)", flush=True)
     return rc_all
 
