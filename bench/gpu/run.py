@@ -13,11 +13,11 @@ that the tier's `--budget-min` caps; (4) `<tier>.json`, `<tier>.md` and `<tier>.
 benchmarks' PNGs land in `--out` (default $OUT, else bench/out/gpu/). The summary is rewritten after
 every step, so a run cut short still returns what finished.
 
-Tier 1: kernel tests (tests/ops, the gated-attention kernel tests, FlashInfer sparse decode eager
-and in a CUDA graph) compiled on the GPU against their torch references; the standalone decode-step
-benchmark (bench_decode_step.py: Qwen3-4B shapes, checks up to 128K, timings 8K..256K, batch 1 and 8,
-budgets 1024/2048/4096, per-op breakdown, roofline); the gated training kernel fwd+bwd vs the
-reference and SDPA (bench/bench_gated_attention.py).
+Tier 1, in this order: the standalone decode-step benchmark (bench_decode_step.py: Qwen3-4B shapes,
+every kernel vs its reference up to 128K, timings 8K..256K, batch 1 and 8, budgets 1024/2048/4096,
+per-op breakdown, roofline); the gated training kernel fwd+bwd vs the reference and SDPA
+(bench/bench_gated_attention.py); the kernel tests (tests/ops, the gated-attention kernel tests,
+FlashInfer sparse decode eager and in a CUDA graph) compiled on the GPU against their torch references.
 Tier 2: make a Qwen3-4B-shaped model (4 layers with random weights for the tests; 36 layers,
 `--load-format dummy`, for the benchmark) and seeded gates (make_model.py); the server tests
 (tests/gpu/test_server_gpu.py: graph == eager, covering budget == dense FlashInfer, memory
@@ -86,12 +86,10 @@ def e2e_argv(model: str, contexts, dry: bool = False) -> list:
 
 def tier_steps(tier: str, quick: bool) -> list:
     """The steps of a tier (quick: smaller sizes, for a first look within a few minutes)."""
-    if tier == "tier1":
+    if tier == "tier1":  # the benchmarks first: FlashInfer's JIT for the tests' other dtypes may run long
         step_args = ["--quick"] if quick else []
         sizes = ["4096", "8192"] if quick else ["4096", "8192", "16384", "32768"]
         return [
-            Step("kernel-tests", [*PYTEST, "--junitxml", "{work}/kernel-tests.xml", *TIER1_TESTS], 4.0,
-                 [*PYTEST, "--collect-only", *TIER1_TESTS]),
             Step("decode-step", ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", *step_args], 3.0,
                  ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", "--dry-run"],
                  produces=("decode-step.json", "decode-step.png")),
@@ -99,6 +97,8 @@ def tier_steps(tier: str, quick: bool) -> list:
                                      "--json", "{work}/gated-attention.json"], 1.5,
                  ["{py}", "bench/bench_gated_attention.py", "--dry-run", "--sizes", *sizes],
                  produces=("gated-attention.json",)),
+            Step("kernel-tests", [*PYTEST, "--junitxml", "{work}/kernel-tests.xml", *TIER1_TESTS], 4.0,
+                 [*PYTEST, "--collect-only", *TIER1_TESTS]),
         ]
     if tier == "tier2":
         contexts = ["32768"] if quick else ["32768", "65536", "131072"]
