@@ -359,6 +359,14 @@ def check_point(w: World, budget: int, graphs: bool) -> list:
     ref = summary_ref(w.k[0], before.clone(), w.block_table, w.seq_lens, BLOCK, w.model_table, w.gate_table,
                       gate.attngate_linear_k.weight, gate.attngate_knorm.weight)
     record("summary_update", _err(w.summaries[0], ref), 1e-3)
+    # the extend path's kernel: whole blocks read back from the cache (request 0's first 512 blocks)
+    from sas_backend.ops.summary import summarize_pages
+    from sas_backend.ops.summary.naive import summarize_pages as pages_ref
+
+    n = min(512, w.max_blocks)
+    args = (w.k[0], w.pages[0, :n].to(w.device), torch.arange(n, device=w.device) * BLOCK, w.model_table,
+            w.gate_table, gate.attngate_linear_k.weight, gate.attngate_knorm.weight, BLOCK)
+    record("summarize_pages", _err(summarize_pages(*args), pages_ref(*args)), 1e-3)
     st.gate_query(0)
     record("gate_query", _err(st.gate_q, gq_ref(w.q, w.model_rows, gate.attngate_linear_q.weight,
                                                 gate.attngate_qnorm.weight, w.gate_rows)), 1e-3)
