@@ -40,7 +40,6 @@ import os
 import pathlib
 import platform
 import shlex
-import subprocess
 import sys
 import textwrap
 import time
@@ -48,6 +47,7 @@ import time
 import requests
 
 from sas_backend.corpus import default_essays_dir
+from sas_backend.provenance import git_state, repo_relative
 from sas_backend.server_harness import DEFAULT_MODEL, Server
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -238,13 +238,6 @@ def machine() -> dict:
     }
 
 
-def git_state() -> dict:
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain", "--untracked-files=no").splitlines()}
-
-
 def markdown(rows: list[dict], budgets: list[int]) -> str:
     head = "| context | batch | dense tok/s |"
     sep = "| ---: | ---: | ---: |"
@@ -286,11 +279,6 @@ def plot(rows: list[dict], budgets: list[int], batches: list[int], path: pathlib
     fig.suptitle(textwrap.fill(title, 60 * len(batches)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def _rel(path) -> str:
-    path = pathlib.Path(path).resolve()
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
 
 
 def main(argv=None) -> int:
@@ -360,7 +348,7 @@ def main(argv=None) -> int:
         "rehearsal": args.quick, "date": date, "machine": mach, "git": git_state(),
         # Records name files relative to the repository, never this machine's paths.
         "command": " ".join(shlex.quote(a) for a in ["python", "bench/bench_cpu_decode.py", *sys.argv[1:]]),
-        "model": _rel(model), "gate": _rel(gate), "prompts": "shared prefix" if args.shared_prefix else "disjoint", "geometry": geo, "server_flags": [str(f) for f in flags],
+        "model": repo_relative(model), "gate": repo_relative(gate), "prompts": "shared prefix" if args.shared_prefix else "disjoint", "geometry": geo, "server_flags": [str(f) for f in flags],
         "new_tokens": args.new_tokens, "skip": args.skip, "wall_s": round(time.time() - started, 1), "rows": rows,
     }
     (out / f"{tag}.json").write_text(json.dumps(record, indent=2))

@@ -23,13 +23,13 @@ import datetime
 import json
 import pathlib
 import shlex
-import subprocess
 import sys
 import time
 
 import requests
 
 from sas_backend.corpus import read_essays
+from sas_backend.provenance import git_state, repo_relative
 from sas_backend.server_harness import DEFAULT_MODEL, Server
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -56,14 +56,6 @@ def ask(url: str, prompt: str) -> str:
     r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=1800)
     r.raise_for_status()
     return r.json()["choices"][0]["message"]["content"]
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -121,10 +113,9 @@ def main(argv=None) -> int:
     tag = f"needle-{date}" + ("-quick" if args.quick else "")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rel = lambda p: str(pathlib.Path(p).resolve().relative_to(REPO)) if pathlib.Path(p).resolve().is_relative_to(REPO) else pathlib.Path(p).name  # noqa: E731
     record = {
         "what": "needle in a haystack through the real server (OpenAI chat API, greedy)", "rehearsal": args.quick,
-        "date": date, "commit": git_commit(), "model": rel(args.model), "gate": rel(args.gate),
+        "date": date, "commit": git_state()["commit"], "model": repo_relative(args.model), "gate": repo_relative(args.gate),
         "context_tokens": args.context, "server_flags": common, "rows": rows,
         "cases": [{k: v for k, v in c.items() if k != "prompt"} for c in cases],
         "needle": NEEDLE, "question": QUESTION, "wall_s": round(time.time() - started, 1),

@@ -22,7 +22,6 @@ import json
 import os
 import pathlib
 import platform
-import subprocess
 import time
 from types import SimpleNamespace
 
@@ -148,7 +147,9 @@ def main() -> int:
                 dm, sm = d["ms_per_step_all_layers"], s["ms_per_step_all_layers"]
                 line += f" | ms/step dense {dm:8.2f} sas {sm:8.2f} | dense/sas {dm / sm:.2f}x"
             print(line, flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    from sas_backend.provenance import git_state
+
+    commit = git_state()["commit"][:7]
     import sglang
 
     record = {

@@ -18,10 +18,16 @@ class SASConfigError(ValueError):
     """A SAS setting that cannot work; the message says which and how to fix it."""
 
 
-def _setting(default, env: str, flag: Optional[str] = None, help: str = ""):
+#: Budget when neither the launch nor the gate's record names one (and for training-free selectors).
+DEFAULT_BUDGET = 2048
+
+
+def _setting(default, env: str, flag: Optional[str] = None, help: str = "", default_text: Optional[str] = None):
     """A SASConfig field with how the outside world names it: its `SAS_*` variable, its
-    `--sas-*` launch flag (None: environment only) and the flag's help text."""
-    return dataclasses.field(default=default, metadata={"env": env, "flag": flag, "help": help})
+    `--sas-*` launch flag (None: environment only), the flag's help text, and how the help names
+    its default (default_text; None: the default value itself)."""
+    meta = {"env": env, "flag": flag, "help": help, "default_text": default_text}
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +39,13 @@ class SASConfig:
         first block(s) and the blocks right before the current one). See `sas_backend.selection`.
     gate_path: gate checkpoint directory (canonical or SeerAttention-R format).
     budget: tokens of previous complete blocks each decode step attends, besides the current block;
-        K = budget // block_size blocks are selected per (request, kv head).
+        K = budget // block_size blocks are selected per (request, kv head). None: the gate's
+        recorded serving budget (`GateConfig.serve_defaults`), else DEFAULT_BUDGET; `resolved()`
+        fills it in.
     block_size: tokens per KV block; SGLang's page size must equal it.
     first_sparse_layer: layers below this index decode densely.
     sink_blocks / local_blocks: blocks always selected (first blocks / blocks right before the
-        current one); they count inside K.
+        current one); they count inside K. None: the gate's record, else 0.
     debug_dir: if set, each decode step appends selection statistics there (slow; tests only).
 
     Each field's metadata names its variable and flag; `SETTINGS` lists them.
@@ -49,21 +57,24 @@ class SASConfig:
     gate_path: Optional[str] = _setting(
         None, "SAS_GATE", "--sas-gate",
         "Gate checkpoint directory (config.json + gate.safetensors, or SeerAttention-R's).")
-    budget: int = _setting(
-        2048, "SAS_BUDGET", "--sas-budget",
-        "Tokens of previous blocks attended per decode step (a multiple of the block size).")
+    budget: Optional[int] = _setting(
+        None, "SAS_BUDGET", "--sas-budget",
+        "Tokens of previous blocks attended per decode step (a multiple of the block size).",
+        f"default: the gate's recorded serving budget, else {DEFAULT_BUDGET}")
     block_size: int = _setting(
         64, "SAS_BLOCK_SIZE", "--sas-block-size",
         "KV block size in tokens; the page size is set to it.")
     first_sparse_layer: int = _setting(
         0, "SAS_FIRST_SPARSE_LAYER", "--sas-first-sparse-layer",
         "Layers below this index decode densely.")
-    sink_blocks: int = _setting(
-        0, "SAS_SINK_BLOCKS", "--sas-sink-blocks",
-        "Always attend the first N blocks (counted inside the budget).")
-    local_blocks: int = _setting(
-        0, "SAS_LOCAL_BLOCKS", "--sas-local-blocks",
-        "Always attend the N blocks before the current one (inside the budget).")
+    sink_blocks: Optional[int] = _setting(
+        None, "SAS_SINK_BLOCKS", "--sas-sink-blocks",
+        "Always attend the first N blocks (counted inside the budget).",
+        "default: the gate's record, else 0")
+    local_blocks: Optional[int] = _setting(
+        None, "SAS_LOCAL_BLOCKS", "--sas-local-blocks",
+        "Always attend the N blocks before the current one (inside the budget).",
+        "default: the gate's record, else 0")
     debug_dir: Optional[str] = _setting(None, "SAS_DEBUG_DIR")
 
     @property
@@ -71,20 +82,42 @@ class SASConfig:
         """Blocks selected per (request, kv head), forced blocks included."""
         return self.budget // self.block_size
 
+    def resolved(self) -> "SASConfig":
+        """A copy with budget, sink_blocks and local_blocks filled in where the launch left them
+        unset: from the gate checkpoint's record (selector "gate"), else DEFAULT_BUDGET, 0, 0.
+        Loads the gate checkpoint (GateCheckpointError, a ValueError, if it is bad)."""
+        unset = [name for name in _FROM_GATE if getattr(self, name) is None]
+        if not unset:
+            return self
+        recorded = {}
+        if self.selector == "gate" and self.gate_path and os.path.isdir(self.gate_path):
+            from sas_backend.gate.checkpoint import load_gate_checkpoint
+
+            recorded = load_gate_checkpoint(self.gate_path)[0].serve_defaults()
+        fill = {name: recorded.get(name, _FROM_GATE[name]) for name in unset}
+        return dataclasses.replace(self, **fill)
+
+    @classmethod
+    def for_serving(cls, environ=None) -> "SASConfig":
+        """`from_env(environ).resolved().validate()`: what a serving process runs with."""
+        return cls.from_env(environ).resolved().validate()
+
     def validate(self) -> "SASConfig":
-        """Raise SASConfigError on settings that cannot work; returns self."""
+        """Raise SASConfigError on settings that cannot work; returns self. Settings still unset
+        (left to the gate's record, see `resolved()`) are checked once resolved."""
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise SASConfigError(f"SAS block size must be a power of two, got {self.block_size}")
-        if self.budget <= 0 or self.budget % self.block_size:
+        if self.budget is not None and (self.budget <= 0 or self.budget % self.block_size):
             raise SASConfigError(
                 f"SAS budget must be a positive multiple of the block size {self.block_size} "
                 f"(it is spent in whole blocks), got {self.budget}; "
                 f"for example --sas-budget {max(1, round(self.budget / self.block_size)) * self.block_size}"
             )
         for name in ("first_sparse_layer", "sink_blocks", "local_blocks"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise SASConfigError(f"SAS {name} must be >= 0, got {getattr(self, name)}")
-        if self.sink_blocks + self.local_blocks > self.top_k:
+        forced = (self.sink_blocks or 0) + (self.local_blocks or 0)
+        if self.budget is not None and forced > self.top_k:
             raise SASConfigError(
                 f"SAS sink ({self.sink_blocks}) + local ({self.local_blocks}) blocks exceed the "
                 f"{self.top_k} blocks the budget {self.budget} allows"
@@ -127,8 +160,12 @@ class SASConfig:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["top_k"] = self.top_k
+        d["top_k"] = None if self.budget is None else self.top_k
         return d
+
+
+#: Settings a gate checkpoint may supply (`GateConfig.serve_defaults`), with their fallbacks.
+_FROM_GATE = {"budget": DEFAULT_BUDGET, "sink_blocks": 0, "local_blocks": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,13 +183,14 @@ class Setting:
     help: str
     type: type
     default: object
+    default_text: Optional[str] = None
 
 
 def _settings() -> tuple[Setting, ...]:
     hints = typing.get_type_hints(SASConfig)
     return tuple(
         Setting(f.name, f.metadata["env"], f.metadata["flag"], f.metadata["help"],
-                int if hints[f.name] is int else str, f.default)
+                int if hints[f.name] in (int, Optional[int]) else str, f.default, f.metadata["default_text"])
         for f in dataclasses.fields(SASConfig)
     )
 

@@ -72,7 +72,8 @@ def _add_cli_args(original, parser: argparse.ArgumentParser):
     for s in SETTINGS:
         if s.flag is None:
             continue
-        default = "required with --attention-backend sas" if s.default is None else f"default {s.default}"
+        default = s.default_text or (f"default {s.default}" if s.default is not None
+                                     else "required with --attention-backend sas")
         # default=None, not the field's: a flag not given must not override its SAS_* variable
         group.add_argument(
             s.flag, dest=f"sas_{s.field}", type=s.type, default=None,
@@ -104,7 +105,13 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
             args.page_size = _page_size_default["value"]
         return
     os.environ["SAS_ACTIVE"] = "1"
-    cfg = SASConfig.from_env().validate()
+    given = SASConfig.from_env()
+    cfg = given.resolved().validate()
+    # Every scheduler process must serve the same budget and forced blocks: pin the resolved ones.
+    os.environ.update(cfg.to_env())
+    if given != cfg:
+        logger.info("sas: from the gate's record (or the defaults): budget %d, sink %d, local %d blocks",
+                    cfg.budget, cfg.sink_blocks, cfg.local_blocks)
     _check_gate_fits(cfg, getattr(args, "model_path", None))
     if not page_size_given:
         args.page_size = cfg.block_size

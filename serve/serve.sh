@@ -21,7 +21,6 @@ model="${SAS_MODEL:-$here/models/SmolLM2-135M-Instruct}"
 if [ -z "${SAS_MODEL:-}" ] && ! [ -f "$model/config.json" ]; then
   "$py" "$here/serve/prepare_model.py" --out "$model"
 fi
-budget="${SAS_BUDGET:-512}"
 port="${PORT:-30000}"
 
 # Flags the user passed win: ours are added only for what they did not set.
@@ -47,7 +46,8 @@ fi
 name="$(user_value --served-model-name "$@")"
 [ -n "$name" ] || name="$(basename "$model")"
 # --sleep-on-idle: without it the idle scheduler busy-polls, holding a core at 100%.
-args=(--model-path "$model" --attention-backend sas --sas-gate "$gate" --sas-budget "$budget"
+# No --sas-budget: SAS_BUDGET if set, else the gate's recorded serving budget and forced blocks.
+args=(--model-path "$model" --attention-backend sas --sas-gate "$gate"
       --host 127.0.0.1 --port "$port" --sleep-on-idle --served-model-name "$name")
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "[serve] GPU found: FlashInfer dense prefill, Triton + FlashInfer sparse decode"

@@ -249,3 +249,45 @@ def test_decode_cuda_graph_disabled_reads_every_spelling(parse, clean_env, argv,
     from sas_backend.backend.factory import decode_cuda_graph_disabled
 
     assert decode_cuda_graph_disabled(parse(*argv)) is disabled
+
+
+def _gate_with_serving(tmp_path, serving):
+    from sas_backend.gate.checkpoint import load_gate_checkpoint, save_gate_checkpoint
+
+    config, tensors = load_gate_checkpoint(_seed_gate_dir(tmp_path))
+    config.serving = serving
+    save_gate_checkpoint(tmp_path / "served", config, tensors)
+    return str(tmp_path / "served")
+
+
+def _seed_gate_dir(tmp_path):
+    from sas_backend.gate.checkpoint import init_gate_checkpoint
+
+    init_gate_checkpoint(tmp_path / "seed", model_dir=MODEL, seed=0)
+    return tmp_path / "seed"
+
+
+def test_budget_and_forced_blocks_default_from_the_gate(parse, clean_env, tmp_path):
+    """The launch's flags win; what they leave unset comes from the gate's serving record and is
+    pinned in the environment, so every scheduler process serves the same K."""
+    gate = _gate_with_serving(tmp_path, {"budget": 1024, "sink_blocks": 1, "local_blocks": 2})
+    parse("--attention-backend", "sas", "--sas-gate", gate)
+    assert (os.environ["SAS_BUDGET"], os.environ["SAS_SINK_BLOCKS"], os.environ["SAS_LOCAL_BLOCKS"]) == ("1024", "1", "2")
+    cfg = SASConfig.for_serving()
+    assert (cfg.budget, cfg.top_k, cfg.sink_blocks, cfg.local_blocks) == (1024, 16, 1, 2)
+
+    for k in ("SAS_BUDGET", "SAS_SINK_BLOCKS", "SAS_LOCAL_BLOCKS"):
+        clean_env.delenv(k)
+    parse("--attention-backend", "sas", "--sas-gate", gate, "--sas-budget", "256", "--sas-local-blocks", "0")
+    cfg = SASConfig.for_serving()
+    assert (cfg.budget, cfg.sink_blocks, cfg.local_blocks) == (256, 1, 0)  # flags beat the record
+
+    # No record, training-free selectors: the documented fallbacks
+    from sas_backend.config import DEFAULT_BUDGET
+
+    assert SASConfig(selector="quest").resolved().budget == DEFAULT_BUDGET
+    seed = SASConfig(gate_path=str(_seed_gate_dir(tmp_path / "b"))).resolved()
+    assert (seed.budget, seed.sink_blocks, seed.local_blocks) == (DEFAULT_BUDGET, 0, 0)
+    # A record that the flags make impossible is refused with the usual message
+    with pytest.raises(SASConfigError, match="exceed"):
+        SASConfig(gate_path=gate, budget=128).resolved().validate()

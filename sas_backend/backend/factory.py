@@ -122,7 +122,7 @@ def check_gate_rope_formula(model_table: torch.Tensor, geometry: ModelGeometry, 
 
 def create_sas_backend(runner) -> SASAttnBackend:
     """Factory registered as attention backend "sas" (runs in each scheduler/TP process)."""
-    cfg = SASConfig.from_env().validate()
+    cfg = SASConfig.for_serving()
     device = torch.device(runner.device)
     page_size = runner.page_size or 1
     if page_size != cfg.block_size:

@@ -150,7 +150,7 @@ def memory_for_sglang(owner) -> tuple:
     from sas_backend.geometry import ModelGeometry
 
     server_args = owner.server_args
-    cfg = SASConfig.from_env().validate()
+    cfg = SASConfig.for_serving()
     geo = ModelGeometry.from_hf_config(owner.model_config.hf_config)
     try:  # kv heads are sharded over the attention-TP group (smaller than tp_size under DP attention)
         from sas_backend.backend.factory import attention_tp

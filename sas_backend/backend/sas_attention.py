@@ -78,6 +78,7 @@ class SASAttnBackend(AttentionBackend):
         self.inner = inner
         # A wrapper must hand SGLang the wrapped backend's translator (0.5.20+ asserts it).
         self.kv_index_translator = getattr(inner, "kv_index_translator", None)
+        cfg = cfg.resolved()  # settings the launch left to the gate's record (a no-op when resolved)
         self.cfg = cfg
         self.device = torch.device(runner.device) if isinstance(runner.device, str) else runner.device
         self.req_to_token_pool = runner.req_to_token_pool

@@ -409,6 +409,7 @@ def checkpoint_identity(path: str | os.PathLike) -> dict:
         "block_size": config.block_size,
         "torch_dtype": config.torch_dtype,
         "training": config.training,
+        "serving": config.serve_defaults(),
     }
 
 

@@ -16,8 +16,14 @@ where they exist (`seerattn_*`, `base_model`, and the HF names `num_hidden_layer
       "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
       "rope_theta": 100000.0, "rope_scaling": null,
       "torch_dtype": "float32",                  # dtype of the tensors in gate.safetensors
-      "training": {...}                          # free-form: objective, budget, data, steps, loss...
+      "training": {...},                         # free-form: objective, budget, data, steps, loss...
+      "serving": {"budget": 512, "sink_blocks": 1, "local_blocks": 1, "chosen_by": "..."}  # optional
     }
+
+`serving` holds the settings the server uses when the launch names none (`--sas-budget`,
+`--sas-sink-blocks`, `--sas-local-blocks` still win): the budget and forced blocks the quality
+harness chose for this gate, and `chosen_by`, the results file (relative to the repository) that
+shows why.
 
 Per layer the tensors are (H_kv kv heads, G = H_q / H_kv, D head dim, Dg gate dim):
 `attngate_linear_q.weight [H_kv, G, D, Dg]`, `attngate_linear_k.weight [H_kv, 3D, Dg]`,
@@ -67,6 +73,29 @@ def dtype_from_name(name: str) -> torch.dtype:
     return SUPPORTED_DTYPES[key]
 
 
+#: Integer settings a gate's `serving` record may hold (see `GateConfig.serve_defaults`).
+_SERVING_INTS = ("budget", "sink_blocks", "local_blocks")
+
+
+def _serving_problems(serving: Any, block_size: int) -> list[str]:
+    """What is wrong with a `serving` record (empty when nothing)."""
+    if not isinstance(serving, dict):
+        return [f"serving must be a JSON object, got {type(serving).__name__}"]
+    problems = []
+    for k in _SERVING_INTS:
+        v = serving.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            problems.append(f"serving.{k} must be a non-negative integer, got {v!r}")
+    if problems:
+        return problems
+    budget = serving.get("budget")
+    if budget is not None and (budget <= 0 or budget % block_size):
+        problems.append(f"serving.budget {budget} is not a positive multiple of the block size {block_size}")
+    elif budget is not None and serving.get("sink_blocks", 0) + serving.get("local_blocks", 0) > budget // block_size:
+        problems.append(f"serving sink + local blocks exceed the {budget // block_size} blocks of budget {budget}")
+    return problems
+
+
 # JSON key -> dataclass attribute, for the fields whose names differ.
 _JSON_TO_ATTR = {
     "seerattn_gate_block_size": "block_size",
@@ -113,6 +142,7 @@ class GateConfig:
     rope_scaling: dict | None = None
     torch_dtype: str = "float32"
     training: dict = field(default_factory=dict)
+    serving: dict = field(default_factory=dict)
     source: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,8 +180,21 @@ class GateConfig:
             self.torch_dtype = self.torch_dtype.removeprefix("torch.")
         if not isinstance(self.training, dict):
             problems.append(f"training must be a JSON object, got {type(self.training).__name__}")
+        if not problems:
+            problems += _serving_problems(self.serving, self.block_size)
         if problems:
             raise GateCheckpointError(where + "invalid gate config: " + "; ".join(problems))
+
+    def serve_defaults(self) -> dict:
+        """`{"budget", "sink_blocks", "local_blocks"}` the server uses when the launch names none:
+        the `serving` record, else the training budget (under the one budget rule K = budget // b,
+        the K the gate was trained with) and no forced blocks; keys it cannot tell are left out."""
+        out = {k: self.serving[k] for k in _SERVING_INTS if k in self.serving}
+        budget, top_k = self.training.get("budget"), self.training.get("top_k")
+        if ("budget" not in out and isinstance(budget, int) and budget > 0 and budget % self.block_size == 0
+                and top_k in (None, budget // self.block_size)):  # not for a gate trained with another K
+            out["budget"] = budget
+        return out
 
     # ---- geometry helpers -------------------------------------------------------------------
 
@@ -217,6 +260,7 @@ class GateConfig:
             "rope_scaling": self.rope_scaling,
             "torch_dtype": self.torch_dtype,
             "training": self.training,
+            **({"serving": self.serving} if self.serving else {}),
         }
 
     @classmethod
@@ -235,7 +279,7 @@ class GateConfig:
             raise GateCheckpointError(f"{where}gate config lacks required key(s): {', '.join(missing)}")
         kwargs: dict[str, Any] = {}
         for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                    "base_model", "rope_theta", "rope_scaling", "torch_dtype", "training"):
+                    "base_model", "rope_theta", "rope_scaling", "torch_dtype", "training", "serving"):
             if d.get(key) is not None:
                 kwargs[key] = d[key]
         for key, attr in _JSON_TO_ATTR.items():

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional
 import torch
 
 from sas_backend.hf.sparse_eval import SELECTORS  # noqa: E402
+from sas_backend.provenance import git_state
 
 # The training-free selectors and evaluation references: every selector but the gate and dense.
 BASELINES = tuple(s for s in SELECTORS if s not in ("gate", "dense"))
@@ -46,7 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last", type=int, default=512, help="sparse queries at the end of each window (scored)")
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024],
                    help="token budgets: K = budget // block previous blocks, besides the query's own")
-    p.add_argument("--gate", action="append", default=[], metavar="NAME=DIR", help="a gate checkpoint to evaluate")
+    p.add_argument("--gate", action="append", default=[], metavar="NAME=DIR",
+                   help="a gate checkpoint to evaluate, with the forced blocks its serving record names (as served)")
+    p.add_argument("--gate-forced", nargs="+", default=None, metavar="SINK,LOCAL",
+                   help="evaluate every gate with each of these forced-block settings instead (inside K), "
+                        "named NAME+sSINKlLOCAL, e.g. --gate-forced 0,0 1,1 1,2")
     p.add_argument("--baselines", nargs="*", default=[], choices=BASELINES,
                    help="training-free selectors to evaluate beside the gates")
     p.add_argument("--window-baseline", action="store_true", help="same as --baselines sink-local")
@@ -77,8 +82,33 @@ def parse_gates(specs: List[str]) -> Dict[str, str]:
     return out
 
 
+def parse_forced(specs: Optional[List[str]]) -> Optional[List[tuple]]:
+    """`["1,2", ...]` -> `[(1, 2), ...]` (sink, local blocks); None stays None (the gates' records)."""
+    if specs is None:
+        return None
+    out = []
+    for s in specs:
+        try:
+            sink, local = (int(x) for x in s.split(","))
+        except ValueError:
+            raise SystemExit(f"error: --gate-forced expects SINK,LOCAL (two integers), got {s!r}") from None
+        if sink < 0 or local < 0:
+            raise SystemExit(f"error: --gate-forced {s!r}: block counts must be >= 0")
+        out.append((sink, local))
+    return out
+
+
+def gate_variants(gate_paths: Dict[str, str], records: Dict[str, dict], forced: Optional[List[tuple]]):
+    """`{selector name: (gate name, sink, local)}`: each gate as its serving record forces blocks,
+    or under each `forced` (sink, local) setting, named `NAME+sSlL`."""
+    if forced is None:
+        return {n: (n, records[n].get("sink_blocks", 0), records[n].get("local_blocks", 0)) for n in gate_paths}
+    return {f"{n}+s{s}l{l}": (n, s, l) for n in gate_paths for s, l in forced}
+
+
 def load_gates(path: str, model, block_size: int, device):
-    """`{layer: AttnGate}` from a checkpoint, refused unless it fits `model` and `block_size`."""
+    """`({layer: AttnGate}, serve defaults)` from a checkpoint, refused unless it fits `model` and
+    `block_size`; the serve defaults are `GateConfig.serve_defaults()` (budget, forced blocks)."""
     from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_geometry
     from sas_backend.gate.module import gates_from_tensors
     from sas_backend.geometry import ModelGeometry
@@ -86,7 +116,8 @@ def load_gates(path: str, model, block_size: int, device):
     config, tensors = load_gate_checkpoint(path)
     geo = ModelGeometry.from_hf_config(model.config)
     validate_for_geometry(config, tensors, geo, block_size=block_size)
-    return gates_from_tensors(tensors, range(geo.num_layers), gate_dim=config.gate_dim, device=device)
+    gates = gates_from_tensors(tensors, range(geo.num_layers), gate_dim=config.gate_dim, device=device)
+    return gates, config.serve_defaults()
 
 
 @torch.no_grad()
@@ -237,6 +268,9 @@ def main(argv: Optional[list] = None) -> int:
         raise SystemExit(f"error: budgets {bad} are not positive multiples of the block size {b}")
     baselines = list(dict.fromkeys(args.baselines + (["sink-local"] if args.window_baseline else [])))
     gate_paths = parse_gates(args.gate)
+    forced = parse_forced(args.gate_forced)
+    if forced is not None and not gate_paths:
+        raise SystemExit("error: --gate-forced needs at least one --gate")
     frac = DEFAULT_HELDOUT_FRACTION if args.heldout_fraction is None else args.heldout_fraction
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -244,10 +278,15 @@ def main(argv: Optional[list] = None) -> int:
     data = load_packed(args.data, tokenizer, args.window + 1, split=args.split, heldout_fraction=frac, seed=args.seed)
     rows = data.rows if args.max_windows is None else data.rows[: args.max_windows]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
-    gates = {name: load_gates(path, model, b, device) for name, path in gate_paths.items()}
+    loaded = {name: load_gates(path, model, b, device) for name, path in gate_paths.items()}
+    gates = {name: g for name, (g, _) in loaded.items()}
+    variants = gate_variants(gate_paths, {name: rec for name, (_, rec) in loaded.items()}, forced)
     sparse_from = args.window - args.last
+    too_many = [f"{v} at budget {bud}" for v, (_, s, l) in variants.items() for bud in args.budgets if s + l > bud // b]
+    if too_many:
+        raise SystemExit(f"error: forced blocks exceed K for {', '.join(too_many)}")
 
-    selectors = list(gates) + baselines
+    selectors = list(variants) + baselines
     top_k = {bud: bud // b for bud in args.budgets}
     print(f"[eval_ppl] {rows.shape[0]} {args.split} windows of {args.window} tokens (+1 target), last {args.last} "
           f"scored; block {b}; " + ", ".join(f"budget {bud} -> top_k {k}" for bud, k in top_k.items()), flush=True)
@@ -264,9 +303,10 @@ def main(argv: Optional[list] = None) -> int:
         for bud in args.budgets:
             k = top_k[bud]
             for name in selectors:
-                if name in gates:
-                    spec = SparseEvalSpec(top_k=k, block_size=b, selector="gate", gates=gates[name],
-                                          sparse_from=sparse_from)
+                if name in variants:
+                    gate, sink, local = variants[name]
+                    spec = SparseEvalSpec(top_k=k, block_size=b, selector="gate", gates=gates[gate],
+                                          sink_blocks=sink, local_blocks=local, sparse_from=sparse_from)
                 else:
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from)
                 rec = None if recall is None else recall[name][bud]
@@ -306,6 +346,7 @@ def main(argv: Optional[list] = None) -> int:
             "block_size": b,
             "budgets": [{"budget": bud, "top_k": top_k[bud]} for bud in args.budgets],
             "gates": gate_paths,
+            "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_} for v, (g, s_, l_) in variants.items()},
             "dense": dense,
             "results": {s: {str(bud): v for bud, v in per.items()} for s, per in results.items()},
             "dense_nll_per_window": dense_per_window,
@@ -317,13 +358,42 @@ def main(argv: Optional[list] = None) -> int:
             "plots": [os.path.relpath(p_) for p_ in plots],
             "table_markdown": table,
             "seconds": round(time.time() - t0, 1),
+            "git": git_state(),
             "command": "python -m sas_backend.training.eval_ppl " + shlex.join(sys.argv[1:] if argv is None else argv),
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2)
             f.write("\n")
+        md = os.path.splitext(args.json)[0] + ".md"
+        with open(md, "w", encoding="utf-8") as f:
+            f.write(markdown_report(out))
+        print(f"[eval_ppl] wrote {args.json} and {md}")
     return 0
+
+
+def markdown_report(out: dict) -> str:
+    """The results file as Markdown: what was measured (model, data, windows, commit, command),
+    the tables, the self-check lines and the plots."""
+    data = out["data"]
+    lines = [
+        f"# Perplexity under SAS sparse attention: {', '.join(data.get('sources', []))}",
+        "",
+        f"- model `{out['model']}`, {out['split']} split (held out by document), {out['windows']} windows of "
+        f"{out['window']} tokens, last {out['last']} scored ({out['scored_tokens']} tokens), block {out['block_size']}",
+        f"- budget B -> K = B // {out['block_size']} previous blocks + the query's own (the serving rule)",
+        "- gates: " + (", ".join(f"{v} = `{g['gate']}` (sink {g['sink_blocks']}, local {g['local_blocks']})"
+                                 for v, g in out.get("gate_variants", {}).items()) or "none"),
+        f"- commit `{out['git']['commit'][:12]}`{' (with local changes)' if out['git']['dirty'] else ''}, "
+        f"{out['seconds']:.0f} s",
+        f"- command: `{out['command']}`",
+        "",
+        out["table_markdown"],
+        "",
+    ]
+    lines += [f"- {c}" for c in out["checks"]]
+    lines += [f"\n![{os.path.basename(p_)}]({os.path.basename(p_)})" for p_ in out["plots"]]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -549,3 +549,28 @@ def test_prepared_model_geometry(tmp_path):
     validate_for_model(c, t, num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=64,
                        rope_theta=g.rope_theta)
     assert cfg.base_model == g.model_name
+
+
+def test_serving_record_gives_the_serve_defaults(tmp_path):
+    """`serving` in config.json is what the server uses when the launch names no budget or
+    forced blocks; without it the training budget serves, unless the gate was trained with
+    another K than budget // b (the old rule); a bad record is refused at load."""
+    config, tensors = _init(seed=0)
+    config.training = {"budget": 512, "top_k": 512 // BLOCK}
+    assert config.serve_defaults() == {"budget": 512}
+    config.training = {"budget": 512, "top_k": 512 // BLOCK - 1}  # the old rule: serving 512 would change K
+    assert config.serve_defaults() == {}
+    config.serving = {"budget": 4 * BLOCK, "sink_blocks": 1, "local_blocks": 2, "chosen_by": "bench/results/x.json"}
+    save_gate_checkpoint(tmp_path / "g", config, tensors)
+    loaded, _ = load_gate_checkpoint(tmp_path / "g")
+    assert loaded.serving == config.serving
+    assert loaded.serve_defaults() == {"budget": 4 * BLOCK, "sink_blocks": 1, "local_blocks": 2}
+
+    raw = json.loads((tmp_path / "g" / "config.json").read_text())
+    for serving, needle in (({"budget": 100}, "multiple of the block size"),
+                            ({"budget": 2 * BLOCK, "sink_blocks": 2, "local_blocks": 1}, "exceed"),
+                            ({"local_blocks": -1}, "non-negative"), ([512], "JSON object")):
+        raw["serving"] = serving
+        (tmp_path / "g" / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(GateCheckpointError, match=needle):
+            load_gate_checkpoint(tmp_path / "g")

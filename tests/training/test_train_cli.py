@@ -165,6 +165,32 @@ def test_eval_ppl_table(trained, setup, capsys):
         assert all(os.path.getsize(p) > 0 for p in (prefix + "-ppl.png", prefix + "-recall.png"))
 
 
+def test_eval_ppl_gate_forced_blocks_and_markdown(trained, setup):
+    """--gate-forced evaluates each gate under each (sink, local) setting: with every block forced
+    (sink 1 + local 1 = K at budget 32) the gate no longer chooses, so it is sink-local exactly.
+    The results come as JSON and Markdown (model, data, commit, command, tables)."""
+    from sas_backend.training import eval_ppl
+
+    root, model_dir, essays = setup
+    js = str(root / "forced.json")
+    argv = ["--model", model_dir, "--data", *essays, "--split", "train", "--window", "128", "--last", "32",
+            "--block-size", "16", "--gate", f"sas={trained}", "--max-windows", "1", "--no-recall", "--no-progress"]
+    assert eval_ppl.main(argv + ["--budgets", "32", "64", "--baselines", "sink-local", "--gate-forced", "0,0", "1,1",
+                                 "--json", js]) == 0
+    with open(js) as f:
+        res = json.load(f)
+    assert set(res["results"]) == {"sas+s0l0", "sas+s1l1", "sink-local"}
+    assert res["gate_variants"]["sas+s1l1"] == {"gate": "sas", "sink_blocks": 1, "local_blocks": 1}
+    assert res["nll_per_window"]["sas+s1l1"]["32"] == res["nll_per_window"]["sink-local"]["32"]
+    assert res["nll_per_window"]["sas+s1l1"]["64"] != res["nll_per_window"]["sink-local"]["64"]
+    md = open(str(root / "forced.md")).read()
+    assert res["git"]["commit"][:12] in md and "| sas+s1l1 |" in md and "--gate-forced" in md
+    with pytest.raises(SystemExit, match="forced blocks exceed K"):
+        eval_ppl.main(argv + ["--budgets", "32", "--gate-forced", "2,1"])
+    with pytest.raises(SystemExit, match="SINK,LOCAL"):
+        eval_ppl.main(argv + ["--budgets", "32", "--gate-forced", "1"])
+
+
 def test_eval_self_check_refuses_a_covering_budget_that_is_not_dense():
     from sas_backend.training.eval_ppl import self_checks
 

@@ -1,0 +1,38 @@
+"""Where a result came from: the commit it was measured at, and paths named relative to the repository.
+
+Results committed under bench/results/ name their inputs and outputs relative to the repository
+(never a path of the machine that made them) and the commit of the code that made them.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+
+from sas_backend.paths import source_checkout
+
+
+def git_state(repo=None) -> dict:
+    """`{"commit": full sha or "unknown", "dirty": [changed tracked files]}` of `repo` (default:
+    this package's checkout). Without git metadata (e.g. a tree copied to another machine),
+    `$SAS_COMMIT` names the commit."""
+    root = repo or source_checkout()
+
+    def git(*args):
+        if root is None:
+            return ""
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD") or os.environ.get("SAS_COMMIT") or "unknown"
+    return {"commit": commit, "dirty": git("status", "--porcelain", "--untracked-files=no").splitlines()}
+
+
+def repo_relative(path) -> str:
+    """`path` relative to the repository when inside it, else just its file name."""
+    p = pathlib.Path(path).resolve()
+    root = source_checkout()
+    return str(p.relative_to(root)) if root is not None and p.is_relative_to(root) else p.name
