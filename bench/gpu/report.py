@@ -2,7 +2,7 @@
 
 `environment()` names the device, driver, library versions, the commit and the date; it imports
 nothing that needs CUDA, so a dry run on a CPU machine records the same fields (device "none").
-The commit comes from `git` when the checkout has its .git, else from `$SAS_COMMIT` (the device
+The commit comes from `git` when the checkout has its .git, else from `$SAS_COMMIT` (sas_backend.provenance; the device
 machine receives the working tree without .git: pass `SAS_COMMIT=$(git rev-parse HEAD)` in the
 command); `source_digest` (sha256 over the package's .py files) identifies the code either way.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import importlib
-import os
 import pathlib
 import platform
 import subprocess
@@ -29,16 +28,11 @@ def _version(module: str):
 
 
 def git_commit() -> dict:
-    """{"commit", "dirty", "source"}: from git if possible, else from $SAS_COMMIT."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        if head.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                   capture_output=True, text=True, timeout=10).stdout.split("\n")
-            return {"commit": head.stdout.strip(), "dirty": [d for d in dirty if d.strip()], "source": "git"}
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {"commit": os.environ.get("SAS_COMMIT", "unknown"), "dirty": None, "source": "$SAS_COMMIT"}
+    """{"commit", "dirty", "source"}: the package's provenance helper on this checkout (git, else
+    $SAS_COMMIT), and which of the two answered."""
+    from sas_backend.provenance import git_state
+
+    return {**git_state(REPO), "source": "git" if (REPO / ".git").exists() else "$SAS_COMMIT"}
 
 
 def source_digest() -> str:
