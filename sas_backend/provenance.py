@@ -36,3 +36,26 @@ def repo_relative(path) -> str:
     p = pathlib.Path(path).resolve()
     root = source_checkout()
     return str(p.relative_to(root)) if root is not None and p.is_relative_to(root) else p.name
+
+
+def portable_path(path: str) -> str:
+    """A path as a record may keep it: `@names` and relative paths as given, an absolute path
+    inside the repository relative to it, any other absolute path by its last component only
+    (a path of this machine means nothing elsewhere)."""
+    if path.startswith("@") or not os.path.isabs(path):
+        return os.path.normpath(path) if not path.startswith("@") else path
+    return repo_relative(path)
+
+
+def portable_argv(argv) -> list:
+    """`argv` with every absolute path made portable (see `portable_path`), `--flag=/abs` included."""
+    out = []
+    for a in argv:
+        flag, eq, value = a.partition("=") if a.startswith("--") else ("", "", a)
+        if eq and os.path.isabs(value):
+            out.append(f"{flag}={portable_path(value)}")
+        elif not eq and os.path.isabs(a):
+            out.append(portable_path(a))
+        else:
+            out.append(a)
+    return out

@@ -291,3 +291,17 @@ def test_budget_and_forced_blocks_default_from_the_gate(parse, clean_env, tmp_pa
     # A record that the flags make impossible is refused with the usual message
     with pytest.raises(SASConfigError, match="exceed"):
         SASConfig(gate_path=gate, budget=128).resolved().validate()
+
+
+def test_records_keep_no_machine_paths():
+    """What a checkpoint's record or a results file keeps: repository paths relative to it, other
+    absolute paths by name only, @sources and relative paths as given."""
+    from sas_backend.paths import source_checkout
+    from sas_backend.provenance import portable_argv, portable_path
+
+    repo = source_checkout()
+    assert portable_path(str(repo / "models" / "m")) == "models/m"
+    assert portable_path("/somewhere/else/gate") == "gate"
+    assert portable_path("@essays") == "@essays" and portable_path("./a/../b") == "b"
+    assert portable_argv(["--model", str(repo / "models" / "m"), "--out=/x/y/run", "--steps", "5"]) == [
+        "--model", "models/m", "--out=run", "--steps", "5"]

@@ -31,6 +31,7 @@ from typing import Iterable, List, Optional, Sequence
 import torch
 
 from sas_backend import corpus
+from sas_backend.provenance import portable_path
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 NAMED_CORPORA = ("@essays", "@stdlib")
@@ -215,7 +216,7 @@ class PackedData:
     def record(self) -> dict:
         """JSON-able description for the checkpoint's training record."""
         return {
-            "sources": list(self.sources),
+            "sources": [portable_path(s) for s in self.sources],
             "split": self.split,
             "heldout_fraction": self.heldout_fraction,
             "documents": self.documents,

@@ -183,7 +183,10 @@ def batch_rows(step: int, micro: int, rank: int, *, world: int, batch: int, accu
 
 
 def command_line(argv) -> str:
-    return "python -m sas_backend.training.train " + shlex.join(argv)
+    """The command as the record keeps it: no absolute path of this machine."""
+    from sas_backend.provenance import portable_argv
+
+    return "python -m sas_backend.training.train " + shlex.join(portable_argv(argv))
 
 
 def _resume_view(args) -> dict:
@@ -278,9 +281,11 @@ def load_init_gate(path: str, geometry, block_size: int):
     except GateCheckpointError as e:
         raise SystemExit(f"error: --init-gate: {e}") from None
     tensors = {i: {k: v.float() for k, v in t.items()} for i, t in tensors.items()}
-    # The record names the checkpoint as the user gave it (relative to where they ran), not the
-    # absolute path of this machine: records travel with the shipped checkpoint.
-    return tensors, {"checkpoint": os.path.normpath(path), "sha256": ident["sha256"], "training": config.training}
+    # The record names the checkpoint relative to the repository (or as the user gave it), never by
+    # an absolute path of this machine: records travel with the shipped checkpoint.
+    from sas_backend.provenance import portable_path
+
+    return tensors, {"checkpoint": portable_path(path), "sha256": ident["sha256"], "training": config.training}
 
 
 def _check_args(args, device) -> None:
