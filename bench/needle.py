@@ -28,9 +28,11 @@ import time
 
 import requests
 
+from sas_backend.config import SASConfig
 from sas_backend.corpus import read_essays
 from sas_backend.provenance import git_state, repo_relative
 from sas_backend.server_harness import DEFAULT_MODEL, Server
+from sas_backend.training.eval_ppl import parse_forced
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SHIPPED_GATE = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas-b512"
@@ -67,6 +69,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--selectors", nargs="+", default=["gate", "quest", "sink-local"],
                     choices=["gate", "quest", "sink-local"])
+    ap.add_argument("--gate-forced", nargs="+", default=None, metavar="SINK,LOCAL",
+                    help="gate servers with these forced blocks (e.g. 0,0 1,1) instead of the gate's serving record")
+    ap.add_argument("--serve-default", action="store_true",
+                    help="also a gate server launched with no budget or forced-block flags: what serve/serve.sh serves")
+    ap.add_argument("--tag", default="", help="suffix of the result files (needle-DATE-TAG.json/.md)")
     ap.add_argument("--quick", action="store_true", help="rehearsal: depth 0.5, budget 512, gate; not a result")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = ap.parse_args(argv)
@@ -86,10 +93,20 @@ def main(argv=None) -> int:
         cases.append({"depth": depth, "code": code, "prompt_tokens": len(tok(prompt)["input_ids"]), "prompt": prompt})
     common = ["--dtype", "float32", "--context-length", str(args.context + 512)]
     configs = [("dense", "torch_native", [])]
+    forced = parse_forced(args.gate_forced)
+    if args.serve_default:
+        served = SASConfig(gate_path=args.gate).resolved()
+        configs.append((f"sas gate serve default (b{served.budget}, sink {served.sink_blocks}, local "
+                        f"{served.local_blocks})", "sas", ["--sas-gate", args.gate]))
     for sel in args.selectors:
         for b in args.budgets:
             extra = ["--sas-selector", sel, "--sas-budget", str(b)] + (["--sas-gate", args.gate] if sel == "gate" else [])
-            configs.append((f"sas {sel} b{b}", "sas", extra))
+            for sink, local in (forced or [None]) if sel == "gate" else [None]:
+                if sink is None:
+                    configs.append((f"sas {sel} b{b}", "sas", extra))
+                else:
+                    configs.append((f"sas {sel}+s{sink}l{local} b{b}", "sas",
+                                    extra + ["--sas-sink-blocks", str(sink), "--sas-local-blocks", str(local)]))
     rows = []
     started = time.time()
     for name, backend, extra in configs:
@@ -110,7 +127,7 @@ def main(argv=None) -> int:
         lines.append(f"| {row['server']} | " + " | ".join("yes" if h else "no" for h in hits) + f" | {sum(hits)}/{len(hits)} |")
     table = "\n".join(lines)
     date = datetime.date.today().isoformat()
-    tag = f"needle-{date}" + ("-quick" if args.quick else "")
+    tag = f"needle-{date}" + (f"-{args.tag}" if args.tag else "") + ("-quick" if args.quick else "")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {
