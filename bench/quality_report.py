@@ -60,6 +60,7 @@ def section(path: str, gate: str) -> str:
     res = json.loads(pathlib.Path(path).read_text())
     budgets = [b["budget"] for b in res["budgets"]]
     names = list(res["results"])
+    has_recall = bool(res.get("recall_per_layer"))
     sources = ", ".join(res["data"].get("sources", []))
     lines = [
         f"**{sources}**: {res['windows']} held-out windows of {res['window']} tokens, last {res['last']} scored, "
@@ -67,15 +68,15 @@ def section(path: str, gate: str) -> str:
         f"{res['seconds'] / 60:.0f} min; record `{path}` (command inside, plots beside it).",
         "",
         "| perplexity change vs dense | " + " | ".join(f"B={b} (K={b // res['block_size']})" for b in budgets)
-        + " | recall " + " / ".join(map(str, budgets)) + " |",
-        "|---|" + "---|" * (len(budgets) + 1),
+        + (" | recall " + " / ".join(map(str, budgets)) if has_recall else "") + " |",
+        "|---|" + "---|" * (len(budgets) + has_recall),
     ]
     for name in sorted(names, key=lambda n: change(res, n, budgets[len(budgets) // 2])):
         cells = [f"{change(res, name, b):+.1f}%" for b in budgets]
         rec = [recall(res, name, b) for b in budgets]
-        rec_cell = " / ".join("-" if r is None else f"{r:.3f}" for r in rec)
+        rec_cell = " | " + " / ".join("-" if r is None else f"{r:.3f}" for r in rec) if has_recall else ""
         bold = "**" if name == gate else ""
-        lines.append(f"| {bold}{name}{bold} | " + " | ".join(cells) + f" | {rec_cell} |")
+        lines.append(f"| {bold}{name}{bold} | " + " | ".join(cells) + f"{rec_cell} |")
     if gate in names:
         lines += [""] + [f"- {line}" for line in acceptance(res, gate)]
     lines += [f"- {c}" for c in res.get("checks", [])]

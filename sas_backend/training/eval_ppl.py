@@ -295,6 +295,7 @@ def main(argv: Optional[list] = None) -> int:
     per_window = {s: {bud: [] for bud in args.budgets} for s in selectors}  # summed NLL of each window
     recall = None if args.no_recall else {s: {bud: {} for bud in args.budgets} for s in selectors}
     t0 = time.time()
+    git_at_start = git_state()  # the code that ran, not what the tree holds when it ends
     bar = progress_bar(int(rows.shape[0]), "eval_ppl", enabled=not args.no_progress)
     for w in range(rows.shape[0]):
         ids = rows[w].to(device)
@@ -358,7 +359,7 @@ def main(argv: Optional[list] = None) -> int:
             "plots": [os.path.relpath(p_) for p_ in plots],
             "table_markdown": table,
             "seconds": round(time.time() - t0, 1),
-            "git": git_state(),
+            "git": git_at_start,
             "command": "python -m sas_backend.training.eval_ppl " + shlex.join(sys.argv[1:] if argv is None else argv),
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

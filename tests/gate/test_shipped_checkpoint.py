@@ -30,6 +30,17 @@ def test_shipped_sas_gate_loads_and_records_its_training():
     assert "@essays" in rec["data"]["sources"] and rec["data"]["split"] == "train"
 
 
+def test_shipped_gate_names_its_serve_defaults_and_why():
+    """The serving record (what serve.sh serves: no budget flag) names the results it was chosen from,
+    and they are committed."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+
+    config, _ = load_gate_checkpoint(SHIPPED)
+    assert config.serve_defaults() == {"budget": 2048, "sink_blocks": 1, "local_blocks": 1}
+    for path in config.serving["chosen_by"]:
+        assert (REPO / path).is_file(), path
+
+
 @pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(), reason="needs serve/prepare_model.py's model")
 def test_default_serve_gate_is_the_shipped_one():
     out = subprocess.run([sys.executable, str(REPO / "serve" / "default_gate.py"), "--model", str(MODEL_DIR)],
