@@ -77,9 +77,8 @@ def section(path: str, gate: str) -> str:
         rec_cell = " | " + " / ".join("-" if r is None else f"{r:.3f}" for r in rec) if has_recall else ""
         bold = "**" if name == gate else ""
         lines.append(f"| {bold}{name}{bold} | " + " | ".join(cells) + f"{rec_cell} |")
-    if gate in names:
-        lines += [""] + [f"- {line}" for line in acceptance(res, gate)]
-    lines += [f"- {c}" for c in res.get("checks", [])]
+    notes = (acceptance(res, gate) if gate in names else []) + res.get("checks", [])
+    lines += [""] + [f"- {line}" for line in notes] if notes else []
     return "\n".join(lines)
 
 
