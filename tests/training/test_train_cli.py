@@ -71,7 +71,8 @@ def test_checkpoint_loads_and_fits_the_model(trained, setup):
     rec = config.training
     assert rec["objective"] == "lm" and rec["budget"] == 64 and rec["block_size"] == 16 and rec["top_k"] == 4  # K = B // b
     assert rec["steps"] == STEPS and rec["seq_len"] == 256 and rec["lr"] == 1e-2
-    assert rec["data"]["sources"] == essays and rec["data"]["tokens"] > 0
+    # named relative to the repository, never by this machine's absolute path
+    assert rec["data"]["sources"] == [os.path.relpath(e, REPO) for e in essays] and rec["data"]["tokens"] > 0
     assert rec["final_loss"] < rec["initial_loss"]
     assert rec["command"].startswith("python -m sas_backend.training.train --model ")
     assert config.torch_dtype == "float32"
