@@ -31,11 +31,17 @@ $pip install -q --upgrade pip setuptools wheel
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
 
+# Builds from this repository's tree (the sgl_kernel shim, the editable install) write build/ and
+# *.egg-info inside it: one installer at a time there (tests/run.sh runs two side by side).
+in_tree() {
+  if command -v flock >/dev/null 2>&1; then flock "$here/serve/install.sh" "$@"; else "$@"; fi
+}
+
 if [ "$has_gpu" = 1 ]; then
   sgl="${SAS_SGLANG_VERSION:-0.5.15}"
   echo "[install] GPU found: sglang==$sgl with its own CUDA requirements"
   $pip install "sglang==$sgl"
-  (cd "$here" && $pip install -e "$spec")
+  (cd "$here" && in_tree $pip install -e "$spec")
   exit 0
 fi
 
@@ -93,11 +99,11 @@ echo "[install] note: pip will print an ERROR that sglang requires cuda-python, 
 echo "[install]       are not installed: expected, those CUDA-only requirements are left out on purpose on CPU"
 # shellcheck disable=SC2086
 $pip install -q -c "$constraints" $reqs triton accelerate
-$pip install -q "$here/serve/cpu_shim"
+in_tree $pip install -q "$here/serve/cpu_shim"
 # PyPI's torchvision is a CUDA build: with CPU torch its import dies registering fake kernels for
 # ops its missing C extension never defined (transformers/sglang import it). Guard those two.
 "$venv/bin/python" "$here/serve/patch_torchvision_cpu.py"
-(cd "$here" && $pip install -q -c "$constraints" --no-deps -e "$spec")
+(cd "$here" && in_tree $pip install -q -c "$constraints" --no-deps -e "$spec")
 if [ -n "$extras" ]; then
   # The extras' own requirements (pytest, ...), still with torch held.
   extra_reqs="$("$venv/bin/python" - "$extras" <<'PY'

@@ -10,20 +10,15 @@
 # (./.venv-sglang-<newest>) gets the newest release and runs tests/server/test_newest_sglang.py
 # alone (one sas and one dense server), so API drift in a new release shows up here. The newest
 # release and its torch pin are named only in that test file (NEWEST_SGLANG, NEWEST_TORCH).
+# That second venv installs in the background from the start, beside the main install and the
+# suite (pip mostly waits on the disk; its log is printed if it fails).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SAS_VENV:-$here/.venv}"
 py="$venv/bin/python"
-
-if ! [ -x "$py" ] || ! "$py" -c "import sas_backend, sglang, pytest, transformers" 2>/dev/null; then
-  SAS_EXTRAS=test,train bash "$here/serve/install.sh"
-fi
-"$py" "$here/serve/prepare_model.py" --out "$here/models/SmolLM2-135M-Instruct"
-"$py" "$here/serve/prepare_text.py"
 cd "$here"
-status=0
-"$py" -m pytest -ra --durations=15 "$@" || status=$?
 
+newest_pid=""
 if [ "${SAS_SKIP_NEWEST:-0}" != 1 ]; then
   newest_test="tests/server/test_newest_sglang.py"
   pin() { sed -n "s/^$1 = \"\([^\"]*\)\".*/\1/p" "$newest_test"; }
@@ -34,11 +29,41 @@ if [ "${SAS_SKIP_NEWEST:-0}" != 1 ]; then
     exit 1
   fi
   venv2="$here/.venv-sglang-$newest"
+  newest_log="$venv2/install.log"
   if ! [ -x "$venv2/bin/python" ] \
     || ! "$venv2/bin/python" -c "import sas_backend, sglang, pytest; assert sglang.__version__ == '$newest'" 2>/dev/null; then
-    echo "[run] installing SGLang $newest (torch $newest_torch) into $venv2 for the newest-release smoke test"
+    echo "[run] installing SGLang $newest (torch $newest_torch) into $venv2 in the background, for the" \
+      "newest-release smoke test (log: $newest_log)"
+    # In its own process group (setsid), so that leaving early stops it with all its pip children.
+    mkdir -p "$venv2"
+    setsid_=""
+    command -v setsid >/dev/null 2>&1 && setsid_=setsid
     SAS_VENV="$venv2" SAS_SGLANG_VERSION="$newest" SAS_TORCH_VERSION="$newest_torch" SAS_EXTRAS=test \
-      bash "$here/serve/install.sh"
+      $setsid_ bash "$here/serve/install.sh" >"$newest_log" 2>&1 &
+    newest_pid=$!
+    trap '[ -z "$newest_pid" ] || kill -- "-$newest_pid" 2>/dev/null || kill "$newest_pid" 2>/dev/null || true' EXIT
+  fi
+fi
+
+if ! [ -x "$py" ] || ! "$py" -c "import sas_backend, sglang, pytest, transformers" 2>/dev/null; then
+  SAS_EXTRAS=test,train bash "$here/serve/install.sh"
+fi
+"$py" "$here/serve/prepare_model.py" --out "$here/models/SmolLM2-135M-Instruct"
+"$py" "$here/serve/prepare_text.py"
+status=0
+"$py" -m pytest -ra --durations=15 "$@" || status=$?
+
+if [ "${SAS_SKIP_NEWEST:-0}" != 1 ]; then
+  if [ -n "$newest_pid" ]; then
+    if wait "$newest_pid"; then
+      newest_pid=""
+      tail -n 1 "$newest_log"
+    else
+      newest_pid=""
+      echo "[run] installing SGLang $newest into $venv2 failed; its log:" >&2
+      cat "$newest_log" >&2
+      exit 1
+    fi
   fi
   echo "[run] newest-release smoke test on SGLang $newest (SAS_SKIP_NEWEST=1 skips it)"
   "$venv2/bin/python" -m pytest -ra -m newest_sglang "$newest_test" || status=$?
