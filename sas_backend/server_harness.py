@@ -70,7 +70,11 @@ def cpu_env(extra=None) -> dict:
 
 
 def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_server") -> list:
-    """`python -m sglang.launch_server ...`, or `sglang serve ...` with entry="serve"."""
+    """`python -m sglang.launch_server ...`, or `sglang serve ...` with entry="serve". Always with
+    `--sleep-on-idle`: an idle scheduler otherwise busy-polls a core, slowing whatever runs beside it."""
+    extra_args = [str(a) for a in extra_args]
+    if "--sleep-on-idle" not in extra_args:
+        extra_args.append("--sleep-on-idle")
     if entry == "serve":
         launcher = [str(pathlib.Path(sys.executable).parent / "sglang"), "serve"]
     else:
@@ -83,7 +87,7 @@ def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_serv
         "--host", "127.0.0.1", "--port", str(port),
         "--random-seed", "0",
         "--log-level", "info",
-        *map(str, extra_args),
+        *extra_args,
     ]
 
 
