@@ -202,7 +202,8 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
         assert steps["kernel-tests"]["counts"]["tests collected"] > 100
         checks = steps["decode-step"]["results"]["decode-step"]["checks"]
         assert checks and all(c["ok"] for c in checks)
-        assert (out / "decode-step.png").exists()
+        # the plot needs matplotlib (the `bench` extra; CI installs test,train only)
+        assert (out / "decode-step.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     else:
         assert steps["server-tests"]["counts"]["tests collected"] >= 5
         assert "would start sas" in (out / "tier2-dry.log").read_text()
