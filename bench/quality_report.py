@@ -79,6 +79,9 @@ def section(path: str, gate: str) -> str:
         lines.append(f"| {bold}{name}{bold} | " + " | ".join(cells) + f"{rec_cell} |")
     notes = (acceptance(res, gate) if gate in names else []) + res.get("checks", [])
     lines += [""] + [f"- {line}" for line in notes] if notes else []
+    plots = [p_ for p_ in res.get("plots", []) if not pathlib.Path(p_).is_absolute()]  # repository-relative
+    if plots:
+        lines += [""] + [" ".join(f"![{pathlib.Path(p_).stem}]({p_})" for p_ in plots)]
     return "\n".join(lines)
 
 
