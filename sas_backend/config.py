@@ -85,15 +85,15 @@ class SASConfig:
     def resolved(self) -> "SASConfig":
         """A copy with budget, sink_blocks and local_blocks filled in where the launch left them
         unset: from the gate checkpoint's record (selector "gate"), else DEFAULT_BUDGET, 0, 0.
-        Loads the gate checkpoint (GateCheckpointError, a ValueError, if it is bad)."""
+        Reads the gate's config.json only (GateCheckpointError, a ValueError, if it is bad)."""
         unset = [name for name in _FROM_GATE if getattr(self, name) is None]
         if not unset:
             return self
         recorded = {}
         if self.selector == "gate" and self.gate_path and os.path.isdir(self.gate_path):
-            from sas_backend.gate.checkpoint import load_gate_checkpoint
+            from sas_backend.gate.checkpoint import serve_defaults_of
 
-            recorded = load_gate_checkpoint(self.gate_path)[0].serve_defaults()
+            recorded = serve_defaults_of(self.gate_path)
         fill = {name: recorded.get(name, _FROM_GATE[name]) for name in unset}
         return dataclasses.replace(self, **fill)
 

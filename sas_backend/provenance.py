@@ -42,9 +42,9 @@ def portable_path(path: str) -> str:
     """A path as a record may keep it: `@names` and relative paths as given, an absolute path
     inside the repository relative to it, any other absolute path by its last component only
     (a path of this machine means nothing elsewhere)."""
-    if path.startswith("@") or not os.path.isabs(path):
-        return os.path.normpath(path) if not path.startswith("@") else path
-    return repo_relative(path)
+    if path.startswith("@"):
+        return path
+    return repo_relative(path) if os.path.isabs(path) else os.path.normpath(path)
 
 
 def portable_argv(argv) -> list:

@@ -210,6 +210,16 @@ def load_gate_checkpoint(path: str | os.PathLike) -> tuple[GateConfig, LayerTens
     return load_seer_checkpoint(d)
 
 
+def serve_defaults_of(path: str | os.PathLike) -> dict:
+    """`GateConfig.serve_defaults()` of a checkpoint from its config.json alone (no tensors read:
+    the server loads and checks the whole checkpoint later anyway). A SeerAttention-R checkpoint
+    records neither a serving nor a training budget: `{}`."""
+    d = _resolve_dir(path)
+    if detect_format(d) != CANONICAL:
+        return {}
+    return GateConfig.load_json(os.path.join(d, CONFIG_FILE)).serve_defaults()
+
+
 # ---- fit to the served model ----------------------------------------------------------------
 
 

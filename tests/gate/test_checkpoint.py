@@ -565,6 +565,9 @@ def test_serving_record_gives_the_serve_defaults(tmp_path):
     loaded, _ = load_gate_checkpoint(tmp_path / "g")
     assert loaded.serving == config.serving
     assert loaded.serve_defaults() == {"budget": 4 * BLOCK, "sink_blocks": 1, "local_blocks": 2}
+    from sas_backend.gate.checkpoint import serve_defaults_of
+
+    assert serve_defaults_of(tmp_path / "g") == loaded.serve_defaults()  # from config.json alone
 
     raw = json.loads((tmp_path / "g" / "config.json").read_text())
     for serving, needle in (({"budget": 100}, "multiple of the block size"),

@@ -13,14 +13,6 @@ ESSAYS = pathlib.Path(default_essays_dir())
 DENSE_ARGS = ["--page-size", "64", "--enable-cache-report"]
 
 
-def launch(model_dir, backend: str, args=(), **kwargs) -> Server:
-    """A test server; every one the tests start comes from here. Always `--sleep-on-idle`: without it
-    SGLang's idle scheduler busy-polls, and the package-scoped servers below sit idle through most
-    of the other tests (measured on the 2-core CPU machine: 93% of a core per idle server, 1% with
-    it). It changes no output: an idle scheduler just waits on its sockets instead of polling."""
-    return Server(model_dir, backend=backend, extra_args=[*args, "--sleep-on-idle"], **kwargs)
-
-
 def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/server/" in str(item.fspath).replace("\\", "/"):
@@ -68,7 +60,7 @@ def essay_ids(tokenizer) -> list:
 @pytest.fixture(scope="package")
 def dense_server(model_dir):
     """SGLang's own dense backend: torch-native on CPU (what sas wraps there), FlashInfer on GPU."""
-    with launch(model_dir, "flashinfer" if ON_GPU else "torch_native", DENSE_ARGS) as s:
+    with Server(model_dir, backend="flashinfer" if ON_GPU else "torch_native", extra_args=DENSE_ARGS) as s:
         yield s
 
 
@@ -84,7 +76,7 @@ def shipped_gate() -> pathlib.Path:
 def sas_full_server(model_dir, shipped_gate):
     """sas with the shipped gate and a budget above the context length: every block is selected."""
     args = ["--sas-gate", shipped_gate, "--sas-budget", "8192", "--enable-cache-report"]
-    with launch(model_dir, "sas", args) as s:
+    with Server(model_dir, backend="sas", extra_args=args) as s:
         yield s
 
 
@@ -110,5 +102,5 @@ def sas_sparse_server(model_dir, seed_gate, sparse_debug_dir):
     if ON_GPU:  # the selection log reads the host each step; sas_full_server covers CUDA graphs
         args.append("--disable-cuda-graph")
     env = {"SAS_DEBUG_DIR": str(sparse_debug_dir)}
-    with launch(model_dir, "sas", args, env=env, entry="serve") as s:
+    with Server(model_dir, backend="sas", extra_args=args, env=env, entry="serve") as s:
         yield s

@@ -34,8 +34,8 @@ if sglang.__version__ != NEWEST_SGLANG:
         allow_module_level=True,
     )
 
-from .conftest import DENSE_ARGS, launch  # noqa: E402
-from sas_backend.server_harness import ON_GPU, complete  # noqa: E402
+from .conftest import DENSE_ARGS  # noqa: E402
+from sas_backend.server_harness import ON_GPU, Server, complete  # noqa: E402
 
 pytestmark = pytest.mark.newest_sglang
 
@@ -59,7 +59,7 @@ def newest_run(model_dir, shipped_gate, essay_ids, tmp_path_factory):
     if ON_GPU:  # the selection log reads the host every step
         sas_args.append("--disable-cuda-graph")
     t0 = time.time()
-    with launch(model_dir, "sas", sas_args, env={"SAS_DEBUG_DIR": str(debug_dir)}) as s:
+    with Server(model_dir, backend="sas", extra_args=sas_args, env={"SAS_DEBUG_DIR": str(debug_dir)}) as s:
         run["timings"]["sas_startup_s"] = time.time() - t0
         run["short"] = complete(s.url, "The capital of France is", max_tokens=8)["choices"][0]
         # The selection log, for the long prompt only.
@@ -74,7 +74,7 @@ def newest_run(model_dir, shipped_gate, essay_ids, tmp_path_factory):
 
     t0 = time.time()
     dense_backend = "flashinfer" if ON_GPU else "torch_native"
-    with launch(model_dir, dense_backend, DENSE_ARGS) as s:
+    with Server(model_dir, backend=dense_backend, extra_args=DENSE_ARGS) as s:
         run["timings"]["dense_startup_s"] = time.time() - t0
         run["dense"] = complete(s.url, dense_prompt, **args)["choices"][0]
     print("newest-release smoke timings:", run["timings"])

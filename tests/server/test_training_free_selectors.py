@@ -10,8 +10,7 @@ import pytest
 
 import requests
 
-from sas_backend.server_harness import ON_GPU, complete
-from tests.server.conftest import launch
+from sas_backend.server_harness import ON_GPU, Server, complete
 from tests.server.oracle import oracle_check
 
 BLOCK = 64
@@ -28,7 +27,7 @@ def test_training_free_selector_matches_oracle(selector, model_dir, essay_ids, t
     if ON_GPU:
         args.append("--disable-cuda-graph")  # the selection log reads the host each step
     prompt = essay_ids[9000 : 9000 + PROMPT_LEN]
-    with launch(model_dir, "sas", args, env={"SAS_DEBUG_DIR": str(tmp_path)}) as server:
+    with Server(model_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(tmp_path)}) as server:
         out = complete(server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)["choices"][0]
         info = requests.get(f"{server.url}/sas/info", timeout=60).json()
     records = [json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.open()]
