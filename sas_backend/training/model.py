@@ -12,10 +12,10 @@ tensor names) and switches the model to the training attention function register
    `softmax(q K_S^T * scale + log g_S) V_S` (Triton kernel on CUDA, torch reference on CPU), so the
    next-token loss trains the gates through `log g`; q/k/v keep their autograd graph, which carries
    the loss gradient back through the residual stream to the earlier layers' gates;
-   objective "distill" (SeerAttention-R style): attention stays dense; the layer adds
-   `KL(target || softmax_prev(s))` to the loss, target = the backbone's dense attention
-   probabilities (no grad), max-pooled over each block's keys and over the G query heads of a kv
-   group, renormalized over the previous blocks.
+   objective "distill": attention stays dense; the layer adds `KL(target || softmax_prev(s))` to
+   the loss, target = the backbone's dense attention probabilities (no grad) pooled over each
+   block's keys ("max", SeerAttention-R; or "mass", their sum: the oracle's attention mass), max
+   over the G query heads of a kv group, renormalized over the previous blocks.
 
 Inputs are fixed-length rows `[B, L]` without padding (no attention_mask; positions 0..L-1 per
 row); the rows become packed sequences with `cu_seqlens = [0, L, 2L, ...]`.
@@ -42,6 +42,9 @@ KERNELS = ("auto", "triton", "naive")
 # threshold on log g, the fused kernel's regime); "full" keeps every previous block with its soft gate
 # (dense cost), so every block gets a ranking signal from the first step.
 SCOPES = ("sparse", "full")
+# Distill targets: a block's dense attention probabilities pooled by their max (SeerAttention-R) or
+# their sum ("mass": the quantity the oracle selector ranks by and the harness's recall measures).
+DISTILL_TARGETS = ("max", "mass")
 # Distill targets are built from dense attention rows in chunks of at most this many fp32 logits.
 _DENSE_CHUNK_ELEMS = 1 << 26
 
@@ -73,8 +76,11 @@ class GateTrainSpec:
     kernel: str = "auto"
     query_chunk: int = DEFAULT_QUERY_CHUNK
     train_last: Optional[int] = None
+    distill_target: str = "max"
 
     def __post_init__(self):
+        if self.distill_target not in DISTILL_TARGETS:
+            raise ValueError(f"distill_target must be one of {DISTILL_TARGETS}, got {self.distill_target!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.scope not in SCOPES:
@@ -173,9 +179,11 @@ class _TrainContext:
         self.dense_pass = False  # True while the no-grad dense prefix of train_last runs
 
 
-def _pooled_attention_target(q, k, bounds, block_size, num_blocks, scale, query_start: int = 0) -> torch.Tensor:
-    """Distill target `[Hkv, Tq, NB]` (no grad): dense causal attention probabilities, max-pooled
-    over each block's keys and the G query heads of a group, renormalized over previous blocks.
+def _pooled_attention_target(q, k, bounds, block_size, num_blocks, scale, query_start: int = 0,
+                             pool: str = "max") -> torch.Tensor:
+    """Distill target `[Hkv, Tq, NB]` (no grad): dense causal attention probabilities pooled over
+    each block's keys (pool "max", or "mass": their sum, as `hf.sparse_eval.oracle_scores`), max over
+    the G query heads of a group, renormalized over previous blocks.
 
     q `[Tq, Hq, D]` (the positions >= query_start of each sequence, packed), k `[T, Hkv, D]`
     post-RoPE. Rows without a previous block are all zero. Dense rows are built a chunk of queries
@@ -200,7 +208,8 @@ def _pooled_attention_target(q, k, bounds, block_size, num_blocks, scale, query_
             pos = torch.arange(c0, c1, device=q.device)
             causal = torch.arange(n, device=q.device)[None, :] <= pos[:, None]
             probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-            pooled = probs[..., : full * block_size].reshape(h_q, c1 - c0, full, block_size).amax(-1)
+            blocks = probs[..., : full * block_size].reshape(h_q, c1 - c0, full, block_size)
+            pooled = blocks.sum(-1) if pool == "mass" else blocks.amax(-1)
             pooled = pooled.reshape(h_kv, g, c1 - c0, full).amax(1)  # [Hkv, C, full]
             valid = torch.arange(full, device=q.device)[None, :] < (pos // block_size)[:, None]
             pooled = pooled * valid
@@ -259,7 +268,7 @@ def training_attention(module, query, key, value, attention_mask, scaling, dropo
     # distill: dense attention for the forward, KL on the side (target carries no gradient)
     with torch.no_grad():
         target = _pooled_attention_target(q, k, seq_bounds(cu), spec.block_size, scores.num_blocks, scaling,
-                                          q_start)
+                                          q_start, spec.distill_target)
     ctx.aux_losses.append(_distill_kl(target, scores.log_g))
     return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
 

@@ -2,7 +2,7 @@
 
     python -m sas_backend.training.train --model DIR --data PATH [PATH ...] --out DIR
         [--seq-len 4096] [--block-size 64] [--budget 512] [--objective lm|distill] [--steps 200]
-        [--lr 1e-3] [--warmup 20] [--batch-size 1] [--grad-accum 1] [--clip 1.0] [--bf16]
+        [--distill-target max|mass] [--lr 1e-3] [--warmup 20] [--batch-size 1] [--grad-accum 1] [--clip 1.0] [--bf16]
         [--save-every 50] [--resume] [--seed 0] [--kernel auto|triton|naive] [--train-last N]
         [--init-gate DIR]
 
@@ -42,12 +42,13 @@ from sas_backend.geometry import supported_families
 STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.jsonl"
 # Arguments a resumed run must share with the run that wrote the state.
-_RESUME_KEYS = ("model", "seq_len", "block_size", "budget", "objective", "scope", "gate_dim", "steps", "seed",
+_RESUME_KEYS = ("model", "seq_len", "block_size", "budget", "objective", "scope", "distill_target", "gate_dim",
+                "steps", "seed",
                 "batch_size", "grad_accum", "lr", "warmup", "min_lr_ratio", "weight_decay", "clip", "data",
                 "heldout_fraction", "max_tokens", "max_rows", "train_last", "init_gate")
 
 # Keys added after some runs were saved: what a state without them meant.
-_RESUME_DEFAULTS = {"scope": "sparse"}
+_RESUME_DEFAULTS = {"scope": "sparse", "distill_target": "max"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scope", choices=("sparse", "full"), default="sparse",
                    help="lm only: sparse = the Top-K blocks per query (the serving regime); full = every "
                         "previous block with its soft gate (dense cost, every block learns from step 1)")
+    p.add_argument("--distill-target", choices=("max", "mass"), default="max",
+                   help="distill only: pool each block's dense attention by its max (SeerAttention-R) or "
+                        "its sum (mass: what the oracle selector ranks by and the harness's recall measures)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
@@ -227,9 +231,13 @@ def training_record(args, argv, data, rows_used, spec, kernel, step, losses, wor
     return {
         "objective": args.objective,
         "scope": args.scope if args.objective == "lm" else None,
+        "distill_target": args.distill_target if args.objective == "distill" else None,
         "method": ("SAS: backbone frozen, gates trained end to end by the next-token loss through "
                    "gated sparse attention" if args.objective == "lm" else
-                   "SeerAttention-R style distillation: KL(block-max-pooled dense attention || gate)"),
+                   "SeerAttention-R style distillation: KL(block-max-pooled dense attention || gate)"
+                   if args.distill_target == "max" else
+                   "distillation of the oracle: KL(block attention mass of the dense attention, max over "
+                   "the group's heads || gate)"),
         "budget": args.budget,
         "block_size": args.block_size,
         "top_k": spec.top_k,
@@ -335,7 +343,8 @@ def main(argv: Optional[list] = None) -> int:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
     spec = GateTrainSpec(block_size=args.block_size, budget=args.budget, objective=args.objective,
-                         scope=args.scope, kernel=args.kernel, query_chunk=args.query_chunk, train_last=args.train_last)
+                         scope=args.scope, kernel=args.kernel, query_chunk=args.query_chunk, train_last=args.train_last,
+                         distill_target=args.distill_target)
     geometry = ModelGeometry.from_model_dir(args.model)
     gate_config, init_tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim,
                                                 block_size=args.block_size)

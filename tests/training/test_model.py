@@ -144,6 +144,25 @@ def test_distill_target_is_block_distribution():
     assert (tgt[:, blk[None, :] >= n_prev[:, None]] == 0).all()  # only previous blocks
 
 
+def test_distill_mass_target_is_the_oracle_renormalized():
+    """pool "mass": the target is the eval oracle's block attention mass (sum over the block's keys,
+    max over the group's heads) over the previous blocks, renormalized; "max" differs from it."""
+    from sas_backend.hf.sparse_eval import oracle_scores
+
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(40, 4, 16, generator=g), torch.randn(40, 2, 16, generator=g)
+    tgt = tm._pooled_attention_target(q, k, [(0, 40)], 8, 5, 0.25, pool="mass")
+    logits = torch.einsum("phd,thd->hpt", q, k.repeat_interleave(2, 1))  # query head h reads kv head h // G
+    logits = logits.view(2, 2, 40, 40) * 0.25  # [Hkv, G, P, T]
+    mass = oracle_scores(logits, torch.arange(40), 8, 5).transpose(0, 1)  # [Hkv, P, NB]
+    mass = mass * (torch.arange(5)[None, None, :] < (torch.arange(40) // 8)[None, :, None])
+    want = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
+    torch.testing.assert_close(tgt, want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(tgt, tm._pooled_attention_target(q, k, [(0, 40)], 8, 5, 0.25, pool="max"))
+    with pytest.raises(ValueError, match="distill_target"):
+        GateTrainSpec(distill_target="mean")
+
+
 def test_triton_kernel_matches_reference():
     """Same loss and gate gradients through the fused kernel (TRITON_INTERPRET=1 on CPU) and the reference."""
     res = {}
