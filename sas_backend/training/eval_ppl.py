@@ -280,6 +280,10 @@ def main(argv: Optional[list] = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
     loaded = {name: load_gates(path, model, b, device) for name, path in gate_paths.items()}
     gates = {name: g for name, (g, _) in loaded.items()}
+    # A path names different gates at different commits: the weights' sha256 says which one was measured.
+    from sas_backend.gate.checkpoint import checkpoint_identity
+
+    gate_sha256 = {name: checkpoint_identity(path)["sha256"] for name, path in gate_paths.items()}
     variants = gate_variants(gate_paths, {name: rec for name, (_, rec) in loaded.items()}, forced)
     sparse_from = args.window - args.last
     too_many = [f"{v} at budget {bud}" for v, (_, s, l) in variants.items() for bud in args.budgets if s + l > bud // b]
@@ -347,6 +351,7 @@ def main(argv: Optional[list] = None) -> int:
             "block_size": b,
             "budgets": [{"budget": bud, "top_k": top_k[bud]} for bud in args.budgets],
             "gates": gate_paths,
+            "gate_sha256": gate_sha256,
             "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_} for v, (g, s_, l_) in variants.items()},
             "dense": dense,
             "results": {s: {str(bud): v for bud, v in per.items()} for s, per in results.items()},

@@ -24,10 +24,18 @@ def test_shipped_sas_gate_loads_and_records_its_training():
     validate_for_model(config, tensors, num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64,
                        block_size=64, gate_dim=128, rope_theta=100000.0)
     rec = config.training
-    assert rec["objective"] == "lm" and rec["budget"] == 512 and rec["block_size"] == 64 and rec["top_k"] == 7
+    # Trained under the one budget rule (K = budget // block, as served), by the SAS objective last
+    assert rec["objective"] == "lm" and rec["budget"] == 512 and rec["block_size"] == 64 and rec["top_k"] == 8
     assert rec["command"].startswith("python -m sas_backend.training.train ")
     assert rec["steps"] > 0 and rec["final_loss"] is not None
     assert "@essays" in rec["data"]["sources"] and rec["data"]["split"] == "train"
+    # Every earlier stage is recorded under init, down to the seeded init
+    stages, node = [], rec
+    while "training" in node.get("init", {}):
+        node = node["init"]["training"]
+        stages.append(node["objective"])
+    assert stages[0] == "distill" and node["init"]["seed"] == 0, stages
+    assert not any(part.startswith("/") for part in rec["command"].split()), "the record names a machine path"
 
 
 def test_shipped_gate_names_its_serve_defaults_and_why():
