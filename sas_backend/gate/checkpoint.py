@@ -398,18 +398,24 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def weights_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a checkpoint's weights file (`gate.safetensors` or `attn_gate_weights.pth`), without
+    loading it: which gate a result was measured with, when the caller has loaded it already."""
+    d = _resolve_dir(path)
+    return sha256_file(os.path.join(d, _WEIGHTS_OF[detect_format(d)]))
+
+
 def checkpoint_identity(path: str | os.PathLike) -> dict:
     """What the server reports about its gate (/sas/info): format, weights file and its sha256,
     base model, geometry and the training record. Loads (and so validates) the checkpoint."""
     config, _ = load_gate_checkpoint(path)
     d = _resolve_dir(path)
     fmt = detect_format(d)
-    weights = os.path.join(d, _WEIGHTS_OF[fmt])
     return {
         "path": os.path.abspath(d),
         "format": fmt,
         "weights_file": _WEIGHTS_OF[fmt],
-        "sha256": sha256_file(weights),
+        "sha256": weights_sha256(d),
         "base_model": config.base_model,
         "layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,

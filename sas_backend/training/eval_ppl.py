@@ -281,9 +281,9 @@ def main(argv: Optional[list] = None) -> int:
     loaded = {name: load_gates(path, model, b, device) for name, path in gate_paths.items()}
     gates = {name: g for name, (g, _) in loaded.items()}
     # A path names different gates at different commits: the weights' sha256 says which one was measured.
-    from sas_backend.gate.checkpoint import checkpoint_identity
+    from sas_backend.gate.checkpoint import weights_sha256
 
-    gate_sha256 = {name: checkpoint_identity(path)["sha256"] for name, path in gate_paths.items()}
+    gate_sha256 = {name: weights_sha256(path) for name, path in gate_paths.items()}
     variants = gate_variants(gate_paths, {name: rec for name, (_, rec) in loaded.items()}, forced)
     sparse_from = args.window - args.last
     too_many = [f"{v} at budget {bud}" for v, (_, s, l) in variants.items() for bud in args.budgets if s + l > bud // b]
