@@ -33,7 +33,7 @@ from sas_backend.geometry import ARCHITECTURES, ModelGeometry, architecture_by_m
 from sas_backend.hf.sparse_eval import causal_sdpa, model_rope_table
 from sas_backend.ops.rope import invert_rope
 from sas_backend.training.packing import query_bounds, seq_bounds
-from sas_backend.training.scoring import DEFAULT_QUERY_CHUNK, score_gate
+from sas_backend.training.scoring import DEFAULT_QUERY_CHUNK, candidate_blocks, check_forced, score_gate
 
 ATTN_NAME = "sas_gate_train"
 OBJECTIVES = ("lm", "distill")
@@ -67,6 +67,9 @@ class GateTrainSpec:
     their K/V are the keys of the N gated queries. Far cheaper per trained query at long L
     (the torch reference then materializes `[Hq, N, L]`, not `[Hq, L, L]`); the Triton kernel
     covers full rows only, so "auto" picks the reference.
+    sink_blocks/local_blocks: blocks forced inside K as the server forces them
+    (`--sas-sink-blocks/--sas-local-blocks`); the gate ranks only the others (lm: forced blocks are
+    attended unbiased; distill: the target is renormalized over the other blocks). See `scoring`.
     """
 
     block_size: int = 64
@@ -77,6 +80,8 @@ class GateTrainSpec:
     query_chunk: int = DEFAULT_QUERY_CHUNK
     train_last: Optional[int] = None
     distill_target: str = "max"
+    sink_blocks: int = 0
+    local_blocks: int = 0
 
     def __post_init__(self):
         if self.distill_target not in DISTILL_TARGETS:
@@ -100,6 +105,7 @@ class GateTrainSpec:
                 f"budget {self.budget} must be a positive multiple of the block size {self.block_size} "
                 "(it is spent in whole blocks, as in serving)"
             )
+        check_forced(self.top_k, self.sink_blocks, self.local_blocks)
 
     @property
     def top_k(self) -> int:
@@ -258,6 +264,7 @@ def training_attention(module, query, key, value, attention_mask, scaling, dropo
     scores = score_gate(
         module.attn_gate, q_pre, k_pre, cu, spec.block_size, spec.top_k, ctx.gate_table,
         query_chunk=spec.query_chunk, query_start=q_start,
+        sink_blocks=spec.sink_blocks, local_blocks=spec.local_blocks,
     )
     if spec.objective == "lm":
         # Full scope: a -inf threshold keeps every previous block, each biased by its log g.
@@ -269,6 +276,11 @@ def training_attention(module, query, key, value, attention_mask, scaling, dropo
     with torch.no_grad():
         target = _pooled_attention_target(q, k, seq_bounds(cu), spec.block_size, scores.num_blocks, scaling,
                                           q_start, spec.distill_target)
+        if spec.sink_blocks or spec.local_blocks:  # the gate ranks only the blocks not forced in
+            pos = torch.arange(q_start, seqlen, device=q.device).repeat(bsz)
+            cand, _ = candidate_blocks(pos, scores.num_blocks, spec.block_size, spec.sink_blocks, spec.local_blocks)
+            target = target * cand[None]
+            target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
     ctx.aux_losses.append(_distill_kl(target, scores.log_g))
     return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
 

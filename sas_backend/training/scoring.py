@@ -11,7 +11,15 @@ block c = p // b) and in-sequence block m:
                       (all are taken); +inf if K == 0 (none is taken)
 
 so the gated attention selects `{m < c : log_g >= threshold}` (exactly K blocks unless gates
-tie at the threshold). With `query_start` = s > 0 only the positions s.. of each sequence are
+tie at the threshold).
+
+Forced blocks (`sink_blocks` S, `local_blocks` W; the serving rule of `ops.topk.select_blocks`):
+the blocks m < S and c - W <= m < c are always attended and count inside K, as the server does
+with `--sas-sink-blocks/--sas-local-blocks`. They are not scored: log_g is 0 there (gate 1,
+unbiased like the own block, as decode attends them without bias), the softmax runs over the
+other previous blocks (the candidates), and the threshold is the (K - S - W)-th largest candidate
+log_g. Since every log_g of a candidate is <= 0, forced blocks always pass the threshold, so the
+gated attention (kernel and reference) needs no change. S + W < K is required. With `query_start` = s > 0 only the positions s.. of each sequence are
 queries (the earlier ones ran dense, as after a dense prefill): q and the outputs are packed over
 those query tokens, k over every token. The inputs q/k are detached: the backbone is frozen and the scores only
 train the gate; gradients reach the gate parameters through qg and kg.
@@ -31,6 +39,7 @@ from typing import List, Tuple
 import torch
 
 from sas_backend.gate.module import AttnGate
+from sas_backend.ops.topk.naive import forced_mask
 from sas_backend.training.packing import query_bounds, seq_bounds
 
 DEFAULT_QUERY_CHUNK = 4096
@@ -99,6 +108,17 @@ def _valid(pos: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
     return m[None, :] < (pos // block_size)[:, None]
 
 
+def candidate_blocks(pos: torch.Tensor, num_blocks: int, block_size: int, sink_blocks: int,
+                local_blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`([C, NB], [C, NB])` bool: (blocks the gate ranks, forced blocks) of queries at positions pos;
+    both are previous blocks (m < pos // block_size), forced ones as `ops.topk.forced_mask` picks them."""
+    valid = _valid(pos, num_blocks, block_size)
+    if not (sink_blocks or local_blocks):
+        return valid, torch.zeros_like(valid)
+    forced = forced_mask(pos // block_size, num_blocks, sink_blocks, local_blocks)
+    return valid & ~forced, forced
+
+
 def _kth_largest(log_g: torch.Tensor, k: int) -> torch.Tensor:
     """`[..., NB]` -> `[...]`: K-th largest entry (-inf entries are the masked blocks, so this is
     -inf when fewer than K are valid); +inf for K == 0 (select nothing)."""
@@ -109,15 +129,25 @@ def _kth_largest(log_g: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(log_g, k, dim=-1, sorted=True).values[..., -1]
 
 
+def check_forced(top_k: int, sink_blocks: int, local_blocks: int) -> None:
+    """Raise ValueError unless the forced blocks leave the gate at least one of the K to choose."""
+    if sink_blocks < 0 or local_blocks < 0:
+        raise ValueError(f"sink/local blocks must be >= 0, got {sink_blocks}/{local_blocks}")
+    if (sink_blocks or local_blocks) and sink_blocks + local_blocks >= top_k:
+        raise ValueError(f"sink {sink_blocks} + local {local_blocks} forced blocks leave none of the K = {top_k} "
+                         "blocks to the gate: training needs sink + local < K")
+
+
 class BlockLogGate(torch.autograd.Function):
     """`(qg, kg) -> (log_g, threshold)`, chunked over queries, memory-bounded backward.
 
     qg `[T, Hkv, Dg]` fp32, kg `[N, NB, Hkv, Dg]` fp32. Saves qg, kg and log_g only; backward
-    recomputes p = exp(log_g) per chunk: ds = (g - p * sum_valid(g)) / sqrt(Dg).
+    recomputes p = exp(log_g) per chunk: ds = (g - p * sum_candidates(g)) / sqrt(Dg). Forced blocks
+    (sink/local) get log_g 0 and no gradient (see the module docstring).
     """
 
     @staticmethod
-    def forward(ctx, qg, kg, bounds, block_size, top_k, query_chunk, query_start=0):
+    def forward(ctx, qg, kg, bounds, block_size, top_k, query_chunk, query_start=0, sink_blocks=0, local_blocks=0):
         t, h_kv, dg = qg.shape
         nb = kg.shape[1]
         inv = 1.0 / math.sqrt(dg)
@@ -128,16 +158,16 @@ class BlockLogGate(torch.autograd.Function):
             for c0 in range(qbos, qeos, query_chunk):
                 c1 = min(qeos, c0 + query_chunk)
                 pos = torch.arange(c0 - qbos, c1 - qbos, device=qg.device) + query_start
-                valid = _valid(pos, nb, block_size)
+                cand, forced = candidate_blocks(pos, nb, block_size, sink_blocks, local_blocks)
                 s = torch.einsum("chd,hmd->hcm", qg[c0:c1], kgi) * inv
-                s = s.masked_fill(~valid, float("-inf"))
+                s = s.masked_fill(~cand, float("-inf"))
                 lg = s - torch.logsumexp(s, dim=-1, keepdim=True)
-                lg = lg.masked_fill(~valid, float("-inf"))  # also rows with no valid block (nan)
-                log_g[:, c0:c1] = lg
-                thr[:, c0:c1] = _kth_largest(lg, top_k)
+                lg = lg.masked_fill(~cand, float("-inf"))  # also rows with no candidate (nan)
+                thr[:, c0:c1] = _kth_largest(lg, top_k - sink_blocks - local_blocks)
+                log_g[:, c0:c1] = lg.masked_fill(forced, 0.0)
         ctx.save_for_backward(qg, kg, log_g)
         ctx.bounds, ctx.block_size, ctx.query_chunk = bounds, block_size, query_chunk
-        ctx.query_start = query_start
+        ctx.query_start, ctx.forced = query_start, (sink_blocks, local_blocks)
         ctx.mark_non_differentiable(thr)
         return log_g, thr
 
@@ -149,19 +179,19 @@ class BlockLogGate(torch.autograd.Function):
         dqg = torch.zeros_like(qg)
         dkg = torch.zeros_like(kg)
         if grad_log_g is None:
-            return dqg, dkg, None, None, None, None, None
+            return dqg, dkg, None, None, None, None, None, None, None
         for i, (qbos, qeos) in enumerate(query_bounds(ctx.bounds, ctx.query_start)):
             kgi = kg[i].transpose(0, 1)  # [Hkv, NB, Dg]
             for c0 in range(qbos, qeos, ctx.query_chunk):
                 c1 = min(qeos, c0 + ctx.query_chunk)
                 pos = torch.arange(c0 - qbos, c1 - qbos, device=qg.device) + ctx.query_start
-                valid = _valid(pos, nb, ctx.block_size)
-                g = grad_log_g[:, c0:c1].float().masked_fill(~valid, 0.0)  # masked entries are constants
-                p = log_g[:, c0:c1].exp()  # 0 on masked entries
+                cand, _ = candidate_blocks(pos, nb, ctx.block_size, *ctx.forced)
+                g = grad_log_g[:, c0:c1].float().masked_fill(~cand, 0.0)  # masked/forced entries are constants
+                p = log_g[:, c0:c1].exp().masked_fill(~cand, 0.0)  # forced entries hold exp(0)
                 ds = (g - p * g.sum(dim=-1, keepdim=True)) * inv  # [Hkv, C, NB]
                 dqg[c0:c1] = torch.einsum("hcm,hmd->chd", ds, kgi)
                 dkg[i] += torch.einsum("hcm,chd->mhd", ds, qg[c0:c1])
-        return dqg, dkg, None, None, None, None, None
+        return dqg, dkg, None, None, None, None, None, None, None
 
 
 def score_gate(
@@ -175,6 +205,8 @@ def score_gate(
     *,
     query_chunk: int = DEFAULT_QUERY_CHUNK,
     query_start: int = 0,
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
 ) -> GateScores:
     """Block log-gates and Top-K thresholds of one layer for packed sequences.
 
@@ -184,6 +216,7 @@ def score_gate(
     log_g `[Hkv, Tq, NB]` and threshold `[Hkv, Tq]` are packed over the queries.
     cu_seqlens: `[N+1]`; top_k: K previous blocks per query (budget // block_size - 1);
     gate_table: the gate's `[max_pos, Dg]` RoPE table (positions are in-sequence).
+    sink_blocks/local_blocks: forced blocks inside K (module docstring), sink + local < top_k.
     Runs in fp32 whatever the autocast state (the gate was designed for fp32 scoring).
     """
     if top_k < 0:
@@ -192,6 +225,7 @@ def score_gate(
         raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
     if query_start < 0:
         raise ValueError(f"query_start must be >= 0, got {query_start}")
+    check_forced(top_k, sink_blocks, local_blocks)
     bounds = seq_bounds(cu_seqlens)
     t = k_pre.shape[0]
     qb = query_bounds(bounds, query_start)
@@ -208,5 +242,6 @@ def score_gate(
         pos = in_sequence_positions(qb, t_q, q_pre.device) + query_start
         qg = gate.query(q_pre, gate_table[pos])  # [Tq, Hkv, Dg]
         kg = block_summaries(gate, k_pre, bounds, block_size, nb, gate_table)
-        log_g, thr = BlockLogGate.apply(qg, kg, bounds, block_size, top_k, query_chunk, query_start)
+        log_g, thr = BlockLogGate.apply(qg, kg, bounds, block_size, top_k, query_chunk, query_start,
+                                        sink_blocks, local_blocks)
     return GateScores(log_g=log_g, threshold=thr, top_k=top_k, block_size=block_size, num_blocks=nb)

@@ -2,7 +2,8 @@
 
     python -m sas_backend.training.train --model DIR --data PATH [PATH ...] --out DIR
         [--seq-len 4096] [--block-size 64] [--budget 512] [--objective lm|distill] [--steps 200]
-        [--distill-target max|mass] [--lr 1e-3] [--warmup 20] [--batch-size 1] [--grad-accum 1] [--clip 1.0] [--bf16]
+        [--distill-target max|mass] [--sink-blocks S] [--local-blocks W] [--lr 1e-3] [--warmup 20]
+        [--batch-size 1] [--grad-accum 1] [--clip 1.0] [--bf16]
         [--save-every 50] [--resume] [--seed 0] [--kernel auto|triton|naive] [--train-last N]
         [--init-gate DIR]
 
@@ -45,10 +46,11 @@ LOG_FILE = "train_log.jsonl"
 _RESUME_KEYS = ("model", "seq_len", "block_size", "budget", "objective", "scope", "distill_target", "gate_dim",
                 "steps", "seed",
                 "batch_size", "grad_accum", "lr", "warmup", "min_lr_ratio", "weight_decay", "clip", "data",
-                "heldout_fraction", "max_tokens", "max_rows", "train_last", "init_gate")
+                "heldout_fraction", "max_tokens", "max_rows", "train_last", "init_gate", "sink_blocks",
+                "local_blocks")
 
 # Keys added after some runs were saved: what a state without them meant.
-_RESUME_DEFAULTS = {"scope": "sparse", "distill_target": "max"}
+_RESUME_DEFAULTS = {"scope": "sparse", "distill_target": "max", "sink_blocks": 0, "local_blocks": 0}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distill-target", choices=("max", "mass"), default="max",
                    help="distill only: pool each block's dense attention by its max (SeerAttention-R) or "
                         "its sum (mass: what the oracle selector ranks by and the harness's recall measures)")
+    p.add_argument("--sink-blocks", type=int, default=0,
+                   help="train with the first N blocks forced in, inside K, as --sas-sink-blocks serves them "
+                        "(the gate ranks only the other blocks)")
+    p.add_argument("--local-blocks", type=int, default=0,
+                   help="train with the N blocks before the query's own forced in, inside K, as "
+                        "--sas-local-blocks serves them")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
@@ -241,6 +249,8 @@ def training_record(args, argv, data, rows_used, spec, kernel, step, losses, wor
         "budget": args.budget,
         "block_size": args.block_size,
         "top_k": spec.top_k,
+        "sink_blocks": args.sink_blocks,
+        "local_blocks": args.local_blocks,
         "data": {**data.record(), "rows_used": rows_used},
         "steps": step,
         "seq_len": args.seq_len,
@@ -303,6 +313,12 @@ def _check_args(args, device) -> None:
             bad.append(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0 or args.save_every < 0 or args.clip < 0:
         bad.append("--warmup, --save-every and --clip must be >= 0")
+    k = args.budget // max(1, args.block_size)
+    if args.sink_blocks < 0 or args.local_blocks < 0:
+        bad.append("--sink-blocks and --local-blocks must be >= 0")
+    elif (args.sink_blocks or args.local_blocks) and args.sink_blocks + args.local_blocks >= k:
+        bad.append(f"--sink-blocks {args.sink_blocks} + --local-blocks {args.local_blocks} must leave the gate some "
+                   f"of the K = {k} blocks of budget {args.budget} (sink + local < K)")
     if args.bf16 and device.type != "cuda":
         bad.append("--bf16 needs a CUDA device (on CPU the backbone runs in fp32)")
     if args.seq_len <= args.budget:
@@ -344,7 +360,8 @@ def main(argv: Optional[list] = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
     spec = GateTrainSpec(block_size=args.block_size, budget=args.budget, objective=args.objective,
                          scope=args.scope, kernel=args.kernel, query_chunk=args.query_chunk, train_last=args.train_last,
-                         distill_target=args.distill_target)
+                         distill_target=args.distill_target, sink_blocks=args.sink_blocks,
+                         local_blocks=args.local_blocks)
     geometry = ModelGeometry.from_model_dir(args.model)
     gate_config, init_tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim,
                                                 block_size=args.block_size)

@@ -303,3 +303,47 @@ def test_full_scope_gives_every_previous_block_a_gradient(monkeypatch, train_las
     assert (grads["sparse"].abs()[:, prev] == 0).any()  # sparse: unselected blocks get nothing
     with pytest.raises(ValueError, match="scope"):
         GateTrainSpec(scope="partial")
+
+
+@pytest.mark.parametrize("objective", ["lm", "distill"])
+def test_forced_blocks_train_the_gate_on_the_other_blocks(monkeypatch, objective):
+    """sink 1 + local 1 (as served): lm attends the forced blocks with log g 0 and the gate's K - 2
+    picks; distill's target is renormalized over the blocks not forced in. Gradients reach every gate."""
+    seen = {}
+    real_op, real_kl = tm.gated_attention_op, tm._distill_kl
+
+    def op_spy(q, k, v, log_g, threshold, *args):
+        seen["log_g"], seen["threshold"] = log_g.detach(), threshold
+        return real_op(q, k, v, log_g, threshold, *args)
+
+    def kl_spy(target, log_g):
+        seen["target"] = target
+        return real_kl(target, log_g)
+
+    monkeypatch.setattr(tm, "gated_attention_op", op_spy)
+    monkeypatch.setattr(tm, "_distill_kl", kl_spy)
+    model = tiny_llama()
+    attach_gates(model, GateTrainSpec(block_size=16, budget=48, objective=objective, sink_blocks=1, local_blocks=1,
+                                      train_last=48))
+    loss = objective_loss(model, _ids())
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert (p.grad is not None and p.grad.abs().sum() > 0) == p.requires_grad, n
+    pos = torch.arange(SEQ - 48, SEQ).repeat(2)
+    own = pos // 16
+    blk = torch.arange(5)[None, :]
+    forced = ((blk < 1) | (blk >= own[:, None] - 1)) & (blk < own[:, None])  # [Tq, NB]
+    cand = (blk < own[:, None]) & ~forced
+    if objective == "lm":
+        lg = seen["log_g"]
+        assert (lg[:, forced] == 0).all()
+        chosen = (lg >= seen["threshold"][..., None]) & (blk < own[:, None])[None]
+        # K = 3 previous blocks: both forced ones plus one pick wherever more than 3 exist
+        torch.testing.assert_close(chosen.sum(-1), own.clamp(max=3).expand_as(chosen[..., 0]))
+    else:
+        tgt = seen["target"]
+        assert (tgt[:, forced] == 0).all()
+        has = cand.any(-1)
+        torch.testing.assert_close(tgt.sum(-1)[:, has], torch.ones(2, int(has.sum())))
+    with pytest.raises(ValueError, match="sink \\+ local < K"):
+        GateTrainSpec(block_size=16, budget=32, sink_blocks=1, local_blocks=1)

@@ -23,7 +23,7 @@ def _setup(seed=0, lens=LENS):
     q = torch.randn(t, H_Q, D, generator=g)
     k = torch.randn(t, H_KV, D, generator=g)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    table = rope_cos_sin_table(DG, 128, 10000.0)
+    table = rope_cos_sin_table(DG, 256, 10000.0)
     return gate, q, k, cu, table
 
 
@@ -139,3 +139,62 @@ def test_query_start_checks_the_query_count():
     gate, q, k, cu, table = _setup()
     with pytest.raises(ValueError, match="expected"):
         score_gate(gate, q, k, cu, B, top_k=2, gate_table=table, query_start=16)
+
+
+@pytest.mark.parametrize("sink,local,top_k", [(1, 1, 3), (0, 2, 3), (2, 0, 4), (1, 1, 10)])
+def test_forced_blocks_select_what_the_server_selects(sink, local, top_k):
+    """With sink/local blocks forced in, the training selection {m < c : log_g >= threshold} is
+    exactly the server's `select_blocks` on the raw gate scores (forced blocks inside K, the rest
+    by score); forced blocks carry log g 0 (unbiased) and the others a distribution over themselves."""
+    from sas_backend.ops.topk.naive import select_blocks
+
+    lens = [200, 130, 64, 9]
+    gate, q, k, cu, table = _setup(seed=5, lens=lens)
+    sc = score_gate(gate, q, k, cu, B, top_k=top_k, gate_table=table, sink_blocks=sink, local_blocks=local)
+    free = score_gate(gate, q, k, cu, B, top_k=top_k, gate_table=table)
+    prev = torch.isfinite(free.log_g)  # every previous block, forced or not
+    assert torch.equal(torch.isfinite(sc.log_g), prev)
+    chosen = prev & (sc.log_g >= sc.threshold[..., None])  # [Hkv, T, NB]
+    pos = torch.cat([torch.arange(n) for n in lens])
+    own = pos // B
+    want = select_blocks(free.log_g.transpose(0, 1), own, top_k, sink, local)  # [T, Hkv, K] (log_g ranks as s)
+    nb = sc.log_g.shape[-1]
+    want_mask = torch.zeros(pos.shape[0], H_KV, nb + 1, dtype=torch.bool)
+    want_mask.scatter_(2, torch.where(want < 0, nb, want).long(), True)
+    assert torch.equal(chosen, want_mask[..., :nb].transpose(0, 1))
+    blk = torch.arange(nb)
+    forced = ((blk[None, :] < sink) | (blk[None, :] >= own[:, None] - local)) & (blk[None, :] < own[:, None])
+    assert (sc.log_g[:, forced] == 0).all()
+    cand = prev & ~forced[None]
+    sums = torch.where(cand, sc.log_g.exp(), torch.zeros(())).sum(-1)
+    has = cand.any(-1)
+    torch.testing.assert_close(sums[has], torch.ones_like(sums[has]))
+
+
+def test_forced_blocks_gradcheck_and_no_gradient_on_them():
+    g = torch.Generator().manual_seed(6)
+    bounds = [(0, 29), (29, 41)]
+    qg = torch.randn(41, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    kg = torch.randn(2, 7, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def fn(qg, kg):
+        lg, _ = BlockLogGate.apply(qg, kg, bounds, 4, 4, 5, 0, 1, 1)
+        return torch.where(torch.isfinite(lg), lg, torch.zeros_like(lg))
+
+    assert torch.autograd.gradcheck(fn, (qg, kg), eps=1e-6, atol=1e-6)
+    # a loss on the forced entries only (block 0 and the block before the own) moves nothing
+    lg, _ = BlockLogGate.apply(qg, kg, bounds, 4, 4, 5, 0, 1, 1)
+    own = torch.cat([torch.arange(29), torch.arange(12)]) // 4
+    forced = torch.zeros(41, 7, dtype=torch.bool)
+    forced[own > 0, 0] = True
+    forced[own > 0, (own - 1).clamp(min=0)[own > 0]] = True
+    (lg[:, forced] * 3.0).sum().backward()
+    assert qg.grad.abs().max() == 0 and kg.grad.abs().max() == 0
+
+
+def test_forced_blocks_must_leave_the_gate_a_choice():
+    gate, q, k, cu, table = _setup()
+    with pytest.raises(ValueError, match="sink \\+ local < K"):
+        score_gate(gate, q, k, cu, B, top_k=2, gate_table=table, sink_blocks=1, local_blocks=1)
+    with pytest.raises(ValueError, match=">= 0"):
+        score_gate(gate, q, k, cu, B, top_k=4, gate_table=table, sink_blocks=-1)

@@ -233,3 +233,23 @@ def test_init_gate_and_train_last_stage(trained, setup):
     bad[bad.index("--out") + 1] = str(root / "stage2-bad")
     with pytest.raises(SystemExit, match="--init-gate: .*block"):
         train.main(bad)
+
+
+def test_forced_blocks_stage(trained, setup):
+    """`--sink-blocks/--local-blocks` train as the server forces blocks: recorded, kept on resume,
+    refused when they leave the gate none of the K blocks."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+    from sas_backend.training import train
+
+    root, model_dir, essays = setup
+    out = str(root / "forced")
+    args = ["--model", model_dir, "--data", *essays, "--out", out, "--steps", "2", "--init-gate", trained,
+            "--train-last", "64", "--sink-blocks", "1", "--local-blocks", "1", *COMMON]
+    assert train.main(args) == 0
+    rec = load_gate_checkpoint(out)[0].training
+    assert (rec["sink_blocks"], rec["local_blocks"], rec["top_k"]) == (1, 1, 4)
+    assert "--sink-blocks 1 --local-blocks 1" in rec["command"]
+    with pytest.raises(SystemExit, match="local_blocks: saved 1, now 0"):
+        train.main([a if a != "1" else "0" for a in args] + ["--resume"])
+    with pytest.raises(SystemExit, match="sink \\+ local < K"):
+        train.main(args[:args.index("--sink-blocks")] + ["--sink-blocks", "2", "--local-blocks", "2", *COMMON])
