@@ -19,10 +19,12 @@ with `--sas-sink-blocks/--sas-local-blocks`. They are not scored: log_g is 0 the
 unbiased like the own block, as decode attends them without bias), the softmax runs over the
 other previous blocks (the candidates), and the threshold is the (K - S - W)-th largest candidate
 log_g. Since every log_g of a candidate is <= 0, forced blocks always pass the threshold, so the
-gated attention (kernel and reference) needs no change. S + W < K is required. With `query_start` = s > 0 only the positions s.. of each sequence are
-queries (the earlier ones ran dense, as after a dense prefill): q and the outputs are packed over
-those query tokens, k over every token. The inputs q/k are detached: the backbone is frozen and the scores only
-train the gate; gradients reach the gate parameters through qg and kg.
+gated attention (kernel and reference) needs no change. S + W < K is required.
+
+With `query_start` = s > 0 only the positions s.. of each sequence are queries (the earlier ones
+ran dense, as after a dense prefill): q and the outputs are packed over those query tokens, k over
+every token. The inputs q/k are detached: the backbone is frozen and the scores only train the
+gate; gradients reach the gate parameters through qg and kg.
 
 Memory: `log_g` `[Hkv, T, NB]` fp32 is the only O(T * NB) tensor kept for backward (the gated
 attention saves the same tensor). The scores are built and reduced in chunks of `query_chunk`
@@ -109,7 +111,7 @@ def _valid(pos: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
 
 
 def candidate_blocks(pos: torch.Tensor, num_blocks: int, block_size: int, sink_blocks: int,
-                local_blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                     local_blocks: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """`([C, NB], [C, NB])` bool: (blocks the gate ranks, forced blocks) of queries at positions pos;
     both are previous blocks (m < pos // block_size), forced ones as `ops.topk.forced_mask` picks them."""
     valid = _valid(pos, num_blocks, block_size)
