@@ -313,12 +313,13 @@ def _check_args(args, device) -> None:
             bad.append(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0 or args.save_every < 0 or args.clip < 0:
         bad.append("--warmup, --save-every and --clip must be >= 0")
-    k = args.budget // max(1, args.block_size)
-    if args.sink_blocks < 0 or args.local_blocks < 0:
-        bad.append("--sink-blocks and --local-blocks must be >= 0")
-    elif (args.sink_blocks or args.local_blocks) and args.sink_blocks + args.local_blocks >= k:
-        bad.append(f"--sink-blocks {args.sink_blocks} + --local-blocks {args.local_blocks} must leave the gate some "
-                   f"of the K = {k} blocks of budget {args.budget} (sink + local < K)")
+    if args.block_size >= 1:
+        from sas_backend.training.scoring import check_forced
+
+        try:  # the rule GateTrainSpec enforces, reported with the other argument errors
+            check_forced(args.budget // args.block_size, args.sink_blocks, args.local_blocks)
+        except ValueError as e:
+            bad.append(f"--sink-blocks/--local-blocks at budget {args.budget}: {e}")
     if args.bf16 and device.type != "cuda":
         bad.append("--bf16 needs a CUDA device (on CPU the backbone runs in fp32)")
     if args.seq_len <= args.budget:
