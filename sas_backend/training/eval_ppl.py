@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the results here (default: print only)")
     p.add_argument("--plot", default=None, metavar="PREFIX",
                    help="write PREFIX-ppl.png (perplexity change vs budget) and PREFIX-recall.png (recall per layer)")
+    p.add_argument("--recall-facts", type=int, default=0, metavar="N",
+                   help="make every window a recall window: N facts spliced before the scored tail and restated "
+                        "in it (sas_backend.training.recall; the needle test's mechanism, N trials per window)")
     p.add_argument("--no-recall", action="store_true", help="skip the per-layer attention-mass recall analysis")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (a log line per window instead)")
@@ -277,6 +280,14 @@ def main(argv: Optional[list] = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = load_packed(args.data, tokenizer, args.window + 1, split=args.split, heldout_fraction=frac, seed=args.seed)
     rows = data.rows if args.max_windows is None else data.rows[: args.max_windows]
+    recall_rows = None
+    if args.recall_facts:
+        from sas_backend.training.recall import RecallSpec, add_recall_rows
+
+        # a seed apart from training's (its --seed picks rows and facts): other keys and values
+        spec = RecallSpec(1.0, args.recall_facts, tail=args.last, seed=1_000 + args.seed)
+        rows, made = add_recall_rows(rows, tokenizer, spec)
+        recall_rows = {**spec.record(), **made}
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
     loaded = {name: load_gates(path, model, b, device) for name, path in gate_paths.items()}
     gates = {name: g for name, (g, _) in loaded.items()}
@@ -342,7 +353,7 @@ def main(argv: Optional[list] = None) -> int:
     if args.json:
         out = {
             "model": args.model,
-            "data": data.record(),
+            "data": {**data.record(), "recall": recall_rows},
             "split": args.split,
             "windows": int(rows.shape[0]),
             "window": args.window,
@@ -387,6 +398,8 @@ def markdown_report(out: dict) -> str:
         "",
         f"- model `{out['model']}`, {out['split']} split (held out by document), {out['windows']} windows of "
         f"{out['window']} tokens, last {out['last']} scored ({out['scored_tokens']} tokens), block {out['block_size']}",
+        *([f"- recall windows: {data['recall']['facts']} facts spliced before the scored tail of each window and "
+           "restated in it (`sas_backend.training.recall`)"] if data.get("recall") else []),
         f"- budget B -> K = B // {out['block_size']} previous blocks + the query's own (the serving rule)",
         "- gates: " + (", ".join(f"{v} = `{g['gate']}` (sink {g['sink_blocks']}, local {g['local_blocks']})"
                                  for v, g in out.get("gate_variants", {}).items()) or "none"),

@@ -5,7 +5,7 @@
         [--distill-target max|mass] [--sink-blocks S] [--local-blocks W] [--lr 1e-3] [--warmup 20]
         [--batch-size 1] [--grad-accum 1] [--clip 1.0] [--bf16]
         [--save-every 50] [--resume] [--seed 0] [--kernel auto|triton|naive] [--train-last N]
-        [--init-gate DIR]
+        [--init-gate DIR] [--recall-rows FRACTION] [--recall-facts N]
 
 Multi-GPU: `torchrun --nproc-per-node N -m sas_backend.training.train ...` (DDP over the gate
 parameters; WORLD_SIZE / RANK / LOCAL_RANK come from torchrun; only rank 0 writes).
@@ -47,10 +47,11 @@ _RESUME_KEYS = ("model", "seq_len", "block_size", "budget", "objective", "scope"
                 "steps", "seed",
                 "batch_size", "grad_accum", "lr", "warmup", "min_lr_ratio", "weight_decay", "clip", "data",
                 "heldout_fraction", "max_tokens", "max_rows", "train_last", "init_gate", "sink_blocks",
-                "local_blocks")
+                "local_blocks", "recall_rows", "recall_facts")
 
 # Keys added after some runs were saved: what a state without them meant.
-_RESUME_DEFAULTS = {"scope": "sparse", "distill_target": "max", "sink_blocks": 0, "local_blocks": 0}
+_RESUME_DEFAULTS = {"scope": "sparse", "distill_target": "max", "sink_blocks": 0, "local_blocks": 0,
+                    "recall_rows": 0.0, "recall_facts": 4}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-blocks", type=int, default=0,
                    help="train with the N blocks before the query's own forced in, inside K, as "
                         "--sas-local-blocks serves them")
+    p.add_argument("--recall-rows", type=float, default=0.0, metavar="FRACTION",
+                   help="make this share of the rows recall rows: facts spliced before the trained tail and "
+                        "restated in it (sas_backend.training.recall), so the gate learns to fetch a far block")
+    p.add_argument("--recall-facts", type=int, default=4, help="facts per recall row")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
@@ -251,7 +256,7 @@ def training_record(args, argv, data, rows_used, spec, kernel, step, losses, wor
         "top_k": spec.top_k,
         "sink_blocks": args.sink_blocks,
         "local_blocks": args.local_blocks,
-        "data": {**data.record(), "rows_used": rows_used},
+        "data": {**data.record(), "rows_used": rows_used, "recall": getattr(args, "recall_record", None)},
         "steps": step,
         "seq_len": args.seq_len,
         "train_last": args.train_last,
@@ -306,6 +311,11 @@ def load_init_gate(path: str, geometry, block_size: int):
     return tensors, {"checkpoint": portable_path(path), "sha256": ident["sha256"], "training": config.training}
 
 
+def recall_tail(args) -> int:
+    """Where recall rows restate their facts: the trained tail (`--train-last`), else the row's last eighth."""
+    return args.train_last if args.train_last is not None else args.seq_len // 8
+
+
 def _check_args(args, device) -> None:
     bad = []
     for name in ("seq_len", "block_size", "budget", "steps", "batch_size", "grad_accum", "gate_dim", "query_chunk"):
@@ -320,6 +330,8 @@ def _check_args(args, device) -> None:
             check_forced(args.budget // args.block_size, args.sink_blocks, args.local_blocks)
         except ValueError as e:
             bad.append(f"--sink-blocks/--local-blocks at budget {args.budget}: {e}")
+    if not 0.0 <= args.recall_rows <= 1.0 or args.recall_facts < 1:
+        bad.append("--recall-rows must be in [0, 1] and --recall-facts >= 1")
     if args.bf16 and device.type != "cuda":
         bad.append("--bf16 needs a CUDA device (on CPU the backbone runs in fp32)")
     if args.seq_len <= args.budget:
@@ -357,6 +369,12 @@ def main(argv: Optional[list] = None) -> int:
     data = load_packed(args.data, tokenizer, args.seq_len, split="train", heldout_fraction=args.heldout_fraction,
                        seed=args.seed, max_tokens=args.max_tokens)
     rows = data.rows if args.max_rows is None else data.rows[: args.max_rows]
+    if args.recall_rows > 0:
+        from sas_backend.training.recall import RecallSpec, add_recall_rows
+
+        recall = RecallSpec(args.recall_rows, args.recall_facts, tail=recall_tail(args), seed=args.seed)
+        rows, made = add_recall_rows(rows, tokenizer, recall)
+        args.recall_record = {**recall.record(), **made}
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
     spec = GateTrainSpec(block_size=args.block_size, budget=args.budget, objective=args.objective,

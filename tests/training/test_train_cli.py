@@ -253,3 +253,43 @@ def test_forced_blocks_stage(trained, setup):
         train.main([a if a != "1" else "0" for a in args] + ["--resume"])
     with pytest.raises(SystemExit, match="sink \\+ local < K"):
         train.main(args[:args.index("--sink-blocks")] + ["--sink-blocks", "2", "--local-blocks", "2", *COMMON])
+
+
+def test_recall_rows_stage(trained, setup):
+    """`--recall-rows` makes recall rows of the training data: recorded (share, facts, where restated),
+    kept on resume."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+    from sas_backend.training import train
+
+    root, model_dir, essays = setup
+    out = str(root / "recall")
+    args = ["--model", model_dir, "--data", *essays, "--out", out, "--steps", "2", "--init-gate", trained,
+            "--train-last", "96", "--recall-rows", "1", "--recall-facts", "2", *COMMON]
+    assert train.main(args) == 0
+    rec = load_gate_checkpoint(out)[0].training
+    made = rec["data"]["recall"]
+    assert (made["fraction"], made["facts"], made["tail"]) == (1.0, 2, 96)
+    assert (made["rows_changed"], made["facts_placed"]) == (2, 4)
+    assert "--recall-rows 1 --recall-facts 2" in rec["command"]
+    with pytest.raises(SystemExit, match="recall_rows: saved 1.0, now 0.5"):
+        train.main([a if a != "1" else "0.5" for a in args] + ["--resume"])
+    with pytest.raises(SystemExit, match="--recall-rows must be in"):
+        train.main(args[:-len(COMMON)] + ["--recall-rows", "2", *COMMON])
+
+
+def test_eval_ppl_recall_windows(trained, setup):
+    """--recall-facts makes every window a recall window (facts before the scored tail, restated in it):
+    other windows than without it, recorded in the JSON and the Markdown."""
+    from sas_backend.training import eval_ppl
+
+    root, model_dir, essays = setup
+    argv = ["--model", model_dir, "--data", *essays, "--split", "train", "--window", "128", "--last", "32",
+            "--block-size", "16", "--budgets", "32", "--max-windows", "1", "--no-recall", "--no-progress"]
+    assert eval_ppl.main(argv + ["--json", str(root / "plain.json")]) == 0
+    assert eval_ppl.main(argv + ["--recall-facts", "1", "--json", str(root / "recall.json")]) == 0
+    plain, rec = (json.load(open(str(root / n))) for n in ("plain.json", "recall.json"))
+    assert plain["data"]["recall"] is None
+    made = rec["data"]["recall"]
+    assert (made["facts"], made["tail"], made["rows_changed"]) == (1, 32, 1)
+    assert rec["dense_nll_per_window"] != plain["dense_nll_per_window"]
+    assert "recall windows: 1 facts" in open(str(root / "recall.md")).read()
