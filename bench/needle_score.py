@@ -1,0 +1,156 @@
+"""Needle, teacher-forced: how sure is each selector of the passphrase? The continuous companion of needle.py.
+
+    .venv/bin/python bench/needle_score.py --budgets 2048 --gate-forced 1,1 --tag shipped
+
+needle.py asks the real server and counts a depth as recalled when the greedy answer holds the passphrase:
+one bit per depth, and with a 135M model the dense answer itself is often a near tie (at two of its five
+depths the passphrase's first token has probability ~0.1 under dense attention), so a harmless change of a
+selector can flip a depth either way. Here the same prompts (bench/needle.py's haystack and question, the
+model's chat template with the generation prompt, as the server renders them) are followed by the expected
+answer (the needle sentence) and run through transformers with SAS sparse attention under the serving rule:
+the prompt dense (as after prefill), the answer's tokens sparse queries (what decode attends). Reported per
+selector and depth: the NLL of the passphrase's tokens (summed) and whether its first token is the argmax.
+A selector that misses the fact's block shows it as an NLL far above dense's, whatever greedy decoding does.
+
+Writes bench/results/needle-score-<date>[-TAG].{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import shlex
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # needle.py beside this file
+from needle import CODES, NEEDLE, PLACES, QUESTION, SHIPPED_GATE, haystack_with_needle  # noqa: E402
+
+from sas_backend.corpus import read_essays  # noqa: E402
+from sas_backend.provenance import git_state, repo_relative  # noqa: E402
+from sas_backend.server_harness import DEFAULT_MODEL  # noqa: E402
+from sas_backend.training.eval_ppl import load_gates, parse_forced  # noqa: E402
+
+
+def needle_cases(tok, context: int, depths):
+    """[(depth, prompt ids, answer ids, passphrase slice in the answer)] for bench/needle.py's facts."""
+    essays = read_essays()
+    text = "\n\n".join(essays[k] for k in sorted(essays))
+    cases = []
+    for i, depth in enumerate(depths):
+        place, code = PLACES[i % len(PLACES)], CODES[i % len(CODES)]
+        hay = haystack_with_needle(tok, text, context, depth, NEEDLE.format(place=place, code=code))
+        prompt = tok.apply_chat_template([{"role": "user", "content": hay + "\n\n" + QUESTION.format(place=place)}],
+                                         tokenize=False, add_generation_prompt=True)
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        head = NEEDLE.format(place=place, code="").rstrip(".").rstrip()
+        a_ids = tok(NEEDLE.format(place=place, code=code), add_special_tokens=False)["input_ids"]
+        start = len(tok(head, add_special_tokens=False)["input_ids"])
+        end = len(a_ids) - 1  # the final "."
+        if tok.decode(a_ids[start:end]).strip() != code:
+            raise ValueError(f"passphrase {code!r} is not tokens [{start}:{end}] of the answer")
+        cases.append((depth, p_ids, a_ids, slice(start, end)))
+    return cases
+
+
+@torch.no_grad()
+def passphrase_nll(model, p_ids, a_ids, code: slice, spec=None):
+    """(summed NLL of the passphrase tokens, its first token is the argmax) for the prompt followed by the
+    answer; `spec` (SparseEvalSpec, sparse_from = len(prompt)) makes the answer's queries sparse."""
+    from sas_backend.hf.sparse_eval import sparse_eval
+
+    ids = torch.tensor(p_ids + a_ids)[None]
+    if spec is None:
+        logits = model(ids).logits[0]
+    else:
+        with sparse_eval(model, spec, max_pos=ids.shape[1]):
+            logits = model(ids).logits[0]
+    n = len(p_ids)
+    pred = logits[n - 1:-1].float()  # row j predicts answer token j
+    target = torch.tensor(a_ids)
+    nll = torch.nn.functional.cross_entropy(pred[code], target[code], reduction="sum")
+    return float(nll), bool(pred[code.start].argmax() == target[code.start])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--gate", action="append", default=None, metavar="NAME=DIR",
+                    help="gate checkpoints (default: shipped=the shipped gate)")
+    ap.add_argument("--context", type=int, default=3072, help="haystack tokens (as needle.py)")
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.75, 0.9])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[2048])
+    ap.add_argument("--gate-forced", nargs="+", default=["1,1"], metavar="SINK,LOCAL")
+    ap.add_argument("--baselines", nargs="*", default=["oracle", "quest", "sink-local"],
+                    choices=["oracle", "quest", "sink-local", "random"])
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sas_backend.hf.sparse_eval import SparseEvalSpec
+
+    started = time.time()
+    gate_paths = dict(g.split("=", 1) for g in (args.gate or [f"shipped={SHIPPED_GATE}"]))
+    tok = AutoTokenizer.from_pretrained(args.model)
+    tok.model_max_length = 1 << 30
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    cases = needle_cases(tok, args.context, args.depths)
+    b = args.block_size
+    configs = [("dense", None)]
+    for budget in args.budgets:
+        k = budget // b
+        for name, path in gate_paths.items():
+            gates, _ = load_gates(path, model, b, torch.device("cpu"))
+            for sink, local in parse_forced(args.gate_forced):
+                configs.append((f"{name}+s{sink}l{local} b{budget}", dict(top_k=k, selector="gate", gates=gates,
+                                                                          sink_blocks=sink, local_blocks=local)))
+        configs += [(f"{sel} b{budget}", dict(top_k=k, selector=sel)) for sel in args.baselines]
+    rows = []
+    for name, kw in configs:
+        scores = []
+        for depth, p_ids, a_ids, code in cases:
+            spec = None if kw is None else SparseEvalSpec(block_size=b, sparse_from=len(p_ids), **kw)
+            nll, top1 = passphrase_nll(model, p_ids, a_ids, code, spec)
+            scores.append({"depth": depth, "nll": round(nll, 3), "first_token_top1": top1})
+        rows.append({"selector": name, "scores": scores})
+        print(f"[needle_score] {name:28s} " + " ".join(f"{s['nll']:6.2f}{'*' if s['first_token_top1'] else ' '}"
+                                                     for s in scores), flush=True)
+
+    head = "| selector | " + " | ".join(f"depth {d:g}" for d, *_ in cases) + " | sum |"
+    lines = [head, "|" + "---|" * (len(cases) + 2)]
+    for row in rows:
+        cells = [f"{s['nll']:.2f}{' *' if s['first_token_top1'] else ''}" for s in row["scores"]]
+        lines.append(f"| {row['selector']} | " + " | ".join(cells) + f" | {sum(s['nll'] for s in row['scores']):.2f} |")
+    table = "\n".join(lines)
+    date = datetime.date.today().isoformat()
+    tag = f"needle-score-{date}" + (f"-{args.tag}" if args.tag else "")
+    command = " ".join(shlex.quote(a) for a in ["python", "bench/needle_score.py", *(sys.argv[1:] if argv is None else argv)])
+    record = {
+        "what": "needle, teacher-forced: NLL of the passphrase tokens (summed) after bench/needle.py's prompt, "
+                "the answer's queries sparse under the serving rule (transformers + sas_backend.hf.sparse_eval)",
+        "date": date, "commit": git_state()["commit"], "model": repo_relative(args.model),
+        "gates": {n: repo_relative(p) for n, p in gate_paths.items()}, "context_tokens": args.context,
+        "rows": rows, "needle": NEEDLE, "question": QUESTION, "wall_s": round(time.time() - started, 1),
+        "command": command, "table_markdown": table,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{tag}.json").write_text(json.dumps(record, indent=2))
+    (out / f"{tag}.md").write_text(
+        f"# Needle, teacher-forced, {date}\n\n{command} (commit {record['commit']})\n\n"
+        "NLL of the passphrase's tokens (summed, nats) after the needle prompt; `*`: its first token is the argmax "
+        "(what greedy decoding needs). Answer tokens are sparse queries under the serving rule.\n\n"
+        f"{table}\n")
+    print(table)
+    print(f"[needle_score] wrote {out / (tag + '.json')} and {out / (tag + '.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
