@@ -1,0 +1,55 @@
+"""bench/needle_score.py: the teacher-forced needle scores what the server's decode would attend."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "tests" / "training"))
+
+from tiny_llama import SMOLLM_DIR, have_real_assets  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not have_real_assets(),
+                                reason="needs models/SmolLM2-135M-Instruct and models/text/essays")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import needle_score
+
+    tok = AutoTokenizer.from_pretrained(SMOLLM_DIR)
+    tok.model_max_length = 1 << 30
+    model = AutoModelForCausalLM.from_pretrained(SMOLLM_DIR, dtype=torch.float32).eval()
+    return needle_score, tok, model, needle_score.needle_cases(tok, 320, [0.2, 0.8])
+
+
+def test_cases_locate_the_passphrase(setup):
+    needle_score, tok, _, cases = setup
+    for i, (depth, p_ids, a_ids, code) in enumerate(cases):
+        assert tok.decode(a_ids[code]).strip() == needle_score.CODES[i]
+        assert needle_score.PLACES[i] in tok.decode(p_ids[-40:])  # the question ends the prompt
+        assert needle_score.CODES[i] in tok.decode(p_ids)  # the fact is in the haystack
+
+
+def test_sparse_scores_follow_the_serving_rule(setup):
+    """Dense spec == plain model; a budget covering the context == dense; a budget of one block
+    (sink-local keeps only block 0) loses the fact placed late."""
+    from sas_backend.hf.sparse_eval import SparseEvalSpec
+
+    needle_score, _, model, cases = setup
+    _, p_ids, a_ids, code = cases[1]
+    dense = needle_score.passphrase_nll(model, p_ids, a_ids, code)
+    spec = lambda **kw: SparseEvalSpec(block_size=64, sparse_from=len(p_ids), **kw)  # noqa: E731
+    as_dense = needle_score.passphrase_nll(model, p_ids, a_ids, code, spec(top_k=1, selector="dense"))
+    assert as_dense == pytest.approx(dense)
+    covering = needle_score.passphrase_nll(model, p_ids, a_ids, code, spec(top_k=64, selector="sink-local"))
+    assert covering[0] == pytest.approx(dense[0], rel=1e-4, abs=1e-4) and covering[1] == dense[1]
+    starved = needle_score.passphrase_nll(model, p_ids, a_ids, code, spec(top_k=1, selector="sink-local"))
+    assert starved[0] > dense[0] + 2.0
