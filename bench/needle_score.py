@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     date = datetime.date.today().isoformat()
     tag = f"needle-score-{date}" + (f"-{args.tag}" if args.tag else "")
-    command = " ".join(shlex.quote(a) for a in ["python", "bench/needle_score.py", *(sys.argv[1:] if argv is None else argv)])
+    argv_used = sys.argv[1:] if argv is None else argv
+    command = " ".join(shlex.quote(a) for a in ["python", "bench/needle_score.py", *argv_used])
     record = {
         "what": "needle, teacher-forced: NLL of the passphrase tokens (summed) after bench/needle.py's prompt, "
                 "the answer's queries sparse under the serving rule (transformers + sas_backend.hf.sparse_eval)",
