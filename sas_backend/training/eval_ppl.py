@@ -285,8 +285,11 @@ def main(argv: Optional[list] = None) -> int:
         from sas_backend.training.recall import RecallSpec, add_recall_rows
 
         # a seed apart from training's (its --seed picks rows and facts): other keys and values
-        spec = RecallSpec(1.0, args.recall_facts, tail=args.last, seed=1_000 + args.seed)
-        rows, made = add_recall_rows(rows, tokenizer, spec)
+        try:
+            spec = RecallSpec(1.0, args.recall_facts, tail=args.last, seed=1_000 + args.seed)
+            rows, made = add_recall_rows(rows, tokenizer, spec)
+        except ValueError as e:
+            raise SystemExit(f"error: --recall-facts {args.recall_facts}: {e}") from None
         recall_rows = {**spec.record(), **made}
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
     loaded = {name: load_gates(path, model, b, device) for name, path in gate_paths.items()}

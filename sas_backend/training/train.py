@@ -373,7 +373,10 @@ def main(argv: Optional[list] = None) -> int:
         from sas_backend.training.recall import RecallSpec, add_recall_rows
 
         recall = RecallSpec(args.recall_rows, args.recall_facts, tail=recall_tail(args), seed=args.seed)
-        rows, made = add_recall_rows(rows, tokenizer, recall)
+        try:
+            rows, made = add_recall_rows(rows, tokenizer, recall)
+        except ValueError as e:  # the facts do not fit the tail (or the prefix)
+            raise SystemExit(f"error: --recall-facts {args.recall_facts}: {e}") from None
         args.recall_record = {**recall.record(), **made}
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)

@@ -275,6 +275,8 @@ def test_recall_rows_stage(trained, setup):
         train.main([a if a != "1" else "0.5" for a in args] + ["--resume"])
     with pytest.raises(SystemExit, match="--recall-rows must be in"):
         train.main(args[:-len(COMMON)] + ["--recall-rows", "2", *COMMON])
+    with pytest.raises(SystemExit, match="--recall-facts 40: .* do not fit"):  # 40 facts in a 96-token tail
+        train.main(args[:-len(COMMON)] + ["--recall-facts", "40", *COMMON])
 
 
 def test_eval_ppl_recall_windows(trained, setup):
