@@ -9,7 +9,8 @@ selector can flip a depth either way. Here the same prompts (bench/needle.py's h
 model's chat template with the generation prompt, as the server renders them) are followed by the expected
 answer (the needle sentence) and run through transformers with SAS sparse attention under the serving rule:
 the prompt dense (as after prefill), the answer's tokens sparse queries (what decode attends). Reported per
-selector and depth: the NLL of the passphrase's tokens (summed) and whether its first token is the argmax.
+selector and depth: the NLL of the passphrase's tokens (summed) and whether its first token is the argmax;
+in the JSON also, per layer, the share of the answer's (query, kv head) pairs that chose the passphrase's block.
 A selector that misses the fact's block shows it as an NLL far above dense's, whatever greedy decoding does.
 
 Writes bench/results/needle-score-<date>[-TAG].{json,md}.
@@ -33,7 +34,7 @@ from needle import CODES, NEEDLE, PLACES, QUESTION, SHIPPED_GATE, haystack_with_
 from sas_backend.corpus import read_essays  # noqa: E402
 from sas_backend.provenance import git_state, repo_relative  # noqa: E402
 from sas_backend.server_harness import DEFAULT_MODEL  # noqa: E402
-from sas_backend.training.eval_ppl import load_gates, parse_forced  # noqa: E402
+from sas_backend.training.eval_ppl import load_gates, parse_forced, parse_gates  # noqa: E402
 
 
 def needle_cases(tok, context: int, depths):
@@ -57,17 +58,25 @@ def needle_cases(tok, context: int, depths):
     return cases
 
 
+def fact_block(p_ids, a_ids, code: slice, block_size: int):
+    """The block of the prompt that holds the passphrase (its first token), or None if not found."""
+    want = a_ids[code]
+    hits = [j for j in range(len(p_ids) - len(want) + 1) if p_ids[j:j + len(want)] == want]
+    return hits[0] // block_size if hits else None
+
+
 @torch.no_grad()
-def passphrase_nll(model, p_ids, a_ids, code: slice, spec=None):
+def passphrase_nll(model, p_ids, a_ids, code: slice, spec=None, selected=None):
     """(summed NLL of the passphrase tokens, its first token is the argmax) for the prompt followed by the
-    answer; `spec` (SparseEvalSpec, sparse_from = len(prompt)) makes the answer's queries sparse."""
+    answer; `spec` (SparseEvalSpec, sparse_from = len(prompt)) makes the answer's queries sparse.
+    selected: optional dict filled with `{layer: [P, H_kv, K]}` block indices the answer's queries chose."""
     from sas_backend.hf.sparse_eval import sparse_eval
 
     ids = torch.tensor(p_ids + a_ids)[None]
     if spec is None:
         logits = model(ids).logits[0]
     else:
-        with sparse_eval(model, spec, max_pos=ids.shape[1]):
+        with sparse_eval(model, spec, max_pos=ids.shape[1], record=selected):
             logits = model(ids).logits[0]
     n = len(p_ids)
     pred = logits[n - 1:-1].float()  # row j predicts answer token j
@@ -96,7 +105,7 @@ def main(argv=None) -> int:
     from sas_backend.hf.sparse_eval import SparseEvalSpec
 
     started = time.time()
-    gate_paths = dict(g.split("=", 1) for g in (args.gate or [f"shipped={SHIPPED_GATE}"]))
+    gate_paths = parse_gates(args.gate or [f"shipped={SHIPPED_GATE}"])
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.model_max_length = 1 << 30
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -116,8 +125,15 @@ def main(argv=None) -> int:
         scores = []
         for depth, p_ids, a_ids, code in cases:
             spec = None if kw is None else SparseEvalSpec(block_size=b, sparse_from=len(p_ids), **kw)
-            nll, top1 = passphrase_nll(model, p_ids, a_ids, code, spec)
-            scores.append({"depth": depth, "nll": round(nll, 3), "first_token_top1": top1})
+            selected = {}
+            nll, top1 = passphrase_nll(model, p_ids, a_ids, code, spec, selected)
+            block = fact_block(p_ids, a_ids, code, b)
+            # per layer: share of the answer's (query, kv head) pairs that chose the passphrase's block
+            share = None if block is None or not selected else {
+                str(layer): round(float((sel == block).any(-1).float().mean()), 3)
+                for layer, sel in sorted(selected.items())}
+            scores.append({"depth": depth, "nll": round(nll, 3), "first_token_top1": top1, "fact_block": block,
+                           "fact_block_share_per_layer": share})
         rows.append({"selector": name, "scores": scores})
         print(f"[needle_score] {name:28s} " + " ".join(f"{s['nll']:6.2f}{'*' if s['first_token_top1'] else ' '}"
                                                      for s in scores), flush=True)

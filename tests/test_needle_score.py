@@ -53,3 +53,22 @@ def test_sparse_scores_follow_the_serving_rule(setup):
     assert covering[0] == pytest.approx(dense[0], rel=1e-4, abs=1e-4) and covering[1] == dense[1]
     starved = needle_score.passphrase_nll(model, p_ids, a_ids, code, spec(top_k=1, selector="sink-local"))
     assert starved[0] > dense[0] + 2.0
+
+
+def test_fact_block_and_what_each_layer_chose(setup):
+    """The passphrase's block is found in the prompt; the oracle at a small budget chooses it in some
+    layers, a one-block sink-local never (the fact is not in block 0)."""
+    from sas_backend.hf.sparse_eval import SparseEvalSpec
+
+    needle_score, tok, model, cases = setup
+    _, p_ids, a_ids, code = cases[1]
+    block = needle_score.fact_block(p_ids, a_ids, code, 64)
+    assert block is not None and block > 0
+    assert needle_score.CODES[1] in tok.decode(p_ids[block * 64:(block + 1) * 64 + len(a_ids)])
+    for selector, top_k, chosen in (("oracle", 2, True), ("sink-local", 1, False)):
+        selected = {}
+        needle_score.passphrase_nll(model, p_ids, a_ids, code,
+                                    SparseEvalSpec(top_k=top_k, block_size=64, selector=selector,
+                                                   sparse_from=len(p_ids)), selected)
+        assert len(selected) == model.config.num_hidden_layers
+        assert any(bool((sel == block).any()) for sel in selected.values()) == chosen

@@ -22,6 +22,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+METHOD = ("facts spliced at sentence ends before the trained tail, a restatement of each in the tail (another "
+          "order); rows keep their length")
 ADJECTIVES = ("amber", "crimson", "quiet", "northern", "hollow", "velvet", "rusty", "frozen", "golden", "narrow",
               "ancient", "wooden", "scarlet", "misty", "broken", "eastern", "painted", "sunken", "gentle", "iron")
 NOUNS = ("lantern", "orchard", "station", "archive", "chapel", "quarry", "workshop", "lighthouse", "vineyard",
@@ -63,7 +65,7 @@ class RecallSpec:
 
     def record(self) -> dict:
         return {"fraction": self.fraction, "facts": self.facts, "tail": self.tail, "seed": self.seed,
-                "templates": [list(t) for t in TEMPLATES], "method": __doc__.split("\n\n")[1].replace("\n", " ")}
+                "templates": [list(t) for t in TEMPLATES], "method": METHOD}
 
 
 def _value(rng: random.Random) -> str:
@@ -90,6 +92,8 @@ def _splice(tokens: List[int], spans: Sequence[List[int]], rng: random.Random, b
     if need >= n:
         raise ValueError(f"{need} tokens of recall text do not fit in a segment of {n}")
     room = n - need  # positions that keep every inserted span inside the segment
+    if room + 1 < len(spans):
+        raise ValueError(f"{len(spans)} recall sentences do not fit at distinct places in a segment of {n}")
     ends = [i + 1 for i in range(room) if tokens[i] in boundaries]
     pool = ends if len(ends) >= len(spans) else list(range(room + 1))
     cuts = sorted(rng.sample(pool, len(spans)))
