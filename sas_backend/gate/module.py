@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from sas_backend.ops.gate.naive import gate_query
-from sas_backend.ops.summary.naive import summarize_blocks
+from sas_backend.ops.summary.naive import summarize_blocks, summarize_pooled
 
 
 class _Weight(nn.Module):
@@ -81,6 +81,11 @@ class AttnGate(nn.Module):
             self.attngate_knorm.weight,
             block_cos_sin,
         )
+
+    def summarize_pooled(self, pooled: torch.Tensor, block_cos_sin: torch.Tensor) -> torch.Tensor:
+        """Block summaries `[N, H_kv, Dg]` fp32 from max|min|mean pooled pre-RoPE keys `[N, H_kv, 3D]`
+        (`ops.summary.naive.pool_block_keys`); block_cos_sin as in `summarize`."""
+        return summarize_pooled(pooled, self.attngate_linear_k.weight, self.attngate_knorm.weight, block_cos_sin)
 
 
 def gates_from_tensors(layers: dict, layer_ids, *, gate_dim: int, device=None) -> dict:

@@ -185,7 +185,7 @@ class _TrainContext:
         self.dense_pass = False  # True while the no-grad dense prefix of train_last runs
 
 
-def _pooled_attention_target(q, k, bounds, block_size, num_blocks, scale, query_start: int = 0,
+def pooled_attention_target(q, k, bounds, block_size, num_blocks, scale, query_start: int = 0,
                              pool: str = "max") -> torch.Tensor:
     """Distill target `[Hkv, Tq, NB]` (no grad): dense causal attention probabilities pooled over
     each block's keys (pool "max", or "mass": their sum, as `hf.sparse_eval.oracle_scores`), max over
@@ -224,7 +224,7 @@ def _pooled_attention_target(q, k, bounds, block_size, num_blocks, scale, query_
     return out
 
 
-def _distill_kl(target: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
+def distill_kl(target: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
     """Mean over queries with previous blocks of KL(target || exp(log_g)), both `[Hkv, T, NB]`."""
     has_prev = target.sum(-1) > 0  # [Hkv, T]
     safe_lg = torch.where(target > 0, log_g, torch.zeros_like(log_g))  # avoid 0 * -inf
@@ -274,14 +274,14 @@ def training_attention(module, query, key, value, attention_mask, scaling, dropo
         return out.view(bsz, q_len, h_q, d), None
     # distill: dense attention for the forward, KL on the side (target carries no gradient)
     with torch.no_grad():
-        target = _pooled_attention_target(q, k, seq_bounds(cu), spec.block_size, scores.num_blocks, scaling,
+        target = pooled_attention_target(q, k, seq_bounds(cu), spec.block_size, scores.num_blocks, scaling,
                                           q_start, spec.distill_target)
         if spec.sink_blocks or spec.local_blocks:  # the gate ranks only the blocks not forced in
             pos = torch.arange(q_start, seqlen, device=q.device).repeat(bsz)
             cand, _ = candidate_blocks(pos, scores.num_blocks, spec.block_size, spec.sink_blocks, spec.local_blocks)
             target = target * cand[None]
             target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
-    ctx.aux_losses.append(_distill_kl(target, scores.log_g))
+    ctx.aux_losses.append(distill_kl(target, scores.log_g))
     return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
 
 

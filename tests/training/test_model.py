@@ -135,7 +135,7 @@ def test_gated_op_all_selected_equals_sdpa():
 def test_distill_target_is_block_distribution():
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(40, 4, 16, generator=g), torch.randn(40, 2, 16, generator=g)
-    tgt = tm._pooled_attention_target(q, k, [(0, 40)], 8, 5, 0.25)
+    tgt = tm.pooled_attention_target(q, k, [(0, 40)], 8, 5, 0.25)
     n_prev = torch.arange(40) // 8
     sums = tgt.sum(-1)
     torch.testing.assert_close(sums[:, n_prev > 0], torch.ones(2, int((n_prev > 0).sum())))
@@ -151,14 +151,14 @@ def test_distill_mass_target_is_the_oracle_renormalized():
 
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(40, 4, 16, generator=g), torch.randn(40, 2, 16, generator=g)
-    tgt = tm._pooled_attention_target(q, k, [(0, 40)], 8, 5, 0.25, pool="mass")
+    tgt = tm.pooled_attention_target(q, k, [(0, 40)], 8, 5, 0.25, pool="mass")
     logits = torch.einsum("phd,thd->hpt", q, k.repeat_interleave(2, 1))  # query head h reads kv head h // G
     logits = logits.view(2, 2, 40, 40) * 0.25  # [Hkv, G, P, T]
     mass = oracle_scores(logits, torch.arange(40), 8, 5).transpose(0, 1)  # [Hkv, P, NB]
     mass = mass * (torch.arange(5)[None, None, :] < (torch.arange(40) // 8)[None, :, None])
     want = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30)
     torch.testing.assert_close(tgt, want, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(tgt, tm._pooled_attention_target(q, k, [(0, 40)], 8, 5, 0.25, pool="max"))
+    assert not torch.allclose(tgt, tm.pooled_attention_target(q, k, [(0, 40)], 8, 5, 0.25, pool="max"))
     with pytest.raises(ValueError, match="distill_target"):
         GateTrainSpec(distill_target="mean")
 
@@ -260,9 +260,9 @@ def test_train_last_gradients_reach_every_gate(objective):
 def test_train_last_distill_target_equals_whole_rows_sliced():
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(80, 4, 16, generator=g), torch.randn(80, 2, 16, generator=g)
-    full = tm._pooled_attention_target(q, k, [(0, 40), (40, 80)], 8, 5, 0.25)
+    full = tm.pooled_attention_target(q, k, [(0, 40), (40, 80)], 8, 5, 0.25)
     rows = torch.cat([torch.arange(13, 40), torch.arange(53, 80)])
-    tail = tm._pooled_attention_target(q[rows], k, [(0, 40), (40, 80)], 8, 5, 0.25, query_start=13)
+    tail = tm.pooled_attention_target(q[rows], k, [(0, 40), (40, 80)], 8, 5, 0.25, query_start=13)
     torch.testing.assert_close(tail, full[:, rows])
 
 
@@ -310,7 +310,7 @@ def test_forced_blocks_train_the_gate_on_the_other_blocks(monkeypatch, objective
     """sink 1 + local 1 (as served): lm attends the forced blocks with log g 0 and the gate's K - 2
     picks; distill's target is renormalized over the blocks not forced in. Gradients reach every gate."""
     seen = {}
-    real_op, real_kl = tm.gated_attention_op, tm._distill_kl
+    real_op, real_kl = tm.gated_attention_op, tm.distill_kl
 
     def op_spy(q, k, v, log_g, threshold, *args):
         seen["log_g"], seen["threshold"] = log_g.detach(), threshold
@@ -321,7 +321,7 @@ def test_forced_blocks_train_the_gate_on_the_other_blocks(monkeypatch, objective
         return real_kl(target, log_g)
 
     monkeypatch.setattr(tm, "gated_attention_op", op_spy)
-    monkeypatch.setattr(tm, "_distill_kl", kl_spy)
+    monkeypatch.setattr(tm, "distill_kl", kl_spy)
     model = tiny_llama()
     attach_gates(model, GateTrainSpec(block_size=16, budget=48, objective=objective, sink_blocks=1, local_blocks=1,
                                       train_last=48))

@@ -23,8 +23,18 @@ def summarize_blocks(
     w_k: `[H_kv, 3D, Dg]`; k_norm: `[Dg]`; block_cos_sin: `[N, Dg]` at each block's first position.
     Returns `[N, H_kv, Dg]` fp32.
     """
-    pooled = pool_block_keys(k_blocks_pre).transpose(0, 1)  # [H_kv, N, 3D]
-    proj = torch.bmm(pooled, w_k.float()).transpose(0, 1)  # [N, H_kv, Dg]
+    return summarize_pooled(pool_block_keys(k_blocks_pre), w_k, k_norm, block_cos_sin)
+
+
+def summarize_pooled(
+    pooled: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor, block_cos_sin: torch.Tensor
+) -> torch.Tensor:
+    """Summaries from already pooled keys (`pool_block_keys`): `[N, H_kv, 3D]` -> `[N, H_kv, Dg]` fp32.
+
+    Lets training on cached features (`sas_backend.training.features`) keep 3D numbers per block
+    instead of b * D. w_k, k_norm, block_cos_sin as in `summarize_blocks`.
+    """
+    proj = torch.bmm(pooled.float().transpose(0, 1), w_k.float()).transpose(0, 1)  # [N, H_kv, Dg]
     return apply_rope(rms_norm(proj, k_norm), block_cos_sin)
 
 

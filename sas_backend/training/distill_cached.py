@@ -1,0 +1,321 @@
+"""Distill AttnGates from cached dense features (`sas_backend.training.features`).
+
+The same objective as `train --objective distill` (KL of the gate's block distribution to the
+pooled dense attention, per layer, forced sink/local blocks excluded and the target renormalized
+over the others, as `model.training_attention` computes it), but the backbone never runs: each
+step reads `--rows-per-step` cached rows and runs only the gate math (gate query, block summaries
+from the pooled keys, `scoring.BlockLogGate`, `model.distill_kl`), one layer at a time. On a CPU
+that is ~100x cheaper per row than a distill step of `train`, so a gate can see every cached row
+many times.
+
+    python -m sas_backend.training.distill_cached --model DIR --cache DIR [DIR ...] --out DIR
+        [--budget 2048] [--sink-blocks 1] [--local-blocks 1] [--steps 500] [--rows-per-step 4]
+        [--lr 2e-3] [--warmup 20] [--min-lr-ratio 0.1] [--init-gate DIR] [--seed 0]
+        [--val-cache DIR [DIR ...]] [--eval-every 50] [--save-every 100] [--resume]
+
+Several caches (e.g. prose, prose with recall rows, code) are one pool of rows; they must share
+model, seq len, tail, block size and target. Output: the canonical checkpoint (config `training` =
+the record: caches and their data, steps, losses, held-out KL), `train_state.pt` for `--resume`
+(batches are a pure function of seed and step) and `train_log.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+STATE_FILE = "train_state.pt"
+LOG_FILE = "train_log.jsonl"
+# Arguments a resumed run must share with the run that wrote the state.
+_RESUME_KEYS = ("model", "cache", "budget", "sink_blocks", "local_blocks", "steps", "rows_per_step", "lr",
+                "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "init_gate", "gate_dim")
+_SPEC_KEYS = ("model", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "seq_len", "tail",
+              "block_size", "target")
+
+
+class RowBatch:
+    """Cached rows stacked for one layer: q `[R*N, Hq, D]`, pooled `[R*NBc, Hkv, 3D]`, target
+    `[Hkv, R*N, NB]` (fp32), with the packed bookkeeping `BlockLogGate` needs."""
+
+    def __init__(self, rows: List[Dict[str, torch.Tensor]], layer: int, spec):
+        self.q = torch.cat([r[f"q.{layer}"] for r in rows]).float()
+        self.pooled = torch.cat([r[f"pooled.{layer}"] for r in rows]).float()
+        self.target = torch.cat([r[f"target.{layer}"] for r in rows], dim=1).float()
+        n, length = len(rows), spec.seq_len
+        self.bounds = [(i * length, (i + 1) * length) for i in range(n)]
+        self.query_start = length - spec.tail
+
+
+def layer_loss(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int, sink_blocks: int,
+               local_blocks: int) -> torch.Tensor:
+    """Mean per-query KL(target || gate) of one layer on cached rows (differentiable in `gate`).
+
+    The distill loss of `model.training_attention` for one layer, computed from the cached
+    pre-RoPE q, pooled keys and target instead of a model forward.
+    """
+    from sas_backend.training.model import distill_kl
+    from sas_backend.training.scoring import BlockLogGate, candidate_blocks
+
+    b, nb, tail = spec.block_size, spec.num_blocks, spec.tail
+    n_rows = len(batch.bounds)
+    full = spec.seq_len // b
+    pos = torch.arange(batch.query_start, spec.seq_len).repeat(n_rows)
+    qg = gate.query(batch.q, gate_table[pos])  # [R*N, Hkv, Dg]
+    starts = (torch.arange(full) * b).repeat(n_rows)
+    kg = gate.summarize_pooled(batch.pooled, gate_table[starts])  # [R*NBc, Hkv, Dg]
+    kg = kg.view(n_rows, full, *kg.shape[1:])
+    if nb > full:  # the incomplete last block never scores (zeros, as scoring.block_summaries pads)
+        kg = torch.cat([kg, kg.new_zeros(n_rows, nb - full, *kg.shape[2:])], dim=1)
+    log_g, _ = BlockLogGate.apply(qg, kg, batch.bounds, b, top_k, tail, batch.query_start, sink_blocks, local_blocks)
+    target = batch.target
+    if sink_blocks or local_blocks:  # the gate ranks only the blocks not forced in
+        cand, _ = candidate_blocks(pos, nb, b, sink_blocks, local_blocks)
+        target = target * cand[None]
+        target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
+    return distill_kl(target, log_g)
+
+
+def mean_loss(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, backward: bool) -> float:
+    """Sum over layers of the layer losses of `rows` (backward per layer when asked: layers are
+    independent, so each graph is freed before the next is built)."""
+    total = 0.0
+    for layer, gate in gates.items():
+        batch = RowBatch(rows, layer, spec)
+        if backward:
+            loss = layer_loss(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks)
+            loss.backward()
+        else:
+            with torch.no_grad():
+                loss = layer_loss(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks)
+        total += float(loss.detach())
+    return total
+
+
+def _compatible(caches) -> None:
+    first = caches[0][1].manifest
+    for path, cache in caches[1:]:
+        diff = [k for k in _SPEC_KEYS if cache.manifest.get(k) != first.get(k)]
+        if diff:
+            raise SystemExit(f"error: cache {path} differs from {caches[0][0]} in {', '.join(diff)}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sas_backend.training.distill_cached",
+                                description="Distill AttnGates from cached dense features (no backbone forward).")
+    p.add_argument("--model", required=True, help="the Hugging Face model directory the caches were made with")
+    p.add_argument("--cache", required=True, nargs="+", help="feature cache directories (one pool of rows)")
+    p.add_argument("--out", required=True, help="output directory (checkpoint, state, log)")
+    p.add_argument("--budget", type=int, default=2048, help="the serving budget: K = budget // block (records it; "
+                                                            "forced blocks must leave the gate some of K)")
+    p.add_argument("--sink-blocks", type=int, default=1, help="first blocks forced in at serving (not ranked)")
+    p.add_argument("--local-blocks", type=int, default=1, help="blocks before the query's own forced in (not ranked)")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--rows-per-step", type=int, default=4, help="cached rows per optimizer step")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="gate init seed and row order")
+    p.add_argument("--gate-dim", type=int, default=128)
+    p.add_argument("--init-gate", default=None, metavar="DIR", help="start from this gate checkpoint")
+    p.add_argument("--val-cache", nargs="*", default=[], help="held-out feature caches: their KL is logged, never trained on")
+    p.add_argument("--eval-every", type=int, default=50, help="held-out KL every N steps (and at the end)")
+    p.add_argument("--save-every", type=int, default=100, help="state + checkpoint every N steps (0: end only)")
+    p.add_argument("--resume", action="store_true", help=f"continue from --out/{STATE_FILE}")
+    p.add_argument("--stop-at", type=int, default=None, help="stop after this step as if interrupted")
+    p.add_argument("--no-progress", action="store_true", help="log lines instead of a tqdm bar")
+    return p
+
+
+def _resume_view(args) -> dict:
+    return {k: getattr(args, k) for k in _RESUME_KEYS}
+
+
+def main(argv: Optional[list] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    from sas_backend.gate.checkpoint import init_gate_state, save_gate_checkpoint
+    from sas_backend.gate.module import AttnGate
+    from sas_backend.geometry import ModelGeometry, gate_rope_table
+    from sas_backend.provenance import portable_argv, portable_path
+    from sas_backend.training.features import FeatureCacheError, load_feature_cache
+    from sas_backend.training.scoring import check_forced
+    from sas_backend.training.train import batch_rows, load_init_gate, lr_schedule, progress_bar
+
+    bad = [f"--{n.replace('_', '-')} must be >= 1" for n in ("steps", "rows_per_step", "budget", "eval_every")
+           if getattr(args, n) < 1]
+    if bad:
+        raise SystemExit("error: " + "; ".join(bad))
+    try:
+        caches = [(c, load_feature_cache(c)) for c in args.cache]
+        vals = [(c, load_feature_cache(c)) for c in args.val_cache]
+    except FeatureCacheError as e:
+        raise SystemExit(f"error: {e}") from None
+    _compatible(caches + vals)
+    manifest = caches[0][1].manifest
+    spec = caches[0][1].spec
+    geometry = ModelGeometry.from_model_dir(args.model)
+    got = (geometry.num_layers, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim)
+    want = tuple(manifest[k] for k in _SPEC_KEYS[1:5])
+    if got != want:
+        raise SystemExit(f"error: {args.model} has (layers, q heads, kv heads, head dim) {got}; the caches were made "
+                         f"for {want}")
+    if args.budget % spec.block_size:
+        raise SystemExit(f"error: --budget {args.budget} is not a multiple of the cached block size {spec.block_size}")
+    top_k = args.budget // spec.block_size
+    try:
+        check_forced(top_k, args.sink_blocks, args.local_blocks)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    rows = [r for _, c in caches for r in c.rows]
+    val_rows = [r for _, c in vals for r in c.rows]
+
+    torch.manual_seed(args.seed)
+    gate_config, tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim, block_size=spec.block_size)
+    init_record = {"seed": args.seed, "method": "init_gate_state(seed) (sas_backend.gate.checkpoint)"}
+    if args.init_gate:
+        tensors, init_record = load_init_gate(args.init_gate, geometry, spec.block_size)
+        gate_config = dataclasses.replace(gate_config, gate_dim=int(tensors[0]["attngate_linear_q.weight"].shape[-1]))
+    gates = {}
+    for i in range(geometry.num_layers):
+        g = AttnGate(geometry.num_kv_heads, geometry.group_size, geometry.head_dim, gate_config.gate_dim)
+        g.load_state_dict(tensors[i])
+        gates[i] = g.float().requires_grad_(True)
+    gate_table = gate_rope_table(gate_config.gate_dim, geometry, spec.seq_len)
+    params = [p for g in gates.values() for p in g.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    scheduler = lr_schedule(optimizer, args.warmup, args.steps, args.min_lr_ratio)
+
+    os.makedirs(args.out, exist_ok=True)
+    state_path = os.path.join(args.out, STATE_FILE)
+    log_path = os.path.join(args.out, LOG_FILE)
+    start, losses, val_log = 0, [], []
+    if args.resume:
+        if not os.path.isfile(state_path):
+            raise SystemExit(f"error: --resume: no {state_path} (drop --resume to start fresh)")
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        diff = [f"{k}: saved {state['args'].get(k)!r}, now {v!r}" for k, v in _resume_view(args).items()
+                if state["args"].get(k) != v]
+        if diff:
+            raise SystemExit("error: --resume with different settings than the saved run: " + "; ".join(diff))
+        for i, g in gates.items():
+            g.load_state_dict(state["gates"][i])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start, losses, val_log = int(state["step"]), list(state["losses"]), list(state["val"])
+    elif os.path.exists(log_path):
+        os.unlink(log_path)
+    end = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
+
+    def held_out(step: int) -> Optional[float]:
+        if not val_rows:
+            return None
+        kl = mean_loss(gates, val_rows, spec, gate_table, top_k, args.sink_blocks, args.local_blocks, backward=False)
+        val_log.append({"step": step, "kl": kl})
+        return kl
+
+    def record(step: int, elapsed: float) -> dict:
+        tail = losses[-min(20, len(losses)):]
+        return {
+            "objective": "distill",
+            "scope": None,
+            "distill_target": spec.target,
+            "method": "distillation of the oracle on cached dense features: KL(block attention "
+                      f"{spec.target} of the dense attention, max over the group's heads || gate), forced blocks "
+                      "excluded (sas_backend.training.distill_cached)",
+            "budget": args.budget,
+            "block_size": spec.block_size,
+            "top_k": top_k,
+            "sink_blocks": args.sink_blocks,
+            "local_blocks": args.local_blocks,
+            "data": {"caches": [{"cache": portable_path(p), "rows": c.manifest["rows"], "seed": c.manifest["seed"],
+                                 "data": c.manifest["data"], "recall": c.manifest["recall"]} for p, c in caches],
+                     "rows": len(rows), "seq_len": spec.seq_len, "tail": spec.tail,
+                     "val_caches": [portable_path(p) for p, _ in vals]},
+            "steps": step,
+            "seq_len": spec.seq_len,
+            "train_last": spec.tail,
+            "rows_per_step": args.rows_per_step,
+            "rows_seen": step * args.rows_per_step,
+            "lr": args.lr,
+            "min_lr_ratio": args.min_lr_ratio,
+            "warmup": args.warmup,
+            "weight_decay": args.weight_decay,
+            "clip": args.clip,
+            "init": init_record,
+            "initial_loss": losses[0] if losses else None,
+            "final_loss": sum(tail) / len(tail) if tail else None,
+            "final_loss_window": len(tail),
+            "heldout_kl": val_log,
+            "train_seconds": round(elapsed, 1),
+            "command": "python -m sas_backend.training.distill_cached " + " ".join(portable_argv(argv)),
+        }
+
+    def save(step: int, elapsed: float) -> None:
+        state = {"step": step, "gates": {i: g.state_dict() for i, g in gates.items()},
+                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "args": _resume_view(args), "losses": losses, "val": val_log}
+        torch.save(state, state_path + ".tmp")
+        os.replace(state_path + ".tmp", state_path)
+        save_gate_checkpoint(args.out, dataclasses.replace(gate_config, training=record(step, elapsed)), gates,
+                             dtype=torch.float32)
+
+    per_cache = ", ".join(f"{p}: {c.manifest['rows']}" for p, c in caches)
+    print(f"[distill_cached] {len(rows)} cached rows ({per_cache}) "
+          f"| tail {spec.tail} of {spec.seq_len} | target {spec.target} | budget {args.budget} (K={top_k}, "
+          f"sink {args.sink_blocks}, local {args.local_blocks}) | {len(val_rows)} held-out rows | steps {start}->{end}",
+          flush=True)
+    if start == 0 and val_rows:
+        print(f"[distill_cached] held-out KL at step 0: {held_out(0):.4f}", flush=True)
+    bar = progress_bar(args.steps, "distill", initial=start, enabled=not args.no_progress)
+    t_start = time.time()
+    for step in range(start, end):
+        t0 = time.time()
+        idx = batch_rows(step, 0, 0, world=1, batch=args.rows_per_step, accum=1, n_rows=len(rows), seed=args.seed)
+        loss = mean_loss(gates, [rows[i] for i in idx.tolist()], spec, gate_table, top_k, args.sink_blocks,
+                         args.local_blocks, backward=True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else math.inf)
+        lr_used = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss)
+        done = step + 1
+        rec = {"step": done, "loss": loss, "lr": lr_used, "grad_norm": float(grad_norm),
+               "seconds": round(time.time() - t0, 3)}
+        if done % args.eval_every == 0 or done == args.steps:
+            kl = held_out(done)
+            if kl is not None:
+                rec["heldout_kl"] = kl
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", **({"val": f"{rec['heldout_kl']:.4f}"} if "heldout_kl" in rec else {}),
+                            refresh=False)
+            bar.update(1)
+        elif done % 10 == 0 or "heldout_kl" in rec:
+            print(f"[distill_cached] step {done}/{args.steps} loss {loss:.4f}"
+                  + (f" held-out KL {rec['heldout_kl']:.4f}" if "heldout_kl" in rec else ""), flush=True)
+        if (args.save_every and done % args.save_every == 0) or done == end:
+            save(done, time.time() - t_start)
+    if bar is not None:
+        bar.close()
+    if start >= end:
+        print(f"[distill_cached] nothing to do: already at step {start} of {args.steps}", flush=True)
+    else:
+        print(f"[distill_cached] wrote {args.out} (step {end}, loss {losses[-1]:.4f}"
+              + (f", held-out KL {val_log[-1]['kl']:.4f}" if val_log else "") + ")", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""Cached dense features and distillation from them: the same loss and gradients as `train`'s
+distill objective, a resumable and self-checking cache, and the CLIs end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import sas_backend.training.features as feats
+from sas_backend.training.distill_cached import RowBatch, layer_loss, mean_loss
+from sas_backend.training.features import FeatureCacheError, FeatureSpec, build_feature_cache, load_feature_cache
+from sas_backend.training.model import GateTrainSpec, attach_gates, detach_gates, objective_loss
+from tiny_llama import ESSAYS_DIR, have_real_assets, save_tiny_model_dir, tiny_llama
+
+SEQ, B, TAIL = 80, 16, 48  # 5 blocks of 16; the last 48 positions are queries
+
+
+def _rows(n=2, seed=0):
+    return torch.randint(0, 256, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _gates(seed=3):
+    from sas_backend.gate.module import AttnGate
+
+    torch.manual_seed(seed)
+    return {i: AttnGate(2, 2, 16, 32) for i in range(2)}
+
+
+def _manifest(spec, rows=2):
+    return {"format_version": feats.FORMAT_VERSION, "num_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, **spec.__dict__, "rows": rows, "seed": 0,
+            "data": {}, "recall": None, "model": "tiny"}
+
+
+@pytest.mark.parametrize("target,forced", [("mass", (0, 0)), ("mass", (1, 1)), ("max", (1, 0))])
+def test_cached_loss_and_gradients_equal_train_distill(monkeypatch, target, forced):
+    """The loss (sum over layers of the mean per-query KL) and every gate gradient computed from
+    cached features equal `train`'s distill objective on the same rows with train_last = tail."""
+    monkeypatch.setattr(feats, "STORE_DTYPE", torch.float32)  # compare the math, not fp16 rounding
+    from sas_backend.geometry import ModelGeometry, gate_rope_table
+
+    model = tiny_llama()
+    ids = _rows()
+    spec = FeatureSpec(SEQ, TAIL, B, target)
+    cached = [feats.row_features(model, ids[i], spec) for i in range(2)]
+    sink, local = forced
+    gates = _gates()
+    attached = attach_gates(model, GateTrainSpec(block_size=B, budget=48, objective="distill", distill_target=target,
+                                                 train_last=TAIL, sink_blocks=sink, local_blocks=local), gates)
+    want = objective_loss(model, ids)
+    want.backward()
+    want_grads = {i: {n: p.grad.clone() for n, p in g.named_parameters()} for i, g in attached.items()}
+    detach_gates(model)
+    table = gate_rope_table(32, ModelGeometry.from_hf_config(model.config), SEQ)
+    got = mean_loss(gates, cached, spec, table, 3, sink, local, backward=True)
+    assert got == pytest.approx(float(want.detach()), rel=1e-5)
+    for i, g in gates.items():
+        for n, p in g.named_parameters():
+            torch.testing.assert_close(p.grad, want_grads[i][n], rtol=1e-4, atol=1e-6)
+
+
+def test_row_features_shapes_and_target():
+    """q is the tail's pre-RoPE q, pooled the complete blocks' max|min|mean, the target a
+    distribution over each query's previous blocks (zero elsewhere)."""
+    model = tiny_llama()
+    spec = FeatureSpec(SEQ, TAIL, B, "mass")
+    out = feats.row_features(model, _rows(1)[0], spec)
+    assert set(out) == {f"{n}.{i}" for n in ("q", "pooled", "target") for i in range(2)}
+    assert out["q.0"].shape == (TAIL, 4, 16) and out["q.0"].dtype == torch.float16
+    assert out["pooled.1"].shape == (SEQ // B, 2, 48)
+    tgt = out["target.0"].float()  # [Hkv, N, NB]
+    assert tgt.shape == (2, TAIL, 5)
+    own = torch.arange(SEQ - TAIL, SEQ) // B
+    prev = torch.arange(5)[None, :] < own[:, None]
+    assert (tgt[:, ~prev] == 0).all()
+    torch.testing.assert_close(tgt.sum(-1), torch.ones(2, TAIL), atol=2e-3, rtol=0)
+    with pytest.raises(ValueError, match="tail"):
+        FeatureSpec(SEQ, SEQ, B)
+    with pytest.raises(ValueError, match="target"):
+        FeatureSpec(SEQ, TAIL, B, "mean")
+
+
+def test_cache_resumes_shards_and_refuses_bad_input(tmp_path):
+    model = tiny_llama()
+    spec = FeatureSpec(SEQ, TAIL, B, "mass")
+    ids = _rows(3)
+    out = str(tmp_path / "cache")
+    man = _manifest(spec, rows=3)
+    assert build_feature_cache(model, ids, spec, out, man, shard=(1, 2)) == 1  # row 1 only
+    with pytest.raises(FeatureCacheError, match="row 0 of 3 missing"):
+        load_feature_cache(out)
+    assert build_feature_cache(model, ids, spec, out, man) == 2  # rows 0 and 2; row 1 kept
+    cache = load_feature_cache(out)
+    assert len(cache.rows) == 3 and cache.spec == spec
+    torch.testing.assert_close(cache.rows[1]["q.0"], feats.row_features(model, ids[1], spec)["q.0"])
+    with pytest.raises(FeatureCacheError, match="other settings.*tail"):
+        build_feature_cache(model, ids, FeatureSpec(SEQ, 32, B), out, _manifest(FeatureSpec(SEQ, 32, B), rows=3))
+    with open(os.path.join(out, feats.row_file(2)), "wb") as f:
+        f.write(b"not a safetensors file")
+    with pytest.raises(FeatureCacheError, match="row-00002.*unreadable"):
+        load_feature_cache(out)
+    with pytest.raises(FeatureCacheError, match="no manifest.json"):
+        load_feature_cache(str(tmp_path))
+
+
+def test_row_batch_packs_rows():
+    spec = FeatureSpec(SEQ, TAIL, B, "mass")
+    rows = [{"q.0": torch.full((TAIL, 4, 16), float(i)), "pooled.0": torch.zeros(5, 2, 48),
+             "target.0": torch.zeros(2, TAIL, 5)} for i in range(3)]
+    batch = RowBatch(rows, 0, spec)
+    assert batch.q.shape == (3 * TAIL, 4, 16) and batch.q[TAIL, 0, 0] == 1
+    assert batch.target.shape == (2, 3 * TAIL, 5)
+    assert batch.bounds == [(0, SEQ), (SEQ, 2 * SEQ), (2 * SEQ, 3 * SEQ)] and batch.query_start == SEQ - TAIL
+    assert callable(layer_loss)
+
+
+# ---- the CLIs on a tiny model and the real essays -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cli_caches(tmp_path_factory):
+    if not have_real_assets():
+        pytest.skip("needs models/SmolLM2-135M-Instruct (tokenizer) and models/text/essays")
+    os.environ.setdefault("SAS_ESSAYS_DIR", ESSAYS_DIR)
+    root = tmp_path_factory.mktemp("features")
+    model_dir = save_tiny_model_dir(str(root / "model"))
+    from sas_backend.training.features import main
+
+    common = ["--model", model_dir, "--data", ESSAYS_DIR, "--seq-len", "512", "--tail", "192", "--no-progress"]
+    assert main(common + ["--out", str(root / "train"), "--max-rows", "6", "--recall-rows", "0.5",
+                          "--recall-facts", "2"]) == 0
+    assert main(common + ["--out", str(root / "val"), "--split", "heldout", "--max-rows", "2"]) == 0
+    return root, model_dir
+
+
+def _distill(root, model_dir, out, *extra):
+    from sas_backend.training.distill_cached import main
+
+    return main(["--model", model_dir, "--cache", str(root / "train"), "--val-cache", str(root / "val"),
+                 "--out", str(out), "--budget", "192", "--steps", "30", "--rows-per-step", "2", "--lr", "1e-2",
+                 "--warmup", "2", "--eval-every", "10", "--no-progress", *extra])
+
+
+def test_cli_distills_resumes_and_writes_a_servable_checkpoint(cli_caches, tmp_path):
+    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_geometry
+    from sas_backend.geometry import ModelGeometry
+
+    root, model_dir = cli_caches
+    manifest = json.load(open(root / "train" / "manifest.json"))
+    assert manifest["recall"]["facts_placed"] > 0 and manifest["data"]["split"] == "train"
+    assert _distill(root, model_dir, tmp_path / "a") == 0
+    log = [json.loads(line) for line in open(tmp_path / "a" / "train_log.jsonl")]
+    assert len(log) == 30
+    config, tensors = load_gate_checkpoint(str(tmp_path / "a"))
+    validate_for_geometry(config, tensors, ModelGeometry.from_model_dir(model_dir), block_size=64)
+    rec = config.training
+    kl = [v["kl"] for v in rec["heldout_kl"]]
+    assert [v["step"] for v in rec["heldout_kl"]] == [0, 10, 20, 30]
+    assert kl[-1] < kl[0]  # distillation generalizes to held-out text
+    assert rec["objective"] == "distill" and rec["sink_blocks"] == 1 and rec["top_k"] == 3
+    assert rec["data"]["caches"][0]["recall"]["facts_placed"] > 0
+    assert "/tmp" not in rec["command"] and "distill_cached" in rec["command"]
+    # interrupted at step 12, resumed: the same gates as the uninterrupted run
+    assert _distill(root, model_dir, tmp_path / "b", "--stop-at", "12") == 0
+    assert _distill(root, model_dir, tmp_path / "b", "--resume") == 0
+    _, resumed = load_gate_checkpoint(str(tmp_path / "b"))
+    for layer, ts in tensors.items():
+        for name, t in ts.items():
+            torch.testing.assert_close(resumed[layer][name], t, rtol=1e-5, atol=1e-6)
+    with pytest.raises(SystemExit, match="different settings.*lr"):
+        _distill(root, model_dir, tmp_path / "b", "--resume", "--lr", "1e-3")
+    with pytest.raises(SystemExit, match="leave none"):
+        _distill(root, model_dir, tmp_path / "c", "--budget", "128")
+    with pytest.raises(SystemExit, match="not a multiple"):
+        _distill(root, model_dir, tmp_path / "c", "--budget", "100")
