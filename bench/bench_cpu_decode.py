@@ -52,7 +52,7 @@ from sas_backend.server_harness import DEFAULT_MODEL, Server
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
-SHIPPED_GATE = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas-b512"
+SHIPPED_GATE = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas"
 ESSAYS = pathlib.Path(default_essays_dir())
 BLOCK = 64
 COMMON_FLAGS = ["--dtype", "float32", "--page-size", str(BLOCK), "--sleep-on-idle"]

@@ -35,7 +35,7 @@ from sas_backend.server_harness import DEFAULT_MODEL, Server
 from sas_backend.training.eval_ppl import parse_forced
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SHIPPED_GATE = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas-b512"
+SHIPPED_GATE = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas"
 NEEDLE = "The secret passphrase of the {place} is {code}."
 QUESTION = "What is the secret passphrase of the {place}? Answer with the passphrase only."
 PLACES = ["blue harbor", "old mill", "north tower", "silent garden", "copper bridge", "glass library"]

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-GATE = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas-b512"
+GATE = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas"
 LAYERS, H_Q, H_KV, D, B = 30, 9, 3, 64, 64
 
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-SHIPPED = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas-b512"
+SHIPPED = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas"
 MODEL_DIR = REPO / "models" / "SmolLM2-135M-Instruct"
 
 
@@ -24,17 +24,22 @@ def test_shipped_sas_gate_loads_and_records_its_training():
     validate_for_model(config, tensors, num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64,
                        block_size=64, gate_dim=128, rope_theta=100000.0)
     rec = config.training
-    # Trained under the one budget rule (K = budget // block, as served), by the SAS objective last
-    assert rec["objective"] == "lm" and rec["budget"] == 512 and rec["block_size"] == 64 and rec["top_k"] == 8
-    assert rec["command"].startswith("python -m sas_backend.training.train ")
-    assert rec["steps"] > 0 and rec["final_loss"] is not None
-    assert "@essays" in rec["data"]["sources"] and rec["data"]["split"] == "train"
+    # Distilled last from cached dense features under the served rule: K = budget // block with the
+    # serving record's forced blocks (sink 1 + local 1) excluded from the ranking
+    assert rec["objective"] == "distill" and rec["distill_target"] == "mass"
+    assert rec["budget"] == 2048 and rec["block_size"] == 64 and rec["top_k"] == 32
+    assert (rec["sink_blocks"], rec["local_blocks"]) == (1, 1)
+    assert rec["command"].startswith("python -m sas_backend.training.distill_cached ")
+    assert rec["steps"] > 0 and rec["final_loss"] is not None and rec["heldout_kl"]
+    caches = rec["data"]["caches"]
+    assert {c["data"]["split"] for c in caches} == {"train"}
+    assert {s for c in caches for s in c["data"]["sources"]} == {"@essays", "@stdlib"}
     # Every earlier stage is recorded under init, down to the seeded init
     stages, node = [], rec
     while "training" in node.get("init", {}):
         node = node["init"]["training"]
         stages.append(node["objective"])
-    assert stages[0] == "distill" and node["init"]["seed"] == 0, stages
+    assert stages == ["lm", "distill", "lm", "distill"] and node["init"]["seed"] == 0, stages
     assert not any(part.startswith("/") for part in rec["command"].split()), "the record names a machine path"
 
 

@@ -67,7 +67,7 @@ def dense_server(model_dir):
 @pytest.fixture(scope="session")
 def shipped_gate() -> pathlib.Path:
     """The trained SAS gate the repository ships for the default model (serve/serve.sh's default)."""
-    path = pathlib.Path(__file__).resolve().parents[2] / "gate_checkpoints" / "smollm2-135m-instruct-sas-b512"
+    path = pathlib.Path(__file__).resolve().parents[2] / "gate_checkpoints" / "smollm2-135m-instruct-sas"
     assert (path / "gate.safetensors").is_file(), f"{path} is missing: the shipped gate is part of the repository"
     return path
 
