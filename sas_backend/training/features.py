@@ -14,7 +14,7 @@ backbone's work (almost all of a distill step's time on a CPU) can be done once 
 
 (NB_c = L // b complete blocks, NB = ceil(L / b)), one safetensors file per row
 (`row-00012.safetensors`) and `manifest.json` saying what was cached (model, data record, seq len,
-tail, block size, target, recall rows). A build resumes: rows already written are skipped.
+tail, block size, target, recall rows, the build command). A build resumes: rows already written are skipped.
 `python -m sas_backend.training.distill_cached` trains gates on a cache (milliseconds of gate math
 per row instead of a full model forward).
 
@@ -319,6 +319,7 @@ def main(argv: Optional[list] = None) -> int:
     geometry = ModelGeometry.from_model_dir(args.model)
     manifest = _manifest(spec, args.model, geometry, {**data.record(), "rows_used": int(rows.shape[0])},
                          recall, int(rows.shape[0]), args.seed)
+    manifest["command"] = command_line(argv)
     print(f"[features] {rows.shape[0]} {args.split} rows x {args.seq_len} tokens -> {args.out} "
           f"(tail {args.tail}, target {args.target}, ~{_row_mb(spec, geometry):.0f} MB a row)", flush=True)
     t0 = time.time()
@@ -344,6 +345,24 @@ def main(argv: Optional[list] = None) -> int:
     print(f"[features] wrote {written} rows ({rows.shape[0] - written} were cached already) in "
           f"{time.time() - t0:.0f} s", flush=True)
     return 0
+
+
+def command_line(argv) -> str:
+    """The build command as the manifest keeps it: no machine path, and without --shard / --no-progress
+    (every shard of one cache writes the same manifest)."""
+    import shlex
+
+    from sas_backend.provenance import portable_argv
+
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--shard":
+            skip = True
+        elif not (a.startswith("--shard=") or a == "--no-progress"):
+            kept.append(a)
+    return "python -m sas_backend.training.features " + shlex.join(portable_argv(kept))
 
 
 def _row_mb(spec: FeatureSpec, geometry) -> float:

@@ -130,8 +130,9 @@ def cli_caches(tmp_path_factory):
     from sas_backend.training.features import main
 
     common = ["--model", model_dir, "--data", ESSAYS_DIR, "--seq-len", "512", "--tail", "192", "--no-progress"]
-    assert main(common + ["--out", str(root / "train"), "--max-rows", "6", "--recall-rows", "0.5",
-                          "--recall-facts", "2"]) == 0
+    train = common + ["--out", str(root / "train"), "--max-rows", "6", "--recall-rows", "0.5", "--recall-facts", "2"]
+    assert main(train + ["--shard", "1/2"]) == 0  # two shards fill one cache
+    assert main(train + ["--shard=0/2"]) == 0
     assert main(common + ["--out", str(root / "val"), "--split", "heldout", "--max-rows", "2"]) == 0
     return root, model_dir
 
@@ -162,6 +163,9 @@ def test_cli_distills_resumes_and_writes_a_servable_checkpoint(cli_caches, tmp_p
     assert kl[-1] < kl[0]  # distillation generalizes to held-out text
     assert rec["objective"] == "distill" and rec["sink_blocks"] == 1 and rec["top_k"] == 3
     assert rec["data"]["caches"][0]["recall"]["facts_placed"] > 0
+    built = rec["data"]["caches"][0]["command"]  # how the cache was built, shard-free and portable
+    assert built.startswith("python -m sas_backend.training.features ") and "--recall-rows 0.5" in built
+    assert "--shard" not in built and "/tmp" not in built
     assert "/tmp" not in rec["command"] and "distill_cached" in rec["command"]
     # interrupted at step 12, resumed: the same gates as the uninterrupted run
     assert _distill(root, model_dir, tmp_path / "b", "--stop-at", "12") == 0
