@@ -43,7 +43,7 @@ def test_sas_info_reports_config_and_gate(sas_full_server, shipped_gate):
     assert info["gate"]["format"] == "canonical"
     assert info["gate"]["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert info["gate"]["sha256"] == hashlib.sha256((shipped_gate / "gate.safetensors").read_bytes()).hexdigest()
-    assert info["gate"]["training"]["objective"] == "lm" and info["gate"]["training"]["budget"] == 512
+    assert info["gate"]["training"]["objective"] == "distill" and info["gate"]["training"]["budget"] == 2048
     # the launch set only the budget: the forced blocks come from the gate's serving record
     assert info["gate"]["serving"] == {"budget": 2048, "sink_blocks": 1, "local_blocks": 1}
     assert (info["config"]["sink_blocks"], info["config"]["local_blocks"]) == (1, 1)
