@@ -62,8 +62,8 @@ def layer_loss(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int
     The distill loss of `model.training_attention` for one layer, computed from the cached
     pre-RoPE q, pooled keys and target instead of a model forward.
     """
-    from sas_backend.training.model import distill_kl
-    from sas_backend.training.scoring import BlockLogGate, candidate_blocks
+    from sas_backend.training.model import distill_kl, target_over_candidates
+    from sas_backend.training.scoring import BlockLogGate
 
     b, nb, tail = spec.block_size, spec.num_blocks, spec.tail
     n_rows = len(batch.bounds)
@@ -76,12 +76,7 @@ def layer_loss(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int
     if nb > full:  # the incomplete last block never scores (zeros, as scoring.block_summaries pads)
         kg = torch.cat([kg, kg.new_zeros(n_rows, nb - full, *kg.shape[2:])], dim=1)
     log_g, _ = BlockLogGate.apply(qg, kg, batch.bounds, b, top_k, tail, batch.query_start, sink_blocks, local_blocks)
-    target = batch.target
-    if sink_blocks or local_blocks:  # the gate ranks only the blocks not forced in
-        cand, _ = candidate_blocks(pos, nb, b, sink_blocks, local_blocks)
-        target = target * cand[None]
-        target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
-    return distill_kl(target, log_g)
+    return distill_kl(target_over_candidates(batch.target, pos, b, sink_blocks, local_blocks), log_g)
 
 
 def mean_loss(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, backward: bool) -> float:

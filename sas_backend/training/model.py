@@ -186,7 +186,7 @@ class _TrainContext:
 
 
 def pooled_attention_target(q, k, bounds, block_size, num_blocks, scale, query_start: int = 0,
-                             pool: str = "max") -> torch.Tensor:
+                            pool: str = "max") -> torch.Tensor:
     """Distill target `[Hkv, Tq, NB]` (no grad): dense causal attention probabilities pooled over
     each block's keys (pool "max", or "mass": their sum, as `hf.sparse_eval.oracle_scores`), max over
     the G query heads of a group, renormalized over previous blocks.
@@ -222,6 +222,18 @@ def pooled_attention_target(q, k, bounds, block_size, num_blocks, scale, query_s
             denom = pooled.sum(-1, keepdim=True)
             out[:, r0:r1, :full] = torch.where(denom > 0, pooled / denom.clamp_min(1e-30), 0.0)
     return out
+
+
+def target_over_candidates(target: torch.Tensor, pos: torch.Tensor, block_size: int, sink_blocks: int,
+                           local_blocks: int) -> torch.Tensor:
+    """The distill target `[Hkv, T, NB]` restricted to the blocks the gate ranks (forced sink/local
+    blocks are attended anyway) and renormalized; unchanged without forced blocks. pos `[T]`: each
+    query's in-sequence position."""
+    if not (sink_blocks or local_blocks):
+        return target
+    cand, _ = candidate_blocks(pos, target.shape[-1], block_size, sink_blocks, local_blocks)
+    target = target * cand[None]
+    return target / target.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
 def distill_kl(target: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
@@ -275,12 +287,9 @@ def training_attention(module, query, key, value, attention_mask, scaling, dropo
     # distill: dense attention for the forward, KL on the side (target carries no gradient)
     with torch.no_grad():
         target = pooled_attention_target(q, k, seq_bounds(cu), spec.block_size, scores.num_blocks, scaling,
-                                          q_start, spec.distill_target)
-        if spec.sink_blocks or spec.local_blocks:  # the gate ranks only the blocks not forced in
-            pos = torch.arange(q_start, seqlen, device=q.device).repeat(bsz)
-            cand, _ = candidate_blocks(pos, scores.num_blocks, spec.block_size, spec.sink_blocks, spec.local_blocks)
-            target = target * cand[None]
-            target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
+                                         q_start, spec.distill_target)
+        pos = torch.arange(q_start, seqlen, device=q.device).repeat(bsz)
+        target = target_over_candidates(target, pos, spec.block_size, spec.sink_blocks, spec.local_blocks)
     ctx.aux_losses.append(distill_kl(target, scores.log_g))
     return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
 
