@@ -63,20 +63,18 @@ def layer_loss(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int
     pre-RoPE q, pooled keys and target instead of a model forward.
     """
     from sas_backend.training.model import distill_kl, target_over_candidates
-    from sas_backend.training.scoring import BlockLogGate
+    from sas_backend.training.scoring import score_with_summaries
 
-    b, nb, tail = spec.block_size, spec.num_blocks, spec.tail
+    b, nb, full = spec.block_size, spec.num_blocks, spec.seq_len // spec.block_size
     n_rows = len(batch.bounds)
-    full = spec.seq_len // b
-    pos = torch.arange(batch.query_start, spec.seq_len).repeat(n_rows)
-    qg = gate.query(batch.q, gate_table[pos])  # [R*N, Hkv, Dg]
     starts = (torch.arange(full) * b).repeat(n_rows)
-    kg = gate.summarize_pooled(batch.pooled, gate_table[starts])  # [R*NBc, Hkv, Dg]
-    kg = kg.view(n_rows, full, *kg.shape[1:])
+    kg = gate.summarize_pooled(batch.pooled, gate_table[starts]).view(n_rows, full, gate.num_kv_heads, gate.gate_dim)
     if nb > full:  # the incomplete last block never scores (zeros, as scoring.block_summaries pads)
         kg = torch.cat([kg, kg.new_zeros(n_rows, nb - full, *kg.shape[2:])], dim=1)
-    log_g, _ = BlockLogGate.apply(qg, kg, batch.bounds, b, top_k, tail, batch.query_start, sink_blocks, local_blocks)
-    return distill_kl(target_over_candidates(batch.target, pos, b, sink_blocks, local_blocks), log_g)
+    scores = score_with_summaries(gate, batch.q, kg, batch.bounds, b, top_k, gate_table, query_chunk=spec.tail,
+                                  query_start=batch.query_start, sink_blocks=sink_blocks, local_blocks=local_blocks)
+    pos = torch.arange(batch.query_start, spec.seq_len).repeat(n_rows)  # each query's in-row position
+    return distill_kl(target_over_candidates(batch.target, pos, b, sink_blocks, local_blocks), scores.log_g)
 
 
 def mean_loss(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, backward: bool) -> float:
@@ -132,20 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resume_view(args) -> dict:
-    return {k: getattr(args, k) for k in _RESUME_KEYS}
-
-
 def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     from sas_backend.gate.checkpoint import init_gate_state, save_gate_checkpoint
-    from sas_backend.gate.module import AttnGate
+    from sas_backend.gate.module import gates_from_tensors
     from sas_backend.geometry import ModelGeometry, gate_rope_table
     from sas_backend.provenance import portable_argv, portable_path
     from sas_backend.training.features import FeatureCacheError, load_feature_cache
     from sas_backend.training.scoring import check_forced
-    from sas_backend.training.train import batch_rows, load_init_gate, lr_schedule, progress_bar
+    from sas_backend.training.train import batch_rows, load_init_gate, load_state, lr_schedule, progress_bar
 
     bad = [f"--{n.replace('_', '-')} must be >= 1" for n in ("steps", "rows_per_step", "budget", "eval_every")
            if getattr(args, n) < 1]
@@ -181,11 +175,9 @@ def main(argv: Optional[list] = None) -> int:
     if args.init_gate:
         tensors, init_record = load_init_gate(args.init_gate, geometry, spec.block_size)
         gate_config = dataclasses.replace(gate_config, gate_dim=int(tensors[0]["attngate_linear_q.weight"].shape[-1]))
-    gates = {}
-    for i in range(geometry.num_layers):
-        g = AttnGate(geometry.num_kv_heads, geometry.group_size, geometry.head_dim, gate_config.gate_dim)
-        g.load_state_dict(tensors[i])
-        gates[i] = g.float().requires_grad_(True)
+    gates = gates_from_tensors(tensors, range(geometry.num_layers), gate_dim=gate_config.gate_dim)
+    for g in gates.values():
+        g.requires_grad_(True)
     gate_table = gate_rope_table(gate_config.gate_dim, geometry, spec.seq_len)
     params = [p for g in gates.values() for p in g.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -196,13 +188,7 @@ def main(argv: Optional[list] = None) -> int:
     log_path = os.path.join(args.out, LOG_FILE)
     start, losses, val_log = 0, [], []
     if args.resume:
-        if not os.path.isfile(state_path):
-            raise SystemExit(f"error: --resume: no {state_path} (drop --resume to start fresh)")
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
-        diff = [f"{k}: saved {state['args'].get(k)!r}, now {v!r}" for k, v in _resume_view(args).items()
-                if state["args"].get(k) != v]
-        if diff:
-            raise SystemExit("error: --resume with different settings than the saved run: " + "; ".join(diff))
+        state = load_state(state_path, args, keys=_RESUME_KEYS, defaults={})
         for i, g in gates.items():
             g.load_state_dict(state["gates"][i])
         optimizer.load_state_dict(state["optimizer"])
@@ -260,7 +246,7 @@ def main(argv: Optional[list] = None) -> int:
     def save(step: int, elapsed: float) -> None:
         state = {"step": step, "gates": {i: g.state_dict() for i, g in gates.items()},
                  "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "args": _resume_view(args), "losses": losses, "val": val_log}
+                 "args": {k: getattr(args, k) for k in _RESUME_KEYS}, "losses": losses, "val": val_log}
         torch.save(state, state_path + ".tmp")
         os.replace(state_path + ".tmp", state_path)
         save_gate_checkpoint(args.out, dataclasses.replace(gate_config, training=record(step, elapsed)), gates,

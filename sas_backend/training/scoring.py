@@ -241,9 +241,33 @@ def score_gate(
     nb = num_blocks_for(bounds, block_size)
     q_pre, k_pre = q_pre.detach(), k_pre.detach()  # frozen backbone: scores train the gate only
     with torch.autocast(q_pre.device.type, enabled=False):
-        pos = in_sequence_positions(qb, t_q, q_pre.device) + query_start
-        qg = gate.query(q_pre, gate_table[pos])  # [Tq, Hkv, Dg]
         kg = block_summaries(gate, k_pre, bounds, block_size, nb, gate_table)
+    return score_with_summaries(gate, q_pre, kg, bounds, block_size, top_k, gate_table, query_chunk=query_chunk,
+                                query_start=query_start, sink_blocks=sink_blocks, local_blocks=local_blocks)
+
+
+def score_with_summaries(
+    gate: AttnGate,
+    q_pre: torch.Tensor,
+    kg: torch.Tensor,
+    bounds: List[Tuple[int, int]],
+    block_size: int,
+    top_k: int,
+    gate_table: torch.Tensor,
+    *,
+    query_chunk: int = DEFAULT_QUERY_CHUNK,
+    query_start: int = 0,
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+) -> GateScores:
+    """`score_gate` from block summaries already made: kg `[N, NB, Hkv, Dg]` (zeros for incomplete
+    blocks, as `block_summaries` pads), q_pre `[Tq, Hq, D]` packed over the queries of `bounds`
+    (positions >= query_start). The entry point of training on cached features, whose summaries
+    come from pooled keys (`AttnGate.summarize_pooled`)."""
+    q_pre = q_pre.detach()
+    with torch.autocast(q_pre.device.type, enabled=False):
+        pos = in_sequence_positions(query_bounds(bounds, query_start), q_pre.shape[0], q_pre.device) + query_start
+        qg = gate.query(q_pre, gate_table[pos])  # [Tq, Hkv, Dg]
         log_g, thr = BlockLogGate.apply(qg, kg, bounds, block_size, top_k, query_chunk, query_start,
                                         sink_blocks, local_blocks)
-    return GateScores(log_g=log_g, threshold=thr, top_k=top_k, block_size=block_size, num_blocks=nb)
+    return GateScores(log_g=log_g, threshold=thr, top_k=top_k, block_size=block_size, num_blocks=kg.shape[1])

@@ -206,8 +206,8 @@ def command_line(argv) -> str:
     return "python -m sas_backend.training.train " + shlex.join(portable_argv(argv))
 
 
-def _resume_view(args) -> dict:
-    return {k: getattr(args, k) for k in _RESUME_KEYS}
+def _resume_view(args, keys=_RESUME_KEYS) -> dict:
+    return {k: getattr(args, k) for k in keys}
 
 
 def save_state(path: str, step: int, model, optimizer, scheduler, args, losses) -> None:
@@ -226,14 +226,15 @@ def save_state(path: str, step: int, model, optimizer, scheduler, args, losses) 
     os.replace(tmp, path)
 
 
-def load_state(path: str, args) -> dict:
+def load_state(path: str, args, keys=_RESUME_KEYS, defaults=_RESUME_DEFAULTS) -> dict:
+    """The state a run saved at `path`; SystemExit if there is none or if any of `keys` differs from
+    `args` (a key a state lacks takes its value from `defaults`). Also used by `distill_cached`."""
     if not os.path.isfile(path):
         raise SystemExit(f"error: --resume: no {path} (nothing to resume; drop --resume to start fresh)")
     state = torch.load(path, map_location="cpu", weights_only=True)
-    saved = state.get("args", {})
-    now = _resume_view(args)
-    saved = {**_RESUME_DEFAULTS, **saved}
-    diff = [f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in _RESUME_KEYS if saved.get(k) != now[k]]
+    now = _resume_view(args, keys)
+    saved = {**defaults, **state.get("args", {})}
+    diff = [f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in keys if saved.get(k) != now[k]]
     if diff:
         raise SystemExit("error: --resume with different settings than the saved run: " + "; ".join(diff))
     return state
