@@ -12,11 +12,12 @@ many times.
         [--budget 2048] [--sink-blocks 1] [--local-blocks 1] [--steps 500] [--rows-per-step 4]
         [--lr 2e-3] [--warmup 20] [--min-lr-ratio 0.1] [--init-gate DIR] [--seed 0]
         [--val-cache DIR [DIR ...]] [--eval-every 50] [--save-every 100] [--resume]
+        [--coverage-weight 0] [--coverage-budgets 512 1024 2048] [--coverage-temperature 0.5]
 
 Several caches (e.g. prose, prose with recall rows, code) are one pool of rows; they must share
 model, seq len, tail, block size and target. Every row is loaded into memory (fp16; ~47 MB a
 4096-token row of SmolLM2-135M at tail 1024, so 145 rows take ~7 GB). Output: the canonical checkpoint (config `training` =
-the record: caches and their data, steps, losses, held-out KL), `train_state.pt` for `--resume`
+the record: caches and their data, steps, losses, held-out KL and top-k coverage), `train_state.pt` for `--resume`
 (batches are a pure function of seed and step) and `train_log.jsonl`.
 """
 
@@ -29,7 +30,7 @@ import math
 import os
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -37,7 +38,10 @@ STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.jsonl"
 # Arguments a resumed run must share with the run that wrote the state.
 _RESUME_KEYS = ("model", "cache", "budget", "sink_blocks", "local_blocks", "steps", "rows_per_step", "lr",
-                "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "init_gate", "gate_dim")
+                "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "init_gate", "gate_dim", "coverage_weight",
+                "coverage_budgets", "coverage_temperature")
+# What a state saved before a key existed ran with.
+_RESUME_DEFAULTS = {"coverage_weight": 0.0, "coverage_budgets": [512, 1024, 2048], "coverage_temperature": 0.5}
 _SPEC_KEYS = ("model", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "seq_len", "tail",
               "block_size", "target")
 
@@ -55,15 +59,23 @@ class RowBatch:
         self.query_start = length - spec.tail
 
 
-def layer_loss(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int, sink_blocks: int,
-               local_blocks: int) -> torch.Tensor:
-    """Mean per-query KL(target || gate) of one layer on cached rows (differentiable in `gate`).
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """The optional top-k coverage term: `weight * sum_k (1 - soft coverage at k)` added to the KL,
+    k = each budget's free picks (budget // block - forced blocks); `temperature` as
+    `model.topk_coverage`. The KL fits the whole block distribution; this term spends the gradient
+    on the ranking at the boundary each serving budget cuts."""
+    weight: float
+    picks: tuple
+    temperature: float
 
-    The distill loss of `model.training_attention` for one layer, computed from the cached
-    pre-RoPE q, pooled keys and target instead of a model forward.
-    """
-    from sas_backend.training.model import distill_kl, target_over_candidates
-    from sas_backend.training.scoring import score_with_summaries
+
+def _layer_scores(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int, sink_blocks: int,
+                  local_blocks: int):
+    """(log_g `[Hkv, T, NB]`, target over the ranked blocks `[Hkv, T, NB]`, ranked blocks `[T, NB]`)
+    of one layer on cached rows (log_g differentiable in `gate`)."""
+    from sas_backend.training.model import target_over_candidates
+    from sas_backend.training.scoring import candidate_blocks, score_with_summaries
 
     b, nb, full = spec.block_size, spec.num_blocks, spec.seq_len // spec.block_size
     n_rows = len(batch.bounds)
@@ -74,23 +86,63 @@ def layer_loss(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int
     scores = score_with_summaries(gate, batch.q, kg, batch.bounds, b, top_k, gate_table, query_chunk=spec.tail,
                                   query_start=batch.query_start, sink_blocks=sink_blocks, local_blocks=local_blocks)
     pos = torch.arange(batch.query_start, spec.seq_len).repeat(n_rows)  # each query's in-row position
-    return distill_kl(target_over_candidates(batch.target, pos, b, sink_blocks, local_blocks), scores.log_g)
+    cand, _ = candidate_blocks(pos, nb, b, sink_blocks, local_blocks)
+    return scores.log_g, target_over_candidates(batch.target, pos, b, sink_blocks, local_blocks), cand
 
 
-def mean_loss(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, backward: bool) -> float:
+def layer_loss(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int, sink_blocks: int,
+               local_blocks: int, coverage: Optional[Coverage] = None) -> torch.Tensor:
+    """Mean per-query KL(target || gate) of one layer on cached rows (differentiable in `gate`),
+    plus the coverage term when given.
+
+    The distill loss of `model.training_attention` for one layer, computed from the cached
+    pre-RoPE q, pooled keys and target instead of a model forward.
+    """
+    from sas_backend.training.model import distill_kl, topk_coverage
+
+    log_g, target, cand = _layer_scores(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks)
+    loss = distill_kl(target, log_g)
+    if coverage is not None and coverage.weight > 0:
+        for k in coverage.picks:
+            loss = loss + coverage.weight * (1 - topk_coverage(target, log_g, cand, k, coverage.temperature))
+    return loss
+
+
+def mean_loss(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, backward: bool,
+              coverage: Optional[Coverage] = None) -> float:
     """Sum over layers of the layer losses of `rows` (backward per layer when asked: layers are
     independent, so each graph is freed before the next is built)."""
     total = 0.0
     for layer, gate in gates.items():
         batch = RowBatch(rows, layer, spec)
         if backward:
-            loss = layer_loss(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks)
+            loss = layer_loss(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks, coverage)
             loss.backward()
         else:
             with torch.no_grad():
-                loss = layer_loss(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks)
+                loss = layer_loss(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks, coverage)
         total += float(loss.detach())
     return total
+
+
+def evaluate(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, picks) -> Tuple[float, Dict[int, float]]:
+    """(sum over layers of the mean per-query KL, {k: hard top-k coverage of the target averaged
+    over layers}) of `rows`, no gradient: the held-out numbers."""
+    from sas_backend.training.model import distill_kl, topk_coverage
+
+    kl, cov = 0.0, {k: 0.0 for k in picks}
+    with torch.no_grad():
+        for layer, gate in gates.items():
+            log_g, target, cand = _layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
+                                                sink_blocks, local_blocks)
+            kl += float(distill_kl(target, log_g))
+            for k in picks:
+                cov[k] += float(topk_coverage(target, log_g, cand, k)) / len(gates)
+    return kl, cov
+
+
+def _coverage_text(entry: dict) -> str:
+    return "top-k coverage " + " ".join(f"{b}: {v:.4f}" for b, v in entry["coverage"].items())
 
 
 def _compatible(caches) -> None:
@@ -121,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="gate init seed and row order")
     p.add_argument("--gate-dim", type=int, default=128)
     p.add_argument("--init-gate", default=None, metavar="DIR", help="start from this gate checkpoint")
+    p.add_argument("--coverage-weight", type=float, default=0.0,
+                   help="add this weight x (1 - soft top-k coverage) per --coverage-budgets to the KL (0: KL only)")
+    p.add_argument("--coverage-budgets", type=int, nargs="+", default=[512, 1024, 2048],
+                   help="serving budgets whose top-k coverage is trained (with --coverage-weight) and logged held out")
+    p.add_argument("--coverage-temperature", type=float, default=0.5,
+                   help="sigmoid temperature (in log-gate units) of the soft top-k")
     p.add_argument("--val-cache", nargs="*", default=[], help="held-out feature caches: their KL is logged, never trained on")
     p.add_argument("--eval-every", type=int, default=50, help="held-out KL every N steps (and at the end)")
     p.add_argument("--save-every", type=int, default=100, help="state + checkpoint every N steps (0: end only)")
@@ -166,6 +224,14 @@ def main(argv: Optional[list] = None) -> int:
         check_forced(top_k, args.sink_blocks, args.local_blocks)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    forced = args.sink_blocks + args.local_blocks
+    bad = [c for c in args.coverage_budgets if c % spec.block_size or c // spec.block_size <= forced]
+    if bad or args.coverage_weight < 0 or args.coverage_temperature <= 0:
+        raise SystemExit(f"error: --coverage-budgets must be multiples of the block size {spec.block_size} leaving the "
+                         f"gate picks beyond the {forced} forced blocks (got {bad}); --coverage-weight >= 0 and "
+                         "--coverage-temperature > 0")
+    picks = {c: c // spec.block_size - forced for c in args.coverage_budgets}  # budget -> the gate's free picks
+    coverage = Coverage(args.coverage_weight, tuple(picks.values()), args.coverage_temperature)
     rows = [r for _, c in caches for r in c.rows]
     val_rows = [r for _, c in vals for r in c.rows]
 
@@ -188,7 +254,7 @@ def main(argv: Optional[list] = None) -> int:
     log_path = os.path.join(args.out, LOG_FILE)
     start, losses, val_log = 0, [], []
     if args.resume:
-        state = load_state(state_path, args, keys=_RESUME_KEYS, defaults={})
+        state = load_state(state_path, args, keys=_RESUME_KEYS, defaults=_RESUME_DEFAULTS)
         for i, g in gates.items():
             g.load_state_dict(state["gates"][i])
         optimizer.load_state_dict(state["optimizer"])
@@ -201,8 +267,9 @@ def main(argv: Optional[list] = None) -> int:
     def held_out(step: int) -> Optional[float]:
         if not val_rows:
             return None
-        kl = mean_loss(gates, val_rows, spec, gate_table, top_k, args.sink_blocks, args.local_blocks, backward=False)
-        val_log.append({"step": step, "kl": kl})
+        kl, cov = evaluate(gates, val_rows, spec, gate_table, top_k, args.sink_blocks, args.local_blocks,
+                           tuple(picks.values()))
+        val_log.append({"step": step, "kl": kl, "coverage": {str(c): round(cov[k], 5) for c, k in picks.items()}})
         return kl
 
     def record(step: int, elapsed: float) -> dict:
@@ -213,7 +280,12 @@ def main(argv: Optional[list] = None) -> int:
             "distill_target": spec.target,
             "method": "distillation of the oracle on cached dense features: KL(block attention "
                       f"{spec.target} of the dense attention, max over the group's heads || gate), forced blocks "
-                      "excluded (sas_backend.training.distill_cached)",
+                      "excluded (sas_backend.training.distill_cached)"
+                      + (f" + {args.coverage_weight} x (1 - soft top-k coverage of the target) at budgets "
+                         f"{args.coverage_budgets} (temperature {args.coverage_temperature})"
+                         if args.coverage_weight > 0 else ""),
+            "coverage": {"weight": args.coverage_weight, "budgets": args.coverage_budgets,
+                         "temperature": args.coverage_temperature} if args.coverage_weight > 0 else None,
             "budget": args.budget,
             "block_size": spec.block_size,
             "top_k": top_k,
@@ -258,14 +330,14 @@ def main(argv: Optional[list] = None) -> int:
           f"sink {args.sink_blocks}, local {args.local_blocks}) | {len(val_rows)} held-out rows | steps {start}->{end}",
           flush=True)
     if start == 0 and val_rows:
-        print(f"[distill_cached] held-out KL at step 0: {held_out(0):.4f}", flush=True)
+        print(f"[distill_cached] held-out KL at step 0: {held_out(0):.4f}, {_coverage_text(val_log[-1])}", flush=True)
     bar = progress_bar(args.steps, "distill", initial=start, enabled=not args.no_progress)
     t_start = time.time()
     for step in range(start, end):
         t0 = time.time()
         idx = batch_rows(step, 0, 0, world=1, batch=args.rows_per_step, accum=1, n_rows=len(rows), seed=args.seed)
         loss = mean_loss(gates, [rows[i] for i in idx.tolist()], spec, gate_table, top_k, args.sink_blocks,
-                         args.local_blocks, backward=True)
+                         args.local_blocks, backward=True, coverage=coverage)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else math.inf)
         lr_used = optimizer.param_groups[0]["lr"]
         optimizer.step()
@@ -279,6 +351,7 @@ def main(argv: Optional[list] = None) -> int:
             kl = held_out(done)
             if kl is not None:
                 rec["heldout_kl"] = kl
+                rec["heldout_coverage"] = val_log[-1]["coverage"]
         with open(log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
         if bar is not None:
@@ -287,7 +360,8 @@ def main(argv: Optional[list] = None) -> int:
             bar.update(1)
         elif done % 10 == 0 or "heldout_kl" in rec:
             print(f"[distill_cached] step {done}/{args.steps} loss {loss:.4f}"
-                  + (f" held-out KL {rec['heldout_kl']:.4f}" if "heldout_kl" in rec else ""), flush=True)
+                  + (f" held-out KL {rec['heldout_kl']:.4f}, {_coverage_text(val_log[-1])}" if "heldout_kl" in rec
+                     else ""), flush=True)
         if (args.save_every and done % args.save_every == 0) or done == end:
             save(done, time.time() - t_start)
     if bar is not None:

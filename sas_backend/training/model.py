@@ -244,6 +244,35 @@ def distill_kl(target: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
     return kl.sum() / has_prev.sum().clamp_min(1)
 
 
+def topk_coverage(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor, k: int,
+                  temperature: float = 0.0) -> torch.Tensor:
+    """Mean over queries with previous blocks of the target mass inside the gate's top-k candidates.
+
+    target, log_g `[Hkv, T, NB]` (target zero outside the candidates, as `target_over_candidates`
+    leaves it); cand `[T, NB]` bool: the blocks the gate ranks. temperature 0: the hard top-k (what
+    serving selects; no gradient). temperature t > 0: each candidate counts
+    `sigmoid((log_g - tau) / t)`, tau midway between the k-th and (k+1)-th largest candidate log_g,
+    so the gradient reaches the blocks near the selection boundary, the ones a budget decides on.
+    Queries with at most k candidates keep everything (coverage 1).
+    """
+    nb = log_g.shape[-1]
+    has_prev = target.sum(-1) > 0  # [Hkv, T]
+    if k >= nb:
+        return has_prev.float().sum() / has_prev.sum().clamp_min(1)
+    masked = log_g.masked_fill(~cand[None], float("-inf"))
+    top = torch.topk(masked, k + 1, dim=-1).values  # [Hkv, T, k+1]
+    keep_all = (cand.sum(-1) <= k)[None].expand_as(has_prev)
+    if temperature <= 0:
+        inside = (masked >= top[..., k - 1 : k]) & cand[None]
+        inside = inside | keep_all[..., None]
+        cov = (target * inside).sum(-1)
+    else:
+        tau = torch.where(keep_all, torch.zeros_like(top[..., 0]), (top[..., k - 1] + top[..., k]) / 2)
+        soft = torch.sigmoid((log_g - tau[..., None]) / temperature)
+        cov = (target * torch.where(keep_all[..., None], torch.ones_like(soft), soft)).sum(-1)
+    return (cov * has_prev).sum() / has_prev.sum().clamp_min(1)
+
+
 def training_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """transformers attention function for gate training (registered as `ATTN_NAME`).
 

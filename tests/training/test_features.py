@@ -179,3 +179,20 @@ def test_cli_distills_resumes_and_writes_a_servable_checkpoint(cli_caches, tmp_p
         _distill(root, model_dir, tmp_path / "c", "--budget", "128")
     with pytest.raises(SystemExit, match="not a multiple"):
         _distill(root, model_dir, tmp_path / "c", "--budget", "100")
+
+
+def test_cli_coverage_term_raises_held_out_coverage_and_is_recorded(cli_caches, tmp_path):
+    """--coverage-weight trains the top-k coverage of a budget (logged held out at every evaluation)
+    and the record says so; a coverage budget the forced blocks fill is refused."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+
+    root, model_dir = cli_caches
+    assert _distill(root, model_dir, tmp_path / "cov", "--coverage-weight", "5", "--coverage-budgets", "192",
+                    "--coverage-temperature", "0.3") == 0
+    rec = load_gate_checkpoint(str(tmp_path / "cov"))[0].training
+    assert rec["coverage"] == {"weight": 5.0, "budgets": [192], "temperature": 0.3}
+    assert "top-k coverage" in rec["method"]
+    cov = [v["coverage"]["192"] for v in rec["heldout_kl"]]
+    assert len(cov) == 4 and all(0 < c <= 1 for c in cov) and cov[-1] > cov[0]
+    with pytest.raises(SystemExit, match="coverage-budgets"):
+        _distill(root, model_dir, tmp_path / "bad", "--coverage-weight", "1", "--coverage-budgets", "128")

@@ -347,3 +347,45 @@ def test_forced_blocks_train_the_gate_on_the_other_blocks(monkeypatch, objective
         torch.testing.assert_close(tgt.sum(-1)[:, has], torch.ones(2, int(has.sum())))
     with pytest.raises(ValueError, match="sink \\+ local < K"):
         GateTrainSpec(block_size=16, budget=32, sink_blocks=1, local_blocks=1)
+
+
+def _coverage_case(seed=0, h=2, t=40, nb=10, b=16):
+    from sas_backend.training.scoring import candidate_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(nb * b - t, nb * b)
+    cand, _ = candidate_blocks(pos, nb, b, 1, 1)
+    log_g = torch.randn(h, t, nb, generator=g).masked_fill(~cand[None], float("-inf"))
+    target = torch.rand(h, t, nb, generator=g) * cand[None]
+    return target / target.sum(-1, keepdim=True).clamp_min(1e-30), log_g, cand
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8, 12])
+def test_topk_coverage_is_the_mass_a_budget_keeps(k):
+    """Hard coverage = target mass of each query's k best-scored candidates (all of them when it has
+    at most k), averaged over queries; the soft one tends to it as the temperature falls."""
+    target, log_g, cand = _coverage_case()
+    want, n = 0.0, 0
+    for h in range(target.shape[0]):
+        for t in range(target.shape[1]):
+            if target[h, t].sum() == 0:
+                continue
+            idx = cand[t].nonzero().flatten()
+            best = idx[torch.argsort(log_g[h, t, idx], descending=True)[:k]]
+            want, n = want + float(target[h, t, best].sum()), n + 1
+    got = tm.topk_coverage(target, log_g, cand, k)
+    assert float(got) == pytest.approx(want / n, rel=1e-6)
+    assert float(tm.topk_coverage(target, log_g, cand, k, temperature=1e-4)) == pytest.approx(want / n, abs=1e-3)
+
+
+def test_topk_coverage_gradient_is_finite_and_moves_boundary_blocks():
+    """The soft coverage's gradient is finite (masked -inf blocks, queries that keep everything) and
+    raising it means raising the targets' heavy blocks that sit just outside the top k."""
+    target, log_g, cand = _coverage_case(seed=1)
+    log_g.requires_grad_(True)
+    tm.topk_coverage(target, log_g, cand, 3, temperature=0.5).backward()
+    grad = log_g.grad
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert (grad[:, ~cand] == 0).all()  # blocks the gate does not rank get nothing
+    improved = tm.topk_coverage(target, (log_g + 0.5 * grad).detach(), cand, 3, temperature=0.5)
+    assert improved > tm.topk_coverage(target, log_g.detach(), cand, 3, temperature=0.5)
