@@ -13,6 +13,7 @@ many times.
         [--lr 2e-3] [--warmup 20] [--min-lr-ratio 0.1] [--init-gate DIR] [--seed 0]
         [--val-cache DIR [DIR ...]] [--eval-every 50] [--save-every 100] [--resume]
         [--coverage-weight 0] [--coverage-budgets 512 1024 2048] [--coverage-temperature 0.5]
+        [--layers I [I ...]]   # train only these layers' gates (needs --init-gate; the others are kept)
 
 Several caches (e.g. prose, prose with recall rows, code) are one pool of rows; they must share
 model, seq len, tail, block size and target. Every row is loaded into memory (fp16; ~47 MB a
@@ -39,9 +40,10 @@ LOG_FILE = "train_log.jsonl"
 # Arguments a resumed run must share with the run that wrote the state.
 _RESUME_KEYS = ("model", "cache", "budget", "sink_blocks", "local_blocks", "steps", "rows_per_step", "lr",
                 "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "init_gate", "gate_dim", "coverage_weight",
-                "coverage_budgets", "coverage_temperature")
+                "coverage_budgets", "coverage_temperature", "layers")
 # What a state saved before a key existed ran with.
-_RESUME_DEFAULTS = {"coverage_weight": 0.0, "coverage_budgets": [512, 1024, 2048], "coverage_temperature": 0.5}
+_RESUME_DEFAULTS = {"coverage_weight": 0.0, "coverage_budgets": [512, 1024, 2048], "coverage_temperature": 0.5,
+                    "layers": None}
 _SPEC_KEYS = ("model", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "seq_len", "tail",
               "block_size", "target")
 
@@ -179,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serving budgets whose top-k coverage is trained (with --coverage-weight) and logged held out")
     p.add_argument("--coverage-temperature", type=float, default=0.5,
                    help="sigmoid temperature (in log-gate units) of the soft top-k")
+    p.add_argument("--layers", type=int, nargs="+", default=None,
+                   help="train only these layers' gates (the others are kept from --init-gate); default all")
     p.add_argument("--val-cache", nargs="*", default=[], help="held-out feature caches: their KL is logged, never trained on")
     p.add_argument("--eval-every", type=int, default=50, help="held-out KL every N steps (and at the end)")
     p.add_argument("--save-every", type=int, default=100, help="state + checkpoint every N steps (0: end only)")
@@ -232,6 +236,12 @@ def main(argv: Optional[list] = None) -> int:
                          "--coverage-temperature > 0")
     picks = {c: c // spec.block_size - forced for c in args.coverage_budgets}  # budget -> the gate's free picks
     coverage = Coverage(args.coverage_weight, tuple(picks.values()), args.coverage_temperature)
+    if args.layers is not None:
+        bad_layers = sorted({i for i in args.layers if not 0 <= i < geometry.num_layers})
+        if bad_layers or not args.init_gate:
+            raise SystemExit(f"error: --layers must name layers 0..{geometry.num_layers - 1} (got {bad_layers}) and "
+                             "needs --init-gate (the other layers' gates are kept from it)")
+        args.layers = sorted(set(args.layers))
     rows = [r for _, c in caches for r in c.rows]
     val_rows = [r for _, c in vals for r in c.rows]
 
@@ -242,10 +252,11 @@ def main(argv: Optional[list] = None) -> int:
         tensors, init_record = load_init_gate(args.init_gate, geometry, spec.block_size)
         gate_config = dataclasses.replace(gate_config, gate_dim=int(tensors[0]["attngate_linear_q.weight"].shape[-1]))
     gates = gates_from_tensors(tensors, range(geometry.num_layers), gate_dim=gate_config.gate_dim)
-    for g in gates.values():
+    trained = {i: gates[i] for i in (args.layers or range(geometry.num_layers))}  # layers are independent
+    for g in trained.values():
         g.requires_grad_(True)
     gate_table = gate_rope_table(gate_config.gate_dim, geometry, spec.seq_len)
-    params = [p for g in gates.values() for p in g.parameters()]
+    params = [p for g in trained.values() for p in g.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     scheduler = lr_schedule(optimizer, args.warmup, args.steps, args.min_lr_ratio)
 
@@ -300,6 +311,7 @@ def main(argv: Optional[list] = None) -> int:
             "seq_len": spec.seq_len,
             "train_last": spec.tail,
             "rows_per_step": args.rows_per_step,
+            "layers": args.layers,  # the layers trained here (None: all; the others come from init)
             "rows_seen": step * args.rows_per_step,
             "lr": args.lr,
             "min_lr_ratio": args.min_lr_ratio,
@@ -336,7 +348,7 @@ def main(argv: Optional[list] = None) -> int:
     for step in range(start, end):
         t0 = time.time()
         idx = batch_rows(step, 0, 0, world=1, batch=args.rows_per_step, accum=1, n_rows=len(rows), seed=args.seed)
-        loss = mean_loss(gates, [rows[i] for i in idx.tolist()], spec, gate_table, top_k, args.sink_blocks,
+        loss = mean_loss(trained, [rows[i] for i in idx.tolist()], spec, gate_table, top_k, args.sink_blocks,
                          args.local_blocks, backward=True, coverage=coverage)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else math.inf)
         lr_used = optimizer.param_groups[0]["lr"]

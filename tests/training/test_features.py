@@ -196,3 +196,22 @@ def test_cli_coverage_term_raises_held_out_coverage_and_is_recorded(cli_caches, 
     assert len(cov) == 4 and all(0 < c <= 1 for c in cov) and cov[-1] > cov[0]
     with pytest.raises(SystemExit, match="coverage-budgets"):
         _distill(root, model_dir, tmp_path / "bad", "--coverage-weight", "1", "--coverage-budgets", "128")
+
+
+def test_cli_layers_trains_only_those_gates(cli_caches, tmp_path):
+    """--layers trains the named layers' gates and keeps the others exactly as --init-gate had them."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+
+    root, model_dir = cli_caches
+    assert _distill(root, model_dir, tmp_path / "init", "--steps", "5") == 0
+    assert _distill(root, model_dir, tmp_path / "one", "--layers", "1", "--init-gate", str(tmp_path / "init")) == 0
+    _, init = load_gate_checkpoint(str(tmp_path / "init"))
+    config, got = load_gate_checkpoint(str(tmp_path / "one"))
+    assert config.training["layers"] == [1]
+    for name, t in init[0].items():
+        torch.testing.assert_close(got[0][name], t, rtol=0, atol=0)
+    assert any(not torch.equal(got[1][n], t) for n, t in init[1].items())
+    with pytest.raises(SystemExit, match="needs --init-gate"):
+        _distill(root, model_dir, tmp_path / "bad", "--layers", "1")
+    with pytest.raises(SystemExit, match="must name layers"):
+        _distill(root, model_dir, tmp_path / "bad", "--layers", "7", "--init-gate", str(tmp_path / "init"))
