@@ -12,7 +12,7 @@ many times.
         [--budget 2048] [--sink-blocks 1] [--local-blocks 1] [--steps 500] [--rows-per-step 4]
         [--lr 2e-3] [--warmup 20] [--min-lr-ratio 0.1] [--init-gate DIR] [--seed 0]
         [--val-cache DIR [DIR ...]] [--eval-every 50] [--save-every 100] [--resume]
-        [--coverage-weight 0] [--coverage-budgets 512 1024 2048] [--coverage-temperature 0.5]
+        [--coverage-weight 0] [--coverage-budgets 512 1024 2048] [--coverage-temperature 0.05]
         [--layers I [I ...]]   # train only these layers' gates (needs --init-gate; the others are kept)
 
 Several caches (e.g. prose, prose with recall rows, code) are one pool of rows; they must share
@@ -42,7 +42,7 @@ _RESUME_KEYS = ("model", "cache", "budget", "sink_blocks", "local_blocks", "step
                 "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "init_gate", "gate_dim", "coverage_weight",
                 "coverage_budgets", "coverage_temperature", "layers")
 # What a state saved before a key existed ran with.
-_RESUME_DEFAULTS = {"coverage_weight": 0.0, "coverage_budgets": [512, 1024, 2048], "coverage_temperature": 0.5,
+_RESUME_DEFAULTS = {"coverage_weight": 0.0, "coverage_budgets": [512, 1024, 2048], "coverage_temperature": 0.05,
                     "layers": None}
 _SPEC_KEYS = ("model", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "seq_len", "tail",
               "block_size", "target")
@@ -110,19 +110,15 @@ def layer_loss(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int
     return loss
 
 
-def mean_loss(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, backward: bool,
+def mean_loss(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks,
               coverage: Optional[Coverage] = None) -> float:
-    """Sum over layers of the layer losses of `rows` (backward per layer when asked: layers are
-    independent, so each graph is freed before the next is built)."""
+    """Sum over layers of the layer losses of `rows`, accumulating each layer's gradient as it goes
+    (layers are independent, so each graph is freed before the next is built)."""
     total = 0.0
     for layer, gate in gates.items():
-        batch = RowBatch(rows, layer, spec)
-        if backward:
-            loss = layer_loss(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks, coverage)
-            loss.backward()
-        else:
-            with torch.no_grad():
-                loss = layer_loss(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks, coverage)
+        loss = layer_loss(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k, sink_blocks, local_blocks,
+                          coverage)
+        loss.backward()
         total += float(loss.detach())
     return total
 
@@ -179,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add this weight x (1 - soft top-k coverage) per --coverage-budgets to the KL (0: KL only)")
     p.add_argument("--coverage-budgets", type=int, nargs="+", default=[512, 1024, 2048],
                    help="serving budgets whose top-k coverage is trained (with --coverage-weight) and logged held out")
-    p.add_argument("--coverage-temperature", type=float, default=0.5,
-                   help="sigmoid temperature (in log-gate units) of the soft top-k")
+    p.add_argument("--coverage-temperature", type=float, default=0.05,
+                   help="sigmoid temperature (in log-gate units) of the soft top-k; SmolLM2's gates space their "
+                        "6th and 7th best blocks 0.05-0.17 apart")
     p.add_argument("--layers", type=int, nargs="+", default=None,
                    help="train only these layers' gates (the others are kept from --init-gate); default all")
     p.add_argument("--val-cache", nargs="*", default=[], help="held-out feature caches: their KL is logged, never trained on")
@@ -349,7 +346,7 @@ def main(argv: Optional[list] = None) -> int:
         t0 = time.time()
         idx = batch_rows(step, 0, 0, world=1, batch=args.rows_per_step, accum=1, n_rows=len(rows), seed=args.seed)
         loss = mean_loss(trained, [rows[i] for i in idx.tolist()], spec, gate_table, top_k, args.sink_blocks,
-                         args.local_blocks, backward=True, coverage=coverage)
+                         args.local_blocks, coverage=coverage)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else math.inf)
         lr_used = optimizer.param_groups[0]["lr"]
         optimizer.step()

@@ -55,7 +55,7 @@ def test_cached_loss_and_gradients_equal_train_distill(monkeypatch, target, forc
     want_grads = {i: {n: p.grad.clone() for n, p in g.named_parameters()} for i, g in attached.items()}
     detach_gates(model)
     table = gate_rope_table(32, ModelGeometry.from_hf_config(model.config), SEQ)
-    got = mean_loss(gates, cached, spec, table, 3, sink, local, backward=True)
+    got = mean_loss(gates, cached, spec, table, 3, sink, local)
     assert got == pytest.approx(float(want.detach()), rel=1e-5)
     for i, g in gates.items():
         for n, p in g.named_parameters():
