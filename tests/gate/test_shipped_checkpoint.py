@@ -30,6 +30,8 @@ def test_shipped_sas_gate_loads_and_records_its_training():
     assert rec["budget"] == 2048 and rec["block_size"] == 64 and rec["top_k"] == 32
     assert (rec["sink_blocks"], rec["local_blocks"]) == (1, 1)
     assert rec["command"].startswith("python -m sas_backend.training.distill_cached ")
+    # The last stage trained the layers the gate found hardest (the others come from the stage before)
+    assert rec["layers"] == [7, 14, 17, 18, 20, 21, 22, 23, 24, 26, 29]
     assert rec["steps"] > 0 and rec["final_loss"] is not None and rec["heldout_kl"]
     caches = rec["data"]["caches"]
     assert {c["data"]["split"] for c in caches} == {"train"}
@@ -39,7 +41,7 @@ def test_shipped_sas_gate_loads_and_records_its_training():
     while "training" in node.get("init", {}):
         node = node["init"]["training"]
         stages.append(node["objective"])
-    assert stages == ["lm", "distill", "lm", "distill"] and node["init"]["seed"] == 0, stages
+    assert stages == ["distill", "distill", "lm", "distill", "lm", "distill"] and node["init"]["seed"] == 0, stages
     assert not any(part.startswith("/") for part in rec["command"].split()), "the record names a machine path"
 
 
