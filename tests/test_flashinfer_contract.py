@@ -27,16 +27,26 @@ class FakeDecodeWrapper:
         self.workspace = workspace
         self.use_cuda_graph = use_cuda_graph
         self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
-        self.plans, self.runs = [], []
+        self.plans, self.fast_plans, self.runs = [], [], []
+        self.row_loops = 0  # Python-level iterations over rows, as FlashInfer 0.6.12's plan() does
         FakeDecodeWrapper.instances.append(self)
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kwargs):
         self.plans.append(dict(indptr=indptr, indices=indices, last_page_len=last_page_len,
                                heads=(num_qo_heads, num_kv_heads, head_dim, page_size), **kwargs))
+        # 0.6.12 / 0.6.18, tensor-core path: `max(kv_lens_arr_host)`, Python's max over every row.
+        self.row_loops += sum(1 for _ in indptr[1:])
 
     def run(self, q, kv):
         self.runs.append((q, kv))
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def fake_fast_decode_plan(wrapper, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                          **kwargs):
+    """FlashInfer's `fast_decode_plan`: the C++ planner gets the host offsets; no Python row loop."""
+    wrapper.fast_plans.append(dict(indptr=indptr, indices=indices, last_page_len=last_page_len,
+                                   heads=(num_qo_heads, num_kv_heads, head_dim, page_size), **kwargs))
 
 
 @pytest.fixture()
@@ -52,6 +62,7 @@ def gathers(monkeypatch):
 def _make(monkeypatch, **kwargs):
     fake = types.ModuleType("flashinfer")
     fake.BatchDecodeWithPagedKVCacheWrapper = FakeDecodeWrapper
+    fake.fast_decode_plan = fake_fast_decode_plan
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     FakeDecodeWrapper.instances = []
     from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
@@ -91,6 +102,39 @@ def test_plan_reads_only_host_tensors(fi, graph_bs):
         if isinstance(value, torch.Tensor) and name != "indices":
             assert value.device.type == "cpu", name
 
+    # Every later step: FlashInfer's fast plan, host offsets handed over as such, device buffers
+    # (the ones the gather kernel reads) for what it keeps; nothing copied back to the host.
+    fi.plan(torch.tensor([6, 71, 64]), 0.125, graph_bs=graph_bs)
+    assert len(wrapper.plans) == 1
+    (f,) = wrapper.fast_plans
+    host = f["global_override_indptr_cpu"]
+    assert host.device.type == "cpu" and torch.equal(host, _indptr([6, 6, 71, 71, 64, 64]))
+    assert _same_memory(f["indptr"], fi.gather_indptr) and f["indptr"].numel() == 7
+    assert _same_memory(f["last_page_len"], fi.last_page_len_buf) and f["last_page_len"].numel() == 6
+    assert f["indices"] is fi.indices_buf and f["heads"] == (4, 1, 64, 1) and f["sm_scale"] == 0.125
+    assert f["q_data_type"] == torch.bfloat16 and f["kv_data_type"] == torch.bfloat16
+
+
+@pytest.mark.parametrize("graph_bs", [None, 64])
+def test_plan_cost_is_flat_in_kv_heads(monkeypatch, graph_bs):
+    """Host work per step does not grow with rows (requests x kv heads): only a wrapper's first
+    plan goes through FlashInfer's full plan (a Python loop over rows in 0.6.12 / 0.6.18)."""
+    loops = {}
+    for h_kv in (1, 8):
+        FakeDecodeWrapper.instances = []
+        fake = types.ModuleType("flashinfer")
+        fake.BatchDecodeWithPagedKVCacheWrapper = FakeDecodeWrapper
+        fake.fast_decode_plan = fake_fast_decode_plan
+        monkeypatch.setitem(sys.modules, "flashinfer", fake)
+        from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
+
+        fi = FlashInferSparseDecode(h_kv, 4, 64, torch.bfloat16, torch.bfloat16, DEVICE, max_rows=64 * h_kv,
+                                    top_k=2, block_size=64)
+        for step in range(20):
+            fi.plan(torch.full((64,), 1000 + step), 0.125, graph_bs=graph_bs)
+        loops[h_kv] = sum(w.row_loops for w in FakeDecodeWrapper.instances)
+    assert loops == {1: 64, 8: 512}  # one full plan of 64 x H_kv rows; 19 fast plans with no row loop
+
 
 def test_graph_wrapper_is_built_over_the_fixed_device_buffers(fi):
     fi.plan(torch.tensor([64] * 3), 0.125, graph_bs=3)
@@ -98,12 +142,12 @@ def test_graph_wrapper_is_built_over_the_fixed_device_buffers(fi):
     assert w.use_cuda_graph
     indptr_buf, indices_buf, last_buf = w.buffers
     assert indices_buf is fi.indices_buf  # the buffer the gather kernel fills inside the graph
-    assert _same_memory(indptr_buf, fi.indptr_buf) and indptr_buf.numel() == 7
+    assert _same_memory(indptr_buf, fi.gather_indptr) and indptr_buf.numel() == 7  # refilled by every plan
     assert _same_memory(last_buf, fi.last_page_len_buf) and last_buf.numel() == 6
     assert w.workspace is fi.workspace and w.workspace.device == DEVICE
     # A replay re-plans the same wrapper (same buffers), never a new one.
     fi.plan(torch.tensor([100] * 3), 0.125, graph_bs=3)
-    assert fi._graph_wrappers[3] is w and len(w.plans) == 2
+    assert fi._graph_wrappers[3] is w and len(w.plans) == 1 and len(w.fast_plans) == 1
 
 
 def test_run_gathers_into_the_planned_buffers_then_decodes(fi, gathers):

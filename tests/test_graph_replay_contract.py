@@ -258,20 +258,48 @@ def test_replay_recomputes_from_buffers_not_python():
     assert torch.equal(y, torch.tensor([4.0, 6.0, 8.0])) and float(z) == 18.0
 
 
+def _live_rope_tables(backend, max_pos):
+    """Real `RopeTables` over a stand-in rotary module whose `cos_sin_cache` the test replaces as
+    SGLang does (a longer table: `_ensure_cos_sin_cache_length`; same length: a dtype cast)."""
+    from sas_backend.backend.rope_tables import RopeTables
+    from sas_backend.geometry import ModelGeometry
+
+    rotary = torch.nn.Module()
+    rotary.cos_sin_cache = rope_cos_sin_table(D, max_pos, 10000.0)
+    geo = ModelGeometry(num_layers=LAYERS, num_q_heads=H_Q, num_kv_heads=H_KV, head_dim=D, rope_theta=10000.0)
+    backend.rope_tables = RopeTables(rotary, DG, geo, "cpu")
+    return rotary
+
+
 def test_rope_table_reallocation_is_followed_eagerly_and_refused_after_capture():
+    """Before capture a grown table is adopted; after it, EVERY path refuses one (an eager step
+    between capture and replay included), so a replay never reads a table that was let go."""
     rig = Rig(3)
     be = rig.backend
-    grown = SimpleNamespace(model=rope_cos_sin_table(D, MAX_CTX + 64, 10000.0), gate=rope_cos_sin_table(DG, MAX_CTX + 64, 10000.0))
-    be.rope_tables = grown
+    rotary = _live_rope_tables(be, MAX_CTX + 8)
     rig.add_request(0, 20)
     inp = rig.step_inputs([0])
     fb = _fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], 1)
+    rotary.cos_sin_cache = rope_cos_sin_table(D, MAX_CTX + 64, 10000.0)  # grown before capture
     be.init_forward_metadata(fb)
-    assert be.model_rope_table is grown.model and be.gate_rope_table is grown.gate
+    assert be.model_rope_table.shape[0] == MAX_CTX + 64 and be.gate_rope_table.shape == (MAX_CTX + 64, DG)
     static = Static(MAX_BS, be.get_cuda_graph_seq_len_fill_value())
     static.load(inp)
-    be.init_cuda_graph_state(MAX_BS, MAX_BS)
-    be.init_forward_metadata_out_graph(static.fb(), in_capture=True)
-    grown.model = rope_cos_sin_table(D, MAX_CTX + 128, 10000.0)  # SGLang grew its table again
-    with pytest.raises(RuntimeError, match="reallocated after CUDA graphs were captured"):
+    graph, graph_outs = _capture(rig, static)
+    captured = (be.model_rope_table.data_ptr(), be.gate_rope_table.data_ptr())
+
+    # Same length (SGLang's dtype cast): refilled in place, the graphs keep working.
+    rotary.cos_sin_cache = rotary.cos_sin_cache.to(torch.bfloat16)
+    be.init_forward_metadata(fb)
+    be.init_forward_metadata_out_graph(static.fb())
+    graph.replay()
+    assert (be.model_rope_table.data_ptr(), be.gate_rope_table.data_ptr()) == captured
+
+    rotary.cos_sin_cache = rope_cos_sin_table(D, MAX_CTX + 128, 10000.0)  # SGLang grew its table again
+    with pytest.raises(RuntimeError, match="after CUDA graphs were captured"):
+        be.init_forward_metadata(fb)  # the eager step between capture and replay
+    with pytest.raises(RuntimeError, match="after CUDA graphs were captured"):
         be.init_forward_metadata_out_graph(static.fb())
+    # Nothing was adopted: the captured tables are the ones the backend still reads.
+    assert (be.model_rope_table.data_ptr(), be.gate_rope_table.data_ptr()) == captured
+    assert (be.rope_tables._model.data_ptr(), be.rope_tables._gate.data_ptr()) == captured

@@ -144,8 +144,11 @@ def test_hook_shrinks_the_budget_for_sas_only(sas_env, caplog):
     with caplog.at_level("INFO", logger="sas_backend.backend.memory"):
         budget = reserve_sas_memory(original, _owner(sas_env), 0)
     cell = 2 * 3 * 64 * 30 * 2
+    # The RoPE tables: SmolLM2's 8192 positions + SGLang's 256-row margin, aligned to 128.
     mem = sas_memory(num_sparse_layers=30, num_kv_heads=3, gate_dim=128, block_size=64, top_k=8,
-                     max_reqs=64, on_cuda=True, num_graph_batch_sizes=4, group_size=3, head_dim=64, shared_workspace=True)
+                     max_reqs=64, on_cuda=True, num_graph_batch_sizes=4, group_size=3, head_dim=64, shared_workspace=True,
+                     rope_positions=8448)
+    assert mem.fixed["gate rope table"] == 8448 * 128 * 4 and "model rope table (fp32 copy)" not in mem.fixed
     assert budget == kv_budget_with_sas(available, cell, mem) < available
     assert "sas: reserving" in caplog.text and "KV budget 4.000 ->" in caplog.text
 
@@ -176,3 +179,52 @@ def test_plugin_registers_the_memory_hook():
     hook_type = types.SimpleNamespace(AROUND="around")
     _register_memory_hook(registry, hook_type)
     assert calls == [(profile_target(), reserve_sas_memory, "around")]
+
+
+@pytest.mark.parametrize("spelling", [
+    dict(disable_cuda_graph=True),  # legacy flag
+    dict(disable_decode_cuda_graph=True),
+    dict(cuda_graph_backend_decode="disabled"),
+    dict(cuda_graph_config={"decode": {"backend": "disabled"}}),
+])
+def test_no_graph_wrappers_are_reserved_whatever_the_flag_spelling(sas_env, spelling):
+    """Every way of turning decode graphs off reserves no per-batch-size FlashInfer wrapper (8 MiB each)."""
+    from sas_backend.backend.memory import memory_for_sglang
+
+    graphs, _ = memory_for_sglang(_owner(sas_env))
+    eager, _ = memory_for_sglang(_owner(sas_env, **spelling))
+    assert graphs.fixed["flashinfer int workspaces"] == 5 * (8 << 20)  # eager + 4 captured sizes
+    assert eager.fixed["flashinfer int workspaces"] == 8 << 20
+
+
+def test_cpu_reservation_equals_what_the_backend_allocates(sas_env, caplog):
+    """On CPU with --max-total-tokens 16384 (the test servers' setting): the KV budget shrinks by
+    exactly the bytes the backend then allocates for that pool (summary pool, gate weights, RoPE
+    tables), not by summaries for the whole of system RAM."""
+    from sas_backend.backend.rope_tables import RopeTables
+    from sas_backend.backend.summary_pool import SummaryPool
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+    from sas_backend.gate.module import gates_from_tensors
+    from sas_backend.geometry import ModelGeometry
+    from sas_backend.ops.rope import rope_cos_sin_table
+
+    available, cell, max_total = 20 << 30, 2 * 3 * 64 * 30 * 2, 16384
+    owner = _owner(sas_env, device="cpu", max_total_tokens=max_total)
+    owner.model_config.context_len, owner.model_config.dtype = 8192, torch.bfloat16
+    owner.kv_cache_dtype = torch.bfloat16
+    with caplog.at_level("INFO", logger="sas_backend.backend.memory"):
+        budget = reserve_sas_memory(lambda o, p: available, owner, 0)
+    assert min(budget // cell, max_total) == max_total  # SGLang still builds the pool asked for
+
+    geo = ModelGeometry.from_hf_config(sas_env)
+    gate_cfg, layers = load_gate_checkpoint(os.environ["SAS_GATE"])
+    gates = gates_from_tensors(layers, range(geo.num_layers), gate_dim=gate_cfg.gate_dim, device="cpu")
+    pool = SummaryPool(range(geo.num_layers), max_total // 64 + 1, 3, gate_cfg.gate_dim, "cpu")  # + padding page
+    rotary = torch.nn.Module()  # SGLang's CPU table: the model dtype, 8192 + 256 rows
+    rotary.cos_sin_cache = rope_cos_sin_table(64, 8448, geo.rope_theta).to(torch.bfloat16)
+    tables = RopeTables(rotary, gate_cfg.gate_dim, geo, "cpu")
+    allocated = (
+        pool.nbytes + sum(_nbytes(*g.parameters()) for g in gates.values()) + _nbytes(tables.model, tables.gate)
+    )
+    assert available - budget == allocated
+    assert "for 16384 tokens" in caplog.text  # the log names the pool that is built

@@ -119,10 +119,12 @@ class DecodePlan:
     bs: rows of the batch (padded batch size under graphs). max_blocks: width M of the score
     matrix (eager: the batch's most candidates; graphs: the pool's most blocks, fixed).
     graph: shapes and buffers are those of a captured batch size. step: the step tensors to read
-    (persistent views under graphs). summary_rows: eager only, `[n]` batch rows whose newest token
-    completed a block (None: none did; under graphs every row runs the masked update instead).
-    dense: eager CPU only, no request has more candidate blocks than K, so attention is exactly
-    dense and selection is skipped.
+    (persistent views under graphs). summary_rows: eager CPU only, `[n]` host tensor of the batch
+    rows whose newest token completed a block (None: none did). update_all_rows: eager on a device,
+    some row's newest token completed a block, so every row runs the masked summary update (as
+    under graphs, which always do): the rows are never copied to the device. dense: eager CPU only,
+    no request has more candidate blocks than K, so attention is exactly dense and selection is
+    skipped.
     """
 
     bs: int
@@ -130,4 +132,5 @@ class DecodePlan:
     graph: bool
     step: StepTensors
     summary_rows: Optional[torch.Tensor] = None
+    update_all_rows: bool = False
     dense: bool = False

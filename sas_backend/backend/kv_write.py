@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-try:  # 0.5.21+: the pool takes a write location object (full + SWA-translated loc)
+try:  # 0.5.14+ (0.5.15 and 0.5.21 read): the pool takes a write location object (loc + SWA loc)
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-except ImportError:  # 0.5.15 .. 0.5.20: the pool takes the slot tensor itself
+except ImportError:  # older releases: the pool takes the slot tensor itself
     KVWriteLoc = None
 
 

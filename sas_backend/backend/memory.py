@@ -16,11 +16,15 @@ K = budget // b, R = max running requests + 1 = rows of `req_to_token`):
   fp32, with `pages = kv slots // b` and SGLang's KV buffers holding one padding page beyond
   the pool: `(tokens / b + 1) * layers * H_kv * Dg * 4` bytes.
 - gate weights, fp32 per sparse layer: Wq `[H_kv, G, D, Dg]`, Wk `[H_kv, 3D, Dg]`, two norms `[Dg]`.
+- RoPE tables (backend/rope_tables.py), `[max_pos, ...]` fp32 on the device: the gate's
+  `[max_pos, Dg]` always, and a fp32 copy `[max_pos, D]` of the model's table where SGLang keeps
+  its own in another dtype (see `model_rope_table_is_copied`). max_pos: the model's RoPE table
+  length, SGLang's context length or max_position_embeddings, whichever is longer.
 - CUDA only, fixed: the kv index buffer `[R * H_kv * (K + 1) * b]` int32 (allocated once, in
-  FlashInferSparseDecode), FlashInfer's indptr `[R * H_kv + 1]` and last-page-len `[R * H_kv]`
-  int32 buffers, the gather kernel's indptr `[R * H_kv + 1]` int32 (also there), FlashInfer's 128 MiB float
-  workspace (unless shared with the wrapped backend's) and 8 MiB of int workspace per FlashInfer
-  wrapper (one eager + one per captured decode batch size).
+  FlashInferSparseDecode), the row offsets `[R * H_kv + 1]` int32 (read by the gather kernel and
+  FlashInfer alike) and FlashInfer's last-page-len `[R * H_kv]` int32 buffer (also there),
+  FlashInfer's 128 MiB float workspace (unless shared with the wrapped backend's) and 8 MiB of int
+  workspace per FlashInfer wrapper (one eager + one per captured decode batch size).
 
 Not reserved here: the wrapped dense backend's own buffers (the dense FlashInfer backend
 allocates the same ones when SGLang serves dense, and SGLang's default mem_fraction_static
@@ -80,6 +84,8 @@ def sas_memory(
     shared_workspace: bool = False,
     group_size: int = 0,
     head_dim: int = 0,
+    rope_positions: int = 0,
+    model_rope_copied: bool = False,
 ) -> SASMemory:
     """The sas backend's allocation on one rank (see the module doc for each term).
 
@@ -89,6 +95,8 @@ def sas_memory(
     group_size, head_dim: G and D, for the gate weights (0: not counted; gate_dim 0: no gate).
     summary_dim: floats per page and kv head in the summary pool (default gate_dim; the selector's
     `summary_dim`: 2D for quest, 0 for sink-local).
+    rope_positions: rows of the RoPE tables (`rope_table_positions`; 0: not counted);
+    model_rope_copied: the backend holds a fp32 copy of the model's table (`model_rope_table_is_copied`).
     """
     from sas_backend.ops.gather import row_capacity
     from sas_backend.ops.sparse_decode.flashinfer import WORKSPACE_BYTES, WRAPPER_INT_WORKSPACE_BYTES
@@ -98,36 +106,87 @@ def sas_memory(
     if head_dim and gate_dim:
         per_layer = num_kv_heads * group_size * head_dim * gate_dim + num_kv_heads * 3 * head_dim * gate_dim + 2 * gate_dim
         fixed["gate weights"] = num_sparse_layers * per_layer * 4
+    if rope_positions and gate_dim:
+        fixed["gate rope table"] = rope_positions * gate_dim * 4
+    if rope_positions and model_rope_copied:
+        fixed["model rope table (fp32 copy)"] = rope_positions * head_dim * 4
     if on_cuda:
         rows = (max_reqs + 1) * num_kv_heads
         fixed["kv indices"] = rows * row_capacity(top_k, block_size) * 4
-        fixed["kv indptr (gather + flashinfer)"] = 2 * (rows + 1) * 4
+        fixed["kv indptr"] = (rows + 1) * 4
         fixed["flashinfer last page len"] = rows * 4
         fixed["flashinfer workspace"] = 0 if shared_workspace else WORKSPACE_BYTES
         fixed["flashinfer int workspaces"] = (1 + num_graph_batch_sizes) * WRAPPER_INT_WORKSPACE_BYTES
     return SASMemory(page_size=block_size, summary_bytes_per_page=per_page, fixed=fixed)
 
 
-def kv_budget_with_sas(available_bytes: int, kv_bytes_per_token: int, mem: SASMemory) -> int:
+def kv_budget_with_sas(
+    available_bytes: int, kv_bytes_per_token: int, mem: SASMemory, max_total_tokens: Optional[int] = None
+) -> int:
     """The KV budget to hand SGLang's pool sizer instead of `available_bytes`.
 
-    SGLang makes `tokens = budget // kv_bytes_per_token` (rounded down to pages). We want
-    `tokens * kv_bytes_per_token + mem.total_bytes(tokens) <= available_bytes`, i.e.
-    `tokens = (available - fixed) / (kv_bytes_per_token + sas bytes per token)`.
+    SGLang makes `tokens = min(budget // kv_bytes_per_token, max_total_tokens)` (rounded down to
+    pages). We want `tokens * kv_bytes_per_token + mem.total_bytes(tokens) <= available_bytes`, i.e.
+    `tokens = (available - fixed) / (kv_bytes_per_token + sas bytes per token)`. When the user's
+    `--max-total-tokens` caps the pool below that, only the capped pool's summaries are reserved.
     """
     rest = available_bytes - mem.fixed_bytes
     if rest <= 0:
         return 0
     tokens = int(rest // (kv_bytes_per_token + mem.bytes_per_token))
+    if max_total_tokens is not None and 0 < max_total_tokens < tokens:
+        return available_bytes - mem.total_bytes(sas_pool_tokens(max_total_tokens, mem.page_size))
     return tokens * kv_bytes_per_token
+
+
+def sas_pool_tokens(tokens: int, page_size: int) -> int:
+    """The KV pool SGLang builds for a token count: whole pages."""
+    return tokens // page_size * page_size
+
+
+def rope_table_positions(server_args, model_config, max_position_embeddings: Optional[int]) -> int:
+    """Rows of the model's RoPE table in a SGLang server: the rotary module is built for
+    max_position_embeddings and SGLang's `reserve_rope_cache_for_long_sequences` (0.5.15..0.5.23)
+    extends it at load to the context length plus speculative room plus a margin, aligned."""
+    from sglang.srt.environ import envs
+
+    base = (
+        getattr(server_args, "context_length", None)
+        or getattr(model_config, "context_len", None)
+        or max_position_embeddings
+        or 2048
+    )
+    steps = int(getattr(server_args, "speculative_num_steps", None) or 0)
+    draft = int(getattr(server_args, "speculative_num_draft_tokens", None) or 0)
+    align = envs.SGLANG_ROPE_CACHE_ALIGN.get()
+    reserve = base + steps * draft * envs.SGLANG_SPEC_EXPANSION_SAFETY_FACTOR.get() + envs.SGLANG_ROPE_CACHE_SAFETY_MARGIN.get()
+    reserve = (reserve + align - 1) // align * align
+    return max(int(max_position_embeddings or 0), reserve)
+
+
+def model_rope_table_is_copied(on_cuda: bool, model_dtype: torch.dtype) -> bool:
+    """Whether `RopeTables` holds a fp32 copy of the model's table rather than aliasing it. SGLang
+    keeps its table in fp32 on CUDA (a later dtype swap is refilled in place into the aliased
+    buffer) and in the model's dtype elsewhere (unless SGLANG_ROPE_CACHE_FP32 is set)."""
+    if on_cuda or model_dtype == torch.float32:
+        return False
+    try:
+        from sglang.srt.environ import envs
+
+        return not envs.SGLANG_ROPE_CACHE_FP32.get()
+    except Exception:  # a release without that switch
+        return True
 
 
 # ---------------------------------------------------------------- the SGLang hook
 
 
 def _graph_batch_size_count(server_args) -> int:
-    """How many decode batch sizes SGLang will capture (0 without CUDA graphs)."""
-    if getattr(server_args, "disable_cuda_graph", False):
+    """How many decode batch sizes SGLang will capture (0 without decode CUDA graphs, whichever
+    flag spelling turned them off: `factory.decode_cuda_graph_disabled`)."""
+    from sas_backend.backend.factory import decode_cuda_graph_disabled
+
+    if decode_cuda_graph_disabled(server_args):
         return 0
     cfg = getattr(server_args, "cuda_graph_config", None)
     decode = getattr(cfg, "decode", None) if cfg is not None else None
@@ -180,6 +239,8 @@ def memory_for_sglang(owner) -> tuple:
         group_size=geo.group_size,
         head_dim=geo.head_dim,
         shared_workspace=on_cuda,  # the backend borrows the wrapped FlashInfer backend's workspace
+        rope_positions=rope_table_positions(server_args, owner.model_config, geo.max_position_embeddings),
+        model_rope_copied=model_rope_table_is_copied(on_cuda, getattr(owner.model_config, "dtype", torch.float32)),
     )
     return mem, kv_bytes_per_token
 
@@ -195,8 +256,11 @@ def reserve_sas_memory(original, owner, *args, **kwargs) -> int:
     except Exception as e:  # the factory reports a bad config; never block startup from here
         logger.warning("sas: could not compute the memory to reserve (%s); KV pool not shrunk", e)
         return available
-    budget = kv_budget_with_sas(available, kv_bytes_per_token, mem)
+    max_total = getattr(server_args, "max_total_tokens", None)
+    budget = kv_budget_with_sas(available, kv_bytes_per_token, mem, max_total)
+    # The pool SGLang will build from this budget, which the log reports the reservation for.
     tokens = budget // kv_bytes_per_token
+    tokens = sas_pool_tokens(min(tokens, max_total) if max_total else tokens, mem.page_size)
     logger.info(
         "sas: reserving %.1f MiB beside the KV pool (summaries %.1f MiB for %d tokens + fixed %.1f MiB: %s); "
         "KV budget %.3f -> %.3f GiB",

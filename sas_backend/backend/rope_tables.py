@@ -55,6 +55,7 @@ class RopeTables:
         self.geometry = geometry
         self.device = torch.device(device)
         self.version = 0
+        self.frozen = False  # set by freeze(): CUDA graphs hold the tensors' addresses
         self._src: Optional[torch.Tensor] = None
         self._model: Optional[torch.Tensor] = None
         self._gate: Optional[torch.Tensor] = None
@@ -84,6 +85,12 @@ class RopeTables:
             return
         self.refresh()
 
+    def freeze(self) -> None:
+        """From now on captured CUDA graphs hold `model`/`gate`'s addresses: a longer table can no
+        longer be followed, and `refresh` refuses it (whichever path reads first, eager or graph)
+        instead of reallocating and leaving the graphs to read freed memory."""
+        self.frozen = True
+
     def refresh(self) -> bool:
         """Follow the model's `cos_sin_cache`. Returns True when the tensors were reallocated."""
         src = self.rotary.cos_sin_cache
@@ -94,6 +101,12 @@ class RopeTables:
                 self._model.copy_(src)  # same length: refill in place, pointers stay valid
             self._src = src
             return False
+        if self.frozen:
+            raise RuntimeError(
+                f"sas: the model's RoPE table grew from {self._model.shape[0]} to {src.shape[0]} positions "
+                "after CUDA graphs were captured, which hold the old table's address; restart with a "
+                "larger --context-length or with --cuda-graph-backend-decode disabled"
+            )
         self._model = src.to(device=self.device, dtype=torch.float32)
         self._gate = gate_rope_table(self.gate_dim, self.geometry, self._model.shape[0], device=self.device)
         self._src = src

@@ -92,7 +92,9 @@ class SASAttnBackend(AttentionBackend):
         self.block_size = cfg.block_size
         self.top_k = cfg.top_k
         self.max_blocks = self.req_to_token_pool.req_to_token.shape[1] // self.block_size
-        self.use_cuda = self.device.type == "cuda"
+        # Device (CUDA, or `meta` standing in for it in tests): host decisions must not become
+        # host-to-device copies; CPU: host tensors index directly.
+        self.on_device = self.device.type != "cpu"
         self.scaling = model_attention_scaling(getattr(runner, "model", None), set(gates), head_dim**-0.5)
 
         rule = SelectionRule(cfg.top_k, cfg.block_size, cfg.sink_blocks, cfg.local_blocks)
@@ -119,7 +121,6 @@ class SASAttnBackend(AttentionBackend):
         # backend/rope_tables.py). None keeps the tables given above (tests, tools).
         self.rope_tables = None
         self._step_buffers: Optional[StepBuffers] = None  # made by init_cuda_graph_state
-        self._graphs_captured = False
         self._plan: Optional[DecodePlan] = None
         self._extend_blocks = None  # (pages [N], starts [N]) of blocks completed by this extend
         self._debug_step = 0
@@ -132,25 +133,16 @@ class SASAttnBackend(AttentionBackend):
         )
 
     # ------------------------------------------------------------------ metadata
-    def _follow_rope_tables(self, for_graph: bool) -> None:
-        """Read the current RoPE tables (host side, before a step). A captured graph holds the
-        old tables' addresses: a reallocation after capture cannot be followed, so it is refused."""
+    def _follow_rope_tables(self) -> None:
+        """Read the current RoPE tables (host side, before a step). Once graphs are captured the
+        tables are frozen: a reallocation raises in `RopeTables.refresh`, eager or graph step."""
         tables = self.rope_tables
-        if tables is None:
-            return
-        model, gate = tables.model, tables.gate
-        if model is self.model_rope_table and gate is self.gate_rope_table:
-            return
-        if for_graph and self._graphs_captured:
-            raise RuntimeError(
-                "sas: the model's RoPE table was reallocated after CUDA graphs were captured; "
-                "restart with a larger --context-length or with --disable-cuda-graph"
-            )
-        self.model_rope_table, self.gate_rope_table = model, gate
+        if tables is not None:
+            self.model_rope_table, self.gate_rope_table = tables.model, tables.gate
 
     def init_forward_metadata(self, forward_batch):
         """Eager step (no CUDA graph): plan and step state from the live batch."""
-        self._follow_rope_tables(for_graph=False)
+        self._follow_rope_tables()
         mode = forward_batch.forward_mode
         if mode.is_decode():
             self._plan = self._plan_decode(forward_batch, graph_bs=None)
@@ -187,10 +179,12 @@ class SASAttnBackend(AttentionBackend):
                 f"sas runs {forward_batch.forward_mode} eagerly; the full prefill CUDA graph backend is not "
                 "supported (keep SGLang's default breakable prefill graphs, or disable prefill graphs)"
             )
-        self._follow_rope_tables(for_graph=True)
+        self._follow_rope_tables()
         self._plan = self._plan_decode(forward_batch, graph_bs=forward_batch.batch_size)
         self._extend_blocks = None
-        self._graphs_captured = True  # from the first out_graph on, layers may hold our addresses
+        # From the first out_graph on, captured layers may hold the tables' addresses.
+        if self.rope_tables is not None:
+            self.rope_tables.freeze()
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Captured: recompute the step's device state into the persistent buffers."""
@@ -224,11 +218,18 @@ class SASAttnBackend(AttentionBackend):
         most = int(seq_lens_cpu.max()) if bs else 1
         max_blocks = max(1, (most - 1) // self.block_size)  # the longest request's candidates
         step = self._compute_step(fb.positions, fb.seq_lens, fb.req_pool_indices, max_blocks)
-        done = ((seq_lens_cpu > 0) & (seq_lens_cpu % self.block_size == 0)).nonzero().flatten()
-        summary_rows = done.to(self.device) if done.numel() else None
+        # Which rows' newest token completes a block is known on the host. On a device, copying
+        # their indices over would be a blocking host-to-device copy every such step (it stalls
+        # the overlap scheduler): run the masked update over every row instead, as graphs do.
+        done = (seq_lens_cpu > 0) & (seq_lens_cpu % self.block_size == 0)
+        if not self.on_device:
+            rows = done.nonzero().flatten()  # host tensors on CPU: indexing with them copies nothing
+            update = dict(summary_rows=rows) if rows.numel() else {}
+        else:
+            update = dict(update_all_rows=bool(done.any()))
         # Nothing to skip on CPU: the wrapped dense decode is exactly what selection would attend.
-        dense = not self.use_cuda and (most - 1) // self.block_size <= self.top_k
-        return DecodePlan(bs, max_blocks, False, step, summary_rows, dense)
+        dense = not self.on_device and (most - 1) // self.block_size <= self.top_k
+        return DecodePlan(bs, max_blocks, False, step, dense=dense, **update)
 
     def _plan_extend(self, fb):
         """Blocks that this extend completes, per request: logical [prefix // b, seq_len // b)."""
@@ -243,13 +244,18 @@ class SASAttnBackend(AttentionBackend):
             blocks.extend(range(first, end))
         if not blocks:
             return None
-        reqs_t = torch.tensor(reqs, dtype=torch.int64, device=self.device)
-        starts = torch.tensor(blocks, dtype=torch.int64, device=self.device) * self.block_size
+        reqs_t, starts = self._to_device(reqs), self._to_device(blocks) * self.block_size
         rows = fb.req_pool_indices.long()[reqs_t]
         pages = torch.div(
             self.req_to_token_pool.req_to_token[rows, starts].long(), self.block_size, rounding_mode="floor"
         )
         return pages, starts
+
+    def _to_device(self, values: list) -> torch.Tensor:
+        """int64 `[n]` on the backend's device without a blocking copy: staged in pinned host
+        memory and copied asynchronously (a pageable source would make the copy synchronous)."""
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -275,11 +281,11 @@ class SASAttnBackend(AttentionBackend):
         v_buffer = self.token_to_kv_pool.get_value_buffer(lid)
         summaries = self.summaries[lid]
         step = plan.step
-        if plan.graph:  # every row runs the masked update (no host decision inside a graph)
+        if plan.graph or plan.update_all_rows:  # every row runs the masked update (no host indices)
             self.selector.update(
                 gate, k_buffer, summaries, step.block_table, step.seq_lens, self.model_rope_table, self.gate_rope_table
             )
-        elif plan.summary_rows is not None:  # eager: only the rows whose newest token completed a block
+        elif plan.summary_rows is not None:  # eager CPU: only the rows whose newest token completed a block
             rows = plan.summary_rows
             self.selector.update(
                 gate, k_buffer, summaries, step.block_table[rows], step.seq_lens[rows],

@@ -26,6 +26,15 @@ fa2 / CUDA-core decode, q_len_per_req 1):
   It stays the device buffer that the gather kernel fills inside the graph.
 - `run()` reads the wrapper's `_paged_kv_*_buf` device tensors: for graph wrappers those
   are the fixed buffers given to the constructor, so a captured graph keeps reading them.
+
+Plan cost: `plan()` of FlashInfer 0.6.12 / 0.6.18 takes `max(kv_lens)` with Python's builtin on
+the tensor-core path, a Python loop over every row: with one row per (request, kv head) that is
+milliseconds per step at large batches (7 ms at 256 requests x 8 kv heads), on every replay. So,
+as SGLang does after capture, each wrapper is planned fully once (which resolves and caches its
+module) and from then on with FlashInfer's `fast_decode_plan`, which hands the host offsets
+straight to the module's C++ planner (`global_override_indptr_cpu`) and copies nothing: the
+device offsets it needs are `gather_indptr`, which every plan refreshes anyway (an async copy
+from pinned memory) and which IS the graph wrappers' indptr buffer.
 """
 
 from __future__ import annotations
@@ -83,12 +92,14 @@ class FlashInferSparseDecode:
             torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device) if workspace is None else workspace
         )
         # Device buffers the CUDA-graph wrappers are built over (FlashInfer requires all three).
-        self.indptr_buf = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
         self.indices_buf = torch.zeros(max_rows * row_capacity(top_k, block_size), dtype=torch.int32, device=device)
-        # Row offsets the gather kernel reads: refilled (async copy) by every plan, so a captured
-        # gather keeps reading this one address.
+        # Row offsets, read by the gather kernel and by FlashInfer (the graph wrappers' indptr
+        # buffer, the eager wrapper's after its first plan): refilled (async copy) by every plan,
+        # so a captured gather / decode keeps reading this one address.
         self.gather_indptr = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)
+        self._pin = torch.device(device).type == "cuda"  # stage host offsets in pinned memory
         self._rows = None  # rows of the last plan (run checks the batch against it)
+        self._planned = set()  # ids of the wrappers planned fully once (then fast_decode_plan)
         self.last_page_len_buf = torch.ones(max_rows, dtype=torch.int32, device=device)
         # Page size 1: every row's last page holds one token. Host copy for plan() (see module doc).
         self._last_page_len_host = torch.ones(max_rows, dtype=torch.int32)
@@ -102,7 +113,7 @@ class FlashInferSparseDecode:
     def device_nbytes(self) -> int:
         """Device bytes this object holds: buffers, the workspace if its own, and one FlashInfer
         int workspace per wrapper made so far (eager + one per captured batch size)."""
-        own = [self.indptr_buf, self.indices_buf, self.gather_indptr, self.last_page_len_buf]
+        own = [self.indices_buf, self.gather_indptr, self.last_page_len_buf]
         if self.owns_workspace:
             own.append(self.workspace)
         wrappers = 1 + len(self._graph_wrappers)
@@ -119,7 +130,7 @@ class FlashInferSparseDecode:
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=self.use_tensor_cores,
-            paged_kv_indptr_buffer=self.indptr_buf[: rows + 1],
+            paged_kv_indptr_buffer=self.gather_indptr[: rows + 1],
             paged_kv_indices_buffer=self.indices_buf,
             paged_kv_last_page_len_buffer=self.last_page_len_buf[:rows],
         )
@@ -144,19 +155,20 @@ class FlashInferSparseDecode:
             wrapper = self._graph_wrappers.get(graph_bs)
             if wrapper is None:
                 wrapper = self._graph_wrappers[graph_bs] = self._make_wrapper(True, rows)
-        wrapper.plan(
-            indptr,
-            self.indices_buf,
-            self._last_page_len_host[:rows],
-            self.group_size,
-            1,
-            self.head_dim,
-            1,
-            q_data_type=self.q_dtype,
-            kv_data_type=self.kv_dtype,
-            sm_scale=scale,
-        )
-        self.gather_indptr[: rows + 1].copy_(indptr, non_blocking=True)
+        # Async copy from pinned memory (pageable memory can make it synchronous): stream-ordered
+        # before this step's gather and decode, which read it.
+        host = indptr.pin_memory() if self._pin else indptr
+        self.gather_indptr[: rows + 1].copy_(host, non_blocking=True)
+        args = (self.group_size, 1, self.head_dim, 1)
+        kwargs = dict(q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=scale)
+        if id(wrapper) not in self._planned:  # the full plan resolves and caches the wrapper's module
+            wrapper.plan(indptr, self.indices_buf, self._last_page_len_host[:rows], *args, **kwargs)
+            self._planned.add(id(wrapper))
+        else:  # O(1) Python work whatever the row count (see the module doc)
+            self._flashinfer.fast_decode_plan(
+                wrapper, self.gather_indptr[: rows + 1], self.indices_buf, self.last_page_len_buf[:rows], *args,
+                non_blocking=True, global_override_indptr_cpu=indptr, **kwargs,
+            )
         self._active = wrapper
         self._rows = rows
 
