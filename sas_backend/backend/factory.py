@@ -133,7 +133,8 @@ def create_sas_backend(runner) -> SASAttnBackend:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SASConfigError(
             "on CPU, SGLang's paged KV allocator runs Triton kernels, which need TRITON_INTERPRET=1 "
-            "in the environment (serve/serve.sh sets it)"
+            "in the environment: export TRITON_INTERPRET=1 before the launch (in a clone of the "
+            "repository, serve/serve.sh sets it)"
         )
     if cfg.debug_dir and device.type == "cuda" and not decode_cuda_graph_disabled(runner.server_args):
         raise SASConfigError(
@@ -195,4 +196,5 @@ def create_sas_backend(runner) -> SASAttnBackend:
         head_dim=geo.head_dim,
     )
     backend.rope_tables = rope  # the live tables, for a backend that follows table replacement
+    backend.kv_head_offset = tp_rank * kv_local
     return backend

@@ -87,6 +87,9 @@ class SASAttnBackend(AttentionBackend):
         self.model_rope_table = model_rope_table
         self.gate_rope_table = gate_rope_table
         self.num_kv_heads = num_kv_heads
+        # The model's first kv head on this rank (tensor parallelism shards kv heads; set by the
+        # factory): the selection log names the global heads it holds.
+        self.kv_head_offset = 0
         self.num_q_heads = num_q_heads
         self.head_dim = head_dim
         self.block_size = cfg.block_size
@@ -311,6 +314,7 @@ class SASAttnBackend(AttentionBackend):
             "seq_lens": plan.step.seq_lens.tolist(),
             "num_candidates": plan.step.num_candidates.tolist(),
             "selected": selected.tolist(),
+            "kv_heads": list(range(self.kv_head_offset, self.kv_head_offset + self.num_kv_heads)),
         }
         self._debug_step += 1
         with open(os.path.join(self.cfg.debug_dir, f"selection-{os.getpid()}.jsonl"), "a") as f:

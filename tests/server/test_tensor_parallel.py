@@ -1,0 +1,77 @@
+"""Tensor parallelism on CPU: `--tp-size 3` serves the default model (9 q / 3 kv heads: one kv head
+per rank) with the sas backend exactly as `--tp-size 1` does, each rank selecting for its own kv head.
+
+SGLang's CPU engine needs one OpenMP core set per rank (`SGLANG_CPU_OMP_THREADS_BIND`, entries
+separated by `|`); without it SGLang asserts ranks <= NUMA nodes. On this 2-core machine the three
+ranks share cores ("0|1|0"). The gate is sharded along its kv-head axis like the model's kv heads.
+Compared with the sparse tp1 server of test_sparse_decode.py (same gate, budget, dtype, prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from sas_backend.server_harness import ON_GPU, Server, complete
+from tests.server.test_sparse_decode import BLOCK, BUDGET, NEW_TOKENS, PROMPT_LEN
+
+TP = 3
+CPU_BIND = "0|1|0"  # rank i runs its OpenMP threads on core CPU_BIND[i]
+
+pytestmark = pytest.mark.skipif(ON_GPU, reason="one GPU here: the multi-GPU tier would run --tp on several GPUs")
+
+
+def _records(debug_dir):
+    """Selection records per kv head set: {tuple(kv_heads): [record per step]} (one file per rank)."""
+    by_heads = {}
+    for f in sorted(debug_dir.glob("*.jsonl")):
+        recs = [json.loads(line) for line in f.open()]
+        assert recs and len({tuple(r["kv_heads"]) for r in recs}) == 1, f
+        by_heads[tuple(recs[0]["kv_heads"])] = recs
+    return by_heads
+
+
+@pytest.fixture(scope="module")
+def tp_runs(essay_ids, model_dir, seed_gate, sas_sparse_server, sparse_debug_dir, tmp_path_factory):
+    prompt = essay_ids[5000 : 5000 + PROMPT_LEN]
+    for f in sparse_debug_dir.glob("*.jsonl"):
+        f.unlink()
+    ref = complete(sas_sparse_server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
+    ref_records = _records(sparse_debug_dir)
+
+    tp_dir = tmp_path_factory.mktemp("sas-debug-tp")
+    args = [
+        "--sas-gate", seed_gate, "--sas-budget", str(BUDGET), "--sas-sink-blocks", "1", "--sas-local-blocks", "1",
+        "--dtype", "float32", "--tp-size", str(TP),
+    ]
+    env = {"SAS_DEBUG_DIR": str(tp_dir), "SGLANG_CPU_OMP_THREADS_BIND": CPU_BIND}
+    with Server(model_dir, backend="sas", extra_args=args, env=env) as s:
+        out = complete(s.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
+    return ref["choices"][0], ref_records, out["choices"][0], _records(tp_dir)
+
+
+def test_tp3_greedy_tokens_and_logprobs_equal_tp1(tp_runs):
+    ref, _, out, _ = tp_runs
+    assert out["token_ids"] == ref["token_ids"] and len(out["token_ids"]) == NEW_TOKENS
+    lp_ref, lp_tp = ref["logprobs"]["token_logprobs"], out["logprobs"]["token_logprobs"]
+    worst = max(abs(a - b) for a, b in zip(lp_ref, lp_tp))
+    assert worst < 2e-3, (lp_ref, lp_tp)
+
+
+def test_each_rank_selects_for_its_own_kv_head_as_tp1_does(tp_runs):
+    """Three logs, one per rank, each for one global kv head; per step, rank r's selection is
+    tp1's selection of head r (sparse: K of the candidate blocks)."""
+    _, ref_records, _, tp_records = tp_runs
+    (ref_heads,) = ref_records  # tp1: one process, all three heads
+    assert ref_heads == (0, 1, 2)
+    assert sorted(tp_records) == [(0,), (1,), (2,)]
+    ref_steps = ref_records[ref_heads]
+    for (head,), steps in tp_records.items():
+        assert len(steps) == len(ref_steps) >= NEW_TOKENS - 1
+        for step, (rec, want) in enumerate(zip(steps, ref_steps)):
+            assert rec["seq_lens"] == want["seq_lens"]
+            (sel,) = rec["selected"][0]
+            assert len([m for m in sel if m >= 0]) == BUDGET // BLOCK < rec["num_candidates"][0]
+            assert sel == want["selected"][0][head], f"step {step}, kv head {head}"
