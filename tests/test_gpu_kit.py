@@ -12,6 +12,7 @@ import base64
 import hashlib
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
 
+import aot  # noqa: E402
 import build_kit  # noqa: E402
 import kit  # noqa: E402
 import run as gpu_run  # noqa: E402
@@ -178,16 +180,29 @@ def fake_site_kit(tmp_path_factory):
     kit_dir.mkdir()
     archive = kit_dir / "sglang-0.0-h100-site.tar.xz"
     build_kit.pack(stage, archive, preset=0)
-    (kit_dir / kit.SUMS_FILE).write_text(f"{kit.sha256_of(archive)}  {archive.name}\n")
+    # pre-built FlashInfer modules (fake .so files) and their record, as build_kit --aot writes them
+    aot_stage = root / "aot-stage"
+    modules = []
+    for uri in ("batch_decode_fake", "batch_prefill_fake"):
+        so = aot_stage / aot.aot_member(uri)
+        so.parent.mkdir(parents=True)
+        so.write_bytes(uri.encode())
+        modules.append({"uri": uri, "member": aot.aot_member(uri), "sha256": kit.sha256_of(so)})
+    aot_archive = kit_dir / aot.AOT_ARCHIVE
+    build_kit.pack(aot_stage, aot_archive, preset=0)
+    (kit_dir / "aot-record.json").write_text(json.dumps({"modules": modules}))
+    (kit_dir / kit.SUMS_FILE).write_text(f"{kit.sha256_of(archive)}  {archive.name}\n"
+                                         f"{kit.sha256_of(aot_archive)}  {aot_archive.name}\n")
     return kit_dir
 
 
-@pytest.mark.parametrize("tier", ["tier1", "tier2"])
+@pytest.mark.parametrize("tier", ["tier0", "tier1", "tier2"])
 def test_tier_dry_run(tier, fake_site_kit, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "bench/gpu/run.py", tier, "--dry-run", "--kit", str(fake_site_kit), "--site",
-         str(tmp_path / "site"), "--work", str(tmp_path / "work"), "--out", str(out)],
+         str(tmp_path / "site"), "--work", str(tmp_path / "work"), "--out", str(out), "--aot-record",
+         str(fake_site_kit / "aot-record.json")],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rec = json.loads((out / f"{tier}-dry.json").read_text())
@@ -198,7 +213,15 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
     assert all(s["rc"] == 0 for s in steps.values()), steps
     md = (out / f"{tier}-dry.md").read_text()
     assert rec["environment"]["git"]["commit"] in md
-    if tier == "tier1":
+    assert rec["kit"]["aot"]["archive"] == "flashinfer-aot-0.6.12-sm90a.tar.xz"
+    assert rec["jit"]["cuda"]["how"]  # CUDA_HOME search recorded for every tier
+    if tier == "tier0":
+        checks = steps["preflight"]["results"]["preflight"]["checks"]
+        assert checks["aot"]["ok"] and checks["aot"]["modules"] == 2
+        assert checks["triton"]["ok"] and checks["triton"]["interpreted"]  # the kernel == its reference
+        assert checks["gpu"]["ok"] is None and "dry run" in checks["gpu"]["skipped"]
+        assert "Preflight" in md
+    elif tier == "tier1":
         assert steps["kernel-tests"]["counts"]["tests collected"] > 100
         checks = steps["decode-step"]["results"]["decode-step"]["checks"]
         assert checks and all(c["ok"] for c in checks)
@@ -207,3 +230,148 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
     else:
         assert steps["server-tests"]["counts"]["tests collected"] >= 5
         assert "would start sas" in (out / "tier2-dry.log").read_text()
+
+
+# ------------------------------------------------------------------ pre-built FlashInfer modules
+SHARED_KIT = REPO.parent / "shared" / "gpu-kit"
+AOT_CACHE = REPO / "build" / "flashinfer-aot" / "aot"  # build_kit --aot's compile cache (not committed)
+
+
+def test_aot_record_is_complete():
+    """The committed record of the full build: 8 modules (decode + fa2 prefill x bf16/fp16 x d64/d128),
+    each at its loader path, needing only libcudart.so.13 beyond the C/C++ runtime."""
+    rec = json.loads(aot.AOT_RECORD.read_text())
+    assert rec["flashinfer"] == aot.FLASHINFER_VERSION and rec["arch_list"] == "9.0a"
+    assert len(rec["modules"]) == 8 and {m["kind"] for m in rec["modules"]} == {"decode", "prefill"}
+    assert rec["complete"] == all(m["built"] for m in rec["modules"]) and any(m["built"] for m in rec["modules"])
+    for m in (m for m in rec["modules"] if m["built"]):
+        assert m["member"] == f"flashinfer/data/aot/{m['uri']}/{m['uri']}.so" and len(m["sha256"]) == 64
+        assert set(m["needed"]) <= {"libcudart.so.13", "libstdc++.so.6", "libgcc_s.so.1", "libc.so.6", "libm.so.6"}
+        assert m["unresolved_with_toolkit"] == []
+    assert any("sas decode" in u for m in rec["modules"] for u in m["used_by"])
+    assert any("sglang" in u for m in rec["modules"] for u in m["used_by"])
+
+
+@pytest.mark.skipif(not list(SHARED_KIT.glob("flashinfer_python-0.6.12-*.whl")), reason="no FlashInfer wheel in ../shared")
+def test_aot_modules_load_from_a_clean_site_without_compiling(tmp_path):
+    """From a clean --target site made from the kit (the FlashInfer wheel + the AOT archive),
+    FlashInfer's own loader resolves every module the call sites ask for to the shipped
+    flashinfer/data/aot/<uri>/<uri>.so and loads it, with nvcc off the PATH, CUDA_HOME poisoned and
+    FlashInfer's compile step and ninja raising if called. With the real modules from the compile
+    cache (this machine after build_kit --aot) tvm_ffi dlopens them for real (libcudart.so.13 from the
+    toolkit); elsewhere (CI) fake files stand at the same paths and tvm_ffi's load is recorded."""
+    rec = json.loads(aot.AOT_RECORD.read_text())
+    real = all((AOT_CACHE / m["uri"] / f"{m['uri']}.so").is_file() for m in rec["modules"])
+    stage = tmp_path / "aot-stage"
+    for m in rec["modules"]:
+        dest = stage / m["member"]
+        dest.parent.mkdir(parents=True)
+        if real:
+            dest.write_bytes((AOT_CACHE / m["uri"] / f"{m['uri']}.so").read_bytes())
+        else:
+            dest.write_bytes(b"not a shared object")
+    kit_dir = tmp_path / "kit"
+    kit_dir.mkdir()
+    build_kit.pack(stage, kit_dir / aot.AOT_ARCHIVE, preset=0)
+    site = tmp_path / "site"
+    kit.pip_target(list(SHARED_KIT.glob("flashinfer_python-0.6.12-*.whl")), site)
+    kit.unpack(kit_dir / aot.AOT_ARCHIVE, site)
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "pynvml.py").write_text("# nvidia-ml-py stands here (the GPU image has it)\n")
+    cuda = kit.find_cuda_home()["cuda_home"]
+    env = {"HOME": str(tmp_path), "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin",
+           "CUDA_HOME": str(tmp_path / "no-cuda-here"), "FLASHINFER_CUDA_ARCH_LIST": "9.0a",
+           "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "ws"), "PYTHONPATH": f"{site}:{stub}:{REPO}",
+           "LD_LIBRARY_PATH": f"{cuda}/lib64" if cuda else ""}
+    assert subprocess.run(["which", "nvcc"], env=env, capture_output=True).returncode != 0
+    argv = [sys.executable, str(REPO / "bench/gpu/aot.py"), "loadcheck", *([] if real else ["--fake-load"])]
+    proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("LOADCHECK ")), None)
+    assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(line[len("LOADCHECK "):])
+    assert res["compiled"] == [] and pathlib.Path(res["aot_dir"]) == site / aot.AOT_PREFIX
+    assert {m["uri"] for m in res["modules"]} == {m["uri"] for m in rec["modules"]}
+    for m in res["modules"]:
+        assert m["is_aot"] and m["loaded"] and pathlib.Path(m["path"]) == site / aot.aot_member(m["uri"])
+        if not real:
+            assert pathlib.Path(m["tvm_ffi_path"]) == site / aot.aot_member(m["uri"])
+    print(f"loaded {len(res['modules'])} modules, {'real .so files (dlopen)' if real else 'fake files'}")
+
+
+def _fatbin_blob(entries) -> bytes:
+    """A fat binary blob: header + entries (kind, sm, payload), the layout prune_fatbin reads."""
+    import struct
+
+    body = b""
+    for kind, sm, payload in entries:
+        head = struct.pack("<HHIQ", kind, 0, 64, len(payload)) + bytes(12) + struct.pack("<I", sm)
+        body += head + bytes(64 - len(head)) + payload
+    return struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
+
+
+def test_prune_fatbin_zeroes_only_other_architectures(tmp_path):
+    blob = _fatbin_blob([(2, 80, b"A" * 96), (2, 90, b"B" * 96), (2, 100, b"C" * 96)])
+    src = tmp_path / "f.c"
+    src.write_text('__attribute__((section(".nv_fatbin"), used)) const unsigned char fb[] = {'
+                   + ",".join(str(b) for b in blob) + "};\n")
+    so = tmp_path / "libf.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    size = so.stat().st_size
+    res = build_kit.prune_fatbin(so, keep_sm=(90,))
+    data = so.read_bytes()
+    assert res == {"zeroed_bytes": 192, "kept_bytes": 96, "by_sm": {80: 96, 90: 96, 100: 96}}
+    assert so.stat().st_size == size and b"B" * 96 in data and b"A" * 96 not in data and b"C" * 96 not in data
+
+
+def test_find_cuda_home_follows_a_wrapper_script(tmp_path):
+    tk = tmp_path / "cuda-13.0"
+    (tk / "bin").mkdir(parents=True)
+    (tk / "include").mkdir()
+    (tk / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (tk / "include" / "cuda_runtime.h").write_text("")
+    wrap = tmp_path / "wrap"
+    wrap.mkdir()
+    (wrap / "nvcc").write_text(f'#!/bin/sh\nexec {tk}/bin/nvcc "$@"\n')
+    (wrap / "nvcc").chmod(0o755)
+    found = kit.find_cuda_home({"PATH": str(wrap)})
+    assert found["cuda_home"] == str(tk) and "wrapper" in found["how"]
+    assert kit.find_cuda_home({"PATH": str(wrap), "CUDA_HOME": str(tmp_path)})["cuda_home"] == str(tk)  # not a toolkit
+    assert kit.find_cuda_home({"PATH": "/nonexistent", "CUDA_HOME": str(tk)})["how"] == "$CUDA_HOME"
+
+
+def test_jit_env_links_the_driver_libcuda_when_the_toolkit_has_no_stub(tmp_path, monkeypatch):
+    tk = tmp_path / "cuda"
+    for d in ("bin", "include", "lib64"):
+        (tk / d).mkdir(parents=True)
+    (tk / "bin" / "nvcc").write_text("")
+    (tk / "include" / "cuda_runtime.h").write_text("")
+    (tk / "lib64" / "libcudart.so").write_text("")
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    (driver / "libcuda.so.1").write_text("")
+    monkeypatch.setattr(kit, "DRIVER_DIRS", [str(driver)])
+    monkeypatch.setattr(kit, "_ldconfig_paths", lambda name: [])
+    env, rec = kit.jit_env({"PATH": "/usr/bin", "CUDA_HOME": str(tk)}, tmp_path / "shim")
+    assert env["CUDA_HOME"] == str(tk) and env["SGLANG_FLASHINFER_USE_PAGED"] == "1"
+    assert env["PATH"].startswith(str(tk / "bin"))
+    assert env["FLASHINFER_EXTRA_LDFLAGS"] == f"-L{tmp_path / 'shim'}" and env["LIBRARY_PATH"] == str(tmp_path / "shim")
+    assert os.readlink(tmp_path / "shim" / "libcuda.so") == str(driver / "libcuda.so.1")
+    (tk / "lib64" / "stubs").mkdir()  # a toolkit with the stub needs no shim
+    (tk / "lib64" / "stubs" / "libcuda.so").write_text("")
+    env2, rec2 = kit.jit_env({"PATH": "/usr/bin", "CUDA_HOME": str(tk)}, tmp_path / "shim2")
+    assert "FLASHINFER_EXTRA_LDFLAGS" not in env2 and rec2["link"]["dir"] is None
+
+
+def test_payload_of_the_recorded_kit_leaves_10_mib():
+    """The tier-2 carry (this repository as it is now + the recorded kit: site archive, AOT
+    archive, SHA256SUMS, manifest) stays >= 10 MiB under the device tool's 64 MiB."""
+    path = REPO / "bench" / "gpu" / "kit-record.json"
+    if not path.exists():
+        pytest.skip("no kit-record.json: the kit build was not recorded")
+    rec = json.loads(path.read_text())
+    kit_mib = sum(rec["tier2_kit_files_bytes"].values()) / 2**20
+    repo = build_kit.repo_bytes()
+    total = (repo["tracked"] + repo["untracked"]) / 2**20 + kit_mib
+    assert build_kit.CARRY_LIMIT_MIB - total >= build_kit.HEADROOM_MIB, (total, kit_mib, repo)
+    assert rec["payload_before"]["total_mib"] > rec["payload_after"]["total_mib"]

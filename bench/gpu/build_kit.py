@@ -34,8 +34,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import aot  # noqa: E402
 import kit  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -45,14 +47,38 @@ FLASHINFER_ONLY = ["flashinfer_python-0.6.12", "apache_tvm_ffi-0.1.11"]
 FIXED_MTIME = 1700000000  # archive members' mtime (reproducible archives)
 
 # What the kit does not carry, by package: paths (fnmatch against site-relative POSIX paths) to
-# delete, and shared objects to strip of debug info. sglang-kernel: Hopper (sm90) common ops only,
+# delete, directories to prune down to a keep-list (every entry directly under "dir" whose name
+# matches no "keep" pattern goes), shared objects to strip of debug info, and fat binaries whose
+# GPU code for other architectures is zeroed (FATBIN_KEEP_SM; the bytes stay, so the ELF layout
+# does not change, and xz packs the zeros to nothing). sglang-kernel: Hopper (sm90) common ops only,
 # so SGLang must be told `--attention-backend flashinfer` (it would pick FA3 on Hopper).
+#
+# Why each of the later rules is safe: bench/gpu/import_check.py (faked H100, `--import-check`)
+# imports SGLang's serving path, builds its model registry and resolves Llama/Qwen2/Qwen3 on the
+# full and the slimmed site and finds nothing lost; none of these imports sglang.multimodal_gen
+# (diffusion serving) or sglang.srt.grpc (the gRPC server, a 7 MiB compiled module). The model
+# registry imports every file in sglang/srt/models at startup, and those import most of
+# transformers' model folders (156 of them); the keep-lists below were tried and FAILED the import
+# check (see PRUNE_MODELS), so both model folders travel whole. The FlashInfer attention modules (fa2 decode/prefill, JIT fallback)
+# include no CUTLASS header (their ninja dependency lists), so CUTLASS's headers go too: a JIT
+# build of FA3/GEMM/MoE modules would then fail on the host (the tiers load none).
+SGLANG_MODELS_KEEP = ["__init__.py", "registry.py", "utils.py", "llama.py", "qwen2.py", "qwen3.py", "transformers.py"]
+TRANSFORMERS_MODELS_KEEP = ["__init__.py", "auto", "llama", "qwen2", "qwen3", "gpt2"]
+PRUNE_MODELS = {"sglang": [{"dir": "sglang/srt/models", "keep": SGLANG_MODELS_KEEP}],
+                "transformers": [{"dir": "transformers/models", "keep": TRANSFORMERS_MODELS_KEEP}]}
+FATBIN_KEEP_SM = (90,)  # H100/H200
 SLIM = {
     "sglang_kernel": {
         "remove": ["sgl_kernel/sm100", "sgl_kernel/sm100/*", "sgl_kernel/*/flash_ops*.so", "sgl_kernel/flash_ops*.so",
                    "sgl_kernel/*/flashmla_ops*.so", "sgl_kernel/flashmla_ops*.so"],
         "strip": [],
+        "fatbin": ["sgl_kernel/sm90/common_ops*.so"],
     },
+    "sglang": {"remove": ["sglang/multimodal_gen", "sglang/srt/grpc"]},
+    # Not applied (PRUNE_MODELS): cutting sglang/srt/models and transformers/models to the keep-lists above
+    # broke the import check (transformers' AutoProcessor imports model folders beyond these), and the
+    # kit fits without it.
+    "flashinfer_python": {"remove": ["flashinfer/data/cutlass"]},
     "xgrammar": {"remove": ["xgrammar/*.a", "xgrammar/*/*.a", "xgrammar/*/*/*.a"], "strip": ["xgrammar/*.so", "xgrammar/*/*.so"]},
     "tokenizers": {"remove": [], "strip": ["tokenizers/*.so"]},  # -0.2 MiB; the shared kit did the same
 }
@@ -143,9 +169,60 @@ def _matches(rel: str, patterns) -> bool:
     return any(fnmatch.fnmatch(rel, p) for p in patterns)
 
 
+def fatbin_entries(data: bytes):
+    """(offset, size, kind, sm) of each image in a CUDA fat binary section (`.nv_fatbin`): blobs of
+    a 16-byte header (magic 0xBA55ED50, version, header size, payload size) followed by entries
+    (kind 1 PTX / 2 ELF, header size, image size, ..., sm at +28)."""
+    import struct
+
+    pos, out = 0, []
+    while pos + 16 <= len(data):
+        magic, _, hsize, fsize = struct.unpack_from("<IHHQ", data, pos)
+        if magic != 0xBA55ED50:
+            pos += 8
+            continue
+        e, end = pos + hsize, pos + hsize + fsize
+        while e + 32 <= end:
+            kind, _, ehs, esz = struct.unpack_from("<HHIQ", data, e)
+            sm = struct.unpack_from("<I", data, e + 28)[0]
+            out.append((e + ehs, esz, kind, sm))
+            e += ehs + esz
+        pos = end
+    return out
+
+
+def prune_fatbin(path: pathlib.Path, keep_sm=FATBIN_KEEP_SM) -> dict:
+    """Zero the GPU images in `path`'s .nv_fatbin whose SM is not in keep_sm (cubins for other GPUs,
+    which a Hopper never loads; the CUDA driver picks the image matching the device). Sizes and
+    offsets do not change. Returns {"zeroed_bytes", "kept_bytes", "by_sm": {sm: bytes}}."""
+    proc = subprocess.run(["readelf", "-S", "-W", str(path)], capture_output=True, text=True)
+    out = proc.stdout if proc.returncode == 0 else ""  # not an ELF file: nothing to prune
+    sect = None
+    for line in out.splitlines():
+        if " .nv_fatbin " in line:
+            f = line.split("]", 1)[1].split()
+            sect = (int(f[3], 16), int(f[4], 16))
+    if sect is None:
+        return {"zeroed_bytes": 0, "kept_bytes": 0, "by_sm": {}}
+    data = bytearray(path.read_bytes())
+    off, size = sect
+    zeroed = kept = 0
+    by_sm = {}
+    for start, n, kind, sm in fatbin_entries(bytes(data[off:off + size])):
+        by_sm[sm] = by_sm.get(sm, 0) + n
+        if sm in keep_sm or kind not in (1, 2):
+            kept += n
+            continue
+        data[off + start:off + start + n] = bytes(n)
+        zeroed += n
+    path.write_bytes(bytes(data))
+    return {"zeroed_bytes": zeroed, "kept_bytes": kept, "by_sm": by_sm}
+
+
 def slim(stage: pathlib.Path, packages, rules=None) -> dict:
     """Apply the slimming rules of the packages present; returns {package: {"removed": [...],
-    "stripped": [...], "bytes_saved": n}}. Stripping needs binutils' `strip` (skipped without it)."""
+    "stripped": [...], "fatbin": {...}, "bytes_saved": n}}. Stripping needs binutils' `strip`
+    (skipped without it), fat-binary pruning binutils' `readelf`."""
     rules = SLIM if rules is None else rules
     report = {}
     files = sorted(p for p in stage.rglob("*"))
@@ -154,14 +231,23 @@ def slim(stage: pathlib.Path, packages, rules=None) -> dict:
         if not rule:
             continue
         removed, stripped, saved = [], [], 0
-        for p in files:
-            rel = p.relative_to(stage).as_posix()
-            if not p.exists() or not _matches(rel, rule.get("remove", [])):
-                continue
+
+        def drop(p, rel):
+            nonlocal saved
             size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
             shutil.rmtree(p) if p.is_dir() else p.unlink()
             removed.append(rel)
             saved += size
+
+        for p in files:
+            rel = p.relative_to(stage).as_posix()
+            if p.exists() and _matches(rel, rule.get("remove", [])):
+                drop(p, rel)
+        for pr in rule.get("prune", []):
+            d = stage / pr["dir"]
+            for p in sorted(d.iterdir()) if d.is_dir() else []:
+                if not any(fnmatch.fnmatch(p.name, k) for k in pr["keep"]):
+                    drop(p, p.relative_to(stage).as_posix())
         strip = shutil.which("strip")
         for p in files:
             rel = p.relative_to(stage).as_posix()
@@ -170,8 +256,15 @@ def slim(stage: pathlib.Path, packages, rules=None) -> dict:
                 subprocess.run([strip, "--strip-debug", str(p)], check=True)
                 saved += before - p.stat().st_size
                 stripped.append(rel)
+        fatbins = {}
+        for p in files:
+            rel = p.relative_to(stage).as_posix()
+            if p.is_file() and _matches(rel, rule.get("fatbin", [])):
+                fatbins[rel] = prune_fatbin(p)
         drop_record_lines(stage, removed)
         report[_norm(pkg)] = {"removed": removed, "stripped": stripped, "bytes_saved": saved}
+        if fatbins:
+            report[_norm(pkg)]["fatbin_zeroed"] = fatbins
     return report
 
 
@@ -234,16 +327,31 @@ def _same_wheels(manifest: dict, kit_dir: pathlib.Path) -> dict:
             for p in manifest["packages"] if p["wheel"] in manifest["flashinfer_wheels"]}
 
 
-def build(pins, out: pathlib.Path, find_links=None, preset=9, keep=None, command=None) -> dict:
-    """Download, install, slim, pack; write SHA256SUMS and manifest.json into out. Returns the manifest."""
+def stage_from_archive(archive: pathlib.Path, stage: pathlib.Path) -> dict:
+    """The stage from an existing site archive (e.g. the shared kit's) instead of PyPI: the same
+    slimming then applies to it. Returns {"name", "sha256", "bytes"} of the source archive."""
+    kit.unpack(archive, stage)
+    return {"name": archive.name, "sha256": kit.sha256_of(archive), "bytes": archive.stat().st_size}
+
+
+def build(pins, out: pathlib.Path, find_links=None, preset=9, keep=None, command=None, restage=None) -> dict:
+    """Download, install, slim, pack; write SHA256SUMS and manifest.json into out. Returns the manifest.
+    restage: a site archive to start from instead of downloading and installing `pins`."""
     out.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(keep) if keep else pathlib.Path(tempfile.mkdtemp(prefix="sas-kit-"))
     try:
-        wheels = download(pins, work / "wheels", find_links)
         stage = work / "site"
         if stage.exists():
             shutil.rmtree(stage)
-        install(list(wheels.values()), stage)
+        if restage:
+            source = stage_from_archive(pathlib.Path(restage), stage)
+            found = kit.installed_versions(stage, [n for n, _ in pins])
+            pins = [(n, found[n]) for n, _ in pins if found.get(n)]
+            wheels = {}
+        else:
+            source = None
+            wheels = download(pins, work / "wheels", find_links)
+            install(list(wheels.values()), stage)
         portable = make_portable(stage)
         slimmed = slim(stage, [n for n, _ in pins])
         versions = dict(pins)
@@ -263,20 +371,175 @@ def build(pins, out: pathlib.Path, find_links=None, preset=9, keep=None, command
             "command": command, "python": PYTHON_VERSION, "platforms": PLATFORMS,
             "packages": [{"name": n, "version": versions[n], "wheel": wheels[_norm(n)].name,
                           "sha256": kit.sha256_of(wheels[_norm(n)]), "bytes": wheels[_norm(n)].stat().st_size}
-                         for n, _ in pins],
+                         if _norm(n) in wheels else {"name": n, "version": versions[n]} for n, _ in pins],
+            "restaged_from": source,
             "archive": None if wheels_only else {"name": name, "sha256": kit.sha256_of(archive),
                                                  "bytes": archive.stat().st_size, "xz_preset": preset, **packed},
             "flashinfer_wheels": carried,
             "slimmed": slimmed, "made_portable": portable,
         }
         sums = [] if wheels_only else [f"{manifest['archive']['sha256']}  {name}"]
-        sums += [f"{p['sha256']}  {p['wheel']}" for p in manifest["packages"] if p["wheel"] in carried]
+        sums += [f"{p['sha256']}  {p['wheel']}" for p in manifest["packages"] if p.get("wheel") in carried]
         (out / kit.SUMS_FILE).write_text("\n".join(sums) + "\n")
         kit.write_json(out / kit.MANIFEST_FILE, manifest)
         return manifest
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ AOT FlashInfer
+def stub_libcuda(shim: pathlib.Path) -> pathlib.Path:
+    """For linking on a machine without a driver: `shim/libcuda.so` is a linker script
+    `INPUT(AS_NEEDED(shim/libcuda.so.1))` over an empty stub with that soname, so FlashInfer's
+    `-lcuda` resolves and a module records libcuda.so.1 as needed only if it calls the driver API."""
+    shim.mkdir(parents=True, exist_ok=True)
+    src = shim / "empty.c"
+    src.write_text("/* stub: no symbols */\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim / "libcuda.so.1"), "-Wl,-soname,libcuda.so.1", str(src)],
+                   check=True)
+    (shim / "libcuda.so").write_text(f"INPUT(AS_NEEDED({shim / 'libcuda.so.1'}))\n")
+    return shim
+
+
+def flashinfer_scratch(work: pathlib.Path, wheel: pathlib.Path) -> list:
+    """A `--target` install of the FlashInfer wheel for THIS interpreter (its code is pure Python),
+    plus nvidia-ml-py (`pynvml`, which the GPU image has) and, if this interpreter cannot import the
+    kit's cp312 apache-tvm-ffi, that version built for this one. Returns the PYTHONPATH entries."""
+    site = work / "fi-site"
+    if not (site / "flashinfer").is_dir():
+        pip(["install", "-q", "--no-deps", "--no-index", "--no-compile", "--target", str(site), str(wheel)])
+    extra = work / "fi-deps"
+    need = []
+    import importlib.util
+
+    if importlib.util.find_spec("pynvml") is None and not (extra / "pynvml.py").exists():
+        need.append("nvidia-ml-py")
+    if importlib.util.find_spec("tvm_ffi") is None and not (extra / "tvm_ffi").is_dir():
+        need.append("apache-tvm-ffi==0.1.11")
+    if need:
+        pip(["install", "-q", "--no-deps", "--no-compile", "--target", str(extra), *need])
+    return [str(site), str(extra)]
+
+
+def aot_worker_env(paths, cache: pathlib.Path, jobs: int) -> dict:
+    """Environment of the AOT worker: FlashInfer from the scratch install, this machine's CUDA
+    toolkit (the real one, not a wrapper's folder), Hopper only, the libcuda stub for linking."""
+    cuda = kit.find_cuda_home()
+    if not cuda["cuda_home"]:
+        raise kit.KitError("no CUDA toolkit (nvcc + headers) found: set CUDA_HOME")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*paths, str(kit.REPO)]),
+               FLASHINFER_WORKSPACE_BASE=str(cache / "ws"), FLASHINFER_CUDA_ARCH_LIST=aot.ARCH_LIST,
+               CUDA_HOME=cuda["cuda_home"], MAX_JOBS=str(jobs),
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), str(pathlib.Path(cuda["cuda_home"]) / "bin"),
+                                     os.environ.get("PATH", "")]))
+    shim = kit.link_shim(cuda["cuda_home"], cache / "shim")
+    if not shim["libcuda"]:
+        stub_libcuda(cache / "shim")
+        shim["env"] = {"FLASHINFER_EXTRA_LDFLAGS": f"-L{cache / 'shim'}"}
+    env.update(shim["env"])
+    return env
+
+
+def nvcc_version(env) -> str:
+    out = subprocess.run([str(pathlib.Path(env["CUDA_HOME"]) / "bin" / "nvcc"), "--version"], capture_output=True,
+                         text=True).stdout
+    return next((ln.strip() for ln in out.splitlines() if "release" in ln), out.strip()[-80:])
+
+
+def add_aot(out: pathlib.Path, wheel: pathlib.Path, cache: pathlib.Path, jobs: int = 1, preset: int = 9,
+            command=None, record_path: pathlib.Path | None = aot.AOT_RECORD, status_only: bool = False) -> dict:
+    """Compile FlashInfer's modules for the tiers (bench/gpu/aot.py; modules already in
+    cache/aot are reused), pack them as `flashinfer-aot-*.tar.xz` into `out` (site-relative members
+    flashinfer/data/aot/<uri>/<uri>.so), add it to out's SHA256SUMS and manifest.json, and write the
+    record (`record_path`: bench/gpu/flashinfer-aot.json by default). Returns the record."""
+    cache = pathlib.Path(cache).resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    env = aot_worker_env(flashinfer_scratch(cache, wheel), cache, jobs)
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, str(HERE / "aot.py"), "build", "--out", str(cache),
+                           *(["--status"] if status_only else [])], env=env, cwd=cache, capture_output=True, text=True)
+    rows = next((json.loads(ln[4:]) for ln in proc.stdout.splitlines() if ln.startswith("AOT ")), None)
+    if proc.returncode != 0 or rows is None:
+        raise kit.KitError(f"AOT build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    if not all(r["built"] for r in rows):  # --aot-status on a build still running: record, pack nothing
+        record = {"built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": command, "flashinfer": aot.FLASHINFER_VERSION, "arch_list": aot.ARCH_LIST,
+                  "nvcc": nvcc_version(env), "complete": False, "modules": rows, "archive": None,
+                  "build_minutes_total": round(sum(r.get("build_seconds") or 0 for r in rows) / 60, 1)}
+        if record_path:
+            kit.write_json(record_path, record)
+        return record
+    stage = cache / "stage"
+    if stage.exists():
+        shutil.rmtree(stage)
+    for r in rows:
+        dest = stage / r["member"]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(cache / "aot" / r["uri"] / f"{r['uri']}.so", dest)
+    archive = pathlib.Path(out) / aot.AOT_ARCHIVE
+    packed = pack(stage, archive, preset)
+    record = {
+        "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command, "flashinfer": aot.FLASHINFER_VERSION, "arch_list": aot.ARCH_LIST, "nvcc": nvcc_version(env),
+        "link": ("libcuda stub (linker script AS_NEEDED over an empty libcuda.so.1)"
+                 if "shim" in env.get("FLASHINFER_EXTRA_LDFLAGS", "") else "toolkit libcuda"),
+        "complete": True, "modules": rows,
+        "build_minutes_total": round(sum(r.get("build_seconds") or 0 for r in rows) / 60, 1),
+        "wall_minutes_this_run": round((time.time() - t0) / 60, 1),
+        "archive": {"name": archive.name, "sha256": kit.sha256_of(archive), "bytes": archive.stat().st_size, **packed},
+    }
+    sums = kit.read_sums(out)
+    sums[archive.name] = record["archive"]["sha256"]
+    (pathlib.Path(out) / kit.SUMS_FILE).write_text("".join(f"{v}  {k}\n" for k, v in sums.items()))
+    mpath = pathlib.Path(out) / kit.MANIFEST_FILE
+    manifest = json.loads(mpath.read_text()) if mpath.exists() else {}
+    manifest["aot"] = {k: record[k] for k in ("flashinfer", "arch_list", "nvcc", "archive", "build_minutes_total")}
+    manifest["aot"]["uris"] = [r["uri"] for r in rows]
+    kit.write_json(mpath, manifest)
+    if record_path:
+        kit.write_json(record_path, record)
+    return record
+
+
+# ---------------------------------------------------------------------------------- payload
+CARRY_LIMIT_MIB = 64.0
+HEADROOM_MIB = 10.0
+
+
+def repo_bytes(repo: pathlib.Path = kit.REPO) -> dict:
+    """Bytes of what a device call sends of the repository: tracked files plus untracked files
+    git does not ignore (`git ls-files`); the device tool counts these against its 64 MiB."""
+    def listed(*args):
+        out = subprocess.run(["git", "ls-files", "-z", *args], cwd=repo, capture_output=True, check=True).stdout
+        return [repo / p.decode() for p in out.split(b"\0") if p]
+
+    tracked = [p for p in listed() if p.is_file() and not p.is_symlink()]
+    untracked = [p for p in listed("--others", "--exclude-standard") if p.is_file() and not p.is_symlink()]
+    return {"tracked": sum(p.stat().st_size for p in tracked), "untracked": sum(p.stat().st_size for p in untracked)}
+
+
+def payload(kit_dir: pathlib.Path, repo: pathlib.Path = kit.REPO) -> dict:
+    """MiB a tier's device call carries: the repository (`repo_bytes`) plus every file in the
+    kit directory; the headroom left under the 64 MiB limit, and whether it is >= 10 MiB."""
+    r = repo_bytes(repo)
+    files = {p.name: p.stat().st_size for p in sorted(pathlib.Path(kit_dir).iterdir()) if p.is_file()}
+    mib = 2**20
+    total = r["tracked"] + r["untracked"] + sum(files.values())
+    return {"repo_tracked_mib": round(r["tracked"] / mib, 2), "repo_untracked_mib": round(r["untracked"] / mib, 2),
+            "kit_files_mib": {k: round(v / mib, 2) for k, v in files.items()},
+            "kit_mib": round(sum(files.values()) / mib, 2), "total_mib": round(total / mib, 2),
+            "limit_mib": CARRY_LIMIT_MIB, "headroom_mib": round(CARRY_LIMIT_MIB - total / mib, 2),
+            "headroom_ok": CARRY_LIMIT_MIB - total / mib >= HEADROOM_MIB}
+
+
+def find_flashinfer_wheel(*dirs) -> pathlib.Path | None:
+    for d in dirs:
+        if d:
+            found = sorted(pathlib.Path(d).glob("flashinfer_python-*.whl"))
+            if found:
+                return found[-1]
+    return None
 
 
 def main(argv=None) -> int:
@@ -286,34 +549,80 @@ def main(argv=None) -> int:
     ap.add_argument("--packages", nargs="+", help="name-version pins (default: bench/gpu/site-contents.txt)")
     ap.add_argument("--flashinfer-only", action="store_true", help=f"just {' '.join(FLASHINFER_ONLY)}")
     ap.add_argument("--find-links", help="a local wheel directory instead of any index (offline)")
+    ap.add_argument("--restage", help="start from this site archive (e.g. the shared kit's) instead of PyPI")
     ap.add_argument("--xz-preset", type=int, default=9)
     ap.add_argument("--keep", help="keep downloads and the staged site in this directory")
     ap.add_argument("--compare", help="a kit directory to diff the archive against (e.g. ../shared/gpu-kit)")
+    ap.add_argument("--aot", action="store_true", help="also compile FlashInfer's modules (bench/gpu/aot.py) into "
+                    f"{aot.AOT_ARCHIVE} and record them in bench/gpu/flashinfer-aot.json")
+    ap.add_argument("--aot-only", action="store_true", help="only add the AOT archive to the kit in --out")
+    ap.add_argument("--aot-status", action="store_true", help="compile nothing; record what the cache holds")
+    ap.add_argument("--aot-cache", default=str(kit.REPO / "build" / "flashinfer-aot"),
+                    help="where modules are compiled and kept (reused by later builds)")
+    ap.add_argument("--jobs", type=int, default=1, help="ninja jobs for the AOT compile (MAX_JOBS)")
+    ap.add_argument("--import-check", action="store_true",
+                    help="faked-H100 import check of SGLang's serving path on the slimmed site (needs --keep)")
     args = ap.parse_args(argv)
-    specs = FLASHINFER_ONLY if args.flashinfer_only else args.packages
-    pins = [parse_spec(s) for s in specs] if specs else read_contents(CONTENTS)
+    out = pathlib.Path(args.out)
     shown = "python bench/gpu/build_kit.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
-    manifest = build(pins, pathlib.Path(args.out), args.find_links, args.xz_preset, args.keep, shown)
-    a = manifest["archive"]
-    if a:
-        print(f"[kit] {len(pins)} packages -> {a['name']}: {a['bytes'] / 2**20:.1f} MiB ({a['files']} files, "
-              f"{a['unpacked_bytes'] / 2**20:.0f} MiB unpacked), sha256 {a['sha256']}")
-    for p in manifest["packages"]:
-        print(f"[kit] {p['wheel']}  {p['bytes'] / 2**20:.1f} MiB  sha256 {p['sha256']}")
-    for pkg, s in manifest["slimmed"].items():
-        print(f"[kit] slimmed {pkg}: -{s['bytes_saved'] / 2**20:.1f} MiB ({len(s['removed'])} removed, "
-              f"{len(s['stripped'])} stripped)")
-    if args.compare and not a:
-        print(json.dumps({"wheels_equal_to_theirs": _same_wheels(manifest, pathlib.Path(args.compare))}))
-    if args.compare and a:
-        theirs = kit.find_kit(pathlib.Path(args.compare))["site_archive"]
-        if theirs is None:
-            print(f"[kit] nothing to compare: no site archive in {args.compare}")
-        else:
-            diff = compare(pathlib.Path(args.out) / a["name"], theirs)
-            diff["wheels_equal_to_theirs"] = _same_wheels(manifest, pathlib.Path(args.compare))
-            kit.write_json(pathlib.Path(args.out) / "compare.json", diff)
-            print(json.dumps({k: v for k, v in diff.items() if not k.endswith("_files")}, indent=1))
+    if not (args.aot_only or args.aot_status):
+        specs = FLASHINFER_ONLY if args.flashinfer_only else args.packages
+        pins = [parse_spec(s) for s in specs] if specs else read_contents(CONTENTS)
+        manifest = build(pins, out, args.find_links, args.xz_preset, args.keep, shown, args.restage)
+        a = manifest["archive"]
+        if a:
+            print(f"[kit] {len(pins)} packages -> {a['name']}: {a['bytes'] / 2**20:.1f} MiB ({a['files']} files, "
+                  f"{a['unpacked_bytes'] / 2**20:.0f} MiB unpacked), sha256 {a['sha256']}")
+        for p in manifest["packages"]:
+            if p.get("wheel"):
+                print(f"[kit] {p['wheel']}  {p['bytes'] / 2**20:.1f} MiB  sha256 {p['sha256']}")
+        for pkg, s in manifest["slimmed"].items():
+            print(f"[kit] slimmed {pkg}: -{s['bytes_saved'] / 2**20:.1f} MiB ({len(s['removed'])} removed, "
+                  f"{len(s['stripped'])} stripped{', fat binary pruned' if s.get('fatbin_zeroed') else ''})")
+        if args.compare and not a:
+            print(json.dumps({"wheels_equal_to_theirs": _same_wheels(manifest, pathlib.Path(args.compare))}))
+        if args.compare and a:
+            theirs = kit.find_kit(pathlib.Path(args.compare))["site_archive"]
+            if theirs is None:
+                print(f"[kit] nothing to compare: no site archive in {args.compare}")
+            else:
+                diff = compare(out / a["name"], theirs)
+                diff["wheels_equal_to_theirs"] = _same_wheels(manifest, pathlib.Path(args.compare))
+                kit.write_json(out / "compare.json", diff)
+                print(json.dumps({k: v for k, v in diff.items() if not k.endswith("_files")}, indent=1))
+        if args.import_check:
+            if not args.keep:
+                raise SystemExit("--import-check needs --keep DIR (the staged site)")
+            import import_check
+
+            extra = flashinfer_scratch(pathlib.Path(args.aot_cache), find_flashinfer_wheel(out, args.compare)
+                                       or find_flashinfer_wheel(args.find_links))[1:]
+            rec = import_check.check(pathlib.Path(args.keep) / "site", extra)
+            kit.write_json(out / "import-check.json", rec)
+            bad = [m for m, v in rec.get("modules", {}).items() if v != "ok"] + \
+                  [a for a, v in rec.get("archs", {}).items() if "." not in v]
+            print(f"[kit] import check: {'FAILED ' + str(bad) if bad or 'error' in rec else 'ok'}; "
+                  f"transformers models imported {rec.get('transformers_models')}")
+    if args.aot or args.aot_only or args.aot_status:
+        wheel = find_flashinfer_wheel(out, args.find_links, args.compare)
+        if wheel is None:
+            raise SystemExit("no flashinfer_python-*.whl in --out, --find-links or --compare for the AOT build")
+        rec = add_aot(out, wheel, pathlib.Path(args.aot_cache), args.jobs, args.xz_preset, shown,
+                      status_only=args.aot_status)
+        for r in rec["modules"]:
+            print(f"[aot] {r['uri']}: " + (f"{r['bytes'] / 2**20:.2f} MiB, {r.get('build_seconds')} s, needs {r['needed']}"
+                                           if r.get("bytes") else "not built yet"))
+        if rec["archive"]:
+            print(f"[aot] {rec['archive']['name']}: {rec['archive']['bytes'] / 2**20:.2f} MiB")
+    pay = payload(out)
+    mpath = out / kit.MANIFEST_FILE
+    if mpath.exists():
+        manifest = json.loads(mpath.read_text())
+        manifest["payload"] = pay
+        kit.write_json(mpath, manifest)
+    print(f"[kit] payload with this repository: {pay['total_mib']} MiB of {pay['limit_mib']} "
+          f"(repo {pay['repo_tracked_mib']} + {pay['repo_untracked_mib']} untracked, kit {pay['kit_mib']}); "
+          f"headroom {pay['headroom_mib']} MiB{'' if pay['headroom_ok'] else ' < 10 MiB: TOO BIG'}")
     return 0
 
 

@@ -6,8 +6,10 @@ the builder (`build_kit.py`) on a CPU machine.
 Layout of the kit directory (`.whl/` in the repository root, git-ignored; the shared kit's layout):
 
     sglang-<ver>-h100-site.tar.xz   SGLang's minimal serving set, `pip install --target` tree, xz
-    flashinfer_python-*.whl          FlashInfer alone (tier 1 needs no SGLang) ...
+    flashinfer_python-*.whl          FlashInfer alone (tiers 0 and 1 need no SGLang) ...
     apache_tvm_ffi-*.whl             ... and its one compiled dependency
+    flashinfer-aot-*-sm90a.tar.xz    FlashInfer's modules pre-built for sm90a, site-relative
+                                     (flashinfer/data/aot/<uri>/<uri>.so): extracted over the site
     SHA256SUMS                       `sha256  name` lines, checked before use when present
     manifest.json                    written by build_kit.py: packages, versions, wheel sha256s
 
@@ -32,6 +34,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_KIT_DIR = REPO / ".whl"
 SITE_ARCHIVE_GLOB = "sglang-*-site.tar.xz"
 FLASHINFER_WHEEL_GLOBS = ("flashinfer_python-*.whl", "apache_tvm_ffi-*.whl")
+AOT_ARCHIVE_GLOB = "flashinfer-aot-*.tar.xz"  # pre-built FlashInfer modules (bench/gpu/aot.py)
 SUMS_FILE = "SHA256SUMS"
 MANIFEST_FILE = "manifest.json"
 # FlashInfer JIT-compiles its kernels with the host's nvcc on first use: Hopper only, all cores,
@@ -103,11 +106,14 @@ def verify(kit_dir: pathlib.Path, names) -> dict:
 
 
 def find_kit(kit_dir: pathlib.Path) -> dict:
-    """{"site_archive": Path | None, "flashinfer_wheels": [Path, ...]} found in kit_dir."""
+    """{"site_archive": Path | None, "flashinfer_wheels": [Path, ...], "aot_archive": Path | None}
+    found in kit_dir."""
     kit_dir = pathlib.Path(kit_dir)
     archives = sorted(kit_dir.glob(SITE_ARCHIVE_GLOB))
     wheels = [w for g in FLASHINFER_WHEEL_GLOBS for w in sorted(kit_dir.glob(g))]
-    return {"site_archive": archives[-1] if archives else None, "flashinfer_wheels": wheels}
+    aot = sorted(kit_dir.glob(AOT_ARCHIVE_GLOB))
+    return {"site_archive": archives[-1] if archives else None, "flashinfer_wheels": wheels,
+            "aot_archive": aot[-1] if aot else None}
 
 
 def unpack(archive: pathlib.Path, site: pathlib.Path) -> int:
@@ -195,6 +201,11 @@ def prepare_site(kit_dir: pathlib.Path, site: pathlib.Path, need_sglang: bool, p
         record["installed_wheels"] = [w.name for w in wheels]
     else:
         raise KitError(f"neither {SITE_ARCHIVE_GLOB} nor the FlashInfer wheels in {kit_dir}")
+    if found["aot_archive"] is not None:  # FlashInfer then loads these instead of compiling
+        record["checked"].update(verify(kit_dir, [found["aot_archive"].name]))
+        record["aot"] = {"archive": found["aot_archive"].name, "members": unpack(found["aot_archive"], site)}
+    else:
+        record["aot"] = None
     record["installed_self"] = install_self(site, python)
     record["seconds"] = round(time.time() - t0, 1)
     return record
@@ -238,6 +249,145 @@ def installed_versions(site: pathlib.Path, names) -> dict:
         name, _, rest = d.name[: -len(".dist-info")].partition("-")
         found[name.lower().replace("-", "_")] = rest
     return {n: found.get(n.lower().replace("-", "_")) for n in names}
+
+
+# ------------------------------------------------------------------ CUDA toolkit for JIT fallback
+def _is_toolkit(d) -> bool:
+    d = pathlib.Path(d)
+    return (d / "bin" / "nvcc").is_file() and (d / "include" / "cuda_runtime.h").is_file()
+
+
+def find_cuda_home(env=None) -> dict:
+    """The real CUDA toolkit directory (bin/nvcc and include/cuda_runtime.h both there), not the
+    folder of a `nvcc` wrapper script: FlashInfer derives CUDA_HOME from `which nvcc` when it is
+    unset, and a wrapper in /usr/local/bin then yields /usr/local (no headers, no libraries).
+
+    Order: $CUDA_HOME / $CUDA_PATH; `which nvcc` resolved through symlinks; the path a wrapper
+    script execs (`exec /usr/local/cuda-13.0/bin/nvcc "$@"`); /usr/local/cuda, /usr/local/cuda-*
+    (newest first), /opt/cuda. Returns {"cuda_home", "nvcc", "how"} (None values when none)."""
+    import re
+    import shutil
+
+    env = os.environ if env is None else env
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if env.get(var) and _is_toolkit(env[var]):
+            return {"cuda_home": str(pathlib.Path(env[var])), "nvcc": str(pathlib.Path(env[var]) / "bin" / "nvcc"),
+                    "how": f"${var}"}
+    which = shutil.which("nvcc", path=env.get("PATH"))
+    if which:
+        real = pathlib.Path(which).resolve()
+        if _is_toolkit(real.parent.parent):
+            return {"cuda_home": str(real.parent.parent), "nvcc": str(real), "how": f"which nvcc -> {real}"}
+        try:
+            head = real.read_bytes()[:4096]
+        except OSError:
+            head = b""
+        if not head.startswith(b"\x7fELF"):  # a wrapper script: follow the path it runs
+            for m in re.finditer(rb"(/[^\s\"'$;|&]+)/bin/nvcc", head):
+                cand = pathlib.Path(m.group(1).decode(errors="replace"))
+                if _is_toolkit(cand):
+                    return {"cuda_home": str(cand), "nvcc": str(cand / "bin" / "nvcc"),
+                            "how": f"wrapper {which} runs {cand}/bin/nvcc"}
+    import glob
+
+    for cand in ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True), "/opt/cuda"]:
+        if _is_toolkit(cand):
+            return {"cuda_home": cand, "nvcc": str(pathlib.Path(cand) / "bin" / "nvcc"), "how": "well-known path"}
+    return {"cuda_home": None, "nvcc": which, "how": "no CUDA toolkit found"}
+
+
+def _ldconfig_paths(name: str) -> list:
+    """Paths `ldconfig -p` lists for a library soname (empty without ldconfig)."""
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    found = []
+    for line in out.splitlines():
+        head, _, path = line.partition("=>")
+        if head.strip().startswith(name + " ") and "x86-64" in head and path.strip():
+            found.append(path.strip())
+    return found
+
+
+DRIVER_DIRS = ["/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib64",
+               "/lib/x86_64-linux-gnu", "/usr/lib/wsl/lib"]
+
+
+def find_library(soname: str, extra_dirs=()) -> str | None:
+    """A path to `soname` (e.g. libcuda.so.1): the given directories, ldconfig's cache, the
+    usual driver directories, $LD_LIBRARY_PATH."""
+    dirs = list(extra_dirs) + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    for d in dirs:
+        if (pathlib.Path(d) / soname).exists():
+            return str(pathlib.Path(d) / soname)
+    for p in _ldconfig_paths(soname):
+        if pathlib.Path(p).exists():
+            return p
+    for d in DRIVER_DIRS:
+        if (pathlib.Path(d) / soname).exists():
+            return str(pathlib.Path(d) / soname)
+    return None
+
+
+def link_shim(cuda_home, shim_dir: pathlib.Path) -> dict:
+    """Make FlashInfer's JIT link line (`-L$CUDA_HOME/lib64 -L$CUDA_HOME/lib64/stubs -lcudart -lcuda`)
+    resolve where the toolkit has no `lib64/stubs/libcuda.so` (or no unversioned `libcudart.so`):
+    `shim_dir` gets `libcuda.so` -> the driver's libcuda.so.1 and, if needed, `libcudart.so` ->
+    the toolkit's libcudart.so.13. Returns {"dir": shim_dir or None, "libcuda": ..., "libcudart": ...,
+    "env": {FLASHINFER_EXTRA_LDFLAGS, LIBRARY_PATH additions}} (empty env when nothing was needed)."""
+    rec = {"dir": None, "libcuda": None, "libcudart": None, "env": {}}
+    home = pathlib.Path(cuda_home) if cuda_home else None
+    lib64 = [home / "lib64", home / "lib64" / "stubs", home / "lib"] if home else []
+    links = {}
+    have_cuda = next((str(d / "libcuda.so") for d in lib64 if (d / "libcuda.so").exists()), None)
+    if have_cuda:
+        rec["libcuda"] = have_cuda
+    else:
+        target = find_library("libcuda.so.1")
+        rec["libcuda"] = target
+        if target:
+            links["libcuda.so"] = target
+    have_rt = next((str(d / "libcudart.so") for d in lib64 if (d / "libcudart.so").exists()), None)
+    if have_rt:
+        rec["libcudart"] = have_rt
+    else:
+        target = find_library("libcudart.so.13", [str(d) for d in lib64])
+        rec["libcudart"] = target
+        if target:
+            links["libcudart.so"] = target
+    if links:
+        shim_dir = pathlib.Path(shim_dir)
+        shim_dir.mkdir(parents=True, exist_ok=True)
+        for name, target in links.items():
+            link = shim_dir / name
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(target)
+        rec["dir"] = str(shim_dir)
+        rec["env"] = {"FLASHINFER_EXTRA_LDFLAGS": f"-L{shim_dir}", "LIBRARY_PATH": str(shim_dir)}
+    return rec
+
+
+def jit_env(base: dict, shim_dir: pathlib.Path) -> tuple:
+    """(environment, record) for a GPU command whose FlashInfer may JIT-compile a module that the
+    kit did not pre-build: CUDA_HOME = the real toolkit (`find_cuda_home`), its bin first on PATH,
+    the link shim (`link_shim`) on FLASHINFER_EXTRA_LDFLAGS and LIBRARY_PATH, and
+    SGLANG_FLASHINFER_USE_PAGED=1 (SGLang's paged fa2 prefill, the module the kit carries, instead of
+    its ragged `backend="auto"` wrapper, which is FA3 on Hopper: another, slower, compile)."""
+    env = dict(base)
+    found = find_cuda_home(env)
+    rec = {"cuda": found}
+    if found["cuda_home"]:
+        env["CUDA_HOME"] = found["cuda_home"]
+        env["PATH"] = os.pathsep.join([str(pathlib.Path(found["cuda_home"]) / "bin"), env.get("PATH", "")])
+        shim = link_shim(found["cuda_home"], shim_dir)
+        rec["link"] = shim
+        for k, v in shim["env"].items():
+            env[k] = f"{v} {env[k]}" if k == "FLASHINFER_EXTRA_LDFLAGS" and env.get(k) else \
+                os.pathsep.join([v, env[k]]) if env.get(k) else v
+    env["SGLANG_FLASHINFER_USE_PAGED"] = "1"
+    return env, rec
 
 
 def write_json(path: pathlib.Path, obj) -> None:

@@ -1,5 +1,6 @@
 """One command per GPU tier: unpack the kit, install this package, run the tier, write the results.
 
+    python3 bench/gpu/run.py tier0 --kit .whl/site # preflight, < 2 min: GPU, kit, imports, toolchain, kernels
     python3 bench/gpu/run.py tier1 [--quick]       # torch + Triton + FlashInfer (no SGLang)
     python3 bench/gpu/run.py tier2 [--quick]       # the real SGLang server, dense vs sas
     python3 bench/gpu/run.py tier1 --dry-run       # on a CPU machine: everything up to where CUDA is needed
@@ -12,6 +13,18 @@ that environment (PYTHONPATH=site:repo, FlashInfer JIT settings), each under its
 that the tier's `--budget-min` caps; (4) `<tier>.json`, `<tier>.md` and `<tier>.log` plus the
 benchmarks' PNGs land in `--out` (default $OUT, else bench/out/gpu/). The summary is rewritten after
 every step, so a run cut short still returns what finished.
+
+Every tier runs with CUDA_HOME set to the real toolkit (not the folder of a `nvcc` wrapper),
+FlashInfer's JIT link flags completed where the toolkit lacks `lib64/stubs/libcuda.so` (a link shim
+to the driver's libcuda.so.1: kit.jit_env) and SGLANG_FLASHINFER_USE_PAGED=1; the kit's pre-built
+FlashInfer modules (flashinfer-aot-*.tar.xz) are extracted over the site, so FlashInfer loads them
+instead of compiling.
+
+Tier 0 (bench/gpu/preflight.py): nvidia-smi and torch.cuda see an sm90 GPU; the kit's sha256s; the
+imports (sas_backend, flashinfer, sglang where the kit has it); the AOT modules in place; CUDA_HOME,
+nvcc and a test link with FlashInfer's link line; one Triton kernel of the package vs its torch
+reference; FlashInfer sparse decode vs the torch reference with JIT disabled (every module from the
+kit); one sgl_kernel op vs torch. Stops at the first failure of a prerequisite and says why.
 
 Tier 1, in this order: the standalone decode-step benchmark (bench_decode_step.py: Qwen3-4B shapes,
 every kernel vs its reference up to 128K, timings 8K..256K, batch 1 and 8, budgets 1024/2048/4096,
@@ -86,6 +99,12 @@ def e2e_argv(model: str, contexts, dry: bool = False) -> list:
 
 def tier_steps(tier: str, quick: bool) -> list:
     """The steps of a tier (quick: smaller sizes, for a first look within a few minutes)."""
+    if tier == "tier0":
+        return [Step("preflight", ["{py}", "bench/gpu/preflight.py", "--site", "{site}", "--out", "{work}",
+                                   "--record", "{aot_record}"], 1.0,
+                     ["{py}", "bench/gpu/preflight.py", "--site", "{site}", "--out", "{work}", "--record",
+                      "{aot_record}", "--dry-run"],
+                     produces=("preflight.json",))]
     if tier == "tier1":  # the benchmarks first: FlashInfer's JIT for the tests' other dtypes may run long
         step_args = ["--quick"] if quick else []
         sizes = ["4096", "8192"] if quick else ["4096", "8192", "16384", "32768"]
@@ -116,7 +135,7 @@ def tier_steps(tier: str, quick: bool) -> list:
                  e2e_argv("{work}/models/tiny-dummy", contexts, dry=True), produces=("e2e",),
                  needs=("make-bench-model",)),
         ]
-    raise SystemExit(f"unknown tier {tier!r}: tier1 or tier2")
+    raise SystemExit(f"unknown tier {tier!r}: tier0, tier1 or tier2")
 
 
 def selected(steps, only=None, skip=()) -> set:
@@ -132,9 +151,13 @@ def selected(steps, only=None, skip=()) -> set:
 
 
 # ------------------------------------------------------------------------------------- running
-def fill(argv, work: pathlib.Path) -> list:
+AOT_RECORD = str(pathlib.Path(__file__).resolve().parent / "flashinfer-aot.json")
+
+
+def fill(argv, work: pathlib.Path, site: pathlib.Path | None = None, aot_record: str = AOT_RECORD) -> list:
     """Placeholders -> values."""
-    return [a.replace("{work}", str(work)).replace("{py}", PY) for a in argv]
+    return [a.replace("{work}", str(work)).replace("{py}", PY).replace("{site}", str(site))
+            .replace("{aot_record}", aot_record) for a in argv]
 
 
 def shown(argv) -> str:
@@ -209,6 +232,7 @@ def probe_imports(modules, env) -> dict:
 
 
 TIER_MODULES = {
+    "tier0": (["sas_backend", "sas_backend.ops.sparse_decode"], ["flashinfer"], []),
     "tier1": (["sas_backend", "sas_backend.ops.gate", "sas_backend.ops.sparse_decode", "sas_backend.training.ops.gated_attention"],
               ["flashinfer"], []),
     "tier2": (["sas_backend", "sas_backend.server_harness"],
@@ -221,6 +245,9 @@ def check_imports(tier, site, env, dry: bool) -> dict:
     """Import the tier's Python side from the site. Dry run: the kit's compiled packages only where
     this Python is the kit's, CUDA-only modules never (recorded as not attempted, with the reason)."""
     plain, kit_built, cuda_only = TIER_MODULES[tier]
+    if tier == "tier0" and (pathlib.Path(site) / "sglang").is_dir():  # a full kit: SGLang's side too
+        kit_built = kit_built + ["sglang", "sglang.srt.layers.attention.flashinfer_backend"]
+        cuda_only = cuda_only + ["sgl_kernel"]
     tag = kit.site_python_tag(site)
     here = f"{sys.version_info.major}{sys.version_info.minor}"
     mods, skipped = list(plain), {}
@@ -254,6 +281,13 @@ def summary_markdown(rec: dict) -> str:
         k = rec["kit"]
         lines.append(f"- kit: {k.get('unpacked') or k.get('installed_wheels')}; checked {k.get('checked')}; "
                      f"{k.get('seconds')} s")
+        aot_rec = k.get("aot")
+        lines.append(f"- pre-built FlashInfer modules: {aot_rec['archive']} ({aot_rec['members']} members)" if aot_rec
+                     else "- pre-built FlashInfer modules: none in this kit (FlashInfer JIT-compiles on first use)")
+    if rec.get("jit"):
+        c, link = rec["jit"]["cuda"], rec["jit"].get("link") or {}
+        lines.append(f"- CUDA_HOME {c.get('cuda_home')} ({c.get('how')}); libcuda {link.get('libcuda')}; "
+                     f"link shim {link.get('dir')}; SGLANG_FLASHINFER_USE_PAGED=1")
     if rec.get("imports"):
         bad = [m for m, r in rec["imports"].items() if isinstance(r, dict) and r.get("ok") is False]
         skipped = [m for m, r in rec["imports"].items() if isinstance(r, dict) and r.get("ok") is None]
@@ -314,7 +348,7 @@ def collect(step: Step, work: pathlib.Path, out: pathlib.Path, rec: dict) -> Non
 def main(argv=None) -> int:
     """CLI (see the module doc); exit 0 when every step passed, 1 otherwise, 3 without a kit."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("tier", choices=["tier1", "tier2"])
+    ap.add_argument("tier", choices=["tier0", "tier1", "tier2"])
     ap.add_argument("--dry-run", action="store_true", help="CPU rehearsal: stop where CUDA is needed")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a first look)")
     ap.add_argument("--only", nargs="+", help="run only these steps (names as in the summary)")
@@ -324,6 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-install", action="store_true", help="reuse --site as it is (a second command in the same lease)")
     ap.add_argument("--work", default=None, help="scratch for models and step outputs (default /tmp/sas-gpu[-dry])")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "out" / "gpu"))
+    ap.add_argument("--aot-record", default=AOT_RECORD, help="the record of the kit's pre-built FlashInfer modules")
     ap.add_argument("--budget-min", type=float, default=9.3, help="wall minutes the whole tier may take")
     args = ap.parse_args(argv)
     t_start = time.time()
@@ -356,7 +391,8 @@ def main(argv=None) -> int:
         save()
         print(f"[gpu] STOP: {e}", file=sys.stderr)
         return 3
-    env = kit.site_env(site)
+    env, rec["jit"] = kit.jit_env(kit.site_env(site), work / "link-shim")
+    print(f"[gpu] CUDA for FlashInfer's JIT fallback: {json.dumps(rec['jit'])}", flush=True)
     if dry:
         env["TRITON_INTERPRET"] = "1"  # the CPU test conftest would set it too; benches import kernels directly
     tag_here = f"{sys.version_info.major}{sys.version_info.minor}"
@@ -365,7 +401,7 @@ def main(argv=None) -> int:
     if dry and kit_tag and kit_tag != tag_here:
         # The kit's compiled packages cannot load in this interpreter: rehearse the steps with the
         # package from the --target install in front of this environment's own libraries.
-        step_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site / "_sas_only"), str(REPO)]),
+        step_env = dict(env, PYTHONPATH=os.pathsep.join([str(site / "_sas_only"), str(REPO)]),
                         PYTHONUNBUFFERED="1", TRITON_INTERPRET="1")
         shutil.copytree(site / "sas_backend", site / "_sas_only" / "sas_backend", dirs_exist_ok=True)
     rec["environment"] = _environment(step_env)
@@ -388,7 +424,7 @@ def main(argv=None) -> int:
             srec.update(rc=None, seconds=0, command="(no CPU rehearsal)")
             rec["steps"].append(srec)
             continue
-        argv = fill(argv, work)
+        argv = fill(argv, work, site, args.aot_record)
         srec["command"] = shown(argv)
         left = deadline - time.time()
         if left < 20:
@@ -407,7 +443,7 @@ def main(argv=None) -> int:
         if rc not in (0, None):
             srec["tail"] = tail[-25:]
             rc_all = 1
-        if not dry or step.name == "decode-step":  # the dry run's tiny numbers still prove the report path
+        if not dry or step.name in ("decode-step", "preflight"):  # the dry run's results still prove the report path
             collect(step, work, out, srec)
         rec["steps"].append(srec)
         save()
