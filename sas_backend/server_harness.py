@@ -69,17 +69,19 @@ def cpu_env(extra=None) -> dict:
     return env
 
 
-def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_server") -> list:
+def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_server", python=None) -> list:
     """`python -m sglang.launch_server ...`, or `sglang serve ...` with entry="serve". Always with
     `--sleep-on-idle`: an idle scheduler otherwise busy-polls a core (93% of one on the 2-core CI
-    machine, 1% with the flag), slowing whatever runs beside it; it changes no output."""
+    machine, 1% with the flag), slowing whatever runs beside it; it changes no output.
+    python: the interpreter (another venv's), default this one."""
     extra_args = [str(a) for a in extra_args]
     if "--sleep-on-idle" not in extra_args:
         extra_args.append("--sleep-on-idle")
+    python = str(python or sys.executable)
     if entry == "serve":
-        launcher = [str(pathlib.Path(sys.executable).parent / "sglang"), "serve"]
+        launcher = [str(pathlib.Path(python).parent / "sglang"), "serve"]
     else:
-        launcher = [sys.executable, "-m", "sglang.launch_server"]
+        launcher = [python, "-m", "sglang.launch_server"]
     return [
         *launcher,
         "--model-path", str(model),
@@ -169,11 +171,11 @@ class Server:
     """A running `python -m sglang.launch_server` on this machine; its log goes to a temp file."""
 
     def __init__(self, model=DEFAULT_MODEL, backend="sas", extra_args=(), env=None, startup_timeout=600,
-                 entry="launch_server"):
+                 entry="launch_server", python=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"sglang-{backend}-", suffix=".log", delete=False)
-        self.proc = _spawn(server_cmd(model, backend, self.port, extra_args, entry), cpu_env(env),
+        self.proc = _spawn(server_cmd(model, backend, self.port, extra_args, entry, python), cpu_env(env),
                            stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready(startup_timeout)
 
