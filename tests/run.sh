@@ -45,8 +45,8 @@ if [ "${SAS_SKIP_NEWEST:-0}" != 1 ]; then
   fi
 fi
 
-if ! [ -x "$py" ] || ! "$py" -c "import sas_backend, sglang, pytest, transformers" 2>/dev/null; then
-  SAS_EXTRAS=test,train bash "$here/serve/install.sh"
+if ! [ -x "$py" ] || ! "$py" -c "import sas_backend, sglang, pytest, transformers, tabulate" 2>/dev/null; then
+  SAS_EXTRAS=test,train,bench bash "$here/serve/install.sh"
 fi
 "$py" "$here/serve/prepare_model.py" --out "$here/models/SmolLM2-135M-Instruct"
 "$py" "$here/serve/prepare_text.py"
