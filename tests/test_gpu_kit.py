@@ -235,6 +235,9 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
 # ------------------------------------------------------------------ pre-built FlashInfer modules
 SHARED_KIT = REPO.parent / "shared" / "gpu-kit"
 AOT_CACHE = REPO / "build" / "flashinfer-aot" / "aot"  # build_kit --aot's compile cache (not committed)
+# The FlashInfer 0.6.12 wheel: the shared kit beside the checkout, or a kit built here (.whl/fi).
+FLASHINFER_WHEELS = [w for d in (SHARED_KIT, REPO / ".whl" / "fi", REPO / ".whl")
+                     for w in sorted(d.glob("flashinfer_python-0.6.12-*.whl"))]
 
 
 def test_aot_record_is_complete():
@@ -244,6 +247,12 @@ def test_aot_record_is_complete():
     assert rec["flashinfer"] == aot.FLASHINFER_VERSION and rec["arch_list"] == "9.0a"
     assert len(rec["modules"]) == 8 and {m["kind"] for m in rec["modules"]} == {"decode", "prefill"}
     assert rec["complete"] == all(m["built"] for m in rec["modules"]) and any(m["built"] for m in rec["modules"])
+    assert {(m["uri"].split("_dtype_q_")[1][:4].rstrip("_"), m["uri"].split("head_dim_qk_")[1].split("_")[0], m["kind"])
+            for m in rec["modules"]} == {(d, h, k) for d in ("bf16", "f16") for h in ("64", "128")
+                                         for k in ("decode", "prefill")}
+    if rec["complete"]:  # the archive the kit carries holds exactly these members
+        assert rec["archive"]["name"] == aot.AOT_ARCHIVE and len(rec["archive"]["sha256"]) == 64
+        assert rec["archive"]["files"] == 8 and rec["build_minutes_total"] > 0
     for m in (m for m in rec["modules"] if m["built"]):
         assert m["member"] == f"flashinfer/data/aot/{m['uri']}/{m['uri']}.so" and len(m["sha256"]) == 64
         assert set(m["needed"]) <= {"libcudart.so.13", "libstdc++.so.6", "libgcc_s.so.1", "libc.so.6", "libm.so.6"}
@@ -252,7 +261,7 @@ def test_aot_record_is_complete():
     assert any("sglang" in u for m in rec["modules"] for u in m["used_by"])
 
 
-@pytest.mark.skipif(not list(SHARED_KIT.glob("flashinfer_python-0.6.12-*.whl")), reason="no FlashInfer wheel in ../shared")
+@pytest.mark.skipif(not FLASHINFER_WHEELS, reason="no FlashInfer 0.6.12 wheel (../shared/gpu-kit or .whl/fi)")
 def test_aot_modules_load_from_a_clean_site_without_compiling(tmp_path):
     """From a clean --target site made from the kit (the FlashInfer wheel + the AOT archive),
     FlashInfer's own loader resolves every module the call sites ask for to the shipped
@@ -274,7 +283,7 @@ def test_aot_modules_load_from_a_clean_site_without_compiling(tmp_path):
     kit_dir.mkdir()
     build_kit.pack(stage, kit_dir / aot.AOT_ARCHIVE, preset=0)
     site = tmp_path / "site"
-    kit.pip_target(list(SHARED_KIT.glob("flashinfer_python-0.6.12-*.whl")), site)
+    kit.pip_target(FLASHINFER_WHEELS[:1], site)
     kit.unpack(kit_dir / aot.AOT_ARCHIVE, site)
     stub = tmp_path / "stub"
     stub.mkdir()
@@ -296,6 +305,10 @@ def test_aot_modules_load_from_a_clean_site_without_compiling(tmp_path):
         assert m["is_aot"] and m["loaded"] and pathlib.Path(m["path"]) == site / aot.aot_member(m["uri"])
         if not real:
             assert pathlib.Path(m["tvm_ffi_path"]) == site / aot.aot_member(m["uri"])
+    if real:  # the very files the record describes
+        by_uri = {m["uri"]: m for m in rec["modules"]}
+        for m in res["modules"]:
+            assert kit.sha256_of(m["path"]) == by_uri[m["uri"]]["sha256"]
     print(f"loaded {len(res['modules'])} modules, {'real .so files (dlopen)' if real else 'fake files'}")
 
 
@@ -361,6 +374,62 @@ def test_jit_env_links_the_driver_libcuda_when_the_toolkit_has_no_stub(tmp_path,
     (tk / "lib64" / "stubs" / "libcuda.so").write_text("")
     env2, rec2 = kit.jit_env({"PATH": "/usr/bin", "CUDA_HOME": str(tk)}, tmp_path / "shim2")
     assert "FLASHINFER_EXTRA_LDFLAGS" not in env2 and rec2["link"]["dir"] is None
+
+
+def test_kit_record_payload_per_tier(tmp_path, monkeypatch):
+    """The builder's kit record: the site kit counts for tiers 0 and 2, the FlashInfer wheels for
+    tier 1; payload = the repository's tracked files + the kit's files; the record names no machine
+    path; rebuilding one kit keeps the other's entry."""
+    repo = tmp_path / "repo"
+    monkeypatch.setattr(kit, "REPO", repo)
+    monkeypatch.setattr(build_kit, "repo_bytes", lambda repo=None: {"tracked": 20 * 2**20, "untracked": 123})
+
+    def sparse(path, n):
+        with open(path, "wb") as f:
+            f.truncate(n)
+
+    site_kit, fi_kit = repo / ".whl" / "site", repo / ".whl" / "fi"
+    site_kit.mkdir(parents=True)
+    sparse(site_kit / "sglang-0.0-h100-site.tar.xz", 40 * 2**20)
+    (site_kit / aot.AOT_ARCHIVE).write_bytes(b"y" * 1000)
+    (site_kit / kit.SUMS_FILE).write_text(f"{kit.sha256_of(site_kit / aot.AOT_ARCHIVE)}  {aot.AOT_ARCHIVE}\n")
+    before = tmp_path / "shared" / "sglang-0.0-h100-site.tar.xz"
+    before.parent.mkdir()
+    sparse(before, 45 * 2**20)
+    record = tmp_path / "kit-record.json"
+    chk = {"ok": True, "failures": []}
+    rec = build_kit.update_kit_record(site_kit, f"python bench/gpu/build_kit.py --out {site_kit} --restage {before}",
+                                      record, before, chk)
+    assert set(rec["payload_mib"]) == {"tier0", "tier2"}
+    t2 = rec["payload_mib"]["tier2"]
+    kit_bytes = sum(p.stat().st_size for p in site_kit.iterdir())
+    assert t2["repo_tracked_mib"] == 20 and t2["kit_mib"] == round(kit_bytes / 2**20, 2)
+    assert t2["total_mib"] == round(20 + kit_bytes / 2**20, 2) and t2["headroom_ok"] is False  # 60 MiB: < 10 free
+    assert rec["payload_before"]["total_mib"] == 65 and rec["tier2_kit_files_bytes"][aot.AOT_ARCHIVE] == 1000
+    assert rec["kits"]["site"]["import_check"] == chk and rec["kits"]["site"]["carry"] == ".whl/site"
+    assert rec["kits"]["site"]["files"][aot.AOT_ARCHIVE]["sha256"] == kit.sha256_of(site_kit / aot.AOT_ARCHIVE)
+    assert rec["kits"]["site"]["command"] == "python bench/gpu/build_kit.py --out .whl/site --restage " \
+                                            "../shared/sglang-0.0-h100-site.tar.xz"
+    fake_wheel(fi_kit, "flashinfer_python", "0.0.1", {"flashinfer/__init__.py": ""})
+    rec = build_kit.update_kit_record(fi_kit, "python bench/gpu/build_kit.py --flashinfer-only", record)
+    assert set(rec["payload_mib"]) == {"tier0", "tier1", "tier2"} and rec["kits"]["site"]["import_check"] == chk
+    assert rec["payload_mib"]["tier1"]["headroom_ok"] is True and str(tmp_path) not in record.read_text()
+
+
+def test_import_check_failures_and_what_slimming_lost():
+    import import_check
+
+    ok = {"modules": {"sglang.launch_server": "ok"}, "archs": {"LlamaForCausalLM": "sglang.srt.models.llama.LlamaForCausalLM"},
+          "transformers": {"llama": "LlamaConfig"}, "registry_failures": []}
+    assert import_check.failures(ok) == []
+    broken = {"modules": {"sglang.launch_server": "ModuleNotFoundError: Could not import module 'AutoProcessor'"},
+              "archs": {"LlamaForCausalLM": "ValueError: Model architectures ['TransformersForCausalLM'] are not supported"},
+              "transformers": {"error": "ModuleNotFoundError: No module named 'transformers.models.encoder_decoder'"},
+              "registry_failures": ["Ignore import error when loading sglang.srt.models.llama: ..."]}
+    assert len(import_check.failures(broken)) == 3
+    lost = import_check.compare(ok, broken)
+    assert any(x.startswith("modules.sglang.launch_server") for x in lost) and any(x.startswith("registry:") for x in lost)
+    assert import_check.failures({"error": "Traceback ..."}) and import_check.compare(ok, ok) == []
 
 
 def test_payload_of_the_recorded_kit_leaves_10_mib():

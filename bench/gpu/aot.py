@@ -215,17 +215,27 @@ def build_all(out: pathlib.Path, only=None, log=print, build: bool = True) -> li
         if not dest.exists() and not build:
             continue
         if not dest.exists():
+            # objects left by an interrupted build: those ninja does not rebuild make the seconds undercount
+            before = {p.name: p.stat().st_mtime_ns for p in pathlib.Path(spec.build_dir).glob("*.o")}
             t0 = time.time()
             log(f"[aot] building {row['uri']} ({row['kind']}) ...")
             spec.build(verbose=False)
+            resumed = sorted(n for n, t in before.items()
+                             if (pathlib.Path(spec.build_dir) / n).exists()
+                             and (pathlib.Path(spec.build_dir) / n).stat().st_mtime_ns == t)
             row["build_seconds"] = round(time.time() - t0, 1)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(spec.jit_library_path, dest)
             (dest.parent / "build_seconds").write_text(str(row["build_seconds"]))
+            if resumed:
+                (dest.parent / "build_resumed").write_text("\n".join(resumed) + "\n")
             log(f"[aot] built {row['uri']} in {row['build_seconds']} s, {dest.stat().st_size} bytes")
         else:
             secs = dest.parent / "build_seconds"
             row["build_seconds"] = float(secs.read_text()) if secs.exists() else None
+        marker = dest.parent / "build_resumed"
+        if marker.exists():  # build_seconds is the last part only: these objects came from an earlier run
+            row["build_resumed_objects"] = len(marker.read_text().split())
         row["bytes"] = dest.stat().st_size
         row["sha256"] = hashlib.sha256(dest.read_bytes()).hexdigest()
         row.update(readelf_needed(dest))

@@ -1,10 +1,19 @@
 """Build the GPU kit from PyPI: SGLang's minimal serving set as one xz archive, FlashInfer's wheels,
-SHA256SUMS and a manifest. Runs on any x86-64 machine with network (wheels are fetched for the GPU
-host's CPython 3.12, not this interpreter's).
+FlashInfer's modules pre-built for sm90a, SHA256SUMS and a manifest. Runs on any x86-64 machine with
+network (wheels are fetched for the GPU host's CPython 3.12, not this interpreter's) or offline from
+a local wheel folder (`--find-links`) and an existing site archive (`--restage`).
 
-    python bench/gpu/build_kit.py --out .whl                       # the whole kit (~0.75 GB download)
-    python bench/gpu/build_kit.py --out /tmp/fi --packages flashinfer_python-0.6.12 apache_tvm_ffi-0.1.11
-    python bench/gpu/build_kit.py --out .whl --compare ../shared/gpu-kit    # and diff against a kit
+    # tiers 0 and 2 (.whl/site): the shared kit's site, slimmed, import-checked, + the AOT modules
+    python bench/gpu/build_kit.py --out .whl/site --restage ../shared/gpu-kit/sglang-0.5.15-h100-site.tar.xz \
+        --keep build/kit-stage --import-check --find-links ../shared/gpu-kit --aot --jobs 2
+    # tier 1 (.whl/fi): the two FlashInfer wheels + the same AOT archive
+    python bench/gpu/build_kit.py --out .whl/fi --flashinfer-only --find-links ../shared/gpu-kit --aot
+    # from PyPI instead (~0.75 GB download), diffed against a kit
+    python bench/gpu/build_kit.py --out .whl/site --keep build/kit-stage --import-check --aot --compare ../shared/gpu-kit
+
+Each run updates bench/gpu/kit-record.json (this kit's files, sha256s and the payload per tier:
+the repository's tracked files + the kit directory, >= 10 MiB free under the device tool's 64 MiB);
+`--aot` also writes bench/gpu/flashinfer-aot.json.
 
 Steps: (1) `pip download --no-deps --only-binary=:all:` of every `name-version` in
 bench/gpu/site-contents.txt (the shared kit's list) or `--packages`, for cp312 manylinux x86-64;
@@ -18,6 +27,10 @@ owners and mtimes; (5) the FlashInfer wheels copied beside it; (6) `SHA256SUMS` 
 `manifest.json` (package, version, wheel file, sha256 and size of each wheel; the archive's sha256,
 size, unpacked size and file count; the slimming applied; the command).
 `--compare KIT` lists the files only in one of the two archives and the size differences.
+`--import-check` (with `--keep`) runs bench/gpu/import_check.py on the slimmed site and on the site
+as it was before slimming and fails the build (exit 1) if the slimmed one breaks SGLang's serving
+imports or lost anything the full one had. `--aot` compiles FlashInfer's modules (bench/gpu/aot.py;
+reused from `--aot-cache`, progress in <aot-cache>/build.log) and packs them beside the site.
 """
 
 from __future__ import annotations
@@ -334,15 +347,19 @@ def stage_from_archive(archive: pathlib.Path, stage: pathlib.Path) -> dict:
     return {"name": archive.name, "sha256": kit.sha256_of(archive), "bytes": archive.stat().st_size}
 
 
-def build(pins, out: pathlib.Path, find_links=None, preset=9, keep=None, command=None, restage=None) -> dict:
+def build(pins, out: pathlib.Path, find_links=None, preset=9, keep=None, command=None, restage=None,
+          keep_full: bool = False) -> dict:
     """Download, install, slim, pack; write SHA256SUMS and manifest.json into out. Returns the manifest.
-    restage: a site archive to start from instead of downloading and installing `pins`."""
+    restage: a site archive to start from instead of downloading and installing `pins`.
+    keep_full (with keep): also leave the site as it was before slimming in `keep/site-full`, for
+    the import check's comparison (`import_check.compare`)."""
     out.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(keep) if keep else pathlib.Path(tempfile.mkdtemp(prefix="sas-kit-"))
     try:
         stage = work / "site"
-        if stage.exists():
-            shutil.rmtree(stage)
+        for d in (stage, work / "site-full"):
+            if d.exists():
+                shutil.rmtree(d)
         if restage:
             source = stage_from_archive(pathlib.Path(restage), stage)
             found = kit.installed_versions(stage, [n for n, _ in pins])
@@ -353,16 +370,18 @@ def build(pins, out: pathlib.Path, find_links=None, preset=9, keep=None, command
             wheels = download(pins, work / "wheels", find_links)
             install(list(wheels.values()), stage)
         portable = make_portable(stage)
-        slimmed = slim(stage, [n for n, _ in pins])
+        # FlashInfer alone travels as its two wheels (tier 1), as published: nothing to slim or pack.
+        wheels_only = {_norm(n) for n, _ in pins} <= {"flashinfer_python", "apache_tvm_ffi"}
+        if keep and keep_full and not wheels_only:  # a real copy: slimming rewrites some files in place
+            shutil.copytree(stage, work / "site-full", symlinks=True)
+        slimmed = {} if wheels_only else slim(stage, [n for n, _ in pins])
         versions = dict(pins)
         sglang = next((v for n, v in pins if _norm(n) == "sglang"), None)
         name = f"sglang-{sglang}-h100-site.tar.xz" if sglang else "site.tar.xz"
         archive = out / name
-        # FlashInfer alone travels as its two wheels (tier 1); anything else as the archive.
-        wheels_only = {_norm(n) for n, _ in pins} <= {"flashinfer_python", "apache_tvm_ffi"}
         packed = {} if wheels_only else pack(stage, archive, preset)
-        carried = []
-        for n in ("flashinfer_python", "apache_tvm_ffi"):
+        carried = []  # the site archive holds FlashInfer already: its wheels travel only in a wheels-only kit
+        for n in ("flashinfer_python", "apache_tvm_ffi") if wheels_only else ():
             if n in wheels:
                 shutil.copy(wheels[n], out / wheels[n].name)
                 carried.append(wheels[n].name)
@@ -457,11 +476,20 @@ def add_aot(out: pathlib.Path, wheel: pathlib.Path, cache: pathlib.Path, jobs: i
     cache.mkdir(parents=True, exist_ok=True)
     env = aot_worker_env(flashinfer_scratch(cache, wheel), cache, jobs)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, str(HERE / "aot.py"), "build", "--out", str(cache),
-                           *(["--status"] if status_only else [])], env=env, cwd=cache, capture_output=True, text=True)
-    rows = next((json.loads(ln[4:]) for ln in proc.stdout.splitlines() if ln.startswith("AOT ")), None)
+    lines = []
+    with open(cache / "build.log", "a") as log:  # progress of a long build: tail -f <cache>/build.log
+        proc = subprocess.Popen([sys.executable, str(HERE / "aot.py"), "build", "--out", str(cache),
+                                 *(["--status"] if status_only else [])], env=env, cwd=cache,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            lines.append(line)
+            if not line.startswith("AOT "):
+                log.write(line)
+                log.flush()
+        proc.wait()
+    rows = next((json.loads(ln[4:]) for ln in lines if ln.startswith("AOT ")), None)
     if proc.returncode != 0 or rows is None:
-        raise kit.KitError(f"AOT build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise kit.KitError("AOT build failed:\n" + "".join(lines)[-8000:])
     if not all(r["built"] for r in rows):  # --aot-status on a build still running: record, pack nothing
         record = {"built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "command": command, "flashinfer": aot.FLASHINFER_VERSION, "arch_list": aot.ARCH_LIST,
@@ -505,6 +533,8 @@ def add_aot(out: pathlib.Path, wheel: pathlib.Path, cache: pathlib.Path, jobs: i
 # ---------------------------------------------------------------------------------- payload
 CARRY_LIMIT_MIB = 64.0
 HEADROOM_MIB = 10.0
+KIT_RECORD = HERE / "kit-record.json"  # committed: the payload of the last kit builds, per tier
+MIB = 2**20
 
 
 def repo_bytes(repo: pathlib.Path = kit.REPO) -> dict:
@@ -519,27 +549,144 @@ def repo_bytes(repo: pathlib.Path = kit.REPO) -> dict:
     return {"tracked": sum(p.stat().st_size for p in tracked), "untracked": sum(p.stat().st_size for p in untracked)}
 
 
+def kit_files(kit_dir: pathlib.Path) -> dict:
+    """{file name: bytes} of what a `carry` of kit_dir sends (its plain files; the kit is flat)."""
+    return {p.name: p.stat().st_size for p in sorted(pathlib.Path(kit_dir).iterdir()) if p.is_file()}
+
+
 def payload(kit_dir: pathlib.Path, repo: pathlib.Path = kit.REPO) -> dict:
     """MiB a tier's device call carries: the repository (`repo_bytes`) plus every file in the
-    kit directory; the headroom left under the 64 MiB limit, and whether it is >= 10 MiB."""
+    kit directory; the headroom left under the 64 MiB limit, and whether it is >= 10 MiB.
+    total_mib counts the untracked files of this checkout too (what a call from here would send);
+    committed_mib only the tracked ones (what a call from a clean checkout sends)."""
     r = repo_bytes(repo)
-    files = {p.name: p.stat().st_size for p in sorted(pathlib.Path(kit_dir).iterdir()) if p.is_file()}
-    mib = 2**20
+    files = kit_files(kit_dir)
     total = r["tracked"] + r["untracked"] + sum(files.values())
-    return {"repo_tracked_mib": round(r["tracked"] / mib, 2), "repo_untracked_mib": round(r["untracked"] / mib, 2),
-            "kit_files_mib": {k: round(v / mib, 2) for k, v in files.items()},
-            "kit_mib": round(sum(files.values()) / mib, 2), "total_mib": round(total / mib, 2),
-            "limit_mib": CARRY_LIMIT_MIB, "headroom_mib": round(CARRY_LIMIT_MIB - total / mib, 2),
-            "headroom_ok": CARRY_LIMIT_MIB - total / mib >= HEADROOM_MIB}
+    committed = r["tracked"] + sum(files.values())
+    return {"repo_tracked_mib": round(r["tracked"] / MIB, 2), "repo_untracked_mib": round(r["untracked"] / MIB, 2),
+            "kit_files_mib": {k: round(v / MIB, 2) for k, v in files.items()},
+            "kit_mib": round(sum(files.values()) / MIB, 2), "total_mib": round(total / MIB, 2),
+            "committed_mib": round(committed / MIB, 2),
+            "limit_mib": CARRY_LIMIT_MIB, "headroom_mib": round(CARRY_LIMIT_MIB - total / MIB, 2),
+            "headroom_committed_mib": round(CARRY_LIMIT_MIB - committed / MIB, 2),
+            "headroom_ok": CARRY_LIMIT_MIB - total / MIB >= HEADROOM_MIB}
+
+
+def portable(text: str) -> str:
+    """A command or path with this checkout's location made relative (a committed record names
+    no machine path): <repo>/x -> x, <repo's parent>/y -> ../y."""
+    repo = str(kit.REPO)
+    return (str(text).replace(repo + os.sep, "").replace(repo, ".")
+            .replace(str(kit.REPO.parent) + os.sep, ".." + os.sep))
+
+
+def tiers_of(kit_dir: pathlib.Path) -> list:
+    """The tiers that carry this kit directory: a site archive -> tiers 0 and 2 (bench/gpu/README.md:
+    `carry: [".whl/site"]`), the FlashInfer wheels alone -> tier 1 (`.whl/fi`)."""
+    found = kit.find_kit(kit_dir)
+    if found["site_archive"] is not None:
+        return ["tier0", "tier2"]
+    return ["tier1"] if found["flashinfer_wheels"] else []
+
+
+def update_kit_record(kit_dir: pathlib.Path, command: str, record_path: pathlib.Path = KIT_RECORD,
+                      before_archive: pathlib.Path | None = None, import_check: dict | None = None) -> dict:
+    """Write this kit directory's entry into the kit record (bench/gpu/kit-record.json; the other
+    kit's entry is kept): its files and their bytes, the archives' sha256s, the slimming, the import
+    check, and the payload per tier = the repository's tracked files + the kit's files, with the
+    headroom under 64 MiB (>= 10 required). before_archive: the site archive the kit replaces (the
+    shared kit's), for `payload_before`. Returns the record."""
+    record_path = pathlib.Path(record_path)
+    rec = json.loads(record_path.read_text()) if record_path.exists() else {}
+    kit_dir = pathlib.Path(kit_dir)
+    tiers = tiers_of(kit_dir)
+    if not tiers:
+        raise kit.KitError(f"{kit_dir} holds neither a site archive nor the FlashInfer wheels")
+    repo = repo_bytes()
+    files = kit_files(kit_dir)
+    kit_b = sum(files.values())
+    total = repo["tracked"] + kit_b
+    pay = {"repo_tracked_mib": round(repo["tracked"] / MIB, 2), "kit_mib": round(kit_b / MIB, 2),
+           "total_mib": round(total / MIB, 2), "headroom_mib": round(CARRY_LIMIT_MIB - total / MIB, 2),
+           "headroom_ok": CARRY_LIMIT_MIB - total / MIB >= HEADROOM_MIB}
+    manifest = json.loads((kit_dir / kit.MANIFEST_FILE).read_text()) if (kit_dir / kit.MANIFEST_FILE).exists() else {}
+    sums = kit.read_sums(kit_dir)
+    entry = {"built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "command": portable(command), "carry": portable(str(kit_dir.resolve())), "tiers": tiers,
+             "files": {k: {"bytes": v, "sha256": sums.get(k)} for k, v in files.items()}, "payload": pay}
+    if manifest.get("archive"):
+        a = manifest["archive"]
+        entry["site"] = {"files": a.get("files"), "unpacked_mib": round(a.get("unpacked_bytes", 0) / MIB, 1),
+                         "restaged_from": manifest.get("restaged_from"),
+                         "slimmed_mib": {k: round(v["bytes_saved"] / MIB, 1) for k, v in manifest.get("slimmed", {}).items()}}
+    if manifest.get("aot"):
+        entry["aot"] = {"uris": len(manifest["aot"].get("uris", [])), "archive": manifest["aot"].get("archive", {}).get("name")}
+    kind = "site" if "tier2" in tiers else "fi"
+    prev = rec.get("kits", {}).get(kind, {})
+    site_name = next((k for k in files if k.startswith("sglang-") and k.endswith(".tar.xz")), None)
+    if import_check is None and prev.get("import_check") and site_name and \
+            prev.get("files", {}).get(site_name, {}).get("sha256") == sums.get(site_name):
+        import_check = prev["import_check"]  # same site archive (e.g. an --aot-only run): its check stands
+    if import_check is not None:
+        entry["import_check"] = import_check
+    rec["limit_mib"], rec["headroom_required_mib"] = CARRY_LIMIT_MIB, HEADROOM_MIB
+    rec["how"] = ("payload = the repository's tracked files (git ls-files, at build time) + every file in the "
+                  "carried kit directory; untracked files of the building checkout are not counted")
+    rec.setdefault("kits", {})[kind] = entry
+    rec["payload_mib"] = {t: {"carry": e["carry"], **e["payload"]} for e in rec["kits"].values() for t in e["tiers"]}
+    rec["payload_mib"] = dict(sorted(rec["payload_mib"].items()))
+    if "tier2" in tiers:
+        rec["tier2_kit_files_bytes"] = files
+        rec["payload_after"] = {"what": f"tier 2: repository + {entry['carry']} ({', '.join(files)})", **pay}
+        if before_archive is not None and pathlib.Path(before_archive).is_file():
+            b = pathlib.Path(before_archive).stat().st_size
+            rec["payload_before"] = {"what": f"repository + {pathlib.Path(before_archive).name} (the shared kit)",
+                                     "repo_tracked_mib": pay["repo_tracked_mib"], "kit_mib": round(b / MIB, 2),
+                                     "total_mib": round((repo["tracked"] + b) / MIB, 2),
+                                     "headroom_mib": round(CARRY_LIMIT_MIB - (repo["tracked"] + b) / MIB, 2)}
+    kit.write_json(record_path, rec)
+    return rec
 
 
 def find_flashinfer_wheel(*dirs) -> pathlib.Path | None:
+    """The newest flashinfer_python-*.whl in the first of dirs that has one (None entries skipped)."""
     for d in dirs:
         if d:
             found = sorted(pathlib.Path(d).glob("flashinfer_python-*.whl"))
             if found:
                 return found[-1]
     return None
+
+
+def run_import_check(keep: pathlib.Path, wheel: pathlib.Path | None, aot_cache: pathlib.Path) -> dict:
+    """import_check on the slimmed site (keep/site) and, when build() left it, the site before
+    slimming (keep/site-full), side by side; the full records go to keep/import-check.json.
+    Returns the summary: ok (no failure on the slimmed site and nothing lost against the full
+    one), the failures, what was lost, and which transformers model folders were imported."""
+    import concurrent.futures
+
+    import import_check
+
+    if wheel is None:
+        raise SystemExit("--import-check needs flashinfer_python-*.whl (in --out, --find-links, --keep's downloads or "
+                         "--compare): "
+                         "its scratch install brings nvidia-ml-py and tvm-ffi for this interpreter")
+    extra = flashinfer_scratch(pathlib.Path(aot_cache), wheel)[1:]
+    sites = {"slimmed": keep / "site", "full": keep / "site-full"}
+    sites = {k: v for k, v in sites.items() if v.is_dir()}
+    with concurrent.futures.ThreadPoolExecutor(len(sites)) as ex:
+        futs = {k: ex.submit(import_check.check, v, extra) for k, v in sites.items()}
+        recs = {k: f.result() for k, f in futs.items()}
+    kit.write_json(keep / "import-check.json", recs)
+    slim_rec = recs["slimmed"]
+    failures = import_check.failures(slim_rec)
+    lost = import_check.compare(recs["full"], slim_rec) if "full" in recs else None
+    return {"ok": not failures and not lost, "failures": failures,
+            "full_site_failures": import_check.failures(recs["full"]) if "full" in recs else None,
+            "lost_against_full": lost,
+            "modules_ok": sum(v == "ok" for v in slim_rec.get("modules", {}).values()),
+            "modules": len(slim_rec.get("modules", {})), "archs": slim_rec.get("archs"),
+            "transformers_models_imported": slim_rec.get("transformers_models")}
 
 
 def main(argv=None) -> int:
@@ -561,14 +708,22 @@ def main(argv=None) -> int:
                     help="where modules are compiled and kept (reused by later builds)")
     ap.add_argument("--jobs", type=int, default=1, help="ninja jobs for the AOT compile (MAX_JOBS)")
     ap.add_argument("--import-check", action="store_true",
-                    help="faked-H100 import check of SGLang's serving path on the slimmed site (needs --keep)")
+                    help="faked-H100 import check of SGLang's serving path on the slimmed site and the site before "
+                         "slimming (needs --keep); a failure or anything lost exits 1")
+    ap.add_argument("--record", default=str(KIT_RECORD),
+                    help="the kit record to update with this kit's files and payload ('' : none)")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     shown = "python bench/gpu/build_kit.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    status = 0
+    import_rec = None
     if not (args.aot_only or args.aot_status):
+        if args.import_check and not args.keep:
+            raise SystemExit("--import-check needs --keep DIR (the staged site)")
         specs = FLASHINFER_ONLY if args.flashinfer_only else args.packages
         pins = [parse_spec(s) for s in specs] if specs else read_contents(CONTENTS)
-        manifest = build(pins, out, args.find_links, args.xz_preset, args.keep, shown, args.restage)
+        manifest = build(pins, out, args.find_links, args.xz_preset, args.keep, shown, args.restage,
+                         keep_full=args.import_check)
         a = manifest["archive"]
         if a:
             print(f"[kit] {len(pins)} packages -> {a['name']}: {a['bytes'] / 2**20:.1f} MiB ({a['files']} files, "
@@ -591,22 +746,22 @@ def main(argv=None) -> int:
                 kit.write_json(out / "compare.json", diff)
                 print(json.dumps({k: v for k, v in diff.items() if not k.endswith("_files")}, indent=1))
         if args.import_check:
-            if not args.keep:
-                raise SystemExit("--import-check needs --keep DIR (the staged site)")
-            import import_check
-
-            extra = flashinfer_scratch(pathlib.Path(args.aot_cache), find_flashinfer_wheel(out, args.compare)
-                                       or find_flashinfer_wheel(args.find_links))[1:]
-            rec = import_check.check(pathlib.Path(args.keep) / "site", extra)
-            kit.write_json(out / "import-check.json", rec)
-            bad = [m for m, v in rec.get("modules", {}).items() if v != "ok"] + \
-                  [a for a, v in rec.get("archs", {}).items() if "." not in v]
-            print(f"[kit] import check: {'FAILED ' + str(bad) if bad or 'error' in rec else 'ok'}; "
-                  f"transformers models imported {rec.get('transformers_models')}")
+            wheel = find_flashinfer_wheel(out, args.find_links, pathlib.Path(args.keep) / "wheels", args.compare)
+            import_rec = run_import_check(pathlib.Path(args.keep), wheel, pathlib.Path(args.aot_cache))
+            manifest["import_check"] = import_rec
+            kit.write_json(out / kit.MANIFEST_FILE, manifest)
+            print(f"[kit] import check ({import_rec['modules_ok']}/{import_rec['modules']} modules, archs "
+                  f"{import_rec['archs']}): {'ok' if import_rec['ok'] else 'FAILED'}"
+                  f"{'' if import_rec['ok'] else ': ' + str(import_rec['failures'] + (import_rec['lost_against_full'] or []))}"
+                  f"; transformers models imported {import_rec['transformers_models_imported']}; "
+                  f"details in {pathlib.Path(args.keep) / 'import-check.json'}")
+            status = 0 if import_rec["ok"] else 1
     if args.aot or args.aot_only or args.aot_status:
-        wheel = find_flashinfer_wheel(out, args.find_links, args.compare)
+        wheel = find_flashinfer_wheel(out, args.find_links, args.keep and pathlib.Path(args.keep) / "wheels",
+                                      args.compare)
         if wheel is None:
-            raise SystemExit("no flashinfer_python-*.whl in --out, --find-links or --compare for the AOT build")
+            raise SystemExit("no flashinfer_python-*.whl in --out, --find-links, --keep's downloads or --compare "
+                             "for the AOT build")
         rec = add_aot(out, wheel, pathlib.Path(args.aot_cache), args.jobs, args.xz_preset, shown,
                       status_only=args.aot_status)
         for r in rec["modules"]:
@@ -623,7 +778,15 @@ def main(argv=None) -> int:
     print(f"[kit] payload with this repository: {pay['total_mib']} MiB of {pay['limit_mib']} "
           f"(repo {pay['repo_tracked_mib']} + {pay['repo_untracked_mib']} untracked, kit {pay['kit_mib']}); "
           f"headroom {pay['headroom_mib']} MiB{'' if pay['headroom_ok'] else ' < 10 MiB: TOO BIG'}")
-    return 0
+    if args.record and not args.aot_status and tiers_of(out):
+        before = pathlib.Path(args.restage) if args.restage else (
+            kit.find_kit(pathlib.Path(args.compare))["site_archive"] if args.compare else None)
+        rec = update_kit_record(out, shown, pathlib.Path(args.record), before, import_rec)
+        for t, p in rec["payload_mib"].items():
+            print(f"[kit] {t} ({p['carry']}): repo {p['repo_tracked_mib']} + kit {p['kit_mib']} = {p['total_mib']} MiB, "
+                  f"headroom {p['headroom_mib']} MiB{'' if p['headroom_ok'] else ' < 10 MiB: TOO BIG'}")
+        print(f"[kit] recorded in {portable(args.record)}")
+    return status
 
 
 if __name__ == "__main__":

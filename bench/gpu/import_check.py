@@ -172,6 +172,17 @@ def check(site: pathlib.Path, extra_paths=(), timeout: int = 600) -> dict:
         return {"error": (proc.stdout[-2000:] + proc.stderr[-3000:]), "overlay": linked}
 
 
+def failures(rec: dict) -> list:
+    """What a check record shows broken: a crash, a module that did not import, an architecture
+    that did not resolve, a transformers lookup that raised. Empty: the serving path imports."""
+    bad = [f"error: {rec['error'][-300:]}"] if "error" in rec else []
+    bad += [f"modules.{m}: {v}" for m, v in rec.get("modules", {}).items() if v != "ok"]
+    bad += [f"archs.{a}: {v}" for a, v in rec.get("archs", {}).items() if "ForCausalLM" not in v or ":" in v]
+    bad += [f"transformers.{k}: {v}" for k, v in rec.get("transformers", {}).items()
+            if k == "error" or (isinstance(v, str) and "Error" in v)]
+    return bad
+
+
 def compare(full: dict, slim: dict) -> list:
     """What the slimmed site lost against the full one: modules, archs or transformers lookups
     that were ok there and are not here, registry failures that are new. Empty: nothing."""

@@ -345,6 +345,20 @@ def collect(step: Step, work: pathlib.Path, out: pathlib.Path, rec: dict) -> Non
                 shutil.copy(f, out / f.name)
 
 
+def default_kit(tier: str) -> pathlib.Path:
+    """The kit directory a tier carries when --kit is not given (bench/gpu/README.md): `.whl/site`
+    for tiers 0 and 2, `.whl/fi` for tier 1 (else `.whl/site`, which holds FlashInfer too), else a
+    kit laid out directly in `.whl/` (the shared kit's form). The first that holds a kit."""
+    base = kit.DEFAULT_KIT_DIR
+    names = ["fi", "site"] if tier == "tier1" else ["site"]
+    cands = [base / n for n in names] + [base]
+    for c in cands:
+        found = kit.find_kit(c) if c.is_dir() else {}
+        if found.get("site_archive") or (tier == "tier1" and found.get("flashinfer_wheels")):
+            return c
+    return cands[0]
+
+
 def main(argv=None) -> int:
     """CLI (see the module doc); exit 0 when every step passed, 1 otherwise, 3 without a kit."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -353,7 +367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a first look)")
     ap.add_argument("--only", nargs="+", help="run only these steps (names as in the summary)")
     ap.add_argument("--skip", nargs="+", default=[], help="skip these steps")
-    ap.add_argument("--kit", default=str(kit.DEFAULT_KIT_DIR), help="the kit directory (default .whl/)")
+    ap.add_argument("--kit", default=None, help="the kit directory (default: .whl/site for tiers 0 and 2, .whl/fi "
+                    "for tier 1, else .whl/)")
     ap.add_argument("--site", default=None, help="install target (default /tmp/site; dry run: a scratch dir)")
     ap.add_argument("--no-install", action="store_true", help="reuse --site as it is (a second command in the same lease)")
     ap.add_argument("--work", default=None, help="scratch for models and step outputs (default /tmp/sas-gpu[-dry])")
@@ -361,6 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument("--aot-record", default=AOT_RECORD, help="the record of the kit's pre-built FlashInfer modules")
     ap.add_argument("--budget-min", type=float, default=9.3, help="wall minutes the whole tier may take")
     args = ap.parse_args(argv)
+    args.kit = args.kit or str(default_kit(args.tier))
     t_start = time.time()
     deadline = t_start + args.budget_min * 60
     dry = args.dry_run
