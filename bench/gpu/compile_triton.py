@@ -1,0 +1,679 @@
+"""Compile every Triton kernel of sas_backend for sm_90 (H100) on a machine without a GPU.
+
+The package's own Triton launchers (`sas_backend/ops/*/triton.py`, the gated training kernel's
+forward and backward) are called on CPU tensors with `JITFunction.run` replaced by a recorder: it
+binds the arguments exactly as a real launch does (Triton's own binder: dtypes, constexprs,
+"== 1" ints turned into constants, divisibility-by-16 attributes, options such as num_warps) and
+launches nothing. Each distinct compile key is then compiled for `cuda:90` with `triton.compile`,
+ptxas runs with `-v`, and the table (kernel, geometry, constexprs, warps/stages, registers, spills,
+shared memory) is written as JSON + Markdown.
+
+Geometry (block size 64). The constexpr-determining axes are swept in full product: head dim
+64/128, gate dim 64/128, G = H_q/H_kv 1/2/3/4/7/8, bf16/fp16/fp32 wherever a launcher accepts
+them, budgets 512-4096 tokens (K = 8..64), and widths M (max blocks) that reach every
+tile-size constexpr (M = 1 .. 4095, i.e. up to 256K tokens). Runtime ints (batch, kv heads,
+M as a stride, forced blocks) only change Triton's "== 1" / "% 16" specialization: they are swept
+at one geometry (D = Dg = 128, G = 4, bf16, K = 32; Qwen3-4B-like) over batch 1/8/16,
+H_kv 1/8, M 640/2047/2048/4096 and forced blocks (0,0)/(1,1)/(1,2). Kernels whose code does not
+depend on an axis collapse to one compiled variant (the table lists the geometries behind each).
+
+Fails (exit 1) on a compile error, on shared memory above the H100's 227 KiB opt-in limit, on a
+register spill in a serving (decode-step) kernel, or on a @triton.jit function of the package
+that no recorded launch compiles (directly or as a callee). Spills in the training kernels are
+reported, not failed: see TRAINING_SPILLS_FAIL.
+
+    python bench/gpu/compile_triton.py --out DIR                    # installed Triton and 3.6.0
+    python bench/gpu/compile_triton.py --out DIR --triton installed # only the one in this venv
+    python bench/gpu/compile_triton.py --out DIR --triton 3.6.0     # only 3.6.0 (the GPU image's)
+    python bench/gpu/compile_triton.py --out DIR --grid ci          # the test's grid (below)
+
+`--grid ci` (tests/test_triton_sm90_compile.py) is the full grid less the fp32 training kernels
+outside one geometry (CI_FP32_TRAINING): fp32 there means IEEE fp32 dots that spill tens of KB
+per thread, and ptxas then takes 20-40 CPU s per variant (about 10 CPU minutes per version).
+
+A version other than "installed" is pip-installed (--no-deps --target) into build/triton-<v>/
+(git-ignored) on first use and put first on PYTHONPATH of a subprocess that runs this same file.
+Writes DIR/triton-<version>.json and DIR/triton-<version>.md per version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import inspect
+import io
+import itertools
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+GPU_IMAGE_TRITON = "3.6.0"
+SMEM_LIMIT = 232448  # H100: 227 KiB of shared memory per block (opt-in maximum)
+BLOCK = 64
+# Training kernels run per training step, not per decode token, and spill only a few hundred
+# bytes in bf16/fp16 (at 255 registers, head dim 128); fp32 (the trainer's reference and test
+# precision) spills tens of KB. A spill costs speed, not correctness: reported, not failed.
+TRAINING_SPILLS_FAIL = False
+EXIT_FETCH = 3  # exit status when a Triton version cannot be fetched (the test skips on it)
+
+# Modules holding the package's @triton.jit functions (coverage is checked against all of them).
+KERNEL_MODULES = (
+    "sas_backend.ops.gate.triton",
+    "sas_backend.ops.summary.triton",
+    "sas_backend.ops.score.triton",
+    "sas_backend.ops.topk.triton",
+    "sas_backend.ops.gather.triton",
+    "sas_backend.training.ops.gated_attention.fused",
+)
+TRAINING_MODULES = ("sas_backend.training.",)
+
+# ----------------------------------------------------------------------------------- the grid
+HEAD_DIMS = (64, 128)
+GATE_DIMS = (64, 128)
+GROUPS = (1, 2, 3, 4, 7, 8)
+DTYPES = ("bf16", "fp16", "fp32")
+BUDGETS = (512, 1024, 2048, 4096)  # tokens of previous blocks: K = budget / 64
+# Max-block widths hitting every value of the width-derived constexprs: score's BLOCK_M
+# (1..64), topk's CHUNK (16..1024, single chunk) and the two-phase merge's TILE (2 and 4 chunks).
+WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 2047, 4095)
+BASE = dict(bs=8, h_kv=8, sink=1, local=1, n=37, m=2047)  # runtime ints of the geometry sweep
+SPEC_GEOMETRY = dict(d=128, dg=128, g=4, dtype="bf16", k=32)
+SPEC_BATCH, SPEC_KV_HEADS, SPEC_PAGES = (1, 8, 16), (1, 8), (1, 37, 64)
+SPEC_WIDTHS = (640, 2047, 2048, 4096)  # Qwen3-4B's 40K graph width, 128K eager/graph, 256K graph
+SPEC_FORCED = ((0, 0), (1, 1), (1, 2))
+# The runtime ints each launcher takes (the others would only clutter its geometry label).
+RUNTIME_KEYS = dict(gate_query=("bs", "h_kv"), summarize_pages=("h_kv", "n"), summary_update=("bs", "h_kv", "m"),
+                    score=("bs", "h_kv", "m"), topk=("bs", "h_kv", "m", "sink", "local"),
+                    gather=("bs", "h_kv", "m"), gated_attention=())
+# The one fp32 training geometry of the CI grid: the cheapest (about 20 CPU s for its 4 kernels).
+CI_FP32_TRAINING = dict(d=64, g=1)
+
+
+def product(**axes) -> list[dict]:
+    """Every combination of the axes' values, as dicts."""
+    names = list(axes)
+    return [dict(zip(names, vals)) for vals in itertools.product(*(axes[n] for n in names))]
+
+
+def cases(grid: str = "full") -> dict[str, list[dict]]:
+    """{op: [params]}: the geometry sweep (at BASE's runtime ints) plus the specialization sweep.
+    grid "ci" is "full" less fp32 training outside CI_FP32_TRAINING."""
+    spec = product(bs=SPEC_BATCH, h_kv=SPEC_KV_HEADS)
+    width_spec = product(bs=SPEC_BATCH, h_kv=SPEC_KV_HEADS, m=SPEC_WIDTHS)
+    sg = SPEC_GEOMETRY
+    ks = [b // BLOCK for b in BUDGETS]
+    out = {
+        "gate_query": product(d=HEAD_DIMS, dg=GATE_DIMS, g=GROUPS, dtype=DTYPES)
+        + [dict(d=sg["d"], dg=sg["dg"], g=sg["g"], dtype=sg["dtype"], **s) for s in spec],
+        "summarize_pages": product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=DTYPES)
+        + [dict(d=sg["d"], dg=sg["dg"], dtype=sg["dtype"], **s)
+           for s in product(h_kv=SPEC_KV_HEADS, n=SPEC_PAGES)],
+        "summary_update": product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=DTYPES, summaries=("fp32", "bf16"))
+        + [dict(d=sg["d"], dg=sg["dg"], dtype=sg["dtype"], summaries="fp32", **s) for s in width_spec],
+        # The serving path scores an fp32 gate query against fp32 summaries; the launcher also
+        # takes other float dtypes, compiled at the base width.
+        "score": product(dg=GATE_DIMS, m=WIDTHS, gate_q=("fp32",), summaries=("fp32",))
+        + product(dg=GATE_DIMS, gate_q=DTYPES, summaries=("fp32", "bf16"))
+        + [dict(dg=sg["dg"], gate_q="fp32", summaries="fp32", **s) for s in width_spec],
+        "topk": product(k=ks, m=WIDTHS)
+        + [dict(k=sg["k"], sink=f[0], local=f[1], **s) for s in width_spec for f in SPEC_FORCED],
+        "gather": product(k=ks, m=WIDTHS) + [dict(k=sg["k"], **s) for s in width_spec],
+        "gated_attention": [p for p in product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES)
+                            if grid == "full" or p["dtype"] != "fp32"
+                            or all(p[k] == v for k, v in CI_FP32_TRAINING.items())],
+    }
+    # BASE's runtime ints where a case leaves them out, in a fixed key order for the labels.
+    return {op: [{**{k: BASE[k] for k in RUNTIME_KEYS[op]}, **p} for p in ps] for op, ps in out.items()}
+
+
+# ----------------------------------------------------------------------------------- launches
+def _dt(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def launch(op: str, p: dict) -> None:
+    """Call the op's Triton launcher once with the server's (or trainer's) argument layout."""
+    import torch
+
+    f32, i64, i32 = torch.float32, torch.int64, torch.int32
+    bs, h_kv, m = (p.get(k, BASE[k]) for k in ("bs", "h_kv", "m"))
+    pages = 65  # a small pool: the slot count changes no stride or constexpr
+    # Decode-step tensors as SGLang and sas_backend hold them: seq_lens / candidates int64,
+    # block table int64 [bs, M + 1], fp32 RoPE rows and gate weights, KV in the model dtype.
+    seq_lens = torch.full((bs,), m * BLOCK + 1, dtype=i64)
+    table = torch.zeros(bs, m + 1, dtype=i64)
+    if op == "gate_query":
+        from sas_backend.ops.gate.triton import gate_query_triton
+
+        d, dg, g = p["d"], p["dg"], p["g"]
+        gate_query_triton(torch.empty(bs, h_kv * g, d, dtype=_dt(p["dtype"])), torch.ones(bs, d),
+                          torch.empty(h_kv, g, d, dg), torch.empty(dg), torch.empty(bs, dg),
+                          out=torch.empty(bs, h_kv, dg))
+    elif op in ("summarize_pages", "summary_update"):
+        from sas_backend.ops.summary import triton as st
+
+        d, dg = p["d"], p["dg"]
+        k_buffer = torch.empty(pages * BLOCK, h_kv, d, dtype=_dt(p["dtype"]))
+        model_t, gate_t = torch.ones(4 * BLOCK, d), torch.ones(4 * BLOCK, dg)
+        w_k, k_norm = torch.empty(h_kv, 3 * d, dg), torch.empty(dg)
+        if op == "summarize_pages":
+            n = p["n"]
+            st.summarize_pages_triton(k_buffer, torch.zeros(n, dtype=i64), torch.zeros(n, dtype=i64),
+                                      model_t, gate_t, w_k, k_norm, BLOCK)
+        else:
+            summaries = torch.empty(pages + 1, h_kv, dg, dtype=_dt(p["summaries"]))
+            st.summary_update_decode_triton(k_buffer, summaries, table, seq_lens, BLOCK, model_t, gate_t,
+                                            w_k, k_norm)
+    elif op == "score":
+        from sas_backend.ops.score.triton import score_blocks_triton
+
+        dg = p["dg"]
+        score_blocks_triton(torch.empty(bs, h_kv, dg, dtype=_dt(p["gate_q"])),
+                            torch.empty(pages + 1, h_kv, dg, dtype=_dt(p["summaries"])), table,
+                            torch.full((bs,), m, dtype=i64), BLOCK, m)
+    elif op == "topk":
+        from sas_backend.ops.topk.triton import select_blocks_triton
+
+        select_blocks_triton(torch.empty(bs, h_kv, m, dtype=f32), torch.full((bs,), m, dtype=i64), p["k"],
+                             p["sink"], p["local"])
+    elif op == "gather":
+        from sas_backend.ops.gather.triton import build_kv_indices_triton
+
+        k = p["k"]
+        rows = bs * h_kv
+        indptr = torch.arange(rows + 1, dtype=i32) * ((k + 1) * BLOCK)
+        build_kv_indices_triton(torch.zeros(bs, h_kv, k, dtype=i32), table, seq_lens, BLOCK, indptr,
+                                torch.empty(rows * (k + 1) * BLOCK, dtype=i32))
+    elif op == "gated_attention":
+        from sas_backend.training.ops.gated_attention import gated_attention
+
+        # A packed training batch: 2 rows of 512 tokens, fp32 gates (the gate's log-softmax).
+        d, g, hk, t = p["d"], p["g"], 2, 1024
+        dt = _dt(p["dtype"])
+        q = torch.zeros(t, hk * g, d, dtype=dt, requires_grad=True)
+        kv = [torch.zeros(t, hk, d, dtype=dt, requires_grad=True) for _ in range(2)]
+        log_g = torch.zeros(hk, t, 512 // BLOCK, requires_grad=True)
+        cu = torch.tensor([0, 512, t], dtype=i32)
+        o = gated_attention(q, kv[0], kv[1], log_g, torch.zeros(hk, t), cu, BLOCK)
+        o.backward(torch.zeros_like(o))  # records the delta, dQ and dK/dV kernels
+    else:
+        raise ValueError(f"unknown op {op}")
+
+
+# ----------------------------------------------------------------------------------- recording
+def _target():
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", 90, 32)
+
+
+@contextlib.contextmanager
+def recording(into: list):
+    """Replace JITFunction.run by a recorder: bind like a real launch, compile and launch nothing."""
+    from triton import knobs
+    from triton.compiler import make_backend
+    from triton.runtime import jit
+
+    backend = make_backend(_target())
+    binders = {}
+
+    def run(self, *args, grid, warmup, **kwargs):
+        # The same option defaults JITFunction.run adds before binding (those this version has).
+        kwargs["debug"] = kwargs.get("debug", self.debug) or knobs.runtime.debug
+        for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+            if hasattr(knobs.compilation, name):
+                kwargs[name] = getattr(knobs.compilation, name)
+        if self not in binders:
+            binders[self] = jit.create_function_from_signature(self.signature, self.params, backend)
+        bound, spec, options = binders[self](*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, spec, options)
+        into.append((self, signature, constexprs, attrs, options))
+        return None
+
+    saved = jit.JITFunction.run
+    jit.JITFunction.run = run
+    try:
+        yield
+    finally:
+        jit.JITFunction.run = saved
+
+
+def record_all(grid: str = "full") -> tuple[list, int]:
+    """The distinct compile keys over every case of every op (each with the cases behind it), and
+    the number of recorded launches. Two launches share a key exactly when a real launch would
+    reuse the compiled kernel: same signature, constexprs, attributes and options."""
+    variants, n = {}, 0
+    for op, params in cases(grid).items():
+        for p in params:
+            calls = []
+            with recording(calls):
+                launch(op, p)
+            if not calls:
+                raise RuntimeError(f"{op} {p}: the launcher launched nothing")
+            for fn, signature, constexprs, attrs, options in calls:
+                n += 1
+                key = json.dumps([_kernel_id(fn), signature, sorted((str(k), repr(v)) for k, v in constexprs.items()),
+                                  sorted((str(k), repr(v)) for k, v in attrs.items()),
+                                  sorted((k, repr(v)) for k, v in vars(options).items())])
+                v = variants.setdefault(key, dict(fn=fn, signature=signature, constexprs=constexprs,
+                                                  attrs=attrs, options=options, op=op, cases=[]))
+                v["cases"].append(p)
+    return list(variants.values()), n
+
+
+# ----------------------------------------------------------------------------------- compiling
+_PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (ptxas): a load-independent cost."""
+    import resource
+
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def compile_variant(v: dict) -> dict:
+    """Compile one variant for sm_90 with an empty cache; registers, spills and static shared
+    memory from ptxas's -v log (Triton's own ptxas run, printed by its dump_ptxas_log knob)."""
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    c0 = _cpu_seconds()
+    log = io.StringIO()
+    res = dict(error=None)
+    try:
+        knobs.nvidia.dump_ptxas_log = True
+        with contextlib.redirect_stdout(log):
+            k = triton.compile(ASTSource(v["fn"], v["signature"], v["constexprs"], v["attrs"]), target=_target(),
+                               options=vars(v["options"]))
+        md = k.metadata
+        res.update(num_warps=md.num_warps, num_stages=md.num_stages, shared=md.shared)
+    except Exception as e:  # noqa: BLE001 - any failure to compile is the finding
+        res["error"] = f"{type(e).__name__}: {e}"[:4000]
+    text = log.getvalue()
+    regs, props = _REGS.findall(text), _PTXAS.findall(text)
+    if res["error"] is None:
+        if len(regs) != 1 or len(props) != 1:  # one entry function per module, no callees
+            res["error"] = f"expected one ptxas -v report, got {len(regs)}: {text[-1000:]}"
+        else:
+            res.update(registers=int(regs[0]), stack_frame=int(props[0][0]), spill_stores=int(props[0][1]),
+                       spill_loads=int(props[0][2]), static_smem=int((_SMEM.findall(text) or [0])[-1]))
+    res["cpu_seconds"] = round(_cpu_seconds() - c0, 2)
+    return res
+
+
+_VARIANTS: list = []  # set before forking the compile workers (they index into it)
+
+
+def _compile_index(i: int) -> tuple[int, dict]:
+    return i, compile_variant(_VARIANTS[i])
+
+
+def compile_all(variants: list, jobs: int) -> list:
+    """Results in the order of `variants`, over `jobs` forked processes (progress on stderr)."""
+    global _VARIANTS
+    _VARIANTS = variants
+    # Training kernels first: they take longest, so the workers finish together.
+    order = sorted(range(len(variants)), key=lambda i: not _is_training(variants[i]["fn"]))
+    done = {}
+    if jobs <= 1:
+        results = map(_compile_index, order)
+        pool = None
+    else:
+        import multiprocessing
+
+        pool = multiprocessing.get_context("fork").Pool(jobs)
+        results = pool.imap_unordered(_compile_index, order, chunksize=1)
+    try:
+        for i, r in results:
+            done[i] = r
+            if len(done) % 25 == 0 or len(done) == len(variants):
+                print(f"[compile_triton] {len(done)}/{len(variants)} compiled", file=sys.stderr, flush=True)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    return [done[i] for i in range(len(variants))]
+
+
+# ----------------------------------------------------------------------------------- coverage
+def package_jit_functions() -> dict:
+    """{kernel id: JITFunction} of every @triton.jit function in KERNEL_MODULES and in any module
+    under sas_backend whose source mentions triton.jit (so a new kernel module is seen too)."""
+    from triton.runtime.jit import JITFunction
+
+    names = set(KERNEL_MODULES)
+    for path in (REPO / "sas_backend").rglob("*.py"):
+        if "triton.jit" in path.read_text():
+            names.add(".".join(path.relative_to(REPO).with_suffix("").parts))
+    found = {}
+    for mod_name in sorted(names):
+        mod = importlib.import_module(mod_name)
+        for attr, obj in vars(mod).items():
+            if isinstance(obj, JITFunction) and obj.__module__ == mod_name:
+                found[f"{mod_name}.{attr}"] = obj
+            elif type(obj).__name__ in ("Autotuner", "Heuristics"):  # configs are not recorded
+                found[f"{mod_name}.{attr} (autotuned: record every config)"] = None
+    return found
+
+
+def coverage(compiled_kernels: set) -> dict:
+    """Which package @triton.jit functions were compiled as kernels, which only inside a compiled
+    one (a callee named in its source, transitively), and which not at all."""
+    funcs = package_jit_functions()
+    live = {n: f for n, f in funcs.items() if f is not None}
+    reached = set(compiled_kernels) & set(live)
+    frontier = list(reached)
+    while frontier:
+        name = frontier.pop()
+        src = inspect.getsource(live[name].fn)
+        mod = name.rsplit(".", 1)[0]
+        for other, f in live.items():
+            if other not in reached and other.rsplit(".", 1)[0] == mod and \
+                    re.search(rf"\b{re.escape(f.fn.__name__)}\s*\(", src):
+                reached.add(other)
+                frontier.append(other)
+    return dict(kernels=sorted(compiled_kernels), callees=sorted(reached - set(compiled_kernels)),
+                uncovered=sorted(set(funcs) - reached))
+
+
+# ----------------------------------------------------------------------------------- checks
+def _kernel_id(fn) -> str:
+    return f"{fn.__module__}.{fn.__name__}"
+
+
+def _is_training(fn) -> bool:
+    return fn.__module__.startswith(TRAINING_MODULES)
+
+
+def _short(kid: str) -> str:
+    return kid.replace("sas_backend.", "").replace(".triton.", ".").replace("training.ops.gated_attention.",
+                                                                             "training.")
+
+
+def _geometry(cs: list) -> str:
+    """Compact union of the cases' parameters, e.g. 'bs=8 h_kv=8 d=128 dg=64,128 g=2,3,4,7,8'."""
+    parts = []
+    for k in cs[0]:
+        vals = sorted({c[k] for c in cs}, key=lambda x: (str(type(x)), x))
+        parts.append(f"{k}={','.join(map(str, vals))}")
+    return " ".join(parts)
+
+
+def variant_row(v: dict, r: dict) -> dict:
+    """One table row: what was compiled (kernel, cases, constexprs, specialization) and its result."""
+    fn, params = v["fn"], v["fn"].params
+    declared = {p.name for p in params if p.is_constexpr}
+    named = {params[k[0]].name: c for k, c in v["constexprs"].items()}
+    return dict(
+        kernel=_short(_kernel_id(fn)), kernel_id=_kernel_id(fn), kind="training" if _is_training(fn) else "serving", op=v["op"],
+        geometry=_geometry(v["cases"]), cases=v["cases"],
+        constexprs={k: c if isinstance(c, (int, float, str, bool)) else repr(c) for k, c in named.items()
+                    if k in declared},
+        ones=[k for k in named if k not in declared],  # runtime ints Triton specialized to 1
+        signature={k: s for k, s in v["signature"].items() if s != "constexpr"},
+        divisible_16=[params[k[0]].name for k, a in v["attrs"].items() if any(x and x[0] == "tt.divisibility"
+                                                                               for x in a)],
+        **r)
+
+
+def check(rows: list, cov: dict) -> tuple[list, list]:
+    """(failures, notes). Failures: compile errors, shared memory over the H100 limit, spills in
+    serving kernels (and in training ones when TRAINING_SPILLS_FAIL), uncovered @triton.jit
+    functions. Notes: training spills otherwise, shared memory within 5% of the limit."""
+    failures, notes = [], []
+    for row in rows:
+        tag = f"{row['kernel']} [{row['geometry']}]"
+        if row["error"]:
+            lines = [x.strip() for x in row["error"].splitlines() if x.strip()]
+            failures.append(f"compile error: {tag}: {lines[0][:200]}{' ... ' + lines[-1][:300] if len(lines) > 1 else ''}")
+            continue
+        smem = row["shared"] + row["static_smem"]
+        if smem > SMEM_LIMIT:
+            failures.append(f"shared memory {smem} B > {SMEM_LIMIT} B: {tag}")
+        elif smem > 0.95 * SMEM_LIMIT:
+            notes.append(f"shared memory {smem} B, within 5% of the {SMEM_LIMIT} B limit: {tag}")
+        if row["spill_stores"] or row["spill_loads"]:
+            msg = f"register spill ({row['spill_stores']} B stores, {row['spill_loads']} B loads, " \
+                  f"{row['registers']} registers): {tag}"
+            (failures if row["kind"] == "serving" or TRAINING_SPILLS_FAIL else notes).append(msg)
+    failures += [f"not compiled by any recorded launch: {u}" for u in cov["uncovered"]]
+    return failures, notes
+
+
+def per_kernel(rows: list) -> dict:
+    """Per kernel: variants, errors, warps/stages used, max registers / spill bytes / shared memory."""
+    kernels = {}
+    for row in rows:
+        s = kernels.setdefault(row["kernel"], dict(kind=row["kind"], variants=0, errors=0, num_warps=[],
+                                                   num_stages=[], max_registers=0, spilling_variants=0,
+                                                   max_spill_bytes=0, max_shared=0, cpu_seconds=0.0))
+        s["variants"] += 1
+        s["cpu_seconds"] = round(s["cpu_seconds"] + row["cpu_seconds"], 2)
+        if row["error"]:
+            s["errors"] += 1
+            continue
+        spill = row["spill_stores"] + row["spill_loads"]
+        s["max_registers"] = max(s["max_registers"], row["registers"])
+        s["spilling_variants"] += bool(spill)
+        s["max_spill_bytes"] = max(s["max_spill_bytes"], spill)
+        s["max_shared"] = max(s["max_shared"], row["shared"] + row["static_smem"])
+        s["num_warps"] = sorted({*s["num_warps"], row["num_warps"]})
+        s["num_stages"] = sorted({*s["num_stages"], row["num_stages"]})
+    return kernels
+
+
+# ----------------------------------------------------------------------------------- report
+def build_record(rows: list, n_launches: int, grid: str, seconds: dict, jobs: int) -> dict:
+    """The JSON record: environment, checks, per-kernel summary, one row per compiled variant."""
+    import torch
+    import triton
+
+    sys.path.insert(0, str(REPO / "bench" / "gpu"))
+    from report import git_commit
+
+    cov = coverage({r["kernel_id"] for r in rows})
+    failures, notes = check(rows, cov)
+    return dict(
+        question="Does every Triton kernel of sas_backend compile for sm_90 (H100) at the README's geometries, "
+                 "within the H100's shared memory and (serving kernels) without register spills?",
+        ok=not failures, failures=failures, notes=notes,
+        triton=triton.__version__, ptxas=_ptxas_version(), torch=torch.__version__,
+        python=platform.python_version(), machine=f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
+        target="cuda capability 90 (sm_90a), warp 32", commit=git_commit(), grid=grid,
+        limits=dict(shared_bytes=SMEM_LIMIT, serving_spills="fail",
+                    training_spills="fail" if TRAINING_SPILLS_FAIL else "report"),
+        axes=dict(head_dims=HEAD_DIMS, gate_dims=GATE_DIMS, groups=GROUPS, dtypes=DTYPES, budgets=BUDGETS,
+                  block=BLOCK, widths=WIDTHS, base_runtime_ints=BASE, spec_geometry=SPEC_GEOMETRY,
+                  spec_batch=SPEC_BATCH, spec_kv_heads=SPEC_KV_HEADS, spec_pages=SPEC_PAGES,
+                  spec_widths=SPEC_WIDTHS, spec_forced=SPEC_FORCED,
+                  ci_fp32_training=CI_FP32_TRAINING if grid == "ci" else "all"),
+        launches_recorded=n_launches, variants_compiled=len(rows), jobs=jobs, seconds=seconds,
+        coverage=cov, kernels=per_kernel(rows), variants=rows,
+    )
+
+
+def _ptxas_version() -> str:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        p = get_ptxas(_target().arch) if "arch" in inspect.signature(get_ptxas).parameters else get_ptxas()
+        out = subprocess.run([p.path, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return out.strip().splitlines()[-1]
+    except Exception as e:  # noqa: BLE001 - informational only
+        return f"unknown ({type(e).__name__})"
+
+
+def dump_json(rec: dict) -> str:
+    """The record as JSON, indented, with one line per variant (diffable, a third smaller)."""
+    head = json.dumps({k: v for k, v in rec.items() if k != "variants"}, indent=1)
+    rows = ",\n".join("  " + json.dumps(r) for r in rec["variants"])
+    return f'{head[:-2]},\n "variants": [\n{rows}\n ]\n}}\n'
+
+
+def markdown(rec: dict) -> str:
+    """The record as Markdown: verdict, per-kernel summary, then one row per compiled variant."""
+    c = rec["commit"]
+    lines = [f"# Triton {rec['triton']} -> sm_90 (H100): {'PASS' if rec['ok'] else 'FAIL'}", "",
+             f"{rec['variants_compiled']} distinct compiled variants from {rec['launches_recorded']} recorded "
+             f"launches (grid `{rec['grid']}`); ptxas `{rec['ptxas']}`; torch {rec['torch']}, Python {rec['python']}; "
+             f"{rec['machine']}; commit {c.get('commit')}{' (dirty)' if c.get('dirty') else ''}. "
+             f"CPU time: record {rec['seconds']['record']} s, compile {rec['seconds']['compile_cpu']} s "
+             f"({rec['seconds']['compile_wall']} s wall over {rec['jobs']} processes).", "",
+             f"Checks: compile errors, shared memory <= {rec['limits']['shared_bytes']} B per block, register "
+             f"spills in serving kernels (fail); spills in training kernels: {rec['limits']['training_spills']}; "
+             f"every @triton.jit function of the package compiled.", ""]
+    if rec["failures"]:
+        lines += ["## Failures", ""] + [f"- {f}" for f in rec["failures"]] + [""]
+    if rec["notes"]:
+        lines += ["## Notes (not failures)", ""] + [f"- {f}" for f in rec["notes"]] + [""]
+    lines += ["## Per kernel", "",
+              "| kernel | kind | variants | errors | warps | stages | max regs | spilling variants | max spill B "
+              "(st+ld) | max smem B | CPU s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in rec["kernels"].items():
+        lines.append(f"| {name} | {s['kind']} | {s['variants']} | {s['errors']} | "
+                     f"{'/'.join(map(str, s['num_warps']))} | {'/'.join(map(str, s['num_stages']))} | "
+                     f"{s['max_registers']} | {s['spilling_variants']} | {s['max_spill_bytes']} | {s['max_shared']} | "
+                     f"{s['cpu_seconds']} |")
+    cov = rec["coverage"]
+    lines += ["", f"Coverage: {len(cov['kernels'])} kernels compiled, {len(cov['callees'])} helper functions "
+              f"compiled inside them; uncovered: {', '.join(cov['uncovered']) or 'none'}.", "",
+              "## Variants", "",
+              "Geometry: every value of the cases behind the variant (bs batch, h_kv kv heads, m max blocks, "
+              "n pages, sink/local forced blocks, k blocks of the budget, d head dim, dg gate dim, "
+              "g = H_q / H_kv, dtype of q/KV, gate_q/summaries dtypes); the JSON lists each case. "
+              "'= 1': runtime ints Triton specialized to the constant 1. smem: Triton's dynamic + static.", "",
+              "| kernel | geometry | constexprs | = 1 | warps/stages | regs | spill st/ld B | smem B | CPU s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rec["variants"]:
+        cx = " ".join(f"{k}={v}" for k, v in r["constexprs"].items())
+        if r["error"]:
+            stats = "ERROR | | | |"
+        else:
+            stats = (f"{r['num_warps']}/{r['num_stages']} | {r['registers']} | {r['spill_stores']}/{r['spill_loads']}"
+                     f" | {r['shared'] + r['static_smem']} |")
+        lines.append(f"| {r['kernel']} | {r['geometry']} | {cx} | {', '.join(r['ones'])} | {stats} "
+                     f"{r['cpu_seconds']} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------- versions
+def fetch_triton(version: str) -> pathlib.Path:
+    """build/triton-<version>/ holding that Triton (pip --no-deps --target), installed once."""
+    dest = REPO / "build" / f"triton-{version}"
+    if (dest / "triton" / "__init__.py").exists():
+        return dest
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"triton-{version}.", dir=dest.parent if dest.parent.exists()
+                                        else _mkdir(dest.parent)))
+    try:
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+               "--target", str(tmp), f"triton=={version}"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"pip could not install triton=={version}: {r.stderr.strip()[-1500:]}")
+        try:
+            tmp.rename(dest)  # atomic: a concurrent fetch either wins or finds it done
+        except OSError:
+            if not (dest / "triton" / "__init__.py").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _mkdir(p: pathlib.Path) -> pathlib.Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def run_version(version: str, out: pathlib.Path, jobs: int, grid: str) -> int:
+    """This file in a subprocess whose Triton is `version` ("installed": the venv's own)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the suite sets it on CPU
+    path = [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", "--out", str(out.resolve()),
+           "--jobs", str(jobs), "--grid", grid]
+    if version != "installed":
+        path.insert(0, str(fetch_triton(version)))
+        cmd += ["--expect-version", version]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    with tempfile.TemporaryDirectory(prefix="triton-cache.") as cache:
+        env["TRITON_CACHE_DIR"] = cache  # empty: every variant really compiles (and ptxas logs)
+        return subprocess.run(cmd, env=env, cwd=REPO).returncode
+
+
+def worker(out: pathlib.Path, jobs: int, grid: str, expect: str | None) -> int:
+    """Record, compile and report with the Triton importable here; 0 when every check passed."""
+    warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("TRITON_INTERPRET=1 replaces the kernels by the interpreter: unset it")
+    import torch
+    import triton
+
+    if expect and triton.__version__ != expect:
+        raise SystemExit(f"expected Triton {expect}, imported {triton.__version__} from elsewhere")
+    torch.set_num_threads(1)  # the recording runs tiny CPU tensor ops; keep the cores for compiling
+    t0, c0 = time.perf_counter(), _cpu_seconds()
+    variants, n = record_all(grid)
+    t1, c1 = time.perf_counter(), _cpu_seconds()
+    results = compile_all(variants, jobs)
+    t2 = time.perf_counter()
+    rows = [variant_row(v, r) for v, r in zip(variants, results)]
+    seconds = dict(record=round(c1 - c0, 1), compile_cpu=round(sum(r["cpu_seconds"] for r in rows), 1),
+                   compile_wall=round(t2 - t1, 1), total_wall=round(t2 - t0, 1))
+    rec = build_record(rows, n, grid, seconds, jobs)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"triton-{rec['triton']}"
+    (out / f"{stem}.json").write_text(dump_json(rec))
+    (out / f"{stem}.md").write_text(markdown(rec))
+    print(f"[compile_triton] Triton {rec['triton']}: {len(rows)} variants from {n} launches, "
+          f"{seconds['compile_cpu']} CPU s ({seconds['compile_wall']} s wall): "
+          f"{'PASS' if rec['ok'] else 'FAIL'} -> {stem}.md", flush=True)
+    for f in rec["failures"]:
+        print(f"  FAIL {f}")
+    return 0 if rec["ok"] else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=pathlib.Path, required=True, help="folder for triton-<version>.json/.md")
+    ap.add_argument("--triton", action="append", default=None,
+                    help=f"'installed' or a version to fetch into build/ (repeatable; default: installed "
+                         f"and {GPU_IMAGE_TRITON})")
+    ap.add_argument("--grid", choices=("full", "ci"), default="full",
+                    help="ci: fp32 training kernels only at CI_FP32_TRAINING (they take minutes of ptxas)")
+    ap.add_argument("--jobs", type=int, default=2, help="compile processes per version")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--expect-version", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.out, args.jobs, args.grid, args.expect_version)
+    status = 0
+    for version in args.triton or ["installed", GPU_IMAGE_TRITON]:
+        try:
+            rc = run_version(version, args.out, args.jobs, args.grid)
+        except RuntimeError as e:  # the download failed: say so, distinctly
+            print(f"[compile_triton] {e}", file=sys.stderr)
+            return EXIT_FETCH
+        status = status or rc
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

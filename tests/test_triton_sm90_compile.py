@@ -1,0 +1,185 @@
+"""Every Triton kernel of the package compiles for sm_90 (H100), without a GPU.
+
+`bench/gpu/compile_triton.py` records the launchers' real arguments on CPU tensors (no launch),
+compiles each distinct variant for `cuda:90` and runs ptxas -v; it fails on a compile error,
+shared memory above the H100's 227 KiB, a register spill in a serving kernel, or a package
+@triton.jit function nothing compiled. Here it runs twice: with the Triton of this venv and with
+3.6.0 (the GPU image's; fetched from PyPI into build/ on first use), on its `ci` grid (the full
+grid less fp32 training kernels outside one geometry: those take minutes of ptxas).
+The other tests check that the tool's checks can fail.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TOOL = REPO / "bench" / "gpu" / "compile_triton.py"
+sys.path.insert(0, str(TOOL.parent))
+import compile_triton as ct  # noqa: E402  (stdlib-only at import: Triton is imported by its functions)
+
+SERVING_KERNELS = {
+    "ops.gate._gate_query_kernel", "ops.summary._summarize_pages_kernel",
+    "ops.summary._summary_update_decode_kernel", "ops.score._score_blocks_kernel",
+    "ops.topk._chunk_select_kernel", "ops.topk._merge_select_kernel", "ops.gather._build_kv_indices_kernel",
+}
+TRAINING_KERNELS = {"training.fused._fwd_kernel", "training.fused._delta_kernel", "training.fused._bwd_dq_kernel",
+                    "training.fused._bwd_dkdv_kernel"}
+
+
+def _env() -> dict:
+    """This environment without TRITON_INTERPRET (the suite sets it on CPU; compiling needs it off)."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """(completed process, {triton version: JSON record}) of one run of the tool over both Tritons."""
+    out = tmp_path_factory.mktemp("triton-sm90")
+    r = subprocess.run([sys.executable, str(TOOL), "--out", str(out), "--grid", "ci"], env=_env(), cwd=REPO,
+                       capture_output=True, text=True, timeout=3600)
+    if r.returncode == ct.EXIT_FETCH:
+        pytest.skip(f"Triton {ct.GPU_IMAGE_TRITON} could not be downloaded from PyPI: {r.stderr.strip()[-500:]}")
+    recs = {}
+    for p in out.glob("triton-*.json"):
+        rec = json.loads(p.read_text())
+        recs[rec["triton"]] = rec
+    return r, recs
+
+
+def test_every_kernel_compiles_for_sm90_with_both_tritons(records):
+    r, recs = records
+    assert r.returncode == 0, f"compile_triton failed:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    assert set(recs) == {importlib.metadata.version("triton"), ct.GPU_IMAGE_TRITON}
+    for version, rec in recs.items():
+        assert rec["ok"] and rec["failures"] == [], (version, rec["failures"])
+        assert rec["coverage"]["uncovered"] == [], version
+        assert set(rec["kernels"]) == SERVING_KERNELS | TRAINING_KERNELS, version
+        for row in rec["variants"]:
+            assert row["error"] is None, (version, row["kernel"], row["error"])
+            assert row["shared"] + row["static_smem"] <= ct.SMEM_LIMIT, (version, row["kernel"], row["geometry"])
+            assert row["registers"] > 0, (version, row["kernel"])
+            if row["kind"] == "serving":
+                assert row["spill_stores"] == row["spill_loads"] == 0, (version, row["kernel"], row["geometry"])
+
+
+def test_every_geometry_was_compiled(records):
+    """Each geometry the README claims reached a compiled variant of each kernel that depends on it."""
+    _, recs = records
+    for version, rec in recs.items():
+        seen = {}
+        for row in rec["variants"]:
+            seen.setdefault(row["op"], []).extend(row["cases"])
+
+        def covered(op, **want):
+            return any(all(c.get(k) == v for k, v in want.items()) for c in seen[op])
+
+        for d in ct.HEAD_DIMS:
+            for dg in ct.GATE_DIMS:
+                for dtype in ct.DTYPES:
+                    assert covered("summarize_pages", d=d, dg=dg, dtype=dtype), (version, d, dg, dtype)
+                    for g in ct.GROUPS:
+                        assert covered("gate_query", d=d, dg=dg, g=g, dtype=dtype), (version, d, dg, g, dtype)
+            for g in ct.GROUPS:
+                for dtype in ("bf16", "fp16"):
+                    assert covered("gated_attention", d=d, g=g, dtype=dtype), (version, d, g, dtype)
+        assert covered("gated_attention", dtype="fp32", **ct.CI_FP32_TRAINING), version
+        for budget in ct.BUDGETS:
+            for m in ct.WIDTHS:
+                assert covered("topk", k=budget // ct.BLOCK, m=m), (version, budget, m)
+        assert covered("score", m=max(ct.WIDTHS)) and covered("topk", m=max(ct.SPEC_WIDTHS)), version
+        # Phase 2 of Top-K (rows wider than one chunk) and the single-chunk path both compiled.
+        chunk = [r for r in rec["variants"] if r["kernel"] == "ops.topk._chunk_select_kernel"]
+        assert {r["constexprs"]["DIRECT"] for r in chunk} == {True, False}, version
+
+
+def _row(kind="serving", **kw):
+    row = dict(kernel="k", kind=kind, geometry="g", error=None, shared=1024, static_smem=0, registers=40,
+               spill_stores=0, spill_loads=0)
+    return {**row, **kw}
+
+
+def test_checks_fail_on_errors_smem_spills_and_uncovered_kernels():
+    clean = dict(uncovered=[])
+    assert ct.check([_row(), _row(kind="training")], clean) == ([], [])
+    failures, _ = ct.check([_row(error="CompilationError: at 3:4: bad")], clean)
+    assert len(failures) == 1 and failures[0].startswith("compile error")
+    failures, _ = ct.check([_row(shared=ct.SMEM_LIMIT + 1)], clean)
+    assert len(failures) == 1 and failures[0].startswith("shared memory")
+    assert ct.check([_row(shared=ct.SMEM_LIMIT)], clean)[0] == []  # the limit itself is allowed
+    failures, _ = ct.check([_row(spill_stores=8)], clean)
+    assert len(failures) == 1 and "spill" in failures[0]
+    failures, notes = ct.check([_row(kind="training", spill_loads=8)], clean)
+    assert (failures == []) == (not ct.TRAINING_SPILLS_FAIL) and len(failures) + len(notes) == 1
+    failures, _ = ct.check([], dict(uncovered=["sas_backend.ops.x.triton._new_kernel"]))
+    assert failures == ["not compiled by any recorded launch: sas_backend.ops.x.triton._new_kernel"]
+
+
+BROKEN = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def bad_arange(x_ptr, N: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, N), 1.0)  # N = 3: arange needs a power of two
+
+
+@triton.jit
+def huge_dot(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr):
+    i, k = tl.arange(0, M), tl.arange(0, K)
+    a = tl.load(a_ptr + i[:, None] * K + k[None, :])
+    b = tl.load(b_ptr + k[:, None] * M + i[None, :])
+    tl.store(c_ptr + i[:, None] * M + i[None, :], tl.dot(a, b))
+'''
+
+PROBE = '''
+import json, sys, torch
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import compile_triton as ct, broken
+
+calls = []
+with ct.recording(calls):
+    broken.bad_arange[(1,)](torch.empty(4), N=3)
+    a = torch.empty(128, 512, dtype=torch.float16)
+    broken.huge_dot[(1,)](a, a, torch.empty(128, 128), M=128, K=512, num_stages=1)
+rows = []
+for fn, sig, cx, attrs, opt in calls:
+    v = dict(fn=fn, signature=sig, constexprs=cx, attrs=attrs, options=opt, op="probe", cases=[{}])
+    rows.append(ct.variant_row(v, ct.compile_variant(v)))
+package = ct.coverage(set())["uncovered"]
+print(json.dumps(dict(failures=ct.check(rows, dict(uncovered=[]))[0], package_uncovered=package,
+                      shared=[r.get("shared") for r in rows])))
+'''
+
+
+def test_real_compile_errors_and_shared_memory_are_caught(tmp_path):
+    """A kernel Triton refuses and one needing 256 KiB of shared memory fail the check; with no
+    recorded launch every package kernel counts as uncovered."""
+    (tmp_path / "broken.py").write_text(BROKEN)
+    (tmp_path / "probe.py").write_text(textwrap.dedent(PROBE))
+    env = {**_env(), "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, str(tmp_path / "probe.py"), str(TOOL.parent), str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert any("compile error" in f and "bad_arange" in f for f in out["failures"]), out
+    assert any("shared memory" in f and "huge_dot" in f for f in out["failures"]), out
+    assert {_full_id(k) for k in SERVING_KERNELS | TRAINING_KERNELS} <= set(out["package_uncovered"]), out
+
+
+def _full_id(short: str) -> str:
+    """'ops.gate._gate_query_kernel' -> 'sas_backend.ops.gate.triton._gate_query_kernel' (and the
+    training kernels' module)."""
+    mod, name = short.rsplit(".", 1)
+    mod = mod.replace("training.fused", "training.ops.gated_attention.fused") if mod.startswith("training") \
+        else mod + ".triton"
+    return f"sas_backend.{mod}.{name}"
