@@ -148,8 +148,8 @@ def main(argv=None) -> int:
     )
     out = pathlib.Path(args.out or REPO / "bench" / "results" / f"{datetime.date.today().isoformat()}-tensor-parallel")
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"tp-{model.name}-tp{args.tp}-{args.context}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    stem = f"tp-{model.name}-tp{args.tp}-{args.context}"  # names hold dots (Qwen2.5): no with_suffix
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     c = result["comparison"]
     lines = [f"# `--tp-size {args.tp}` vs 1, sas, {model.name}, {args.context} tokens, budget {args.budget}", "",
              f"- greedy tokens equal: **{c['tokens_equal']}** ({args.new_tokens} tokens)",
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
              "| rank's kv heads | decode steps | selection equal to tp1's |", "| --- | --- | --- |"]
     lines += [f"| {h} | {r['steps']} | {r['equal_to_tp1']} |" for h, r in c["ranks"].items()]
     lines += ["", f"Command: `{result['command']}` ({result['date']}, {result['machine']}, commit {result['git']['commit'][:10]})", ""]
-    stem.with_suffix(".md").write_text("\n".join(lines))
+    (out / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
     ok = c["tokens_equal"] and c["max_abs_logprob_diff"] < 2e-3 and c["ranks_cover_all_heads"]
     return 0 if ok else 1
