@@ -118,6 +118,20 @@ def check_toolchain(dry: bool) -> dict:
     return out
 
 
+def random_selection(lens, h_kv: int, k_top: int, b: int, g):
+    """`[len(lens), h_kv, k_top]` int32: per (request, kv head) up to k_top distinct candidate blocks
+    (those before the current block), ascending, -1 padded."""
+    import torch
+
+    sel = torch.full((len(lens), h_kv, k_top), -1, dtype=torch.int32)
+    for r, n in enumerate(lens):
+        cand = (n - 1) // b
+        for h in range(h_kv):
+            c = torch.randperm(cand, generator=g)[: min(k_top, cand)].sort().values
+            sel[r, h, : c.numel()] = c.int()
+    return sel
+
+
 def check_triton(dry: bool) -> dict:
     import torch
 
@@ -129,12 +143,7 @@ def check_triton(dry: bool) -> dict:
     lens = [1, 64, 65, 300, 1000, 4097]
     g = torch.Generator().manual_seed(0)
     table = (torch.randperm(512, generator=g)[: len(lens) * 70].view(len(lens), 70) * b).long()
-    sel = torch.full((len(lens), h_kv, k_top), -1, dtype=torch.int32)
-    for r, n in enumerate(lens):
-        cand = (n - 1) // b
-        for h in range(h_kv):
-            c = torch.randperm(cand, generator=g)[: min(k_top, cand)].sort().values
-            sel[r, h, : c.numel()] = c.int()
+    sel = random_selection(lens, h_kv, k_top, b, g)
     seq = torch.tensor(lens)
     indptr = kv_indptr_for(seq, k_top, b, h_kv)
     ref = build_kv_indices(sel, table, seq, b, indptr, torch.zeros(int(indptr[-1]), dtype=torch.int32))
@@ -207,12 +216,7 @@ def check_flashinfer(dry: bool, site: pathlib.Path, record: dict) -> dict:
                 k = torch.randn(slots, h_kv, d, generator=g).to(dtype).cuda()
                 v = torch.randn(slots, h_kv, d, generator=g).to(dtype).cuda()
                 table = (torch.randperm(slots // b, generator=g)[: len(lens) * 17].view(len(lens), 17) * b).long()
-                sel = torch.full((len(lens), h_kv, k_top), -1, dtype=torch.int32)
-                for r, n in enumerate(lens):
-                    cand = (n - 1) // b
-                    for h in range(h_kv):
-                        c = torch.randperm(cand, generator=g)[: min(k_top, cand)].sort().values
-                        sel[r, h, : c.numel()] = c.int()
+                sel = random_selection(lens, h_kv, k_top, b, g)
                 seq = torch.tensor(lens)
                 q = torch.randn(len(lens), h_kv * group, d, generator=g).to(dtype).cuda()
                 indptr = kv_indptr_for(seq, k_top, b, h_kv)
