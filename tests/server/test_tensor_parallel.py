@@ -4,7 +4,7 @@ per rank) with the sas backend exactly as `--tp-size 1` does, each rank selectin
 SGLang's CPU engine needs one OpenMP core set per rank (`SGLANG_CPU_OMP_THREADS_BIND`, entries
 separated by `|`); without it SGLang asserts ranks <= NUMA nodes. On this 2-core machine the three
 ranks share cores ("0|1|0"). The gate is sharded along its kv-head axis like the model's kv heads.
-Compared with the sparse tp1 server of test_sparse_decode.py (same gate, budget, dtype, prompt).
+Compared with the sparse tp1 server of test_sparse_decode.py (same gate, budget, dtype and prompt).
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ import os
 import pytest
 
 from sas_backend.server_harness import ON_GPU, Server, complete
-from tests.server.test_sparse_decode import BLOCK, BUDGET, NEW_TOKENS, PROMPT_LEN
+from tests.server.test_sparse_decode import BLOCK, BUDGET, NEW_TOKENS
 
 TP = 3
+# 1024 prompt tokens: 15 candidate blocks, 4 attended (sink + local + 2 chosen), still sparse; shorter than
+# test_sparse_decode's prompt because the three ranks share this machine's two cores (CI time).
+PROMPT_LEN = 1024
 CPU_BIND = "0|1|0"  # rank i runs its OpenMP threads on core CPU_BIND[i]
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="one GPU here: the multi-GPU tier would run --tp on several GPUs")
