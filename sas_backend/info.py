@@ -1,4 +1,4 @@
-"""GET /sas/info: the SAS configuration and gate checkpoint identity of the running server."""
+"""GET /sas/info: the SAS configuration, gate checkpoint identity and KV/summary pool state of the server."""
 
 from __future__ import annotations
 
@@ -42,3 +42,25 @@ def _info_for(_env_key: tuple) -> dict:
         except Exception as e:  # report, never break the route
             body["gate"] = {"path": cfg.gate_path, "error": str(e)}
     return body
+
+
+async def sas_info_route(pool: bool = True) -> dict:
+    """The route: `sas_info()` plus, unless `?pool=false`, `"pool"`: one entry per scheduler (data-
+    parallel rank) with its KV pages and summary rows (`pool_state.scheduler_pool_state`), asked
+    through SGLang's internal-state request (answered between batches: a long prefill delays it)."""
+    body = sas_info()
+    if pool:
+        body["pool"] = await _scheduler_pool_states()
+    return body
+
+
+async def _scheduler_pool_states():
+    from sas_backend.pool_state import STATE_KEY
+
+    try:
+        from sglang.srt.entrypoints.http_server import get_global_state
+
+        states = await get_global_state().tokenizer_manager.get_internal_state()
+    except Exception as e:  # report, never break the route
+        return {"error": f"{type(e).__name__}: {e}"}
+    return [s.get(STATE_KEY) for s in states]

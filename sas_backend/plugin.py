@@ -7,7 +7,8 @@ SGLang calls `register()` in the launcher and in every scheduler process. It
 - sets the page size to the SAS block size when none is given, and refuses any other;
 - makes SGLang size the KV pool with room for the memory sas allocates beside it
   (backend/memory.py);
-- serves the SAS configuration and gate identity at GET /sas/info.
+- serves the SAS configuration, gate identity and pool state at GET /sas/info (the schedulers
+  add their KV pages and summary rows to SGLang's internal-state reply: pool_state.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def register() -> None:
         "sglang.srt.server_args.ServerArgs.from_cli_args", _from_cli_args, HookType.AROUND
     )
     _register_memory_hook(HookRegistry, HookType)
+    _register_pool_state_hook(HookRegistry, HookType)
     if multiprocessing.current_process().name == "MainProcess":
         _add_info_route()
 
@@ -57,6 +59,14 @@ def _register_memory_hook(registry, hook_type) -> None:
         logger.warning("sas: no KV-pool profiling function found; sas memory is not reserved")
         return
     registry.register(target, reserve_sas_memory, hook_type.AROUND)
+
+
+def _register_pool_state_hook(registry, hook_type) -> None:
+    # Resolved by SGLang when it applies the hooks (the scheduler module is imported then anyway);
+    # an SGLang without this method logs the failed hook and /sas/info has no pool state.
+    from sas_backend.pool_state import INTERNAL_STATE_TARGET, add_to_internal_state
+
+    registry.register(INTERNAL_STATE_TARGET, add_to_internal_state, hook_type.AROUND)
 
 
 def _create_backend(runner):
@@ -113,6 +123,11 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
         logger.info("sas: from the gate's record (or the defaults): budget %d, sink %d, local %d blocks",
                     cfg.budget, cfg.sink_blocks, cfg.local_blocks)
     _check_gate_fits(cfg, getattr(args, "model_path", None))
+    if multiprocessing.current_process().name == "MainProcess":
+        # The gate's identity as launched (/sas/info caches it): a file replaced later changes nothing.
+        from sas_backend.info import sas_info
+
+        sas_info()
     if not page_size_given:
         args.page_size = cfg.block_size
         logger.info("sas: page size set to the SAS block size %d", cfg.block_size)
@@ -164,6 +179,6 @@ def _add_info_route() -> None:
     if any(getattr(r, "path", None) == "/sas/info" for r in app.routes):
         return
 
-    from sas_backend.info import sas_info
+    from sas_backend.info import sas_info_route
 
-    app.add_api_route("/sas/info", sas_info, methods=["GET"])
+    app.add_api_route("/sas/info", sas_info_route, methods=["GET"])

@@ -16,7 +16,7 @@ from sas_backend.backend.model_checks import (
 from sas_backend.backend.rope_tables import RopeTables
 from sas_backend.backend.sas_attention import SASAttnBackend
 from sas_backend.config import SASConfig, SASConfigError
-from sas_backend.gate.checkpoint import load_gate_checkpoint, shard_for_tp, validate_for_geometry
+from sas_backend.gate.checkpoint import load_gate_checkpoint, shard_for_tp, validate_for_geometry, weights_sha256
 from sas_backend.gate.module import gates_from_tensors
 from sas_backend.geometry import ModelGeometry, gate_rope_table
 
@@ -167,7 +167,10 @@ def create_sas_backend(runner) -> SASAttnBackend:
     q_local = geo.num_q_heads // tp_size
     sparse_layers = range(cfg.first_sparse_layer, geo.num_layers)
     rotary = find_model_rotary(runner.model, geo.head_dim)
+    gate_sha256 = None
     if cfg.selector == "gate":
+        # Read once here and never again: /sas/info reports this hash, whatever the file holds later.
+        gate_sha256 = weights_sha256(cfg.gate_path)
         gate_cfg, layers = load_gate_checkpoint(cfg.gate_path)
         validate_for_geometry(gate_cfg, layers, geo, block_size=cfg.block_size)
         layers = shard_for_tp(layers, tp_rank, tp_size)
@@ -197,4 +200,5 @@ def create_sas_backend(runner) -> SASAttnBackend:
     )
     backend.rope_tables = rope  # the live tables, for a backend that follows table replacement
     backend.kv_head_offset = tp_rank * kv_local
+    backend.gate_sha256 = gate_sha256
     return backend

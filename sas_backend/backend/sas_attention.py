@@ -90,6 +90,7 @@ class SASAttnBackend(AttentionBackend):
         # The model's first kv head on this rank (tensor parallelism shards kv heads; set by the
         # factory): the selection log names the global heads it holds.
         self.kv_head_offset = 0
+        self.gate_sha256 = None  # of the gate file as loaded (set by the factory; reported by /sas/info)
         self.num_q_heads = num_q_heads
         self.head_dim = head_dim
         self.block_size = cfg.block_size
