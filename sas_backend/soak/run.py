@@ -55,28 +55,59 @@ def flush_cache(url: str) -> None:
         raise RuntimeError(f"/flush_cache answered {r.status_code}: {r.text[:200]}")
 
 
-def group_rss_bytes(pgid: int) -> int:
-    """Resident memory of every process in process group `pgid` (the server: launcher, scheduler(s),
-    detokenizer), from /proc."""
-    total = 0
+def group_rss(pgid: int) -> dict:
+    """Resident memory in bytes of every process in process group `pgid` (the server: launcher,
+    scheduler(s), detokenizer), from /proc, keyed by "<command name>:<pid>"."""
+    out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:  # field 5 (pgrp) is the 3rd after the command name
+                head, rest = f.read().rsplit(")", 1)
+            if int(rest.split()[2]) != pgid:  # field 5 (pgrp) is the 3rd after the command name
                 continue
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
                     if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
+                        out[f"{head.split('(', 1)[1]}:{pid}"] = int(line.split()[1]) * 1024
         except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
             continue
-    return total
+    return out
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """The server's resident memory in bytes, all its processes together."""
+    return sum(group_rss(pgid).values())
 
 
 # ------------------------------------------------------------------------------------ probes
+class RssSampler:
+    """Samples the server's RSS every `every_s` seconds in a thread: `.samples` is [(seconds, bytes)]."""
+
+    def __init__(self, pgid: int, every_s: float = 10.0):
+        self.pgid, self.every_s, self.samples, self.per_process = pgid, every_s, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        t0 = time.monotonic()
+        while True:
+            per_process = group_rss(self.pgid)
+            self.samples.append((time.monotonic() - t0, sum(per_process.values())))
+            self.per_process.append(per_process)
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def run_probes(url: str, prompts: Sequence[List[int]], max_tokens: int) -> list:
     """Greedy outputs of the probe prompts, one at a time on a flushed cache: [{token_ids, logprobs}]."""
     flush_cache(url)
@@ -180,7 +211,8 @@ def soak(server, workload: Sequence[SoakRequest], probes: Sequence[List[int]], p
     report["pool_before"] = pool_state(url)
     rss_before = group_rss_bytes(server.proc.pid)
     t0 = time.monotonic()
-    outcomes = drive(url, workload, progress=progress)
+    with RssSampler(server.proc.pid) as sampler:
+        outcomes = drive(url, workload, progress=progress)
     report["wall_s"] = time.monotonic() - t0
     report["summary"] = summarize(workload, outcomes)
     report["pool_idle_after"] = wait_idle(url)
@@ -189,7 +221,16 @@ def soak(server, workload: Sequence[SoakRequest], probes: Sequence[List[int]], p
     flush_cache(url)
     report["pool_after_flush"] = pool_state(url)
     rss_after = group_rss_bytes(server.proc.pid)
-    report["rss_bytes"] = {"before": rss_before, "after": rss_after, "growth": rss_after - rss_before}
+    # First-touch allocations (new batch shapes, allocator arenas) land early; a leak keeps growing.
+    # So the bound is on growth after the first quarter of the arrivals; the total is reported too.
+    warm_t = 0.25 * max((r.at for r in workload), default=0.0)
+    warm = next((b for t, b in sampler.samples if t >= warm_t), rss_before)
+    report["rss_bytes"] = {"before": rss_before, "after": rss_after, "growth": rss_after - rss_before,
+                           "at_warmup": warm, "growth_after_warmup": rss_after - warm,
+                           "samples": [(round(t, 1), b) for t, b in sampler.samples],
+                           "per_process_first": sampler.per_process[0] if sampler.per_process else {},
+                           "per_process_last": sampler.per_process[-1] if sampler.per_process else {},
+                           "per_process_after": group_rss(server.proc.pid)}
     report["log"] = scan_log(server.log_text())
     report["server_alive"] = server.alive()
     return report
@@ -206,7 +247,8 @@ def failures(report: dict, rss_bound_bytes: int) -> List[str]:
     idle = report["pool_idle_after"]
     if not idle.get("idle") or idle["kv_pages"]["in_use"] != 0:
         bad.append(f"not idle after the soak, or pages still held: {idle}")
-    if idle.get("summary_rows", {}).get("held") != 0 or not idle.get("summary_rows", {}).get("one_per_page"):
+    sas = report.get("backend", "sas") == "sas"  # a dense backend has no summary rows
+    if sas and (idle.get("summary_rows", {}).get("held") != 0 or not idle.get("summary_rows", {}).get("one_per_page")):
         bad.append(f"summary rows not all reclaimable: {idle.get('summary_rows')}")
     flushed = report["pool_after_flush"]["kv_pages"]
     if flushed["free"] != flushed["total"]:
@@ -215,8 +257,9 @@ def failures(report: dict, rss_bound_bytes: int) -> List[str]:
         bad.append(f"SGLang's idle memory check warned {report['pool_after_flush']['leak_warnings']} times")
     if report["log"]["leak_lines"] or report["log"]["tracebacks"]:
         bad.append(f"server log: {report['log']}")
-    if report["rss_bytes"]["growth"] > rss_bound_bytes:
-        bad.append(f"RSS grew {report['rss_bytes']['growth'] / 2**20:.0f} MiB (bound {rss_bound_bytes / 2**20:.0f} MiB)")
+    if report["rss_bytes"]["growth_after_warmup"] > rss_bound_bytes:
+        bad.append(f"RSS grew {report['rss_bytes']['growth_after_warmup'] / 2**20:.0f} MiB after warm-up "
+                   f"(bound {rss_bound_bytes / 2**20:.0f} MiB)")
     if not report["server_alive"]:
         bad.append("the server died")
     return bad
