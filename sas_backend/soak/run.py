@@ -81,7 +81,6 @@ def group_rss_bytes(pgid: int) -> int:
     return sum(group_rss(pgid).values())
 
 
-# ------------------------------------------------------------------------------------ probes
 class RssSampler:
     """Samples the server's RSS every `every_s` seconds in a thread: `.samples` is [(seconds, bytes)]."""
 
@@ -108,6 +107,7 @@ class RssSampler:
         self._thread.join()
 
 
+# ------------------------------------------------------------------------------------ probes
 def run_probes(url: str, prompts: Sequence[List[int]], max_tokens: int) -> list:
     """Greedy outputs of the probe prompts, one at a time on a flushed cache: [{token_ids, logprobs}]."""
     flush_cache(url)
