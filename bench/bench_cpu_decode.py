@@ -48,11 +48,10 @@ import requests
 
 from sas_backend.corpus import default_essays_dir
 from sas_backend.provenance import git_state, repo_relative
-from sas_backend.server_harness import DEFAULT_MODEL, Server
+from sas_backend.server_harness import DEFAULT_MODEL, Server, default_gate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
-SHIPPED_GATE = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas"
 ESSAYS = pathlib.Path(default_essays_dir())
 BLOCK = 64
 COMMON_FLAGS = ["--dtype", "float32", "--page-size", str(BLOCK), "--sleep-on-idle"]
@@ -174,9 +173,10 @@ def cpu_jiffies(pgid: int) -> tuple[int, int] | None:
         return None
 
 
-def measure(server, prompts: list[list[int]], new_tokens: int, skip: int) -> dict:
+def measure(server, prompts: list[list[int]], new_tokens: int, skip: int, flush: bool = True) -> dict:
     url = server.url
-    requests.post(f"{url}/flush_cache", timeout=60)
+    if flush:
+        requests.post(f"{url}/flush_cache", timeout=60)
     for p in prompts:  # prefill into the radix cache, outside the timing
         generate(url, p, 1)
     j0, w0 = cpu_jiffies(server.proc.pid), time.perf_counter()
@@ -207,8 +207,13 @@ def run_server(name: str, model, backend: str, flags: list, points, ids, args) -
     with Server(model, backend=backend, extra_args=flags) as server:
         print(f"[bench] {name} ready in {time.time() - t:.0f} s; warm-up", flush=True)
         measure(server, [ids[:256]], 8, skip=1)  # first-request costs (allocation, lazy init)
+        last_ctx = None
         for ctx, bs in points:
-            m = measure(server, prompts_for(ids, ctx, bs, args.shared_prefix), args.new_tokens, args.skip)
+            # Shared-prefix prompts of one context share their prefix across batch sizes too: keeping the
+            # cache between them pays a long prefill (15 min at 32K on 2 cores) once per context.
+            flush = not (args.shared_prefix and ctx == last_ctx)
+            m = measure(server, prompts_for(ids, ctx, bs, args.shared_prefix), args.new_tokens, args.skip, flush)
+            last_ctx = ctx
             out[(ctx, bs)] = m
             busy = "" if m["foreign_cores"] is None else f"; other jobs used {m['foreign_cores']:.2f} cores"
             print(f"[bench] {name:9s} context {ctx:5d} batch {bs}: {m['tok_s']:7.2f} tok/s "
@@ -284,7 +289,7 @@ def plot(rows: list[dict], budgets: list[int], batches: list[int], path: pathlib
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--gate", default=str(SHIPPED_GATE))
+    ap.add_argument("--gate", default=None, help="gate checkpoint (default: the one serve/serve.sh serves the model with)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 7680])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024])
@@ -295,6 +300,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shared-prefix", action="store_true",
                     help="the batch's prompts share all but their last 64 tokens (prefill paid ~once)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--resume", default=None, metavar="PARTIAL_JSON",
+                    help="a killed run's .partial.json: servers it finished are not run again")
     args = ap.parse_args(argv)
     if args.quick:
         args.contexts, args.batches, args.budgets, args.new_tokens = [1024], [1], [512], 16
@@ -304,7 +311,8 @@ def main(argv=None) -> int:
         if b % BLOCK:
             ap.error(f"budget {b} is not a multiple of {BLOCK}")
 
-    model, gate = pathlib.Path(args.model), pathlib.Path(args.gate)
+    model = pathlib.Path(args.model)
+    gate = pathlib.Path(args.gate) if args.gate else default_gate(model)
     geo = model_geometry(model, gate)
     ids = essay_ids(model)
     points = [(c, b) for c in args.contexts for b in args.batches]
@@ -319,6 +327,19 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     partial = out / f"{tag}.partial.json"
+    resumed = {}
+    if args.resume:
+        resumed = json.loads(pathlib.Path(args.resume).read_text())
+        if pathlib.Path(args.resume).resolve() != partial.resolve():
+            partial.write_text(json.dumps(resumed, indent=1))
+
+    def run_or_resume(name, backend, server_flags):
+        rows = {(r["context"], r["batch"]): {k: v for k, v in r.items() if k not in ("context", "batch")}
+                for r in resumed.get(name, [])}
+        if set(points) <= set(rows):
+            print(f"[bench] {name}: every point is in {args.resume}; not run again", flush=True)
+            return {pt: rows[pt] for pt in points}
+        return keep(name, run_server(name, model, backend, server_flags, points, ids, args))
 
     def keep(name, measured):  # a killed or timed-out run still leaves every finished server's points
         done = json.loads(partial.read_text()) if partial.exists() else {}
@@ -326,9 +347,8 @@ def main(argv=None) -> int:
         partial.write_text(json.dumps(done, indent=1))
         return measured
 
-    dense = keep("dense", run_server("dense", model, "torch_native", flags, points, ids, args))
-    sas = {b: keep(f"sas b{b}", run_server(f"sas b{b}", model, "sas", flags + ["--sas-gate", gate, "--sas-budget", b],
-                                          points, ids, args)) for b in args.budgets}
+    dense = run_or_resume("dense", "torch_native", flags)
+    sas = {b: run_or_resume(f"sas b{b}", "sas", flags + ["--sas-gate", gate, "--sas-budget", b]) for b in args.budgets}
 
     rows = []
     for ctx, bs in points:

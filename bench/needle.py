@@ -31,11 +31,10 @@ import requests
 from sas_backend.config import SASConfig
 from sas_backend.corpus import read_essays
 from sas_backend.provenance import git_state, repo_relative
-from sas_backend.server_harness import DEFAULT_MODEL, Server
+from sas_backend.server_harness import DEFAULT_MODEL, Server, default_gate
 from sas_backend.training.eval_ppl import parse_forced
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SHIPPED_GATE = REPO / "gate_checkpoints" / "smollm2-135m-instruct-sas"
 NEEDLE = "The secret passphrase of the {place} is {code}."
 QUESTION = "What is the secret passphrase of the {place}? Answer with the passphrase only."
 PLACES = ["blue harbor", "old mill", "north tower", "silent garden", "copper bridge", "glass library"]
@@ -63,7 +62,7 @@ def ask(url: str, prompt: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--gate", default=str(SHIPPED_GATE))
+    ap.add_argument("--gate", default=None, help="gate checkpoint (default: the one serve/serve.sh serves the model with)")
     ap.add_argument("--context", type=int, default=3072, help="haystack tokens")
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
@@ -76,7 +75,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the result files (needle-DATE-TAG.json/.md)")
     ap.add_argument("--quick", action="store_true", help="rehearsal: depth 0.5, budget 512, gate; not a result")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--resume", default=None, metavar="PARTIAL_JSON",
+                    help="a killed run's .partial.json (same model, context and depths): its answers are kept, "
+                         "only the missing (server, depth) pairs run; the result keeps its date and name")
     args = ap.parse_args(argv)
+    args.gate = str(args.gate or default_gate(args.model))
     if args.quick:
         args.depths, args.budgets, args.selectors = [0.5], [512], ["gate"]
     from transformers import AutoTokenizer
@@ -91,7 +94,9 @@ def main(argv=None) -> int:
         hay = haystack_with_needle(tok, text, args.context, depth, NEEDLE.format(place=place, code=code))
         prompt = hay + "\n\n" + QUESTION.format(place=place)
         cases.append({"depth": depth, "code": code, "prompt_tokens": len(tok(prompt)["input_ids"]), "prompt": prompt})
-    common = ["--dtype", "float32", "--context-length", str(args.context + 512)]
+    # the pool holds the whole prompt (the harness's CPU default is 16384 tokens)
+    common = ["--dtype", "float32", "--context-length", str(args.context + 512),
+              "--max-total-tokens", str(max(16384, args.context + 1024))]
     configs = [("dense", "torch_native", [])]
     forced = parse_forced(args.gate_forced)
     if args.serve_default:
@@ -107,18 +112,47 @@ def main(argv=None) -> int:
                 else:
                     configs.append((f"sas {sel}+s{sink}l{local} b{b}", "sas",
                                     extra + ["--sas-sink-blocks", str(sink), "--sas-local-blocks", str(local)]))
+    date = datetime.date.today().isoformat()
+    tag = f"needle-{date}" + (f"-{args.tag}" if args.tag else "") + ("-quick" if args.quick else "")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    key = {"model": repo_relative(args.model), "context_tokens": args.context,
+           "cases": [{k: v for k, v in c.items() if k != "prompt"} for c in cases]}
+    done: dict[str, dict[float, dict]] = {}
+    if args.resume:
+        old = json.loads(pathlib.Path(args.resume).read_text())
+        if {k: old.get(k) for k in key} != key:
+            sys.exit(f"[needle] {args.resume} was made for another model, context or depths; not resuming")
+        date, tag = old["date"], old["tag"]
+        done = {r["server"]: {a["depth"]: a for a in r["answers"]} for r in old["rows"]}
+    partial = out / f"{tag}.partial.json"
+
+    def save_partial(rows):  # a killed run (a session ending) keeps every answer so far
+        partial.write_text(json.dumps({**key, "date": date, "tag": tag, "rows": rows}, indent=1))
+
+    order = {c["depth"]: i for i, c in enumerate(cases)}
     rows = []
     started = time.time()
     for name, backend, extra in configs:
+        answers = [done[name][c["depth"]] for c in cases if c["depth"] in done.get(name, {})]
+        rows.append({"server": name, "answers": answers})
+        if len(answers) == len(cases):
+            print(f"[needle] {name}: every depth is in {args.resume}; not run again", flush=True)
+            continue
         print(f"[needle] starting {name} ...", flush=True)
         with Server(args.model, backend=backend, extra_args=common + extra) as server:
-            answers = []
             for case in cases:
+                if case["depth"] in done.get(name, {}):
+                    continue
+                t = time.time()
                 answer = ask(server.url, case["prompt"])
-                answers.append({"depth": case["depth"], "answer": answer, "recalled": case["code"] in answer})
-                print(f"[needle] {name:18s} depth {case['depth']:g}: {'yes' if answers[-1]['recalled'] else 'no ':3s} "
-                      f"{answer!r}", flush=True)
-        rows.append({"server": name, "answers": answers})
+                new = {"depth": case["depth"], "answer": answer, "recalled": case["code"] in answer,
+                       "seconds": round(time.time() - t, 1)}
+                answers.append(new)
+                answers.sort(key=lambda a: order[a["depth"]])
+                save_partial(rows)
+                print(f"[needle] {name:18s} depth {case['depth']:g}: {'yes' if new['recalled'] else 'no ':3s} "
+                      f"{answer!r} ({time.time() - t:.0f} s)", flush=True)
 
     head = "| server | " + " | ".join(f"depth {c['depth']:g}" for c in cases) + " | recalled |"
     lines = [head, "|" + "---|" * (len(cases) + 2)]
@@ -126,10 +160,6 @@ def main(argv=None) -> int:
         hits = [a["recalled"] for a in row["answers"]]
         lines.append(f"| {row['server']} | " + " | ".join("yes" if h else "no" for h in hits) + f" | {sum(hits)}/{len(hits)} |")
     table = "\n".join(lines)
-    date = datetime.date.today().isoformat()
-    tag = f"needle-{date}" + (f"-{args.tag}" if args.tag else "") + ("-quick" if args.quick else "")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     record = {
         "what": "needle in a haystack through the real server (OpenAI chat API, greedy)", "rehearsal": args.quick,
         "date": date, "commit": git_state()["commit"], "model": repo_relative(args.model), "gate": repo_relative(args.gate),
@@ -140,6 +170,7 @@ def main(argv=None) -> int:
         "table_markdown": table,
     }
     (out / f"{tag}.json").write_text(json.dumps(record, indent=2))
+    partial.unlink(missing_ok=True)
     (out / f"{tag}.md").write_text(f"# Needle in a haystack, {date}\n\n{record['command']} (commit {record['commit']})\n\n{table}\n")
     print(table)
     print(f"[needle] wrote {out / (tag + '.json')} and {out / (tag + '.md')}")

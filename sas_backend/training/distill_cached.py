@@ -151,6 +151,18 @@ def _compatible(caches) -> None:
             raise SystemExit(f"error: cache {path} differs from {caches[0][0]} in {', '.join(diff)}")
 
 
+def _train_split_only(caches) -> None:
+    """Training caches hold training documents only: never a held-out split or an out-of-domain set."""
+    from sas_backend.training.data import OUT_OF_DOMAIN
+
+    for path, cache in caches:
+        data = cache.manifest.get("data") or {}
+        reserved = [s for s in data.get("sources", []) if s in OUT_OF_DOMAIN]
+        if data.get("split", "train") != "train" or reserved:
+            raise SystemExit(f"error: --cache {path} holds the {data.get('split')} split of {data.get('sources')}: "
+                             f"train on training splits only (held-out and out-of-domain caches go to --val-cache)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sas_backend.training.distill_cached",
                                 description="Distill AttnGates from cached dense features (no backbone forward).")
@@ -210,6 +222,7 @@ def main(argv: Optional[list] = None) -> int:
     except FeatureCacheError as e:
         raise SystemExit(f"error: {e}") from None
     _compatible(caches + vals)
+    _train_split_only(caches)
     manifest = caches[0][1].manifest
     spec = caches[0][1].spec
     geometry = ModelGeometry.from_model_dir(args.model)

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-baseline", action="store_true", help="same as --baselines sink-local")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-windows", type=int, default=None, help="evaluate at most this many windows")
-    p.add_argument("--split", choices=("heldout", "train"), default="heldout")
+    p.add_argument("--split", choices=("heldout", "train", "all"), default="heldout",
+                   help="documents the windows come from; `all` for an out-of-domain set (@handbook, @site-packages)")
     p.add_argument("--heldout-fraction", type=float, default=None, help="must match training (default 0.2)")
     p.add_argument("--seed", type=int, default=0, help="document order of the packed windows")
     p.add_argument("--json", default=None, help="write the results here (default: print only)")

@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--target", choices=("mass", "max"), default="mass",
                    help="distill target: block attention mass (the oracle's quantity) or SeerAttention-R's max")
-    p.add_argument("--split", choices=("train", "heldout"), default="train",
+    p.add_argument("--split", choices=("train", "heldout", "all"), default="train",
                    help="heldout: a validation cache for distill_cached --val-cache (never trained on)")
     p.add_argument("--heldout-fraction", type=float, default=None, help="must match training and evaluation (default 0.2)")
     p.add_argument("--seed", type=int, default=0, help="document order of the packed rows (and recall facts)")

@@ -61,3 +61,35 @@ def test_default_serve_gate_is_the_shipped_one():
     out = subprocess.run([sys.executable, str(REPO / "serve" / "default_gate.py"), "--model", str(MODEL_DIR)],
                          capture_output=True, text=True, check=True, cwd=REPO)
     assert pathlib.Path(out.stdout.strip()).resolve() == SHIPPED.resolve()
+
+
+QWEN_SHIPPED = REPO / "gate_checkpoints" / "qwen2.5-coder-0.5b-instruct-sas"
+QWEN_MODEL_DIR = REPO / "models" / "Qwen2.5-Coder-0.5B-Instruct"
+
+
+def test_shipped_qwen_gate_fits_the_second_model_and_records_its_training():
+    """The gate for Qwen2.5-Coder-0.5B-Instruct: 24 layers, 14 query / 2 kv heads (G = 7), head dim 64,
+    RoPE theta 1e6; distilled from 8K-token rows of cached dense features (the SmolLM2 recipe, longer rows)."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_model
+
+    config, tensors = load_gate_checkpoint(QWEN_SHIPPED)
+    validate_for_model(config, tensors, num_layers=24, num_q_heads=14, num_kv_heads=2, head_dim=64,
+                       block_size=64, gate_dim=128, rope_theta=1000000.0)
+    rec = config.training
+    assert rec["objective"] == "distill" and rec["distill_target"] == "mass"
+    assert rec["seq_len"] == 8192 and rec["budget"] == 2048 and (rec["sink_blocks"], rec["local_blocks"]) == (1, 1)
+    caches = rec["data"]["caches"]
+    assert {c["data"]["split"] for c in caches} == {"train"}
+    assert {c["data"]["seq_len"] for c in caches} == {8192}
+    assert {s for c in caches for s in c["data"]["sources"]} == {"@essays", "@stdlib"}
+    assert not any(part.startswith("/") for part in rec["command"].split()), "the record names a machine path"
+    for path in config.serving["chosen_by"]:
+        assert (REPO / path).is_file(), path
+
+
+@pytest.mark.skipif(not (QWEN_MODEL_DIR / "config.json").is_file(),
+                    reason="needs serve/prepare_model.py --model qwen2.5-coder-0.5b")
+def test_default_serve_gate_for_the_second_model_is_its_shipped_one():
+    out = subprocess.run([sys.executable, str(REPO / "serve" / "default_gate.py"), "--model", str(QWEN_MODEL_DIR)],
+                         capture_output=True, text=True, check=True, cwd=REPO)
+    assert pathlib.Path(out.stdout.strip()).resolve() == QWEN_SHIPPED.resolve()

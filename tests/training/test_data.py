@@ -59,3 +59,51 @@ def test_pack_with_eos():
     assert ids == [[2, 1, 0], [3, 0]]
     rows = pack(ids, 2, seed=None)
     assert torch.equal(rows, torch.tensor([[2, 1], [0, 3]]))  # the short tail [0] is dropped
+
+
+# ---- the documentation corpus and the out-of-domain sets -------------------------------------
+
+def test_docs_corpus_reads_the_prepared_tree_with_stable_names(tmp_path, monkeypatch):
+    from sas_backend import corpus
+    from sas_backend.training import data
+
+    monkeypatch.setattr(corpus, "default_corpus_dir", lambda: str(tmp_path))
+    with pytest.raises(DataError, match="serve/prepare_corpus.py"):
+        read_documents(["@docs"])
+    (tmp_path / "docs" / "pkg" / "html").mkdir(parents=True)
+    (tmp_path / "docs" / "pkg" / "html" / "a.html.txt").write_text("alpha beta")
+    (tmp_path / "docs" / "pkg" / "b.pod.txt").write_text("gamma")
+    (tmp_path / "handbook" / "book").mkdir(parents=True)
+    (tmp_path / "handbook" / "book" / "c.html.txt").write_text("delta")
+    docs = read_documents(["@docs", "@handbook"])
+    assert [(d.name, d.source) for d in docs] == [("docs/pkg/b.pod.txt", "@docs"), ("docs/pkg/html/a.html.txt", "@docs"),
+                                                ("handbook/book/c.html.txt", "@handbook")]
+    assert "@handbook" in data.OUT_OF_DOMAIN and "@docs" not in data.OUT_OF_DOMAIN
+
+
+def test_out_of_domain_sets_are_never_a_training_split(tmp_path, monkeypatch):
+    from sas_backend import corpus
+    from sas_backend.training.data import load_packed
+
+    monkeypatch.setattr(corpus, "default_corpus_dir", lambda: str(tmp_path))
+    (tmp_path / "handbook" / "book").mkdir(parents=True)
+    for i in range(6):
+        (tmp_path / "handbook" / "book" / f"{i}.txt").write_text(" ".join(["word"] * 50))
+    with pytest.raises(DataError, match="reserved for out-of-domain evaluation"):
+        load_packed(["@handbook"], _Tok(), 16, split="train")
+    with pytest.raises(DataError, match="reserved for out-of-domain evaluation"):
+        load_packed(["@essays", "@site-packages"], _Tok(), 16, split="train")
+    every = load_packed(["@handbook"], _Tok(), 16, split="all", seed=None)
+    held = load_packed(["@handbook"], _Tok(), 16, split="heldout", seed=None)
+    assert every.tokens == 6 * 51 and held.tokens < every.tokens and every.record()["split"] == "all"
+
+
+def test_site_packages_are_third_party_code_with_versions():
+    from sas_backend.training.data import SITE_PACKAGES, site_packages_documents, site_packages_versions
+
+    docs = site_packages_documents()
+    versions = site_packages_versions()
+    assert set(versions) == set(SITE_PACKAGES) and versions["requests"]
+    assert all(d.name.startswith("site-packages/") and d.name.endswith(".py") for d in docs)
+    assert any(d.name.startswith("site-packages/requests/") for d in docs)
+    assert not any("/sas_backend/" in d.name or d.name.startswith("site-packages/torch/") for d in docs)

@@ -215,3 +215,14 @@ def test_cli_layers_trains_only_those_gates(cli_caches, tmp_path):
         _distill(root, model_dir, tmp_path / "bad", "--layers", "1")
     with pytest.raises(SystemExit, match="must name layers"):
         _distill(root, model_dir, tmp_path / "bad", "--layers", "7", "--init-gate", str(tmp_path / "init"))
+
+
+def test_cli_refuses_to_train_on_a_held_out_cache(cli_caches, tmp_path):
+    """A held-out (or out-of-domain) cache is for --val-cache only: given as --cache it is refused."""
+    from sas_backend.training.distill_cached import main
+
+    root, model_dir = cli_caches
+    with pytest.raises(SystemExit, match="train on training splits only"):
+        main(["--model", model_dir, "--cache", str(root / "val"), "--out", str(tmp_path / "x"), "--budget", "192",
+              "--steps", "1", "--no-progress"])
+    assert not (tmp_path / "x" / "gate.safetensors").exists()
