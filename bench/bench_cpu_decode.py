@@ -300,6 +300,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shared-prefix", action="store_true",
                     help="the batch's prompts share all but their last 64 tokens (prefill paid ~once)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--tag", default="", help="suffix of the result files (cpu-decode-DATE-TAG.json/.png)")
     ap.add_argument("--resume", default=None, metavar="PARTIAL_JSON",
                     help="a killed run's .partial.json: servers it finished are not run again")
     args = ap.parse_args(argv)
@@ -323,7 +324,7 @@ def main(argv=None) -> int:
 
     started = time.time()
     date = datetime.date.today().isoformat()
-    tag = f"cpu-decode-{date}" + ("-quick" if args.quick else "")
+    tag = f"cpu-decode-{date}" + (f"-{args.tag}" if args.tag else "") + ("-quick" if args.quick else "")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     partial = out / f"{tag}.partial.json"

@@ -208,7 +208,7 @@ def main(argv: Optional[list] = None) -> int:
     from sas_backend.gate.module import gates_from_tensors
     from sas_backend.geometry import ModelGeometry, gate_rope_table
     from sas_backend.provenance import portable_argv, portable_path
-    from sas_backend.training.features import FeatureCacheError, load_feature_cache
+    from sas_backend.training.features import FeatureCacheError, LazyRows, load_feature_cache
     from sas_backend.training.scoring import check_forced
     from sas_backend.training.train import batch_rows, load_init_gate, load_state, lr_schedule, progress_bar
 
@@ -217,7 +217,9 @@ def main(argv: Optional[list] = None) -> int:
     if bad:
         raise SystemExit("error: " + "; ".join(bad))
     try:
-        caches = [(c, load_feature_cache(c)) for c in args.cache]
+        # training rows are read per step (a large training set does not fit in memory); held-out rows
+        # are few and read every evaluation
+        caches = [(c, load_feature_cache(c, lazy=True)) for c in args.cache]
         vals = [(c, load_feature_cache(c)) for c in args.val_cache]
     except FeatureCacheError as e:
         raise SystemExit(f"error: {e}") from None
@@ -252,7 +254,7 @@ def main(argv: Optional[list] = None) -> int:
             raise SystemExit(f"error: --layers must name layers 0..{geometry.num_layers - 1} (got {bad_layers}) and "
                              "needs --init-gate (the other layers' gates are kept from it)")
         args.layers = sorted(set(args.layers))
-    rows = [r for _, c in caches for r in c.rows]
+    rows = LazyRows([f for _, c in caches for f in c.rows.files])  # iterating would read every row
     val_rows = [r for _, c in vals for r in c.rows]
 
     torch.manual_seed(args.seed)

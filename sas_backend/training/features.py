@@ -31,7 +31,7 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -191,10 +191,11 @@ def build_feature_cache(model, rows: torch.Tensor, spec: FeatureSpec, out_dir: s
 
 @dataclasses.dataclass
 class FeatureCache:
-    """A loaded cache: `manifest` and per row `{name: tensor}` (fp16, as stored)."""
+    """A loaded cache: `manifest` and per row `{name: tensor}` (fp16, as stored); `rows` is a list, or
+    `LazyRows` (read from disk on each access) when loaded with lazy=True."""
 
     manifest: dict
-    rows: List[Dict[str, torch.Tensor]]
+    rows: Sequence[Dict[str, torch.Tensor]]
 
     @property
     def spec(self) -> FeatureSpec:
@@ -206,10 +207,30 @@ class FeatureCache:
         return int(self.manifest["num_layers"])
 
 
-def load_feature_cache(cache_dir: str, max_rows: Optional[int] = None) -> FeatureCache:
+class LazyRows(Sequence):
+    """The rows of a cache, each read from its file when indexed (the page cache keeps hot ones): a
+    training set of many rows need not fit in memory (at 4096 tokens and tail 1024 a row is ~47 MB)."""
+
+    def __init__(self, files: List[str]):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i):
+        from safetensors.torch import load_file
+
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return load_file(self.files[i])
+
+
+def load_feature_cache(cache_dir: str, max_rows: Optional[int] = None, lazy: bool = False) -> FeatureCache:
     """Read a cache written by `build_feature_cache` (all rows, or the first `max_rows`).
+    lazy: check every row's tensor names and shapes now (file headers only) and read the tensors
+    when a row is used (`LazyRows`), instead of holding every row in memory.
     Raises FeatureCacheError naming what is missing or malformed."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     path = os.path.join(cache_dir, MANIFEST)
@@ -234,17 +255,21 @@ def load_feature_cache(cache_dir: str, max_rows: Optional[int] = None) -> Featur
             raise FeatureCacheError(f"{cache_dir}: row {i} of {manifest['rows']} missing ({row_file(i)}): "
                                     "the build did not finish; run it again to resume")
         try:
-            tensors = load_file(f)
+            if lazy:
+                with safe_open(f, "pt") as h:
+                    shapes = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
+            else:
+                tensors = load_file(f)
+                shapes = {k: tuple(t.shape) for k, t in tensors.items()}
         except (SafetensorError, OSError) as e:
             raise FeatureCacheError(f"{f}: unreadable ({e}); delete it and run the build again") from None
         for layer in range(manifest["num_layers"]):
             for name, shape in want.items():
-                t = tensors.get(f"{name}.{layer}")
-                if t is None or tuple(t.shape) != shape:
-                    got = None if t is None else tuple(t.shape)
+                got = shapes.get(f"{name}.{layer}")
+                if got != shape:
                     raise FeatureCacheError(f"{f}: {name}.{layer} is {got}, expected {shape}")
-        rows.append(tensors)
-    return FeatureCache(manifest, rows)
+        rows.append(f if lazy else tensors)
+    return FeatureCache(manifest, LazyRows(rows) if lazy else rows)
 
 
 # ---- CLI ------------------------------------------------------------------------------------

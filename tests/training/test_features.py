@@ -96,12 +96,19 @@ def test_cache_resumes_shards_and_refuses_bad_input(tmp_path):
     cache = load_feature_cache(out)
     assert len(cache.rows) == 3 and cache.spec == spec
     torch.testing.assert_close(cache.rows[1]["q.0"], feats.row_features(model, ids[1], spec)["q.0"])
+    lazy = load_feature_cache(out, lazy=True)  # checked from the headers, read when used
+    assert isinstance(lazy.rows, feats.LazyRows) and len(lazy.rows) == 3
+    for i in range(3):
+        assert lazy.rows[i].keys() == cache.rows[i].keys()
+        assert all(torch.equal(lazy.rows[i][k], cache.rows[i][k]) for k in cache.rows[i])
     with pytest.raises(FeatureCacheError, match="other settings.*tail"):
         build_feature_cache(model, ids, FeatureSpec(SEQ, 32, B), out, _manifest(FeatureSpec(SEQ, 32, B), rows=3))
     with open(os.path.join(out, feats.row_file(2)), "wb") as f:
         f.write(b"not a safetensors file")
     with pytest.raises(FeatureCacheError, match="row-00002.*unreadable"):
         load_feature_cache(out)
+    with pytest.raises(FeatureCacheError, match="row-00002.*unreadable"):
+        load_feature_cache(out, lazy=True)
     with pytest.raises(FeatureCacheError, match="no manifest.json"):
         load_feature_cache(str(tmp_path))
 
