@@ -97,6 +97,27 @@ class SASConfig:
         fill = {name: recorded.get(name, _FROM_GATE[name]) for name in unset}
         return dataclasses.replace(self, **fill)
 
+    def origins(self) -> dict:
+        """Where `resolved()` takes budget, sink_blocks and local_blocks from, per name: "launch" (a
+        --sas-* flag or SAS_* variable), "the gate's serving record" or "default". Call it on the
+        unresolved config (on a resolved one every value reads as "launch")."""
+        recorded = {}
+        if self.selector == "gate" and self.gate_path and os.path.isdir(self.gate_path):
+            from sas_backend.gate.checkpoint import serve_defaults_of
+
+            recorded = serve_defaults_of(self.gate_path)
+        return {name: "launch" if getattr(self, name) is not None else
+                "the gate's serving record" if name in recorded else "default" for name in _FROM_GATE}
+
+    def describe_selection(self, origins: dict) -> str:
+        """One line for the server log: the budget and the forced blocks this (resolved) config serves,
+        and where each came from (`origins()` of the unresolved config)."""
+        free = self.top_k - self.sink_blocks - self.local_blocks
+        ranked = (f"the {self.selector} selector chooses the other {free} of {self.top_k} blocks" if free < self.top_k
+                  else f"the {self.selector} selector chooses all {self.top_k} blocks, none forced")
+        return (f"budget {self.budget} tokens ({origins['budget']}); forced blocks: sink {self.sink_blocks} "
+                f"({origins['sink_blocks']}), local {self.local_blocks} ({origins['local_blocks']}); {ranked}")
+
     @classmethod
     def for_serving(cls, environ=None) -> "SASConfig":
         """`from_env(environ).resolved().validate()`: what a serving process runs with."""

@@ -119,10 +119,14 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
     cfg = given.resolved().validate()
     # Every scheduler process must serve the same budget and forced blocks: pin the resolved ones.
     os.environ.update(cfg.to_env())
-    if given != cfg:
-        logger.info("sas: from the gate's record (or the defaults): budget %d, sink %d, local %d blocks",
-                    cfg.budget, cfg.sink_blocks, cfg.local_blocks)
+    # Which blocks are forced and why: a gate trained with forced blocks depends on them being served
+    logger.info("sas: %s", cfg.describe_selection(given.origins()))
     _check_gate_fits(cfg, getattr(args, "model_path", None))
+    trained = _trained_forced_blocks(cfg)
+    if trained is not None and trained != (cfg.sink_blocks, cfg.local_blocks):
+        logger.warning("sas: the gate was trained with sink %d + local %d forced blocks and is served with sink %d + "
+                       "local %d: the blocks it never learned to rank are left to it (measure quality before serving)",
+                       *trained, cfg.sink_blocks, cfg.local_blocks)
     if multiprocessing.current_process().name == "MainProcess":
         # The gate's identity as launched (/sas/info caches it): a file replaced later changes nothing.
         from sas_backend.info import sas_info
@@ -150,6 +154,18 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
                 f"--{attr.replace('_', '-')} {other} cannot be combined with --attention-backend sas "
                 "(sas runs dense prefill itself)"
             )
+
+
+def _trained_forced_blocks(cfg) -> "tuple[int, int] | None":
+    """(sink, local) blocks the gate was trained with forced (its training record), None if unrecorded."""
+    if cfg.selector != "gate" or not cfg.gate_path:
+        return None
+    from sas_backend.gate.checkpoint import read_training_record
+
+    rec = read_training_record(cfg.gate_path)
+    if rec.get("sink_blocks") is None or rec.get("local_blocks") is None:
+        return None
+    return int(rec["sink_blocks"]), int(rec["local_blocks"])
 
 
 def _check_gate_fits(cfg: SASConfig, model_path) -> None:

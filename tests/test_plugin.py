@@ -293,6 +293,31 @@ def test_budget_and_forced_blocks_default_from_the_gate(parse, clean_env, tmp_pa
         SASConfig(gate_path=gate, budget=128).resolved().validate()
 
 
+def test_launch_logs_the_forced_blocks_and_where_they_came_from(parse, clean_env, tmp_path, capfd):
+    """The server says which blocks it forces and why; serving a gate without the forced blocks it was
+    trained with draws a warning."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint, save_gate_checkpoint
+
+    gate = _gate_with_serving(tmp_path, {"budget": 1024, "sink_blocks": 1, "local_blocks": 1})
+    config, tensors = load_gate_checkpoint(gate)
+    config.training = {**config.training, "sink_blocks": 1, "local_blocks": 1}
+    save_gate_checkpoint(gate, config, tensors)
+    capfd.readouterr()
+    parse("--attention-backend", "sas", "--sas-gate", gate, "--sas-local-blocks", "1")
+    text = capfd.readouterr().err
+    assert ("budget 1024 tokens (the gate's serving record); forced blocks: sink 1 (the gate's serving record), "
+            "local 1 (launch); the gate selector chooses the other 14 of 16 blocks") in text
+    assert "trained with" not in text
+    for k in ("SAS_BUDGET", "SAS_SINK_BLOCKS", "SAS_LOCAL_BLOCKS"):
+        clean_env.delenv(k)
+    parse("--attention-backend", "sas", "--sas-gate", gate, "--sas-sink-blocks", "0", "--sas-local-blocks", "0")
+    text = capfd.readouterr().err
+    assert "forced blocks: sink 0 (launch), local 0 (launch); the gate selector chooses all 16 blocks" in text
+    assert "trained with sink 1 + local 1 forced blocks and is served with sink 0 + local 0" in text
+    assert SASConfig(selector="quest").origins() == {"budget": "default", "sink_blocks": "default",
+                                                     "local_blocks": "default"}
+
+
 def test_records_keep_no_machine_paths():
     """What a checkpoint's record or a results file keeps: repository paths relative to it, other
     absolute paths by name only, @sources and relative paths as given."""

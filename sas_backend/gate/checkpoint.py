@@ -220,6 +220,14 @@ def serve_defaults_of(path: str | os.PathLike) -> dict:
     return GateConfig.load_json(os.path.join(d, CONFIG_FILE)).serve_defaults()
 
 
+def read_training_record(path: str | os.PathLike) -> dict:
+    """The `training` record of a checkpoint from its config.json alone; `{}` for a SeerAttention-R one."""
+    d = _resolve_dir(path)
+    if detect_format(d) != CANONICAL:
+        return {}
+    return dict(GateConfig.load_json(os.path.join(d, CONFIG_FILE)).training or {})
+
+
 # ---- fit to the served model ----------------------------------------------------------------
 
 
