@@ -4,15 +4,16 @@
 #   bash bench/long_context_studies.sh OUT_DIR [STEP ...]     # e.g. bench/results/2026-11-26-qwen-long
 #
 # Steps (default: all, in this order): harness-16k harness-32k needle-8k needle-16k needle-32k decode-8k-16k
-# decode-32k paged-32k. A step whose result file exists in OUT_DIR is skipped; a killed step leaves a
+# decode-32k paged-32k tp-16k. A step whose result file exists in OUT_DIR is skipped; a killed step leaves a
 # .partial.json that the next run resumes (needle, decode, paged), so a study of many hours can span sessions.
 # Run it on a quiet machine: on 2 cores a job beside a server slows both ~20x. Hours on 2 cores: harness 16K
-# ~0.6 per window kind, 32K ~2; needle 8K ~0.6, 16K ~1.7, 32K ~4; decode 8K+16K ~0.6, 32K ~1; paged 32K ~1.5.
+# ~0.6 per window kind, 32K ~2; needle 8K ~0.6, 16K ~1.7, 32K ~4; decode 8K+16K ~0.6, 32K ~1; paged 32K ~1.5;
+# tp 16K ~0.2.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash bench/long_context_studies.sh OUT_DIR [STEP ...]}
 shift
-STEPS=${*:-harness-16k harness-32k needle-8k needle-16k needle-32k decode-8k-16k decode-32k paged-32k}
+STEPS=${*:-harness-16k harness-32k needle-8k needle-16k needle-32k decode-8k-16k decode-32k paged-32k tp-16k}
 M=models/Qwen2.5-Coder-0.5B-Instruct
 GATE=gate_checkpoints/qwen2.5-coder-0.5b-instruct-sas
 PY=${PYTHON:-.venv/bin/python}
@@ -74,6 +75,9 @@ for step in $STEPS; do
         decode-8k-16k) decode qwen-8k-16k 8192 16384 ;;
         decode-32k) decode qwen-32k 32000 ;;
         paged-32k) paged ;;
+        tp-16k)  # --tp 2 (one kv head per rank) vs --tp 1 with the shipped gate
+            if ls $OUT/tp-*-tp2-16384.json >/dev/null 2>&1; then say "tp 16K: done"; else
+                say "tp 16K"; $PY bench/tp_check.py --model $M --gate $GATE --tp 2 --context 16384 --budget 2048 --out "$OUT"; fi ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac || { say "$step failed"; exit 1; }
 done
