@@ -48,7 +48,7 @@ import sys
 import time
 
 from sas_backend.corpus import read_essays
-from sas_backend.provenance import git_state, repo_relative
+from sas_backend.provenance import git_state, portable_argv, repo_relative
 from sas_backend.server_harness import DEFAULT_MODEL, Server, default_gate
 from sas_backend.soak.run import flush_cache, greedy, scan_log, wait_idle
 
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
         "command": " ".join(shlex.quote(a) for a in ["python", "bench/paged_long.py",
                                                      *(sys.argv[1:] if argv is None else argv)]),
         "model": repo_relative(args.model), "gate": repo_relative(args.gate), "sizes": sizes, "tol": args.tol,
-        "server_a_flags": a_flags, "server_b_flags": b_flags, "checks": checks, "detail": detail,
+        "server_a_flags": portable_argv(a_flags), "server_b_flags": portable_argv(b_flags), "checks": checks, "detail": detail,
         "steps": {k: ({kk: vv for kk, vv in v.items() if kk not in ("runs", "cached", "fresh", "run")}
                       if isinstance(v, dict) else v) for k, v in steps.items()},
         "wall_s_this_run": round(time.time() - started, 1),
