@@ -29,11 +29,11 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # needle.py beside this file
-from needle import CODES, NEEDLE, PLACES, QUESTION, SHIPPED_GATE, haystack_with_needle  # noqa: E402
+from needle import CODES, NEEDLE, PLACES, QUESTION, haystack_with_needle  # noqa: E402
 
 from sas_backend.corpus import read_essays  # noqa: E402
 from sas_backend.provenance import git_state, repo_relative  # noqa: E402
-from sas_backend.server_harness import DEFAULT_MODEL  # noqa: E402
+from sas_backend.server_harness import DEFAULT_MODEL, default_gate  # noqa: E402
 from sas_backend.training.eval_ppl import load_gates, parse_forced, parse_gates  # noqa: E402
 
 
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     from sas_backend.hf.sparse_eval import SparseEvalSpec
 
     started = time.time()
-    gate_paths = parse_gates(args.gate or [f"shipped={SHIPPED_GATE}"])
+    gate_paths = parse_gates(args.gate or [f"shipped={default_gate(args.model)}"])
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.model_max_length = 1 << 30
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
