@@ -89,17 +89,7 @@ def corpus_documents(domain: str) -> List[Document]:
     if not os.path.isdir(root):
         raise DataError(f"no {domain} corpus in {root}: run `python serve/prepare_corpus.py` (Debian packages, "
                         f"pinned; see its --help)")
-    docs = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for n in sorted(filenames):
-            if n.endswith(".txt"):
-                path = os.path.join(dirpath, n)
-                with open(path, encoding="utf-8") as f:
-                    docs.append(Document(f"{domain}/" + os.path.relpath(path, root).replace(os.sep, "/"), f.read()))
-    if not docs:
-        raise DataError(f"the {domain} corpus in {root} is empty: rerun `python serve/prepare_corpus.py`")
-    return docs
+    return _directory_documents(root, None)  # named `<domain>/<package>/<path>`, like any directory given
 
 
 def site_packages_versions() -> dict:
@@ -163,6 +153,22 @@ def _file_documents(path: str, name: str, tokenizer) -> List[Document]:
         return [Document(name, f.read())]
 
 
+def _directory_documents(src: str, tokenizer) -> List[Document]:
+    """Every text file under `src`, sorted, named `<src basename>/<relpath>`."""
+    root = os.path.basename(os.path.normpath(src))
+    found = []
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        found += [os.path.join(dirpath, n) for n in filenames if n.endswith(TEXT_SUFFIXES)]
+    if not found:
+        raise DataError(f"{src}: no text files ({', '.join(TEXT_SUFFIXES)}) under this directory")
+    docs = []
+    for path in sorted(found):
+        rel = os.path.relpath(path, src).replace(os.sep, "/")
+        docs += _file_documents(path, f"{root}/{rel}", tokenizer)
+    return docs
+
+
 def read_documents(sources: Sequence[str], tokenizer=None) -> List[Document]:
     """Documents of every source, in order (see the module docstring for what a source can be).
 
@@ -185,16 +191,7 @@ def read_documents(sources: Sequence[str], tokenizer=None) -> List[Document]:
         elif src.startswith("@"):
             raise DataError(f"unknown named corpus {src!r} (known: {', '.join(NAMED_CORPORA)})")
         elif os.path.isdir(src):
-            root = os.path.basename(os.path.normpath(src))
-            found = []
-            for dirpath, dirnames, filenames in os.walk(src):
-                dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
-                found += [os.path.join(dirpath, n) for n in filenames if n.endswith(TEXT_SUFFIXES)]
-            if not found:
-                raise DataError(f"{src}: no text files ({', '.join(TEXT_SUFFIXES)}) under this directory")
-            for path in sorted(found):
-                rel = os.path.relpath(path, src).replace(os.sep, "/")
-                docs += _file_documents(path, f"{root}/{rel}", tokenizer)
+            docs += _directory_documents(src, tokenizer)
         elif os.path.isfile(src):
             parent = os.path.basename(os.path.dirname(os.path.abspath(src)))
             docs += _file_documents(src, f"{parent}/{os.path.basename(src)}", tokenizer)
@@ -291,6 +288,7 @@ class PackedData:
             "rows": int(self.rows.shape[0]),
             "seq_len": int(self.rows.shape[1]) if self.rows.dim() == 2 else 0,
             "packing": "documents + EOS concatenated in a seeded order, cut into fixed-length rows",
+            **({"site_packages": site_packages_versions()} if "@site-packages" in self.sources else {}),
         }
 
 

@@ -96,6 +96,7 @@ def test_out_of_domain_sets_are_never_a_training_split(tmp_path, monkeypatch):
     every = load_packed(["@handbook"], _Tok(), 16, split="all", seed=None)
     held = load_packed(["@handbook"], _Tok(), 16, split="heldout", seed=None)
     assert every.tokens == 6 * 51 and held.tokens < every.tokens and every.record()["split"] == "all"
+    assert "site_packages" not in every.record()
 
 
 def test_site_packages_are_third_party_code_with_versions():
@@ -107,3 +108,7 @@ def test_site_packages_are_third_party_code_with_versions():
     assert all(d.name.startswith("site-packages/") and d.name.endswith(".py") for d in docs)
     assert any(d.name.startswith("site-packages/requests/") for d in docs)
     assert not any("/sas_backend/" in d.name or d.name.startswith("site-packages/torch/") for d in docs)
+    from sas_backend.training.data import load_packed
+
+    rec = load_packed(["@site-packages"], _Tok(), 64, split="all", max_tokens=2000).record()
+    assert rec["site_packages"] == versions  # what was read is recorded
