@@ -4,9 +4,11 @@
         bench/results/<study>/quality-code-X.json --gate shipped+s1l1 [--readme docs/quality.md]
 
 For each results file: perplexity change vs dense per selector and budget, attention-mass recall,
-and the acceptance of issue 8 for the `--gate` selector, checked from the numbers (not restated):
-it beats sink-local, quest and random at every budget, and at budget 512 its change is at most
-half of sink-local's. `--readme` replaces the text between `<!-- quality-report:begin -->` and
+whether its text is in-domain (a held-out split of a training corpus) or out-of-domain (a corpus no
+training set touches), and the acceptance for the `--gate` selector, checked from the numbers (not
+restated): it beats sink-local, quest and random at every budget; at budget 512 its change is at most
+half of sink-local's and at most twice the oracle's; and, when the file has the same gate served with
+and without forced blocks (NAME+s1l1 and NAME+s0l0), what dropping them costs at 512. `--readme` replaces the text between `<!-- quality-report:begin -->` and
 `<!-- quality-report:end -->` in that file (links relative to it); without it the Markdown is printed.
 """
 
@@ -23,6 +25,10 @@ BEGIN, END = "<!-- quality-report:begin -->", "<!-- quality-report:end -->"
 # Training-free selectors a gate must beat, and the budget of the "half of sink-local" target.
 RIVALS = ("sink-local", "quest", "random")
 HALF_AT = 512
+ORACLE_FACTOR = 2.0  # at HALF_AT the gate's change may be at most this times the oracle's
+# corpora that no training set touches (sas_backend.training.data.OUT_OF_DOMAIN; not imported, so this
+# script runs without the package's dependencies)
+OUT_OF_DOMAIN = ("@handbook", "@site-packages")
 
 
 def change(res: dict, name: str, budget: int) -> float:
@@ -53,7 +59,27 @@ def acceptance(res: dict, gate: str) -> List[str]:
         g, s = change(res, gate, HALF_AT), change(res, "sink-local", HALF_AT)
         out.append(f"{'met' if g <= s / 2 else 'NOT met'}: at budget {HALF_AT} {gate} {g:+.1f}% vs half of "
                    f"sink-local's {s / 2:+.1f}%")
+    if HALF_AT in budgets and "oracle" in res["results"]:
+        g, o = change(res, gate, HALF_AT), change(res, "oracle", HALF_AT)
+        # an oracle at or below dense leaves no room for a factor: then the gate must not be worse than dense
+        limit = ORACLE_FACTOR * max(o, 0.0)
+        out.append(f"{'met' if g <= limit else 'NOT met'}: at budget {HALF_AT} {gate} {g:+.1f}% vs "
+                   f"{ORACLE_FACTOR:g}x the oracle's {o:+.1f}% ({limit:+.1f}%)")
+    base, sep, _ = gate.rpartition("+")
+    unforced = f"{base}+s0l0"
+    if sep and gate != unforced and unforced in res["results"] and HALF_AT in budgets:
+        g, u = change(res, gate, HALF_AT), change(res, unforced, HALF_AT)
+        out.append(f"without forced blocks ({unforced}) at budget {HALF_AT}: {u:+.1f}% vs {g:+.1f}% "
+                   f"({u - g:+.1f} points)")
     return out
+
+
+def domain(res: dict) -> str:
+    """"out-of-domain" when any source is a corpus no training set touches, else the split's name."""
+    data = res.get("data", {})
+    if any(s in OUT_OF_DOMAIN for s in data.get("sources", [])):
+        return "out-of-domain"
+    return "in-domain " + data.get("split", res.get("split", "heldout"))
 
 
 def _link(target: pathlib.Path, base: pathlib.Path) -> str:
@@ -69,7 +95,7 @@ def section(path: str, gate: str, base: pathlib.Path = pathlib.Path(".")) -> str
     has_recall = bool(res.get("recall_per_layer"))
     sources = ", ".join(res["data"].get("sources", []))
     lines = [
-        f"**{sources}**: {res['windows']} held-out windows of {res['window']} tokens, last {res['last']} scored, "
+        f"**{sources}** ({domain(res)}): {res['windows']} windows of {res['window']} tokens, last {res['last']} scored, "
         f"dense perplexity {res['dense']:.3f}; commit `{res.get('git', {}).get('commit', res.get('commit', '?'))[:7]}`, "
         f"{res['seconds'] / 60:.0f} min; record [`{pathlib.Path(path).name}`]({_link(pathlib.Path(path), base)}) "
         "(command inside, plots beside it).",

