@@ -5,7 +5,7 @@
 #   bash bench/gate_generalization.sh OUT_DIR [STEP ...]      # e.g. bench/results/2026-11-27-gate-generalization
 #
 # Steps (default: all, in this order):
-#   corpus       serve/prepare_corpus.py (@docs, @handbook), if models/text/corpus is missing
+#   corpus       serve/prepare_corpus.py (@docs, @handbook), if $SAS_CORPUS_DIR (models/text/corpus) lacks them
 #   caches       dense feature caches, tail 256 of 4096-token rows (~14 MB a row): @docs and @stdlib train
 #                splits (~1.5M tokens each), @essays, @docs recall rows, held-out @docs/@stdlib (4 rows each);
 #                two shard processes per cache; a killed build resumes at the next missing row
@@ -14,6 +14,8 @@
 #   harness      eval_ppl, last 512 of 4096-token windows, budgets 256-2048, the three gates at sink,local 1,1 and
 #                0,0 beside oracle/quest/sink-local/random: in-domain (@docs, @stdlib held-out) and out-of-domain
 #                (@handbook, @site-packages: no training set touches them)
+#   needle       bench/needle.py through the real server (dense vs sas, 5 depths of 3K tokens, budgets 512-2048,
+#                forced 1,1 and 0,0) with $NEEDLE_GATE (default: the train-free gate)
 # Working files (caches, checkpoints) go to $WORK (default models/gen, not committed); results, logs and the
 # seconds of every step ($OUT/timings.tsv: the cost per million tokens) to OUT_DIR. On 2 cores: caches ~2.5 h,
 # each training ~40 min, the harness ~2 h. Run it on a quiet machine (a job beside it slows both ~20x).
@@ -25,7 +27,9 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash bench/gate_generalization.sh OUT_DIR [STEP ...]}
 shift
-STEPS=${*:-corpus caches train-forced train-free harness}
+STEPS=${*:-corpus caches train-forced train-free harness needle}
+NEEDLE_GATE=${NEEDLE_GATE:-}  # default: $WORK/train-free
+CORPUS=${SAS_CORPUS_DIR:-models/text/corpus}  # where @docs and @handbook are read from
 M=${MODEL:-models/SmolLM2-135M-Instruct}
 INIT=${INIT_GATE-gate_checkpoints/smollm2-135m-instruct-sas}  # empty: the seeded init, and no "shipped" row
 BUDGETS=${BUDGETS:-256 512 1024 2048}
@@ -100,15 +104,26 @@ harness() {  # $1 name, $2 data, $3 split
         > "$OUT/$name.log" 2>&1
 }
 
+needle() {
+    local gate=${NEEDLE_GATE:-$WORK/train-free} tag
+    tag=gen-$(basename "$gate")
+    if ls "$OUT"/needle-*-"$tag".json >/dev/null 2>&1; then say "needle $tag: done"; return; fi
+    say "needle $tag"
+    timed "needle-$tag" $PY bench/needle.py --model "$M" --gate "$gate" --depths 0.1 0.25 0.5 0.75 0.9 \
+        --budgets 512 1024 2048 --selectors gate --gate-forced 1,1 0,0 --tag "$tag" --out "$OUT" \
+        > "$OUT/needle-$tag.log" 2>&1
+}
+
 for step in $STEPS; do
     case $step in
-        corpus) [ -e models/text/corpus/manifest.json ] && say "corpus: done" ||
-                    { say corpus; timed corpus $PY serve/prepare_corpus.py; } ;;
+        corpus) [ -d "$CORPUS/docs" ] && [ -d "$CORPUS/handbook" ] && say "corpus: done" ||
+                    { say corpus; timed corpus $PY serve/prepare_corpus.py --out "$CORPUS"; } ;;
         caches) caches ;;
         train-forced) train train-forced 1 1 ;;
         train-free) train train-free 0 0 ;;
         harness) harness docs-heldout @docs heldout && harness code-heldout @stdlib heldout &&
                  harness handbook-ood @handbook all && harness site-packages-ood @site-packages all ;;
+        needle) needle ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac || { say "$step failed"; exit 1; }
 done

@@ -80,14 +80,23 @@ def cpu_env(extra=None) -> dict:
     return env
 
 
+# SGLang's scheduler watchdog (300 s by default) is sized for GPU forwards; on CPU a long-context batch
+# legitimately takes minutes
+CPU_WATCHDOG_S = 3600
+
+
 def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_server", python=None) -> list:
     """`python -m sglang.launch_server ...`, or `sglang serve ...` with entry="serve". Always with
     `--sleep-on-idle`: an idle scheduler otherwise busy-polls a core (93% of one on the 2-core CI
-    machine, 1% with the flag), slowing whatever runs beside it; it changes no output.
+    machine, 1% with the flag), slowing whatever runs beside it; it changes no output. On CPU also
+    `--watchdog-timeout CPU_WATCHDOG_S` unless given: SGLang kills a server whose one forward batch
+    exceeds 300 s, and on 2 cores a batch extending a cached 32K-token prefix for 3 requests takes longer.
     python: the interpreter (another venv's), default this one."""
     extra_args = [str(a) for a in extra_args]
     if "--sleep-on-idle" not in extra_args:
         extra_args.append("--sleep-on-idle")
+    if not ON_GPU and "--watchdog-timeout" not in extra_args:
+        extra_args += ["--watchdog-timeout", str(CPU_WATCHDOG_S)]
     python = str(python or sys.executable)
     if entry == "serve":
         launcher = [str(pathlib.Path(python).parent / "sglang"), "serve"]

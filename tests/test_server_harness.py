@@ -11,3 +11,19 @@ def test_every_server_sleeps_when_idle_once():
     cmd = server_cmd("m", "sas", 1234, ["--sas-budget", 512])
     assert cmd.count("--sleep-on-idle") == 1 and cmd[cmd.index("--sas-budget") + 1] == "512"
     assert server_cmd("m", "sas", 1234, ["--sleep-on-idle"]).count("--sleep-on-idle") == 1
+
+
+def test_cpu_servers_outlast_long_context_forwards(monkeypatch):
+    """SGLang's 300 s scheduler watchdog killed a CPU server mid-benchmark (a batch extending a cached
+    32K prefix for 3 requests took longer): CPU servers get CPU_WATCHDOG_S unless the caller sets one;
+    GPU servers keep SGLang's default."""
+    from sas_backend import server_harness
+
+    monkeypatch.setattr(server_harness, "ON_GPU", False)
+    cmd = server_cmd("m", "sas", 1234)
+    assert cmd[cmd.index("--watchdog-timeout") + 1] == str(server_harness.CPU_WATCHDOG_S)
+    assert server_harness.CPU_WATCHDOG_S >= 1800
+    mine = server_cmd("m", "sas", 1234, ["--watchdog-timeout", "60"])
+    assert mine.count("--watchdog-timeout") == 1 and mine[mine.index("--watchdog-timeout") + 1] == "60"
+    monkeypatch.setattr(server_harness, "ON_GPU", True)
+    assert "--watchdog-timeout" not in server_cmd("m", "sas", 1234)
