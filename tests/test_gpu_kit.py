@@ -196,7 +196,7 @@ def fake_site_kit(tmp_path_factory):
     return kit_dir
 
 
-@pytest.mark.parametrize("tier", ["tier0", "tier1", "tier2"])
+@pytest.mark.parametrize("tier", ["tier0", "tier1", "tier2", "session"])
 def test_tier_dry_run(tier, fake_site_kit, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -227,9 +227,36 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
         assert checks and all(c["ok"] for c in checks)
         # the plot needs matplotlib (the `bench` extra; CI installs test,train only)
         assert (out / "decode-step.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
-    else:
+    elif tier == "tier2":
         assert steps["server-tests"]["counts"]["tests collected"] >= 5
         assert "would start sas" in (out / "tier2-dry.log").read_text()
+    else:  # one call does it all, in the order of importance, and returns what the device tool takes back
+        assert list(steps)[:4] == ["preflight", "decode-step", "make-bench-model", "e2e-decode"]
+        assert steps["kernel-tests"]["counts"]["tests collected"] > 100
+        assert steps["server-tests"]["counts"]["tests collected"] >= 5
+        assert "--contexts 32768 --batch" in steps["e2e-decode"]["command"]  # the quick end-to-end point
+        assert len(list(out.iterdir())) <= 8  # the device tool returns at most 8 files
+
+
+def test_session_stops_after_a_failed_preflight_and_skips_what_does_not_fit(fake_site_kit, tmp_path):
+    """The preflight failing (here: the AOT record names a module the kit lacks) skips every later step
+    and says why; a step whose expected minutes do not fit in the budget is skipped, not started."""
+    record = json.loads((fake_site_kit / "aot-record.json").read_text())
+    record["modules"].append({"uri": "missing_module", "member": aot.aot_member("missing_module"), "sha256": "0"})
+    bad_record = tmp_path / "aot-record.json"
+    bad_record.write_text(json.dumps(record))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu/run.py", "session", "--dry-run", "--kit", str(fake_site_kit), "--site",
+         str(tmp_path / "site"), "--work", str(tmp_path / "work"), "--out", str(out), "--aot-record",
+         str(bad_record)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = json.loads((out / "session-dry.json").read_text())["steps"]
+    assert steps[0]["name"] == "preflight" and steps[0]["rc"] not in (0, None)
+    assert [s.get("skipped") for s in steps[1:]] == ["preflight failed"] * (len(steps) - 1)
+
+    assert gpu_run.fits(600, 9.0) and not gpu_run.fits(120, 5.0) and not gpu_run.fits(15, 0.1)
+    assert gpu_run.fits(0.6 * 5.0 * 60, 5.0)
 
 
 # ------------------------------------------------------------------ pre-built FlashInfer modules

@@ -3,6 +3,7 @@
     python3 bench/gpu/run.py tier0 --kit .whl/site # preflight, < 2 min: GPU, kit, imports, toolchain, kernels
     python3 bench/gpu/run.py tier1 [--quick]       # torch + Triton + FlashInfer (no SGLang)
     python3 bench/gpu/run.py tier2 [--quick]       # the real SGLang server, dense vs sas
+    python3 bench/gpu/run.py session --kit .whl/site  # one call for a 15-minute device session (below)
     python3 bench/gpu/run.py tier1 --dry-run       # on a CPU machine: everything up to where CUDA is needed
 
 Steps of every tier: (1) the kit in `.whl/` (bench/gpu/kit.py) is checked against SHA256SUMS,
@@ -37,6 +38,13 @@ Tier 2: make a Qwen3-4B-shaped model (4 layers with random weights for the tests
 reservation; tests/gpu/test_decode_step_gpu.py: no host sync, launches per layer) with chunked
 prefill and a radix-cache prefix; then end-to-end decode latency dense vs sas at 32K..128K, batch
 1 and 8 (bench/bench_decode.py).
+
+Session (a device session has 15 minutes in all, a call at most 10, a machine start 1-2): the steps of
+the three tiers from the site kit in one call, most important first: the preflight (nothing else runs
+if it fails), the decode-step benchmark, end-to-end decode through the server at 32K, the server
+tests, the gated-kernel benchmark at 4K-8K, the kernel tests. A step whose expected minutes do not
+fit in what is left of --budget-min is skipped (recorded why), so the call returns inside its
+limit; a second call on the still-warm machine runs the skipped ones with --no-install --skip ...
 
 --dry-run (any machine, no CUDA): the same kit steps into a scratch site, imports of what needs no
 CUDA (the kit's compiled packages only where this Python matches the kit's), `pytest --collect-only`
@@ -79,6 +87,7 @@ class Step:
     env: dict = dataclasses.field(default_factory=dict)
     produces: tuple = ()
     needs: tuple = ()  # steps that must run first (added when --only names this one)
+    stop_on_fail: bool = False  # a failure skips every later step (the preflight: fix it first)
 
 
 PYTEST = ["{py}", "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
@@ -97,14 +106,33 @@ def e2e_argv(model: str, contexts, dry: bool = False) -> list:
             "--out", "{work}/e2e", *(["--dry-run"] if dry else []), "--extra", *E2E_FLAGS]
 
 
+# A step skipped for time when its expected minutes exceed what is left by this factor (the estimates
+# are not measured yet; a step that overruns is killed at the budget anyway)
+FIT_FACTOR = 0.6
+TIERS = ("tier0", "tier1", "tier2", "session")
+
+
+def fits(left_s: float, minutes: float) -> bool:
+    """Whether a step expected to take `minutes` may start with `left_s` seconds of the budget left."""
+    return left_s >= 20 and left_s >= FIT_FACTOR * minutes * 60
+
+
 def tier_steps(tier: str, quick: bool) -> list:
-    """The steps of a tier (quick: smaller sizes, for a first look within a few minutes)."""
+    """The steps of a tier (quick: smaller sizes, for a first look within a few minutes). "session":
+    those of tiers 0-2 in the order a 15-minute device session should spend its minutes."""
+    if tier == "session":
+        by_name = {s.name: s for t in ("tier0", "tier1", "tier2") for s in tier_steps(t, quick)}
+        small = tier_steps("tier1", quick=True) + tier_steps("tier2", quick=True)  # gated 4K-8K, e2e 32K
+        by_name.update({s.name: s for s in small if s.name in ("gated-attention", "e2e-decode")})
+        order = ("preflight", "decode-step", "make-bench-model", "e2e-decode", "make-test-model", "server-tests",
+                 "gated-attention", "kernel-tests")
+        return [by_name[n] for n in order]
     if tier == "tier0":
         return [Step("preflight", ["{py}", "bench/gpu/preflight.py", "--site", "{site}", "--out", "{work}",
                                    "--record", "{aot_record}"], 1.0,
                      ["{py}", "bench/gpu/preflight.py", "--site", "{site}", "--out", "{work}", "--record",
                       "{aot_record}", "--dry-run"],
-                     produces=("preflight.json",))]
+                     produces=("preflight.json",), stop_on_fail=True)]
     if tier == "tier1":  # the benchmarks first: FlashInfer's JIT for the tests' other dtypes may run long
         step_args = ["--quick"] if quick else []
         sizes = ["4096", "8192"] if quick else ["4096", "8192", "16384", "32768"]
@@ -135,7 +163,7 @@ def tier_steps(tier: str, quick: bool) -> list:
                  e2e_argv("{work}/models/tiny-dummy", contexts, dry=True), produces=("e2e",),
                  needs=("make-bench-model",)),
         ]
-    raise SystemExit(f"unknown tier {tier!r}: tier0, tier1 or tier2")
+    raise SystemExit(f"unknown tier {tier!r}: {', '.join(TIERS)}")
 
 
 def selected(steps, only=None, skip=()) -> set:
@@ -239,6 +267,7 @@ TIER_MODULES = {
               ["flashinfer", "sglang", "sas_backend.plugin", "sglang.srt.layers.attention.flashinfer_backend", "sas_backend.backend.sas_attention"],
               ["sgl_kernel"]),
 }
+TIER_MODULES["session"] = tuple(sorted({m for t in ("tier1", "tier2") for m in TIER_MODULES[t][i]}) for i in range(3))
 
 
 def check_imports(tier, site, env, dry: bool) -> dict:
@@ -350,7 +379,7 @@ def default_kit(tier: str) -> pathlib.Path:
     for tiers 0 and 2, `.whl/fi` for tier 1 (else `.whl/site`, which holds FlashInfer too), else a
     kit laid out directly in `.whl/` (the shared kit's form). The first that holds a kit."""
     base = kit.DEFAULT_KIT_DIR
-    names = ["fi", "site"] if tier == "tier1" else ["site"]
+    names = ["fi", "site"] if tier == "tier1" else ["site"]  # a session needs SGLang: the site kit
     cands = [base / n for n in names] + [base]
     for c in cands:
         found = kit.find_kit(c) if c.is_dir() else {}
@@ -362,7 +391,7 @@ def default_kit(tier: str) -> pathlib.Path:
 def main(argv=None) -> int:
     """CLI (see the module doc); exit 0 when every step passed, 1 otherwise, 3 without a kit."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("tier", choices=["tier0", "tier1", "tier2"])
+    ap.add_argument("tier", choices=TIERS)
     ap.add_argument("--dry-run", action="store_true", help="CPU rehearsal: stop where CUDA is needed")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a first look)")
     ap.add_argument("--only", nargs="+", help="run only these steps (names as in the summary)")
@@ -399,7 +428,7 @@ def main(argv=None) -> int:
         if not args.no_install:
             if site.exists():
                 shutil.rmtree(site)
-            rec["kit"] = kit.prepare_site(pathlib.Path(args.kit), site, need_sglang=args.tier == "tier2")
+            rec["kit"] = kit.prepare_site(pathlib.Path(args.kit), site, need_sglang=args.tier in ("tier2", "session"))
             print(f"[gpu] kit ready in {rec['kit']['seconds']} s: {rec['kit']}", flush=True)
     except kit.KitError as e:
         rec["stopped"] = f"kit: {e}"
@@ -431,11 +460,16 @@ def main(argv=None) -> int:
     rc_all = 1 if failed_imports else 0
     steps = tier_steps(args.tier, args.quick)
     wanted = selected(steps, args.only, args.skip)
+    stop = None  # the failed stop_on_fail step
     for step in steps:
         if step.name not in wanted:
             continue
         argv = step.dry_argv if dry else step.argv
         srec = {"name": step.name, "expected_minutes": step.minutes}
+        if stop:
+            srec.update(rc=None, seconds=0, skipped=f"{stop} failed")
+            rec["steps"].append(srec)
+            continue
         if argv is None:
             srec.update(rc=None, seconds=0, command="(no CPU rehearsal)")
             rec["steps"].append(srec)
@@ -443,8 +477,8 @@ def main(argv=None) -> int:
         argv = fill(argv, work, site, args.aot_record)
         srec["command"] = shown(argv)
         left = deadline - time.time()
-        if left < 20:
-            srec.update(rc=None, seconds=0, skipped="no time left in --budget-min")
+        if not fits(left, step.minutes):
+            srec.update(rc=None, seconds=0, skipped=f"expected {step.minutes} min, {left / 60:.1f} min left in --budget-min")
             rec["steps"].append(srec)
             save()
             continue
@@ -459,6 +493,8 @@ def main(argv=None) -> int:
         if rc not in (0, None):
             srec["tail"] = tail[-25:]
             rc_all = 1
+            if step.stop_on_fail:
+                stop = step.name
         if not dry or step.name in ("decode-step", "preflight"):  # the dry run's results still prove the report path
             collect(step, work, out, srec)
         rec["steps"].append(srec)
