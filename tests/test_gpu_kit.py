@@ -225,6 +225,8 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
         assert steps["kernel-tests"]["counts"]["tests collected"] > 100
         checks = steps["decode-step"]["results"]["decode-step"]["checks"]
         assert checks and all(c["ok"] for c in checks)
+        profile = steps["decode-step"]["results"]["decode-step"]["profile"]  # the trace summary comes back
+        assert profile["eager"]["kernels"] > 10 and profile["eager"]["top"] and "Profile of one SAS step" in md
         # the plot needs matplotlib (the `bench` extra; CI installs test,train only)
         assert (out / "decode-step.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     elif tier == "tier2":
@@ -471,3 +473,15 @@ def test_payload_of_the_recorded_kit_leaves_headroom():
     total = (repo["tracked"] + repo["untracked"]) / 2**20 + kit_mib
     assert build_kit.CARRY_LIMIT_MIB - total >= build_kit.HEADROOM_MIB, (total, kit_mib, repo)
     assert rec["payload_before"]["total_mib"] > rec["payload_after"]["total_mib"]
+
+
+def test_timeline_summary_counts_busy_time_once_and_the_gaps():
+    """The profile's device timeline: overlapping kernels count once as busy, idle time between
+    them is the gap, and kernels are ranked by total time."""
+    import bench_decode_step
+
+    spans = [("a", 0.0, 10.0), ("b", 5.0, 12.0), ("a", 20.0, 30.0), ("c", 40.0, 41.0)]
+    r = bench_decode_step.timeline_summary(spans)
+    assert (r["kernels"], r["distinct"], r["span_us"], r["busy_us"], r["gaps_us"]) == (4, 3, 41.0, 23.0, 18.0)
+    assert [t["name"] for t in r["top"]] == ["a", "b", "c"] and r["top"][0] == {"name": "a", "count": 2, "total_us": 20.0}
+    assert bench_decode_step.timeline_summary([]) == {"kernels": 0}

@@ -14,6 +14,10 @@ all layers, replayed; `triton.testing.do_bench` median, L2 flushed between repla
 - roofline: the bytes the attention step must read (dense: K and V of the whole context; sas:
   K and V of (K+1) blocks per kv head, every candidate's fp32 summary, the gate's query weights),
   its time at the device's peak bandwidth, and the achieved bandwidth.
+Profile (issue 22's trace summary): one SAS step at the longest context, batch 1, the first budget, under
+the torch profiler, eager and as a graph replay: its kernels (name, count, time), launches, the busy
+time and the gaps between kernels on the device timeline, so the next optimisation can be planned
+without a GPU (on CPU, the dry run: top-level torch ops stand in for kernels). In "profile".
 Before timing, `--check` (default on) compares every compiled kernel with its torch reference at
 these shapes (contexts up to 128K) and the captured step with the eager one: results in "checks".
 
@@ -319,6 +323,104 @@ def time_ms(fn, graphs: bool, reps: int) -> float:
     return ms
 
 
+# ------------------------------------------------------------------------------------- profile
+def timeline_summary(spans, top: int = 12) -> dict:
+    """Summary of device work: `spans` = [(name, start_us, end_us)] of kernels (on CPU: top-level ops).
+    Busy = union of the spans, gaps = span of the step - busy (the device idle between kernels)."""
+    spans = sorted(spans, key=lambda x: x[1])
+    if not spans:
+        return {"kernels": 0}
+    busy, cur_s, cur_e = 0.0, spans[0][1], spans[0][2]
+    for _, s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, _, e in spans) - spans[0][1]
+    by_name = {}
+    for name, s, e in spans:
+        n, t = by_name.get(name, (0, 0.0))
+        by_name[name] = (n + 1, t + (e - s))
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels": len(spans), "distinct": len(by_name), "span_us": round(span, 1), "busy_us": round(busy, 1),
+            "gaps_us": round(span - busy, 1),
+            "top": [{"name": n[:120], "count": c, "total_us": round(t, 1)} for n, (c, t) in ranked]}
+
+
+def profile_step(fn, graphs: bool) -> dict:
+    """One call of `fn` (captured and replayed when `graphs`) under torch.profiler: the device kernels
+    (CPU: top-level ops) summarized by `timeline_summary`, plus the CPU-side launch calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    target = fn
+    if cuda:
+        fn()
+        torch.cuda.synchronize()
+        if graphs:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            target = graph.replay
+            target()
+            torch.cuda.synchronize()
+    else:
+        fn()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        target()
+        if cuda:
+            torch.cuda.synchronize()
+    events = list(prof.events())
+    if cuda:
+        spans = [(e.name, e.time_range.start, e.time_range.end) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        spans = [(e.name, e.time_range.start, e.time_range.end) for e in events
+                 if e.cpu_parent is None and not e.name.startswith("ProfilerStep")]
+    launches = sum(1 for e in events if e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
+                                                            "cudaLaunchKernelExC")))
+    return {**timeline_summary(spans), "launch_calls": launches, "graph_replay": bool(cuda and graphs)}
+
+
+def profile_point(geo, ctx, bs, budget, args) -> dict:
+    """The profile record of one SAS step (eager, and graph replay where CUDA graphs are on)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w = World(geo, ctx, bs, distinct_sets(geo, ctx, bs, args.mem_fraction), dev)
+    rec = {"context": ctx, "batch": bs, "budget": budget}
+    st = SasStep(w, budget, graphs=False)
+    rec["eager"] = profile_step(st.step, graphs=False)
+    del st
+    if args.graphs:
+        st = SasStep(w, budget, graphs=True)
+        rec["graph"] = profile_step(st.step, graphs=True)
+        del st
+    del w
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rec
+
+
+def profile_markdown(p: dict) -> str:
+    """The profile section of the summary."""
+    lines = [f"## Profile of one SAS step: context {p['context']}, batch {p['batch']}, budget {p['budget']}", ""]
+    for mode in ("eager", "graph"):
+        r = p.get(mode)
+        if not r or not r.get("kernels"):
+            continue
+        lines.append(f"- {mode}: {r['kernels']} kernels ({r['distinct']} distinct), {r['launch_calls']} launch calls; "
+                     f"span {r['span_us']} us, busy {r['busy_us']} us, gaps {r['gaps_us']} us")
+    for mode in ("graph", "eager"):
+        r = p.get(mode)
+        if r and r.get("top"):
+            lines += ["", f"Top kernels ({mode}):", "",
+                      md_table(["kernel", "count", "total us"], [[t["name"], t["count"], t["total_us"]] for t in r["top"]])]
+            break
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------ roofline
 def step_bytes(geo: Geometry, ctx: int, bs: int, budget: int | None) -> int:
     """Bytes the attention step of all layers must read (bf16 KV; None: dense)."""
@@ -477,6 +579,8 @@ def markdown(record: dict) -> str:
     lines.append(md_table(head, rows))
     lines.append("")
     lines.append("Times are ms for all layers of one step (breakdown columns: that op alone over all layers).")
+    if record.get("profile"):
+        lines += ["", profile_markdown(record["profile"])]
     return "\n".join(lines) + "\n"
 
 
@@ -525,6 +629,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.4, help="of free memory for the K/V buffer sets")
     ap.add_argument("--peak-gbs", type=float, default=None, help="peak HBM GB/s (default: from the device name)")
     ap.add_argument("--quick", action="store_true", help="8K and 32K, batch 1 and 8, budget 2048")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="skip the profiler trace summary of one SAS step")
     ap.add_argument("--dry-run", action="store_true",
                     help="no CUDA needed: a tiny geometry through the torch paths (proves the plumbing only)")
     ap.add_argument("--out", default="bench/out/gpu")
@@ -558,8 +664,13 @@ def main(argv=None) -> int:
             rows.append(row)
             sas = "  ".join(f"b{b} {s['ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items())
             print(f"[step] ctx {ctx:7d} bs {bs}: dense {row['dense_ms']:.3f} ms  {sas}", flush=True)
+    profile_rec = None
+    if args.profile:
+        profile_rec = profile_point(geo, max(args.contexts), 1, args.budgets[0], args)
+        print(profile_markdown(profile_rec), flush=True)
     record = {
         "what": "attention part of one decode step over all layers: dense FlashInfer vs the full SAS step",
+        "profile": profile_rec,
         "mode": mode, "geometry_name": name, "geometry": dataclasses.asdict(geo), "graphs": args.graphs,
         "budgets": args.budgets, "peak_gbs": args.peak_gbs,
         "weights_floor_ms": round(geo.params * 2 / args.peak_gbs / 1e6, 3) if args.peak_gbs else None,
