@@ -18,6 +18,9 @@ class SASConfigError(ValueError):
     """A SAS setting that cannot work; the message says which and how to fix it."""
 
 
+#: Who runs extend attention on CPU (SASConfig.cpu_extend).
+CPU_EXTENDS = ("sas", "torch_native")
+
 #: Budget when neither the launch nor the gate's record names one (and for training-free selectors).
 DEFAULT_BUDGET = 2048
 
@@ -47,6 +50,8 @@ class SASConfig:
     sink_blocks / local_blocks: blocks always selected (first blocks / blocks right before the
         current one); they count inside K. None: the gate's record, else 0.
     debug_dir: if set, each decode step appends selection statistics there (slow; tests only).
+    cpu_extend: who runs extend (prefill) attention on CPU: "sas" (ops/extend: the new queries only)
+        or "torch_native" (SGLang's, which pads each request's queries to its whole length).
 
     Each field's metadata names its variable and flag; `SETTINGS` lists them.
     """
@@ -76,6 +81,7 @@ class SASConfig:
         "Always attend the N blocks before the current one (inside the budget).",
         "default: the gate's record, else 0")
     debug_dir: Optional[str] = _setting(None, "SAS_DEBUG_DIR")
+    cpu_extend: str = _setting("sas", "SAS_CPU_EXTEND")
 
     @property
     def top_k(self) -> int:
@@ -155,6 +161,8 @@ class SASConfig:
                 "python -m sas_backend.gate.convert), or choose a training-free "
                 "selector with --sas-selector quest or --sas-selector sink-local"
             )
+        if self.cpu_extend not in CPU_EXTENDS:
+            raise SASConfigError(f"SAS_CPU_EXTEND must be one of {', '.join(CPU_EXTENDS)}, got {self.cpu_extend!r}")
         return self
 
     @classmethod

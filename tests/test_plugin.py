@@ -121,6 +121,11 @@ def test_config_validation_rules():
         SASConfig(selector="h2o").validate()
     with pytest.raises(SASConfigError, match="--sas-selector quest"):
         SASConfig(selector="gate").validate()
+    # Who runs CPU extend attention: ours by default, SGLang's on request, nothing else.
+    assert SASConfig(selector="quest").cpu_extend == "sas"
+    assert SASConfig.from_env({"SAS_SELECTOR": "quest", "SAS_CPU_EXTEND": "torch_native"}).validate().cpu_extend == "torch_native"
+    with pytest.raises(SASConfigError, match="SAS_CPU_EXTEND must be one of sas, torch_native"):
+        SASConfig(selector="quest", cpu_extend="flash").validate()
 
 
 def test_training_free_selector_needs_no_gate_flag(parse, clean_env):

@@ -201,4 +201,5 @@ def create_sas_backend(runner) -> SASAttnBackend:
     backend.rope_tables = rope  # the live tables, for a backend that follows table replacement
     backend.kv_head_offset = tp_rank * kv_local
     backend.gate_sha256 = gate_sha256
+    backend.own_cpu_extend = device.type == "cpu" and cfg.cpu_extend == "sas"
     return backend

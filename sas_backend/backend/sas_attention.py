@@ -28,6 +28,7 @@ from sas_backend.backend.kv_write import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
 from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
+from sas_backend.ops.extend import paged_extend_attention
 from sas_backend.ops.sparse_decode import make_sparse_decode
 from sas_backend.selection import SelectionRule, make_selector
 
@@ -127,6 +128,10 @@ class SASAttnBackend(AttentionBackend):
         self._step_buffers: Optional[StepBuffers] = None  # made by init_cuda_graph_state
         self._plan: Optional[DecodePlan] = None
         self._extend_blocks = None  # (pages [N], starts [N]) of blocks completed by this extend
+        # CPU extend: our own (the new queries only, ops/extend) instead of the wrapped torch-native
+        # one, which pads every request's queries to its whole length. Set by the factory.
+        self.own_cpu_extend = False
+        self._extend_reqs = None  # (req rows, prefix lens, extend lens) host ints, for own_cpu_extend
         self._debug_step = 0
         logger.info(
             "sas: %s selector, %d sparse layers from layer %d, budget %d tokens (K=%d blocks of %d), "
@@ -159,6 +164,7 @@ class SASAttnBackend(AttentionBackend):
             self.inner.init_forward_metadata(forward_batch)
             self._plan = None
             self._extend_blocks = self._plan_extend(forward_batch) if mode.is_extend() else None
+            self._extend_reqs = self._plan_own_extend(forward_batch) if mode.is_extend() else None
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         # The wrapped backend's graph buffers serve only dense layers: allocate none without them.
@@ -255,6 +261,41 @@ class SASAttnBackend(AttentionBackend):
         )
         return pages, starts
 
+    def _plan_own_extend(self, fb):
+        """(req rows, prefix lens, extend lens) as host ints when this batch's extend is ours, else None:
+        own_cpu_extend set, a plain decoder batch (no encoder), host lengths available."""
+        if not self.own_cpu_extend or getattr(fb, "encoder_lens", None) is not None:
+            return None
+        prefix, lens = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
+        if prefix is None or lens is None:
+            return None
+        return [int(r) for r in fb.req_pool_indices.tolist()], [int(p) for p in prefix], [int(e) for e in lens]
+
+    def _own_extend(self, q, k, v, layer, forward_batch, save_kv_cache):
+        """Causal self-attention of the batch's new tokens (ops/extend); K/V stored first."""
+        if save_kv_cache and k is not None and v is not None:
+            save_kv(self.token_to_kv_pool, layer, forward_batch.out_cache_loc, k, v)
+        rows, prefix, lens = self._extend_reqs
+        q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = q.new_empty(q3.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        paged_extend_attention(
+            q3, out, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
+            rows, prefix, lens, layer.scaling, block=self.block_size,
+        )
+        return out.view(q3.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+    @staticmethod
+    def _plain_causal(layer) -> bool:
+        """A causal decoder self-attention layer without a sliding window or logit cap."""
+        window = getattr(layer, "sliding_window_size", None)
+        return (
+            not getattr(layer, "is_cross_attention", False)
+            and getattr(getattr(layer, "attn_type", None), "value", "decoder") == "decoder"
+            and (window is None or window < 0)
+            and not getattr(layer, "logit_cap", 0)
+        )
+
     def _to_device(self, values: list) -> torch.Tensor:
         """int64 `[n]` on the backend's device without a blocking copy: staged in pinned host
         memory and copied asynchronously (a pageable source would make the copy synchronous)."""
@@ -263,7 +304,10 @@ class SASAttnBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        if self._extend_reqs is not None and not kwargs and self._plain_causal(layer):
+            out = self._own_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        else:
+            out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         if layer.layer_id in self.gates and self._extend_blocks is not None:
             gate = self.gates[layer.layer_id]  # None for the training-free selectors
             pages, starts = self._extend_blocks
