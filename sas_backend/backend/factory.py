@@ -202,4 +202,7 @@ def create_sas_backend(runner) -> SASAttnBackend:
     backend.kv_head_offset = tp_rank * kv_local
     backend.gate_sha256 = gate_sha256
     backend.own_cpu_extend = device.type == "cpu" and cfg.cpu_extend == "sas"
+    if device.type == "cpu":
+        logger.info("sas: CPU extend attention by %s (SAS_CPU_EXTEND)", "sas (ops/extend)" if backend.own_cpu_extend
+                    else "torch_native")
     return backend

@@ -56,6 +56,7 @@ def test_with_sglang_prefill_tokens_are_bit_identical_to_dense(essay_ids, dense_
             sas = complete(server.url, prompt, **ARGS)["choices"][0]
             assert dense["token_ids"] == sas["token_ids"] and dense["text"] == sas["text"], length
             assert dense["logprobs"]["token_logprobs"] == sas["logprobs"]["token_logprobs"], length
+        assert "sas: CPU extend attention by torch_native" in server.log_text()
 
 
 def test_sas_info_reports_config_and_gate(sas_full_server, shipped_gate):
@@ -75,3 +76,5 @@ def test_sas_info_reports_config_and_gate(sas_full_server, shipped_gate):
     assert (info["config"]["sink_blocks"], info["config"]["local_blocks"]) == (1, 1)
     assert "sas: gate selector, 30 sparse layers" in sas_full_server.log_text()
     assert "summary pool" in sas_full_server.log_text()
+    if not ON_GPU:  # which prefill attention runs is logged
+        assert "sas: CPU extend attention by sas (ops/extend)" in sas_full_server.log_text()

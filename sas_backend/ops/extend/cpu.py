@@ -38,8 +38,9 @@ def _flash_with_lse(q, k, v, causal: bool, scale: float, mask: torch.Tensor | No
 
 def _lse_available() -> bool:
     try:
-        x = torch.zeros(1, 2, 4)
+        x = torch.zeros(1, 2, 4)  # both call forms "blocks" makes: causal, and with an additive mask
         _flash_with_lse(x, x, x, True, 1.0)
+        _flash_with_lse(x, x, x, False, 1.0, torch.zeros(2, 2))
         return True
     except (AttributeError, RuntimeError, TypeError):
         return False
