@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     for sel in args.selectors:
         for b in args.budgets:
             extra = ["--sas-selector", sel, "--sas-budget", str(b)] + (["--sas-gate", args.gate] if sel == "gate" else [])
-            for sink, local in (forced or [None]) if sel == "gate" else [None]:
+            for sink, local in (forced or [(None, None)]) if sel == "gate" else [(None, None)]:
                 if sink is None:
                     configs.append((f"sas {sel} b{b}", "sas", extra))
                 else:
