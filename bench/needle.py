@@ -59,6 +59,27 @@ def ask(url: str, prompt: str) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
+def server_configs(args) -> list[tuple[str, str, list]]:
+    """(name, backend, extra flags) of every server to run, dense first: the gate's serve default if
+    asked, then each selector x budget (the gate once per --gate-forced setting, or with its record's)."""
+    configs = [("dense", "torch_native", [])]
+    forced = parse_forced(args.gate_forced)
+    if args.serve_default:
+        served = SASConfig(gate_path=args.gate).resolved()
+        configs.append((f"sas gate serve default (b{served.budget}, sink {served.sink_blocks}, local "
+                        f"{served.local_blocks})", "sas", ["--sas-gate", args.gate]))
+    for sel in args.selectors:
+        for b in args.budgets:
+            extra = ["--sas-selector", sel, "--sas-budget", str(b)] + (["--sas-gate", args.gate] if sel == "gate" else [])
+            for sink, local in (forced or [(None, None)]) if sel == "gate" else [(None, None)]:
+                if sink is None:
+                    configs.append((f"sas {sel} b{b}", "sas", extra))
+                else:
+                    configs.append((f"sas {sel}+s{sink}l{local} b{b}", "sas",
+                                    extra + ["--sas-sink-blocks", str(sink), "--sas-local-blocks", str(local)]))
+    return configs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -97,21 +118,7 @@ def main(argv=None) -> int:
     # the pool holds the whole prompt (the harness's CPU default is 16384 tokens)
     common = ["--dtype", "float32", "--context-length", str(args.context + 512),
               "--max-total-tokens", str(max(16384, args.context + 1024))]
-    configs = [("dense", "torch_native", [])]
-    forced = parse_forced(args.gate_forced)
-    if args.serve_default:
-        served = SASConfig(gate_path=args.gate).resolved()
-        configs.append((f"sas gate serve default (b{served.budget}, sink {served.sink_blocks}, local "
-                        f"{served.local_blocks})", "sas", ["--sas-gate", args.gate]))
-    for sel in args.selectors:
-        for b in args.budgets:
-            extra = ["--sas-selector", sel, "--sas-budget", str(b)] + (["--sas-gate", args.gate] if sel == "gate" else [])
-            for sink, local in (forced or [(None, None)]) if sel == "gate" else [(None, None)]:
-                if sink is None:
-                    configs.append((f"sas {sel} b{b}", "sas", extra))
-                else:
-                    configs.append((f"sas {sel}+s{sink}l{local} b{b}", "sas",
-                                    extra + ["--sas-sink-blocks", str(sink), "--sas-local-blocks", str(local)]))
+    configs = server_configs(args)
     date = datetime.date.today().isoformat()
     tag = f"needle-{date}" + (f"-{args.tag}" if args.tag else "") + ("-quick" if args.quick else "")
     out = pathlib.Path(args.out)
