@@ -7,7 +7,7 @@ import requests
 
 from sas_backend.server_harness import ON_GPU, Server, complete
 from sas_backend.soak.run import flush_cache
-from tests.server.conftest import DENSE_ARGS
+from tests.server.conftest import DENSE_ARGS, assert_identical_up_to_a_near_tie
 
 # Within one block; exactly on a block boundary; many blocks. 30 new tokens make the first
 # prompt complete a block during decode (the decode-time summary update).
@@ -21,15 +21,6 @@ def _prompt(essay_ids, length):
     return essay_ids[offset : offset + length]
 
 
-def _identical_up_to_a_near_tie(dense, sas):
-    """Different kernels: the same tokens up to the first near-tie of the dense model (top-2 within 0.05)."""
-    for i, (a, b) in enumerate(zip(dense["token_ids"], sas["token_ids"])):
-        if a != b:
-            top2 = sorted(dense["logprobs"]["top_logprobs"][i].values())[-2:]
-            assert top2[1] - top2[0] < 0.05, (i, top2)
-            break
-
-
 @pytest.mark.parametrize("length", PROMPT_LENGTHS)
 def test_greedy_tokens_identical_to_dense(length, essay_ids, dense_server, sas_full_server):
     """The default sas server: its own prefill on CPU (ops/extend), FlashInfer's on GPU; both differ from
@@ -37,7 +28,7 @@ def test_greedy_tokens_identical_to_dense(length, essay_ids, dense_server, sas_f
     prompt = _prompt(essay_ids, length)
     dense = complete(dense_server.url, prompt, **ARGS)["choices"][0]
     sas = complete(sas_full_server.url, prompt, **ARGS)["choices"][0]
-    _identical_up_to_a_near_tie(dense, sas)
+    assert_identical_up_to_a_near_tie(dense, sas)
     assert len(sas["token_ids"]) == NEW_TOKENS
 
 
