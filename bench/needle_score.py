@@ -19,6 +19,7 @@ Writes bench/results/needle-score-<date>[-TAG].{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import pathlib
@@ -66,20 +67,39 @@ def fact_block(p_ids, a_ids, code: slice, block_size: int):
 
 
 @torch.no_grad()
-def passphrase_nll(model, p_ids, a_ids, code: slice, spec=None, selected=None):
+def prefill(model, p_ids):
+    """The prompt run densely once (as the server's prefill): (its KV cache, `[V]` logits of its last position).
+    passphrase_nll(prefilled=...) reuses it for every selector, so a long prompt is not recomputed per config,
+    and only the last position's logits are kept (a 16K prompt's full logits would be ~10 GB)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(torch.tensor(p_ids)[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache, out.logits[0, -1]
+
+
+@torch.no_grad()
+def passphrase_nll(model, p_ids, a_ids, code: slice, spec=None, selected=None, prefilled=None):
     """(summed NLL of the passphrase tokens, its first token is the argmax) for the prompt followed by the
     answer; `spec` (SparseEvalSpec, sparse_from = len(prompt)) makes the answer's queries sparse.
-    selected: optional dict filled with `{layer: [P, H_kv, K]}` block indices the answer's queries chose."""
+    selected: optional dict filled with `{layer: [P, H_kv, K]}` block indices the answer's queries chose.
+    prefilled: `prefill(model, p_ids)`; the answer then runs on its cache (cropped back afterwards)."""
     from sas_backend.hf.sparse_eval import sparse_eval
 
-    ids = torch.tensor(p_ids + a_ids)[None]
-    if spec is None:
-        logits = model(ids).logits[0]
-    else:
-        with sparse_eval(model, spec, max_pos=ids.shape[1], record=selected):
-            logits = model(ids).logits[0]
     n = len(p_ids)
-    pred = logits[n - 1:-1].float()  # row j predicts answer token j
+    ctx = contextlib.nullcontext() if spec is None else sparse_eval(model, spec, max_pos=n + len(a_ids),
+                                                                    record=selected)
+    with ctx:
+        if prefilled is None:
+            logits = model(torch.tensor(p_ids + a_ids)[None]).logits[0]
+            pred = logits[n - 1:-1].float()  # row j predicts answer token j
+        else:
+            cache, last = prefilled
+            try:
+                logits = model(torch.tensor(a_ids)[None], past_key_values=cache, use_cache=True).logits[0]
+            finally:
+                cache.crop(n)
+            pred = torch.cat([last[None], logits[:-1]]).float()
     target = torch.tensor(a_ids)
     nll = torch.nn.functional.cross_entropy(pred[code], target[code], reduction="sum")
     return float(nll), bool(pred[code.start].argmax() == target[code.start])
@@ -120,23 +140,25 @@ def main(argv=None) -> int:
                 configs.append((f"{name}+s{sink}l{local} b{budget}", dict(top_k=k, selector="gate", gates=gates,
                                                                           sink_blocks=sink, local_blocks=local)))
         configs += [(f"{sel} b{budget}", dict(top_k=k, selector=sel)) for sel in args.baselines]
-    rows = []
-    for name, kw in configs:
-        scores = []
-        for depth, p_ids, a_ids, code in cases:
+    rows = [{"selector": name, "scores": []} for name, _ in configs]
+    for i_case, (depth, p_ids, a_ids, code) in enumerate(cases):  # one dense prefill per depth
+        t0 = time.time()
+        prefilled = prefill(model, p_ids)
+        print(f"[needle_score] depth {depth:g} ({i_case + 1}/{len(cases)}): {len(p_ids)}-token prompt prefilled "
+              f"in {time.time() - t0:.0f} s", flush=True)
+        for row, (name, kw) in zip(rows, configs):
             spec = None if kw is None else SparseEvalSpec(block_size=b, sparse_from=len(p_ids), **kw)
             selected = {}
-            nll, top1 = passphrase_nll(model, p_ids, a_ids, code, spec, selected)
+            nll, top1 = passphrase_nll(model, p_ids, a_ids, code, spec, selected, prefilled)
             block = fact_block(p_ids, a_ids, code, b)
             # per layer: share of the answer's (query, kv head) pairs that chose the passphrase's block
             share = None if block is None or not selected else {
                 str(layer): round(float((sel == block).any(-1).float().mean()), 3)
                 for layer, sel in sorted(selected.items())}
-            scores.append({"depth": depth, "nll": round(nll, 3), "first_token_top1": top1, "fact_block": block,
-                           "fact_block_share_per_layer": share})
-        rows.append({"selector": name, "scores": scores})
-        print(f"[needle_score] {name:28s} " + " ".join(f"{s['nll']:6.2f}{'*' if s['first_token_top1'] else ' '}"
-                                                     for s in scores), flush=True)
+            row["scores"].append({"depth": depth, "nll": round(nll, 3), "first_token_top1": top1,
+                                  "fact_block": block, "fact_block_share_per_layer": share})
+            print(f"[needle_score]   {name:28s} NLL {nll:6.2f}{' (first token top-1)' if top1 else ''}", flush=True)
+        del prefilled
 
     head = "| selector | " + " | ".join(f"depth {d:g}" for d, *_ in cases) + " | sum |"
     lines = [head, "|" + "---|" * (len(cases) + 2)]

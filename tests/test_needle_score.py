@@ -72,3 +72,21 @@ def test_fact_block_and_what_each_layer_chose(setup):
                                                    sparse_from=len(p_ids)), selected)
         assert len(selected) == model.config.num_hidden_layers
         assert any(bool((sel == block).any()) for sel in selected.values()) == chosen
+
+
+def test_prefilled_prompt_gives_the_same_scores(setup):
+    """The prompt prefilled once and its cache reused (cropped back after each answer) scores as a full
+    forward does, for dense and sparse selectors alike, and leaves the cache at the prompt's length."""
+    from sas_backend.hf.sparse_eval import SparseEvalSpec
+
+    needle_score, _, model, cases = setup
+    _, p_ids, a_ids, code = cases[1]
+    prefilled = needle_score.prefill(model, p_ids)
+    for spec in (None, SparseEvalSpec(top_k=2, block_size=64, selector="oracle", sparse_from=len(p_ids)),
+                 SparseEvalSpec(top_k=1, block_size=64, selector="sink-local", sparse_from=len(p_ids))):
+        full_sel, pre_sel = {}, {}
+        full = needle_score.passphrase_nll(model, p_ids, a_ids, code, spec, full_sel)
+        pre = needle_score.passphrase_nll(model, p_ids, a_ids, code, spec, pre_sel, prefilled)
+        assert pre[0] == pytest.approx(full[0], rel=1e-4, abs=1e-4) and pre[1] == full[1]
+        assert prefilled[0].get_seq_length() == len(p_ids)
+        assert full_sel.keys() == pre_sel.keys() and all(torch.equal(full_sel[k], pre_sel[k]) for k in full_sel)
