@@ -38,8 +38,16 @@ from sas_backend.server_harness import DEFAULT_MODEL, default_gate  # noqa: E402
 from sas_backend.training.eval_ppl import load_gates, parse_forced, parse_gates  # noqa: E402
 
 
-def needle_cases(tok, context: int, depths):
-    """[(depth, prompt ids, answer ids, passphrase slice in the answer)] for bench/needle.py's facts."""
+ANSWERS = ("sentence", "passphrase")
+
+
+def needle_cases(tok, context: int, depths, answer: str = "sentence"):
+    """[(depth, prompt ids, answer ids, passphrase slice in the answer)] for bench/needle.py's facts.
+    answer: "sentence" (the needle sentence; its passphrase tokens are all sparse queries' predictions) or
+    "passphrase" (the passphrase alone, as the question asks and the server answers: its first token comes from
+    the prompt's last position, i.e. dense prefill, the rest from sparse decode)."""
+    if answer not in ANSWERS:
+        raise ValueError(f"answer must be one of {ANSWERS}, got {answer!r}")
     essays = read_essays()
     text = "\n\n".join(essays[k] for k in sorted(essays))
     cases = []
@@ -49,10 +57,14 @@ def needle_cases(tok, context: int, depths):
         prompt = tok.apply_chat_template([{"role": "user", "content": hay + "\n\n" + QUESTION.format(place=place)}],
                                          tokenize=False, add_generation_prompt=True)
         p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-        head = NEEDLE.format(place=place, code="").rstrip(".").rstrip()
-        a_ids = tok(NEEDLE.format(place=place, code=code), add_special_tokens=False)["input_ids"]
-        start = len(tok(head, add_special_tokens=False)["input_ids"])
-        end = len(a_ids) - 1  # the final "."
+        if answer == "passphrase":
+            a_ids = tok(code, add_special_tokens=False)["input_ids"]
+            start, end = 0, len(a_ids)
+        else:
+            head = NEEDLE.format(place=place, code="").rstrip(".").rstrip()
+            a_ids = tok(NEEDLE.format(place=place, code=code), add_special_tokens=False)["input_ids"]
+            start = len(tok(head, add_special_tokens=False)["input_ids"])
+            end = len(a_ids) - 1  # the final "."
         if tok.decode(a_ids[start:end]).strip() != code:
             raise ValueError(f"passphrase {code!r} is not tokens [{start}:{end}] of the answer")
         cases.append((depth, p_ids, a_ids, slice(start, end)))
@@ -80,8 +92,8 @@ def prefill(model, p_ids):
 
 @torch.no_grad()
 def passphrase_nll(model, p_ids, a_ids, code: slice, spec=None, selected=None, prefilled=None):
-    """(summed NLL of the passphrase tokens, its first token is the argmax) for the prompt followed by the
-    answer; `spec` (SparseEvalSpec, sparse_from = len(prompt)) makes the answer's queries sparse.
+    """(summed NLL of the passphrase tokens, its first token is the argmax, every one of its tokens is the argmax)
+    for the prompt followed by the answer (the last: greedy decoding would write the passphrase); `spec` (SparseEvalSpec, sparse_from = len(prompt)) makes the answer's queries sparse.
     selected: optional dict filled with `{layer: [P, H_kv, K]}` block indices the answer's queries chose.
     prefilled: `prefill(model, p_ids)`; the answer then runs on its cache (cropped back afterwards)."""
     from sas_backend.hf.sparse_eval import sparse_eval
@@ -102,7 +114,8 @@ def passphrase_nll(model, p_ids, a_ids, code: slice, spec=None, selected=None, p
             pred = torch.cat([last[None], logits[:-1]]).float()
     target = torch.tensor(a_ids)
     nll = torch.nn.functional.cross_entropy(pred[code], target[code], reduction="sum")
-    return float(nll), bool(pred[code.start].argmax() == target[code.start])
+    top1 = pred[code].argmax(-1) == target[code]
+    return float(nll), bool(top1[0]), bool(top1.all())
 
 
 def main(argv=None) -> int:
@@ -116,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gate-forced", nargs="+", default=["1,1"], metavar="SINK,LOCAL")
     ap.add_argument("--baselines", nargs="*", default=["oracle", "quest", "sink-local"],
                     choices=["oracle", "quest", "sink-local", "random"])
+    ap.add_argument("--answer", choices=ANSWERS, default="sentence",
+                    help="teacher-forced answer: the needle sentence, or the passphrase alone (the server's answer)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
@@ -129,7 +144,7 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.model_max_length = 1 << 30
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    cases = needle_cases(tok, args.context, args.depths)
+    cases = needle_cases(tok, args.context, args.depths, args.answer)
     b = args.block_size
     configs = [("dense", None)]
     for budget in args.budgets:
@@ -149,21 +164,23 @@ def main(argv=None) -> int:
         for row, (name, kw) in zip(rows, configs):
             spec = None if kw is None else SparseEvalSpec(block_size=b, sparse_from=len(p_ids), **kw)
             selected = {}
-            nll, top1 = passphrase_nll(model, p_ids, a_ids, code, spec, selected, prefilled)
+            nll, top1, greedy = passphrase_nll(model, p_ids, a_ids, code, spec, selected, prefilled)
             block = fact_block(p_ids, a_ids, code, b)
             # per layer: share of the answer's (query, kv head) pairs that chose the passphrase's block
             share = None if block is None or not selected else {
                 str(layer): round(float((sel == block).any(-1).float().mean()), 3)
                 for layer, sel in sorted(selected.items())}
             row["scores"].append({"depth": depth, "nll": round(nll, 3), "first_token_top1": top1,
-                                  "fact_block": block, "fact_block_share_per_layer": share})
-            print(f"[needle_score]   {name:28s} NLL {nll:6.2f}{' (first token top-1)' if top1 else ''}", flush=True)
+                                  "all_tokens_top1": greedy, "fact_block": block, "fact_block_share_per_layer": share})
+            print(f"[needle_score]   {name:28s} NLL {nll:6.2f}{' (first token top-1)' if top1 else ''}"
+                  f"{' (every token top-1)' if greedy else ''}", flush=True)
         del prefilled
 
     head = "| selector | " + " | ".join(f"depth {d:g}" for d, *_ in cases) + " | sum |"
     lines = [head, "|" + "---|" * (len(cases) + 2)]
     for row in rows:
-        cells = [f"{s['nll']:.2f}{' *' if s['first_token_top1'] else ''}" for s in row["scores"]]
+        cells = [f"{s['nll']:.2f}{' *' if s['first_token_top1'] else ''}{'+' if s['all_tokens_top1'] else ''}"
+                 for s in row["scores"]]
         lines.append(f"| {row['selector']} | " + " | ".join(cells) + f" | {sum(s['nll'] for s in row['scores']):.2f} |")
     table = "\n".join(lines)
     date = datetime.date.today().isoformat()
@@ -175,6 +192,7 @@ def main(argv=None) -> int:
                 "the answer's queries sparse under the serving rule (transformers + sas_backend.hf.sparse_eval)",
         "date": date, "commit": git_state()["commit"], "model": repo_relative(args.model),
         "gates": {n: repo_relative(p) for n, p in gate_paths.items()}, "context_tokens": args.context,
+        "answer": args.answer,
         "rows": rows, "needle": NEEDLE, "question": QUESTION, "wall_s": round(time.time() - started, 1),
         "command": command, "table_markdown": table,
     }
@@ -183,8 +201,9 @@ def main(argv=None) -> int:
     (out / f"{tag}.json").write_text(json.dumps(record, indent=2))
     (out / f"{tag}.md").write_text(
         f"# Needle, teacher-forced, {date}\n\n{command} (commit {record['commit']})\n\n"
-        "NLL of the passphrase's tokens (summed, nats) after the needle prompt; `*`: its first token is the argmax "
-        "(what greedy decoding needs). Answer tokens are sparse queries under the serving rule.\n\n"
+        f"NLL of the passphrase's tokens (summed, nats) after the needle prompt, the answer being the {args.answer}; "
+        "`*`: its first token is the argmax, `+`: every one of its tokens is (greedy decoding writes the passphrase). "
+        "Answer tokens are sparse queries under the serving rule.\n\n"
         f"{table}\n")
     print(table)
     print(f"[needle_score] wrote {out / (tag + '.json')} and {out / (tag + '.md')}")

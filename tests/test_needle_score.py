@@ -90,3 +90,22 @@ def test_prefilled_prompt_gives_the_same_scores(setup):
         assert pre[0] == pytest.approx(full[0], rel=1e-4, abs=1e-4) and pre[1] == full[1]
         assert prefilled[0].get_seq_length() == len(p_ids)
         assert full_sel.keys() == pre_sel.keys() and all(torch.equal(full_sel[k], pre_sel[k]) for k in full_sel)
+
+
+def test_passphrase_answer_is_what_the_server_decodes(setup):
+    """--answer passphrase: the answer is the passphrase alone; its first token is predicted by the prompt's last
+    position (dense prefill), so a starved selection cannot change it, only the tokens after it."""
+    from sas_backend.hf.sparse_eval import SparseEvalSpec
+
+    needle_score, tok, model, _ = setup
+    cases = needle_score.needle_cases(tok, 320, [0.2, 0.8], answer="passphrase")
+    _, p_ids, a_ids, code = cases[1]
+    assert code == slice(0, len(a_ids)) and tok.decode(a_ids).strip() == needle_score.CODES[1]
+    prefilled = needle_score.prefill(model, p_ids)
+    dense = needle_score.passphrase_nll(model, p_ids, a_ids, code, prefilled=prefilled)
+    starved = needle_score.passphrase_nll(
+        model, p_ids, a_ids, code, SparseEvalSpec(top_k=1, block_size=64, selector="sink-local",
+                                                  sparse_from=len(p_ids)), prefilled=prefilled)
+    assert starved[1] == dense[1] and starved[0] > dense[0] + 2.0
+    with pytest.raises(ValueError, match="answer must be one of"):
+        needle_score.needle_cases(tok, 320, [0.5], answer="word")
