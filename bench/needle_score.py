@@ -146,6 +146,9 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     cases = needle_cases(tok, args.context, args.depths, args.answer)
     b = args.block_size
+    # the fact's block, located by the passphrase as tokenized inside the needle sentence (the same prompts;
+    # tokenized alone it may split differently from the haystack's text)
+    blocks = [fact_block(p, a, c, b) for _, p, a, c in needle_cases(tok, args.context, args.depths, "sentence")]
     configs = [("dense", None)]
     for budget in args.budgets:
         k = budget // b
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
             spec = None if kw is None else SparseEvalSpec(block_size=b, sparse_from=len(p_ids), **kw)
             selected = {}
             nll, top1, greedy = passphrase_nll(model, p_ids, a_ids, code, spec, selected, prefilled)
-            block = fact_block(p_ids, a_ids, code, b)
+            block = blocks[i_case]
             # per layer: share of the answer's (query, kv head) pairs that chose the passphrase's block
             share = None if block is None or not selected else {
                 str(layer): round(float((sel == block).any(-1).float().mean()), 3)
