@@ -1,0 +1,78 @@
+#!/bin/bash
+# Issue 23 item 2/3: the Qwen gate fine-tuned on 16K-token rows (facts spliced in, and code), then judged by
+# the teacher-forced 16K needle and the quality harness at 8K and 16K beside the shipped gate. Resumable.
+#
+#   bash bench/qwen_gate_16k.sh OUT_DIR [STEP ...]       # e.g. bench/results/2026-11-26-qwen-gate16k
+#
+# Steps (default: all): caches train needle-score harness.
+#   caches        16384-token feature caches, tail 1024: RECALL_ROWS recall rows (@essays + @docs, 8 facts each,
+#                 seed 2) and CODE_ROWS @stdlib rows; two shard processes, one thread each (~2.5 min a row)
+#   train         distill_cached from the shipped gate on those rows, sink 1 + local 1, budget 2048 (~2.6 s a step)
+#   needle-score  bench/needle_score.py at 16K, passphrase answers, shipped vs fine-tuned vs oracle
+#   harness       eval_ppl, last 512 of one held-out window, budgets 512-4096, code and essays at 8K and 16K
+# Working files go to $WORK (default models/qwen16k: caches, the fine-tuned gate), results to OUT_DIR.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bash bench/qwen_gate_16k.sh OUT_DIR [STEP ...]}
+shift
+STEPS=${*:-caches train needle-score harness}
+PY=${PYTHON:-.venv/bin/python}
+M=models/Qwen2.5-Coder-0.5B-Instruct
+SHIP=gate_checkpoints/qwen2.5-coder-0.5b-instruct-sas
+WORK=${WORK:-models/qwen16k}
+FT=$WORK/gate-ft16k
+RECALL_ROWS=${RECALL_ROWS:-8}
+CODE_ROWS=${CODE_ROWS:-6}
+STEPS_TRAIN=${STEPS_TRAIN:-150}
+mkdir -p "$OUT" "$WORK"
+say() { echo "[qwen-gate-16k $(date +%H:%M:%S)] $*"; }
+
+cache() {  # $1 out dir, rest: features arguments
+    local out=$1 pids=() i ok=1
+    shift
+    [ -e "$out/.complete" ] && { say "cache $out: done"; return; }
+    say "cache $out"
+    for i in 0 1; do
+        OMP_NUM_THREADS=1 $PY -m sas_backend.training.features --model $M --seq-len 16384 --tail 1024 \
+            --no-progress --out "$out" --shard $i/2 "$@" > "$OUT/features-$(basename "$out")-$i.log" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${pids[@]}"; do wait "$i" || ok=0; done
+    [ $ok = 1 ] && touch "$out/.complete"
+}
+
+for step in $STEPS; do
+    case $step in
+        caches)
+            cache $WORK/recall --data @essays @docs --max-tokens 80000 --seed 2 --recall-rows 1 --recall-facts 8 \
+                --max-rows $RECALL_ROWS &&
+            cache $WORK/code --data @stdlib --max-tokens 100000 --max-rows $CODE_ROWS ;;
+        train)
+            if [ -e $FT/.complete ]; then say "train: done"; else
+                say train
+                resume=""
+                [ -e $FT/train_state.pt ] && resume=--resume
+                $PY -m sas_backend.training.distill_cached --model $M --cache $WORK/recall $WORK/code --out $FT \
+                    --budget 2048 --sink-blocks 1 --local-blocks 1 --steps $STEPS_TRAIN --rows-per-step 4 --lr 1e-3 \
+                    --warmup 10 --init-gate $SHIP --save-every 25 --no-progress $resume && touch $FT/.complete
+            fi ;;
+        needle-score)
+            ls $OUT/needle-score-*-qwen-16k-ft.json >/dev/null 2>&1 && { say "needle-score: done"; continue; }
+            say needle-score
+            $PY bench/needle_score.py --model $M --gate shipped=$SHIP --gate ft16k=$FT --context 16384 \
+                --depths 0.1 0.3 0.5 --budgets 1024 2048 --gate-forced 1,1 --baselines oracle --answer passphrase \
+                --tag qwen-16k-ft --out "$OUT" ;;
+        harness)
+            for spec in "8192 @stdlib code" "8192 @essays essays" "16384 @stdlib code" "16384 @essays essays"; do
+                set -- $spec
+                [ -e "$OUT/quality-$3-L$1.json" ] && continue
+                say "harness $3 L=$1"
+                $PY -m sas_backend.training.eval_ppl --model $M --last 512 --budgets 512 1024 2048 4096 \
+                    --gate shipped=$SHIP --gate ft16k=$FT --gate-forced 1,1 --baselines oracle quest sink-local \
+                    --no-recall --no-progress --data "$2" --window "$1" --max-windows 1 --split heldout \
+                    --json "$OUT/quality-$3-L$1.json" --plot "$OUT/quality-$3-L$1" || exit 1
+            done ;;
+        *) echo "unknown step $step" >&2; exit 2 ;;
+    esac || { say "$step failed"; exit 1; }
+done
+say "all done: $STEPS"
