@@ -104,6 +104,20 @@ def site_packages_versions() -> dict:
     return out
 
 
+def corpus_record(domains: Sequence[str]) -> dict:
+    """What the prepared documentation corpus's `domains` ("docs", "handbook") were made from, for a training
+    record: {"manifest_sha256", "packages": [{package, version, sha256, domain}]} from serve/prepare_corpus.py's
+    manifest.json; {} if the corpus has no manifest (a directory prepared by hand)."""
+    path = os.path.join(corpus.default_corpus_dir(), "manifest.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, "rb") as f:
+        raw = f.read()
+    keep = ("package", "version", "sha256", "domain")
+    packages = [{k: p.get(k) for k in keep} for p in json.loads(raw).get("packages", []) if p.get("domain") in domains]
+    return {"manifest_sha256": hashlib.sha256(raw).hexdigest(), "packages": packages}
+
+
 def site_packages_documents() -> List[Document]:
     """The .py files of SITE_PACKAGES that are installed, named `site-packages/<path in site-packages>`."""
     import importlib.metadata as md
@@ -288,6 +302,8 @@ class PackedData:
             "seq_len": int(self.rows.shape[1]) if self.rows.dim() == 2 else 0,
             "packing": "documents + EOS concatenated in a seeded order, cut into fixed-length rows",
             **({"site_packages": site_packages_versions()} if "@site-packages" in self.sources else {}),
+            **({"corpus": corpus_record(domains)} if (domains := [s[1:] for s in self.sources
+                                                               if s in ("@docs", "@handbook")]) else {}),
         }
 
 

@@ -99,6 +99,29 @@ def test_out_of_domain_sets_are_never_a_training_split(tmp_path, monkeypatch):
     assert "site_packages" not in every.record()
 
 
+def test_docs_record_names_the_corpus_packages_and_manifest(tmp_path, monkeypatch):
+    import hashlib
+    import json
+
+    from sas_backend import corpus
+    from sas_backend.training.data import load_packed
+
+    monkeypatch.setattr(corpus, "default_corpus_dir", lambda: str(tmp_path))
+    (tmp_path / "docs" / "pkg").mkdir(parents=True)
+    for i in range(4):
+        (tmp_path / "docs" / "pkg" / f"{i}.txt").write_text(" ".join(["word"] * 40))
+    assert load_packed(["@docs"], _Tok(), 16, split="train").record()["corpus"] == {}  # prepared by hand
+    manifest = {"packages": [
+        {"package": "a-doc", "version": "1.0", "sha256": "ab" * 32, "domain": "docs", "documents": 3},
+        {"package": "b-book", "version": "2.0", "sha256": "cd" * 32, "domain": "handbook", "documents": 1}]}
+    text = json.dumps(manifest)
+    (tmp_path / "manifest.json").write_text(text)
+    rec = load_packed(["@docs"], _Tok(), 16, split="train").record()["corpus"]
+    assert rec == {"manifest_sha256": hashlib.sha256(text.encode()).hexdigest(),
+                   "packages": [{"package": "a-doc", "version": "1.0", "sha256": "ab" * 32, "domain": "docs"}]}
+    assert "corpus" not in load_packed(["@essays"], _Tok(), 16, split="train").record()
+
+
 def test_site_packages_are_third_party_code_with_versions():
     from sas_backend.training.data import SITE_PACKAGES, site_packages_documents, site_packages_versions
 
