@@ -292,6 +292,7 @@ class PackedData:
 
     def record(self) -> dict:
         """JSON-able description for the checkpoint's training record."""
+        doc_domains = [s[1:] for s in self.sources if s in ("@docs", "@handbook")]
         return {
             "sources": [portable_path(s) for s in self.sources],
             "split": self.split,
@@ -302,8 +303,7 @@ class PackedData:
             "seq_len": int(self.rows.shape[1]) if self.rows.dim() == 2 else 0,
             "packing": "documents + EOS concatenated in a seeded order, cut into fixed-length rows",
             **({"site_packages": site_packages_versions()} if "@site-packages" in self.sources else {}),
-            **({"corpus": corpus_record(domains)} if (domains := [s[1:] for s in self.sources
-                                                               if s in ("@docs", "@handbook")]) else {}),
+            **({"corpus": corpus_record(doc_domains)} if doc_domains else {}),
         }
 
 
