@@ -84,6 +84,13 @@ def cpu_env(extra=None) -> dict:
 # legitimately takes minutes
 CPU_WATCHDOG_S = 3600
 
+# The models' configs say bf16 ("auto"), but a CPU without avx512_bf16/amx_bf16 (the AVX2 AMD EPYC that CI
+# sometimes draws) multiplies bf16 matrices ~100x slower than fp32 (0.9 vs 110 GFLOP/s at 1024^2): a
+# 1000-token prefill of the 135M model took 16 s and the CI soak 10 min instead of 2.5. fp32 is fast on
+# every x86 CPU and gives every CI machine the same numerics; a caller's --dtype wins (serve/serve.sh
+# applies the same rule for users, keeping bf16 where the CPU has it).
+CPU_DTYPE = "float32"
+
 
 def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_server", python=None) -> list:
     """`python -m sglang.launch_server ...`, or `sglang serve ...` with entry="serve". Always with
@@ -91,12 +98,15 @@ def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_serv
     machine, 1% with the flag), slowing whatever runs beside it; it changes no output. On CPU also
     `--watchdog-timeout CPU_WATCHDOG_S` unless given: SGLang kills a server whose one forward batch
     exceeds 300 s, and on 2 cores a batch extending a cached 32K-token prefix for 3 requests takes longer.
+    On CPU also `--dtype float32` unless given (CPU_DTYPE says why).
     python: the interpreter (another venv's), default this one."""
     extra_args = [str(a) for a in extra_args]
     if "--sleep-on-idle" not in extra_args:
         extra_args.append("--sleep-on-idle")
     if not ON_GPU and "--watchdog-timeout" not in extra_args:
         extra_args += ["--watchdog-timeout", str(CPU_WATCHDOG_S)]
+    if not ON_GPU and "--dtype" not in extra_args:
+        extra_args += ["--dtype", CPU_DTYPE]
     python = str(python or sys.executable)
     if entry == "serve":
         launcher = [str(pathlib.Path(python).parent / "sglang"), "serve"]

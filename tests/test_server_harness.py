@@ -27,3 +27,18 @@ def test_cpu_servers_outlast_long_context_forwards(monkeypatch):
     assert mine.count("--watchdog-timeout") == 1 and mine[mine.index("--watchdog-timeout") + 1] == "60"
     monkeypatch.setattr(server_harness, "ON_GPU", True)
     assert "--watchdog-timeout" not in server_cmd("m", "sas", 1234)
+
+
+def test_cpu_servers_run_fp32_unless_told(monkeypatch):
+    """The models' configs say bf16, which an AVX2-only CPU multiplies ~100x slower than fp32 (the CI
+    soak took 10 min instead of 2.5 on one): CPU servers get --dtype float32 unless the caller names a
+    dtype; GPU servers keep the model's."""
+    from sas_backend import server_harness
+
+    monkeypatch.setattr(server_harness, "ON_GPU", False)
+    cmd = server_cmd("m", "sas", 1234)
+    assert cmd[cmd.index("--dtype") + 1] == "float32"
+    mine = server_cmd("m", "sas", 1234, ["--dtype", "bfloat16"])
+    assert mine.count("--dtype") == 1 and mine[mine.index("--dtype") + 1] == "bfloat16"
+    monkeypatch.setattr(server_harness, "ON_GPU", True)
+    assert "--dtype" not in server_cmd("m", "sas", 1234)
