@@ -1,5 +1,8 @@
 """The soak (`python -m sas_backend.soak`) at CI size: the same code as the committed 1000-request run
-(bench/results/2026-11-26-soak), with 50 requests over one minute and a 4096-token KV pool."""
+(bench/results/2026-11-26-soak), with 40 requests over one minute, a 1280-token context limit, a 2560-token
+KV pool (room for two requests at the limit: the queue fills) and a 512-token budget (prompts past 8 blocks
+decode sparsely). Seed 0 draws 2 over-limit requests, 4 client aborts and 5 shared-prefix prompts
+(tests/test_soak_parts.py checks the workload's own rules)."""
 
 from __future__ import annotations
 
@@ -7,11 +10,13 @@ import json
 
 from sas_backend.soak.__main__ import main
 
+POOL = 2560  # KV tokens
+
 
 def test_soak_small(tmp_path):
     out = tmp_path / "soak"
-    rc = main(["--requests", "50", "--duration-min", "1", "--context-len", "2048", "--max-total-tokens", "4096",
-               "--max-new-tokens", "128", "--out", str(out)])
+    rc = main(["--requests", "40", "--duration-min", "1", "--context-len", "1280", "--max-total-tokens", str(POOL),
+               "--max-new-tokens", "64", "--budget", "512", "--out", str(out)])
     report = json.loads((out / "soak.json").read_text())
     assert rc == 0, report["failures"]
     results = report["summary"]["results"]
@@ -21,5 +26,5 @@ def test_soak_small(tmp_path):
     assert report["log"]["max_queue"] >= 1  # the pool was small enough to make requests wait
     assert report["probes"]["tokens_equal"]
     pages = report["pool_after_flush"]["kv_pages"]
-    assert pages["free"] == pages["total"] == 4096 // 64
+    assert pages["free"] == pages["total"] == POOL // 64
     assert report["pool_idle_after"]["summary_rows"]["held"] == 0
