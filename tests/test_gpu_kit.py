@@ -196,7 +196,19 @@ def fake_site_kit(tmp_path_factory):
     return kit_dir
 
 
-@pytest.mark.parametrize("tier", ["tier0", "tier1", "tier2", "session"])
+def test_session_holds_every_tier_step():
+    """The session runs every step of tiers 0-2 (so its dry run below covers tiers 1 and 2, whose own dry
+    runs would repeat the same scripts: a minute of CI each), with tier 2's quick 32K end-to-end point."""
+    session = {s.name: s for s in gpu_run.tier_steps("session", quick=False)}
+    for tier in ("tier0", "tier1", "tier2"):
+        for step in gpu_run.tier_steps(tier, quick=False):
+            assert step.name in session, (tier, step.name)
+            assert step.dry_argv == session[step.name].dry_argv or step.name in ("gated-attention", "e2e-decode")
+    quick2 = {s.name: s for s in gpu_run.tier_steps("tier2", quick=True)}
+    assert session["e2e-decode"].argv == quick2["e2e-decode"].argv
+
+
+@pytest.mark.parametrize("tier", ["tier0", "session"])
 def test_tier_dry_run(tier, fake_site_kit, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -221,23 +233,19 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
         assert checks["triton"]["ok"] and checks["triton"]["interpreted"]  # the kernel == its reference
         assert checks["gpu"]["ok"] is None and "dry run" in checks["gpu"]["skipped"]
         assert "Preflight" in md
-    elif tier == "tier1":
+    else:  # one call does it all, in the order of importance, and returns what the device tool takes back
+        assert list(steps)[:4] == ["preflight", "decode-step", "make-bench-model", "e2e-decode"]
         assert steps["kernel-tests"]["counts"]["tests collected"] > 100
+        assert steps["server-tests"]["counts"]["tests collected"] >= 5
+        assert "would start sas" in (out / "session-dry.log").read_text()
+        assert "--contexts 32768 --batch" in steps["e2e-decode"]["command"]  # the quick end-to-end point
+        assert len(list(out.iterdir())) <= 8  # the device tool returns at most 8 files
         checks = steps["decode-step"]["results"]["decode-step"]["checks"]
         assert checks and all(c["ok"] for c in checks)
         profile = steps["decode-step"]["results"]["decode-step"]["profile"]  # the trace summary comes back
         assert profile["eager"]["kernels"] > 10 and profile["eager"]["top"] and "Profile of one SAS step" in md
         # the plot needs matplotlib (the `bench` extra; CI installs test,train only)
         assert (out / "decode-step.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
-    elif tier == "tier2":
-        assert steps["server-tests"]["counts"]["tests collected"] >= 5
-        assert "would start sas" in (out / "tier2-dry.log").read_text()
-    else:  # one call does it all, in the order of importance, and returns what the device tool takes back
-        assert list(steps)[:4] == ["preflight", "decode-step", "make-bench-model", "e2e-decode"]
-        assert steps["kernel-tests"]["counts"]["tests collected"] > 100
-        assert steps["server-tests"]["counts"]["tests collected"] >= 5
-        assert "--contexts 32768 --batch" in steps["e2e-decode"]["command"]  # the quick end-to-end point
-        assert len(list(out.iterdir())) <= 8  # the device tool returns at most 8 files
 
 
 def test_session_stops_after_a_failed_preflight_and_skips_what_does_not_fit(fake_site_kit, tmp_path):

@@ -29,7 +29,9 @@ reported, not failed: see TRAINING_SPILLS_FAIL.
 
 `--grid ci` (tests/test_triton_sm90_compile.py) is the full grid less the fp32 training kernels
 outside one geometry (CI_FP32_TRAINING): fp32 there means IEEE fp32 dots that spill tens of KB
-per thread, and ptxas then takes 20-40 CPU s per variant (about 10 CPU minutes per version).
+per thread, and ptxas then takes 20-40 CPU s per variant (about 10 CPU minutes per version); and
+less the fp16 training kernels (the bf16 ones compile the same code with the other 16-bit type; the
+full grid compiles both: bench/results/2026-11-25-triton-sm90), a minute of CI wall time.
 
 A version other than "installed" is pip-installed (--no-deps --target) into build/triton-<v>/
 (git-ignored) on first use and put first on PYTHONPATH of a subprocess that runs this same file.
@@ -97,6 +99,7 @@ RUNTIME_KEYS = dict(gate_query=("bs", "h_kv"), summarize_pages=("h_kv", "n"), su
                     gather=("bs", "h_kv", "m"), gated_attention=())
 # The one fp32 training geometry of the CI grid: the cheapest (about 20 CPU s for its 4 kernels).
 CI_FP32_TRAINING = dict(d=64, g=1)
+CI_HALF_TRAINING = ("bf16",)  # the 16-bit training dtype of the CI grid
 
 
 def product(**axes) -> list[dict]:
@@ -107,7 +110,8 @@ def product(**axes) -> list[dict]:
 
 def cases(grid: str = "full") -> dict[str, list[dict]]:
     """{op: [params]}: the geometry sweep (at BASE's runtime ints) plus the specialization sweep.
-    grid "ci" is "full" less fp32 training outside CI_FP32_TRAINING."""
+    grid "ci" is "full" less fp32 training outside CI_FP32_TRAINING and 16-bit training other than
+    CI_HALF_TRAINING."""
     spec = product(bs=SPEC_BATCH, h_kv=SPEC_KV_HEADS)
     width_spec = product(bs=SPEC_BATCH, h_kv=SPEC_KV_HEADS, m=SPEC_WIDTHS)
     sg = SPEC_GEOMETRY
@@ -129,8 +133,8 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
         + [dict(k=sg["k"], sink=f[0], local=f[1], **s) for s in width_spec for f in SPEC_FORCED],
         "gather": product(k=ks, m=WIDTHS) + [dict(k=sg["k"], **s) for s in width_spec],
         "gated_attention": [p for p in product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES)
-                            if grid == "full" or p["dtype"] != "fp32"
-                            or all(p[k] == v for k, v in CI_FP32_TRAINING.items())],
+                            if grid == "full" or p["dtype"] in CI_HALF_TRAINING
+                            or (p["dtype"] == "fp32" and all(p[k] == v for k, v in CI_FP32_TRAINING.items()))],
     }
     # BASE's runtime ints where a case leaves them out, in a fixed key order for the labels.
     return {op: [{**{k: BASE[k] for k in RUNTIME_KEYS[op]}, **p} for p in ps] for op, ps in out.items()}
@@ -503,7 +507,8 @@ def build_record(rows: list, n_launches: int, grid: str, seconds: dict, jobs: in
                   block=BLOCK, widths=WIDTHS, base_runtime_ints=BASE, spec_geometry=SPEC_GEOMETRY,
                   spec_batch=SPEC_BATCH, spec_kv_heads=SPEC_KV_HEADS, spec_pages=SPEC_PAGES,
                   spec_widths=SPEC_WIDTHS, spec_forced=SPEC_FORCED,
-                  ci_fp32_training=CI_FP32_TRAINING if grid == "ci" else "all"),
+                  ci_fp32_training=CI_FP32_TRAINING if grid == "ci" else "all",
+                  ci_half_training=CI_HALF_TRAINING if grid == "ci" else "all"),
         launches_recorded=n_launches, variants_compiled=len(rows), jobs=jobs, seconds=seconds,
         coverage=cov, kernels=per_kernel(rows), variants=rows,
     )
