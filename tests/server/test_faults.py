@@ -27,6 +27,9 @@ from sas_backend.soak.run import flush_cache, pool_state, wait_idle
 BUDGET = 256
 CHUNK = 256
 LONG_PROMPT = 6000  # 24 prefill chunks: seconds of chunked prefill on a CPU
+# A's prompt in the abort test: 12 chunks still to run when B's abort is in (it is sent at once), with
+# half the prefill time of LONG_PROMPT (25 s of CI)
+ABORT_LONG_PROMPT = 3000
 SPARSE_PROMPT = 1500
 NEW_TOKENS = 12
 
@@ -112,7 +115,7 @@ def test_abort_between_prefill_and_first_decode(essay_ids, fault_server, probe):
     offset = len(fault_server.log_text())
     result = {}
     body = {
-        "input_ids": [essay_ids[50000:50100], essay_ids[60000:60000 + LONG_PROMPT]],
+        "input_ids": [essay_ids[50000:50100], essay_ids[60000:60000 + ABORT_LONG_PROMPT]],
         "rid": ["sas-abort-b", "sas-long-a"],
         "sampling_params": [{"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True},
                             {"max_new_tokens": 4, "temperature": 0.0}],
