@@ -92,6 +92,19 @@ CPU_WATCHDOG_S = 3600
 CPU_DTYPE = "float32"
 
 
+def launch_flags(extra_args=()) -> list:
+    """`extra_args` as strings, plus the flags every harness server gets unless given (server_cmd says
+    which and why); a record of a run keeps these, so that it says what the server really ran with."""
+    flags = [str(a) for a in extra_args]
+    if "--sleep-on-idle" not in flags:
+        flags.append("--sleep-on-idle")
+    if not ON_GPU and "--watchdog-timeout" not in flags:
+        flags += ["--watchdog-timeout", str(CPU_WATCHDOG_S)]
+    if not ON_GPU and "--dtype" not in flags:
+        flags += ["--dtype", CPU_DTYPE]
+    return flags
+
+
 def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_server", python=None) -> list:
     """`python -m sglang.launch_server ...`, or `sglang serve ...` with entry="serve". Always with
     `--sleep-on-idle`: an idle scheduler otherwise busy-polls a core (93% of one on the 2-core CI
@@ -100,13 +113,7 @@ def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_serv
     exceeds 300 s, and on 2 cores a batch extending a cached 32K-token prefix for 3 requests takes longer.
     On CPU also `--dtype float32` unless given (CPU_DTYPE says why).
     python: the interpreter (another venv's), default this one."""
-    extra_args = [str(a) for a in extra_args]
-    if "--sleep-on-idle" not in extra_args:
-        extra_args.append("--sleep-on-idle")
-    if not ON_GPU and "--watchdog-timeout" not in extra_args:
-        extra_args += ["--watchdog-timeout", str(CPU_WATCHDOG_S)]
-    if not ON_GPU and "--dtype" not in extra_args:
-        extra_args += ["--dtype", CPU_DTYPE]
+    extra_args = launch_flags(extra_args)
     python = str(python or sys.executable)
     if entry == "serve":
         launcher = [str(pathlib.Path(python).parent / "sglang"), "serve"]

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from sas_backend.server_harness import Server
+    from sas_backend.server_harness import Server, launch_flags
     from sas_backend.soak.run import failures, soak
 
     gate = args.gate
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "versions": {"sas_backend": __version__, "sglang": sglang.__version__, "torch": torch.__version__},
         "spec": spec.__dict__,
-        "server_args": [portable_path(a) for a in server_args + ["--max-total-tokens", str(args.max_total_tokens)]],
+        "server_args": [portable_path(a) for a in launch_flags(server_args + ["--max-total-tokens", str(args.max_total_tokens)])],
         "rss_bound_bytes": bound, "rss_baseline": baseline, "total_wall_s": time.time() - started,
         "failures": bad, **report,
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from sas_backend.server_harness import ON_GPU
 from sas_backend.soak.__main__ import main
 
 POOL = 2560  # KV tokens
@@ -28,3 +29,6 @@ def test_soak_small(tmp_path):
     pages = report["pool_after_flush"]["kv_pages"]
     assert pages["free"] == pages["total"] == POOL // 64
     assert report["pool_idle_after"]["summary_rows"]["held"] == 0
+    flags = report["server_args"]  # what the server ran with, the harness's own flags included
+    assert flags[flags.index("--max-total-tokens") + 1] == str(POOL) and "--sleep-on-idle" in flags
+    assert "--dtype" in flags or ON_GPU
