@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import requests
 import torch

@@ -1,8 +1,8 @@
 """The soak (`python -m sas_backend.soak`) at CI size: the same code as the committed 1000-request run
 (bench/results/2026-11-26-soak), with 40 requests over one minute, a 1280-token context limit, a 2560-token
 KV pool (room for two requests at the limit: the queue fills) and a 512-token budget (prompts past 8 blocks
-decode sparsely). Seed 0 draws 2 over-limit requests, 4 client aborts and 5 shared-prefix prompts
-(tests/test_soak_parts.py checks the workload's own rules)."""
+decode sparsely). Measured on 2026-11-27: 1 over-limit request rejected, 3 client aborts, 3 shared-prefix
+prompts, 2 retractions, a queue of 5 (tests/test_soak_parts.py checks the workload's own rules)."""
 
 from __future__ import annotations
 
