@@ -1,4 +1,5 @@
-"""Suite-wide: GPU tests (marker `gpu`) are skipped, with the reason, where CUDA is unavailable."""
+"""Suite-wide: GPU tests (marker `gpu`) are skipped, with the reason, where CUDA is unavailable; under
+pytest-xdist (tests/run.sh: `-n 2 --dist loadgroup`) tests are grouped so no fixture is built twice."""
 
 from __future__ import annotations
 
@@ -13,10 +14,85 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def share_cores_between_workers() -> None:
+    """Under pytest-xdist, pin this worker, and so every process it starts (servers, compilers), to its own
+    share of the cores. Unpinned, two workers on 2 cores ran 4+ busy threads (each server's OpenMP pool, the
+    sm_90 compile's processes) and the suite went slower than serially (the compile fixture 13 min instead
+    of 3.5); pinned, each worker's work runs as if alone on a smaller machine."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+    cores = sorted(os.sched_getaffinity(0))
+    if not worker or count < 2 or len(cores) < count:
+        return
+    mine = cores[int(worker.removeprefix("gw")) % count::count]
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))  # children size their OpenMP pools to the share
+    torch.set_num_threads(len(mine))
+
+
+share_cores_between_workers()
+
+
+# The package-scoped servers of tests/server/conftest.py: every module that uses one runs in one xdist
+# worker, so each server starts once (as in a serial run).
+SHARED_SERVERS = {"dense_server", "sas_full_server", "sas_sparse_server"}
+SHARED_SERVERS_GROUP = "shared-servers"
+# Scheduling hint, heaviest first (minutes each on a 2-core CI machine), so that the other worker is not
+# left with a long module at the end: longest-processing-time-first. Any module not named comes after.
+HEAVY_MODULES = (
+    "tests/test_triton_sm90_compile.py",
+    "tests/server/test_soak.py",
+    "tests/test_gate_generalization_script.py",
+    "tests/server/test_training_free_selectors.py",
+    "tests/server/test_limits.py",
+    "tests/test_gpu_kit.py",
+)
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def group_for_xdist(items) -> None:
+    """Mark each test with its xdist_group, in place, and order the items by unit, heaviest first.
+
+    A unit is a whole module (its module-scoped fixtures are built once), except that all modules using a
+    shared server form one unit, first in the queue. xdist's loadgroup scheduler hands units out in
+    this order, so the shared-server unit goes to one worker and the rest fill the other.
+    """
+    shared = {_module(i) for i in items if SHARED_SERVERS & set(getattr(i, "fixturenames", ()))}
+
+    def unit(item) -> str:
+        return SHARED_SERVERS_GROUP if _module(item) in shared else _module(item)
+
+    def rank(item) -> int:
+        if unit(item) == SHARED_SERVERS_GROUP:
+            return 0
+        m = _module(item)
+        return 1 + (HEAVY_MODULES.index(m) if m in HEAVY_MODULES else len(HEAVY_MODULES))
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(unit(item)))
+    items.sort(key=rank)  # stable: collection order within a rank
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        group_for_xdist(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (FlashInfer / compiled Triton / CUDA graphs)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist must not reject it
+def pytest_xdist_node_collection_finished(node, ids):
+    """In the xdist controller, for each worker's collection: under `--dist loadgroup`, check that xdist took
+    the groups (it ends a grouped test's node id with `@group`). pytest 9.2 broke that silently
+    (pytest-xdist#1386), and every worker would then start its own copy of each shared server."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not any("@" in i for i in ids):
+        pytest.exit(f"pytest-xdist is not grouping tests on pytest {pytest.__version__} (pytest-xdist#1386): "
+                    "install pytest<9.2 (pyproject's test extra pins it) or run serially "
+                    "(SAS_TEST_WORKERS=0 bash tests/run.sh)", returncode=4)

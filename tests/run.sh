@@ -5,6 +5,7 @@
 #   bash tests/run.sh                 # whole suite, then the newest-SGLang smoke test
 #   bash tests/run.sh -k topk         # extra pytest arguments pass through (to the whole suite)
 #   SAS_SKIP_NEWEST=1 bash tests/run.sh   # without the newest-SGLang smoke test
+#   SAS_TEST_WORKERS=0 bash tests/run.sh  # serially (default: two pytest-xdist workers)
 #
 # The whole suite runs on the installer's default SGLang release in ./.venv. Then a second venv
 # (./.venv-sglang-<newest>) gets the newest release and runs tests/server/test_newest_sglang.py
@@ -45,13 +46,19 @@ if [ "${SAS_SKIP_NEWEST:-0}" != 1 ]; then
   fi
 fi
 
-if ! [ -x "$py" ] || ! "$py" -c "import sas_backend, sglang, pytest, transformers, tabulate" 2>/dev/null; then
+if ! [ -x "$py" ] || ! "$py" -c "import sas_backend, sglang, pytest, xdist, transformers, tabulate" 2>/dev/null; then
   SAS_EXTRAS=test,train,bench bash "$here/serve/install.sh"
 fi
 "$py" "$here/serve/prepare_model.py" --out "$here/models/SmolLM2-135M-Instruct"
 "$py" "$here/serve/prepare_text.py"
 status=0
-"$py" -m pytest -ra --durations=15 "$@" || status=$?
+# Two workers (SAS_TEST_WORKERS): one runs the modules that share the package-scoped servers, the
+# other the rest, heaviest first (tests/conftest.py groups them); much of a server test is one core's
+# SGLang start-up, so the second core is otherwise idle. SAS_TEST_WORKERS=0 runs serially.
+workers="${SAS_TEST_WORKERS:-2}"
+xdist=()
+[ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+"$py" -m pytest "${xdist[@]}" -ra --durations=15 "$@" || status=$?
 
 if [ "${SAS_SKIP_NEWEST:-0}" != 1 ]; then
   if [ -n "$newest_pid" ]; then

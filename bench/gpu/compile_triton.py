@@ -663,7 +663,8 @@ def main(argv=None) -> int:
                          f"and {GPU_IMAGE_TRITON})")
     ap.add_argument("--grid", choices=("full", "ci"), default="full",
                     help="ci: fp32 training kernels only at CI_FP32_TRAINING (they take minutes of ptxas)")
-    ap.add_argument("--jobs", type=int, default=2, help="compile processes per version")
+    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                    help="compile processes per version (default: the cores this process may run on)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--expect-version", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

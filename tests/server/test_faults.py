@@ -160,6 +160,9 @@ def test_gate_file_replaced_while_serving(essay_ids, fault_server, probe, gate_c
     # The replacement would have mattered: a server started on the new file's gate decodes differently.
     # The suite's sparse server is one (the seeded gate at the same budget and forced blocks; it saves a
     # server start, a minute of CI).
-    assert BUDGET == 256 and requests.get(f"{sas_sparse_server.url}/sas/info", timeout=60).json()["gate"]["sha256"] == replaced
+    sparse_info = requests.get(f"{sas_sparse_server.url}/sas/info", timeout=60).json()
+    assert sparse_info["gate"]["sha256"] == replaced
+    for key in ("budget", "sink_blocks", "local_blocks", "block_size"):
+        assert sparse_info["config"][key] == info["config"][key], (key, sparse_info["config"], info["config"])
     other = complete(sas_sparse_server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
     assert other["choices"][0]["logprobs"]["token_logprobs"] != ref["choices"][0]["logprobs"]["token_logprobs"]
