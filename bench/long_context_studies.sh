@@ -36,13 +36,13 @@ harness() {  # $1 window, $2 data, $3 name, [$4 split: default heldout]
         --max-windows 1 --split "${4:-heldout}" --json "$OUT/quality-$3-L$1.json" --plot "$OUT/quality-$3-L$1"
 }
 
-needle() {  # $1 context, $2 tag
+needle() {  # $1 context, $2 tag, [more needle.py arguments]
     local state
     state=$(done_or_partial "needle-*-$2")
     [ "$state" = done ] && { say "needle $2: done"; return; }
     say "needle $2${state:+ (resuming $state)}"
     $PY bench/needle.py --model $M --gate $GATE --context "$1" --selectors gate --budgets 1024 2048 \
-        --gate-forced 1,1 --tag "$2" --out "$OUT" ${state:+--resume "$state"}
+        --gate-forced 1,1 --tag "$2" --out "$OUT" ${state:+--resume "$state"} "${@:3}"
 }
 
 decode() {  # $1 name, contexts...
@@ -71,7 +71,12 @@ for step in $STEPS; do
         harness-32k) harness 32000 @stdlib code; harness 32000 @handbook handbook all ;;
         needle-8k) needle 8192 qwen-8k ;;
         needle-16k) needle 16384 qwen-16k ;;
-        needle-32k) needle 32000 qwen-32k ;;
+        # one prefill chunk per prompt: SGLang's torch_native extend (the dense server) pads every chunk's
+        # queries to the whole prefix, so 8 chunks of 4096 (CPU default) pay sum_k (4096k)^2, 3.2x the
+        # attention of one chunk (sas_backend/ops/extend/cpu.py); measured ~28 min for one 32K prompt in
+        # chunks. Same math, different rounding.
+        needle-32k) needle 32000 qwen-32k --server-arg=--chunked-prefill-size --server-arg=32768 \
+                        --server-arg=--max-prefill-tokens --server-arg=32768 ;;
         decode-8k-16k) decode qwen-8k-16k 8192 16384 ;;
         decode-32k) decode qwen-32k 32000 ;;
         paged-32k) paged ;;

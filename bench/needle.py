@@ -99,6 +99,8 @@ def main(argv=None) -> int:
                     help="gate servers with these forced blocks (e.g. 0,0 1,1) instead of the gate's serving record")
     ap.add_argument("--serve-default", action="store_true",
                     help="also a gate server launched with no budget or forced-block flags: what serve/serve.sh serves")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="one more launch argument for every server (repeatable; after the study's own, so it wins)")
     ap.add_argument("--tag", default="", help="suffix of the result files (needle-DATE-TAG.json/.md)")
     ap.add_argument("--quick", action="store_true", help="rehearsal: depth 0.5, budget 512, gate; not a result")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
         cases.append({"depth": depth, "code": code, "prompt_tokens": len(tok(prompt)["input_ids"]), "prompt": prompt})
     # the pool holds the whole prompt (the harness's CPU default is 16384 tokens)
     common = ["--dtype", "float32", "--context-length", str(args.context + 512),
-              "--max-total-tokens", str(max(16384, args.context + 1024))]
+              "--max-total-tokens", str(max(16384, args.context + 1024)), *args.server_arg]
     configs = server_configs(args)
     date = datetime.date.today().isoformat()
     tag = f"needle-{date}" + (f"-{args.tag}" if args.tag else "") + ("-quick" if args.quick else "")

@@ -2,8 +2,9 @@
 per rank) with the sas backend exactly as `--tp-size 1` does, each rank selecting for its own kv head.
 
 SGLang's CPU engine needs one OpenMP core set per rank (`SGLANG_CPU_OMP_THREADS_BIND`, entries
-separated by `|`); without it SGLang asserts ranks <= NUMA nodes. On this 2-core machine the three
-ranks share cores ("0|1|0"). The gate is sharded along its kv-head axis like the model's kv heads.
+separated by `|`); without it SGLang asserts ranks <= NUMA nodes. The three ranks share the cores this
+test may run on ("0|1|0" on a 2-core machine run serially; "0|0|0" in xdist worker gw0, which has core 0
+alone: tests/conftest.py). The gate is sharded along its kv-head axis like the model's kv heads.
 Compared with the sparse tp1 server of test_sparse_decode.py (same gate, budget, dtype and prompt).
 """
 
@@ -21,7 +22,14 @@ TP = 3
 # 1024 prompt tokens: 15 candidate blocks, 4 attended (sink + local + 2 chosen), still sparse; shorter than
 # test_sparse_decode's prompt because the three ranks share this machine's two cores (CI time).
 PROMPT_LEN = 1024
-CPU_BIND = "0|1|0"  # rank i runs its OpenMP threads on core CPU_BIND[i]
+
+
+def cpu_bind(ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` ranks: rank i's OpenMP threads on the i-th (round robin) of
+    the cores this process may run on, e.g. "0|1|0" for 3 ranks on cores {0, 1}."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[i % len(cores)]) for i in range(ranks))
+
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="one GPU here: the multi-GPU tier would run --tp on several GPUs")
 
@@ -49,7 +57,7 @@ def tp_runs(essay_ids, model_dir, seed_gate, sas_sparse_server, sparse_debug_dir
         "--sas-gate", seed_gate, "--sas-budget", str(BUDGET), "--sas-sink-blocks", "1", "--sas-local-blocks", "1",
         "--dtype", "float32", "--tp-size", str(TP),
     ]
-    env = {"SAS_DEBUG_DIR": str(tp_dir), "SGLANG_CPU_OMP_THREADS_BIND": CPU_BIND}
+    env = {"SAS_DEBUG_DIR": str(tp_dir), "SGLANG_CPU_OMP_THREADS_BIND": cpu_bind(TP)}
     with Server(model_dir, backend="sas", extra_args=args, env=env) as s:
         out = complete(s.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
     return ref["choices"][0], ref_records, out["choices"][0], _records(tp_dir)
