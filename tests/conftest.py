@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 def share_cores_between_workers() -> None:
     """Under pytest-xdist, pin this worker, and so every process it starts (servers, compilers), to its own
     share of the cores. Unpinned, two workers on 2 cores ran 4+ busy threads (each server's OpenMP pool, the
-    sm_90 compile's processes) and the suite went slower than serially (the compile fixture 13 min instead
-    of 3.5); pinned, each worker's work runs as if alone on a smaller machine."""
+    sm_90 compile's processes) and the suite went slower than serially (the compile fixture over 13 min
+    instead of 3.5); pinned, each worker's work runs as if alone on a smaller machine."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
     cores = sorted(os.sched_getaffinity(0))
     if not worker or count < 2 or len(cores) < count:

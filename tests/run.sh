@@ -55,6 +55,7 @@ status=0
 # Two workers (SAS_TEST_WORKERS): one runs the modules that share the package-scoped servers, the
 # other the rest, heaviest first (tests/conftest.py groups them); much of a server test is one core's
 # SGLang start-up, so the second core is otherwise idle. SAS_TEST_WORKERS=0 runs serially.
+# --no-loadscope-reorder: keep conftest's order (xdist would otherwise put the groups with most tests first).
 workers="${SAS_TEST_WORKERS:-2}"
 xdist=()
 [ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
