@@ -7,8 +7,8 @@
 # decode-32k paged-32k tp-16k. A step whose result file exists in OUT_DIR is skipped; a killed step leaves a
 # .partial.json that the next run resumes (needle, decode, paged), so a study of many hours can span sessions.
 # Run it on a quiet machine: on 2 cores a job beside a server slows both ~20x. Hours on 2 cores: harness 16K
-# ~0.6 per window kind, 32K ~2; needle 8K ~0.6, 16K ~1.7, 32K ~2.5 (one-chunk prefills, ~10-12 min a prompt); decode 8K+16K ~0.6, 32K ~1; paged 32K ~1.5;
-# tp 16K ~0.2.
+# ~0.6 per window kind, 32K ~2; needle 8K ~0.6, 16K ~1.7, 32K ~2.5 (one-chunk prefills, 8-13 min a prompt);
+# decode 8K+16K ~0.6, 32K ~1; paged 32K ~1.5; tp 16K ~0.2.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash bench/long_context_studies.sh OUT_DIR [STEP ...]}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import shlex
 import subprocess
@@ -32,7 +31,7 @@ import requests
 
 from sas_backend.corpus import read_essays
 from sas_backend.provenance import git_state
-from sas_backend.server_harness import Server, default_gate
+from sas_backend.server_harness import Server, cpu_threads_bind, default_gate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -114,14 +113,7 @@ def main(argv=None) -> int:
 
     model = model_dir(args.model)
     gate = pathlib.Path(args.gate) if args.gate else default_gate(model)
-    cores = os.cpu_count() or 1
-    if args.cpu_bind:
-        cpu_bind = args.cpu_bind
-    elif cores >= args.tp:
-        per = cores // args.tp
-        cpu_bind = "|".join(f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(args.tp))
-    else:
-        cpu_bind = "|".join(str(r % cores) for r in range(args.tp))
+    cpu_bind = args.cpu_bind or cpu_threads_bind(args.tp)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)

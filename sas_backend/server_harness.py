@@ -104,6 +104,20 @@ def launch_flags(extra_args=()) -> list:
     return flags
 
 
+def cpu_threads_bind(ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel ranks on CPU (entries separated by `|`): the
+    cores this process may run on (its affinity: under tests/run.sh, the xdist worker's share), split into
+    equal runs per rank, or shared round-robin when there are fewer cores than ranks. E.g. cores {0, 1}:
+    2 ranks "0|1", 3 ranks "0|1|0"; cores 0-7, 2 ranks "0-3|4-7"."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    per = len(cores) // ranks
+    runs = [cores[r * per:(r + 1) * per] for r in range(ranks)]
+    return "|".join(f"{run[0]}-{run[-1]}" if run[-1] - run[0] == len(run) - 1 and len(run) > 1
+                    else ",".join(map(str, run)) for run in runs)
+
+
 def server_cmd(model, backend: str, port: int, extra_args=(), entry="launch_server", python=None) -> list:
     """`python -m sglang.launch_server ...`, or `sglang serve ...` with entry="serve". Always with
     `--sleep-on-idle`: an idle scheduler otherwise busy-polls a core (93% of one on the 2-core CI

@@ -42,3 +42,15 @@ def test_cpu_servers_run_fp32_unless_told(monkeypatch):
     assert mine.count("--dtype") == 1 and mine[mine.index("--dtype") + 1] == "bfloat16"
     monkeypatch.setattr(server_harness, "ON_GPU", True)
     assert "--dtype" not in server_cmd("m", "sas", 1234)
+
+
+def test_cpu_threads_bind_splits_the_allowed_cores_over_ranks(monkeypatch):
+    """Runs of the affinity's cores per rank (tests/run.sh pins each xdist worker to its own cores),
+    round-robin when there are fewer cores than ranks, comma lists where a run has a gap."""
+    from sas_backend import server_harness
+
+    cases = [({0, 1}, 2, "0|1"), ({0, 1}, 3, "0|1|0"), ({0}, 3, "0|0|0"), (set(range(8)), 2, "0-3|4-7"),
+             ({1, 3, 5, 7}, 2, "1,3|5,7"), ({4, 5, 6}, 1, "4-6")]
+    for cores, ranks, expected in cases:
+        monkeypatch.setattr(server_harness.os, "sched_getaffinity", lambda pid, c=cores: c)
+        assert server_harness.cpu_threads_bind(ranks) == expected, (cores, ranks)

@@ -11,24 +11,16 @@ Compared with the sparse tp1 server of test_sparse_decode.py (same gate, budget,
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from sas_backend.server_harness import ON_GPU, Server, complete
+from sas_backend.server_harness import ON_GPU, Server, complete, cpu_threads_bind
 from tests.server.test_sparse_decode import BLOCK, BUDGET, NEW_TOKENS
 
 TP = 3
 # 1024 prompt tokens: 15 candidate blocks, 4 attended (sink + local + 2 chosen), still sparse; shorter than
 # test_sparse_decode's prompt because the three ranks share this machine's two cores (CI time).
 PROMPT_LEN = 1024
-
-
-def cpu_bind(ranks: int) -> str:
-    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` ranks: rank i's OpenMP threads on the i-th (round robin) of
-    the cores this process may run on, e.g. "0|1|0" for 3 ranks on cores {0, 1}."""
-    cores = sorted(os.sched_getaffinity(0))
-    return "|".join(str(cores[i % len(cores)]) for i in range(ranks))
 
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="one GPU here: the multi-GPU tier would run --tp on several GPUs")
@@ -57,7 +49,7 @@ def tp_runs(essay_ids, model_dir, seed_gate, sas_sparse_server, sparse_debug_dir
         "--sas-gate", seed_gate, "--sas-budget", str(BUDGET), "--sas-sink-blocks", "1", "--sas-local-blocks", "1",
         "--dtype", "float32", "--tp-size", str(TP),
     ]
-    env = {"SAS_DEBUG_DIR": str(tp_dir), "SGLANG_CPU_OMP_THREADS_BIND": cpu_bind(TP)}
+    env = {"SAS_DEBUG_DIR": str(tp_dir), "SGLANG_CPU_OMP_THREADS_BIND": cpu_threads_bind(TP)}
     with Server(model_dir, backend="sas", extra_args=args, env=env) as s:
         out = complete(s.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
     return ref["choices"][0], ref_records, out["choices"][0], _records(tp_dir)
