@@ -329,7 +329,7 @@ def summary_markdown(rec: dict) -> str:
         lines.append(f"- **stopped**: {rec['stopped']}")
     lines.append("")
     rows = [[s["name"], s["rc"], s["seconds"], s["expected_minutes"], json.dumps(s.get("counts", {})) or "",
-             s["command"][:90]] for s in rec["steps"]]
+             s.get("command", "")[:90]] for s in rec["steps"]]
     lines.append(md_table(["step", "rc", "seconds", "expected min", "counts", "command"], rows))
     for s in rec["steps"]:
         if s.get("markdown"):
