@@ -15,8 +15,8 @@ from sas_backend.paths import source_checkout
 
 def git_state(repo=None) -> dict:
     """`{"commit": full sha or "unknown", "dirty": [changed tracked files]}` of `repo` (default:
-    this package's checkout). Without git metadata (e.g. a tree copied to another machine),
-    `$SAS_COMMIT` names the commit."""
+    this package's checkout). `$SAS_COMMIT`, when set, names the commit (a tree copied to another
+    machine has no .git, or a stale one); else git does."""
     root = repo or source_checkout()
 
     def git(*args):
@@ -27,7 +27,9 @@ def git_state(repo=None) -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    commit = git("rev-parse", "HEAD") or os.environ.get("SAS_COMMIT") or "unknown"
+    # An explicit $SAS_COMMIT wins: a tree copied to another machine may carry a stale .git (the first
+    # GPU run's summary named the previous session's HEAD that way).
+    commit = os.environ.get("SAS_COMMIT") or git("rev-parse", "HEAD") or "unknown"
     return {"commit": commit, "dirty": git("status", "--porcelain", "--untracked-files=no").splitlines()}
 
 

@@ -24,6 +24,7 @@ import atexit
 import ctypes
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -58,10 +59,24 @@ _lock = threading.RLock()  # reentrant: the signal handler may run while the mai
 _exit_hooks_installed = False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports for test servers: below the kernel's ephemeral range (where bind(0) lands, 32768-60999 on Linux)
+# because SGLang derives ports from --port: 0.5.15 refuses to start when port + 10000 (its gRPC port)
+# exceeds 65535, which the first GPU run hit (2026-11-27) with ports from bind(0).
+SERVER_PORTS = range(20000, 32000)
+
+
+def free_port(rng=None) -> int:
+    """A port in SERVER_PORTS that is free now (random, so parallel test workers rarely collide)."""
+    rng = rng or random.Random()
+    for _ in range(200):
+        port = rng.randrange(SERVER_PORTS.start, SERVER_PORTS.stop)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {SERVER_PORTS.start}-{SERVER_PORTS.stop - 1} after 200 tries")
 
 
 def cpu_env(extra=None) -> dict:
@@ -274,6 +289,18 @@ def launch_expect_failure(model=DEFAULT_MODEL, backend="sas", extra_args=(), env
         with _lock:
             _live.pop(proc.pid, None)
     return proc.returncode, out
+
+
+def generated_tokens(choice: dict) -> list:
+    """The generated tokens of one /v1/completions choice: its `token_ids` where the server returns them
+    (`return_token_ids=True`, SGLang >= 0.5.21), else the token strings of its logprobs (pass
+    `logprobs=N`): SGLang 0.5.15, the GPU kit's, has no return_token_ids and ignores it."""
+    if "token_ids" in choice:
+        return choice["token_ids"]
+    logprobs = choice.get("logprobs") or {}
+    if "tokens" not in logprobs:
+        raise KeyError("the choice has neither token_ids nor logprobs tokens: request logprobs=N as well")
+    return logprobs["tokens"]
 
 
 def complete(url, prompt, max_tokens=16, **extra) -> dict:

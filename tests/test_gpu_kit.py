@@ -243,7 +243,13 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
         checks = steps["decode-step"]["results"]["decode-step"]["checks"]
         assert checks and all(c["ok"] for c in checks)
         profile = steps["decode-step"]["results"]["decode-step"]["profile"]  # the trace summary comes back
-        assert profile["eager"]["kernels"] > 10 and profile["eager"]["top"] and "Profile of one SAS step" in md
+        assert profile["eager"]["kernels"] > 10 and profile["eager"]["top"] and "Profile of one steady SAS step" in md
+        # the first GPU run timed only the block step (1 in 64): steady and amortized come back too
+        for row in steps["decode-step"]["results"]["decode-step"]["rows"]:
+            for sas in row["sas"].values():
+                assert sas["amortized_ms"] == (63 * sas["steady_ms"] + sas["ms"]) / 64
+                assert sas["speedup"] == row["dense_ms"] / sas["amortized_ms"]
+                assert "summary_steady" in sas["breakdown_ms"]
         # the plot needs matplotlib (the `bench` extra; CI installs test,train only)
         assert (out / "decode-step.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
@@ -264,6 +270,10 @@ def test_session_stops_after_a_failed_preflight_and_skips_what_does_not_fit(fake
     steps = json.loads((out / "session-dry.json").read_text())["steps"]
     assert steps[0]["name"] == "preflight" and steps[0]["rc"] not in (0, None)
     assert [s.get("skipped") for s in steps[1:]] == ["preflight failed"] * (len(steps) - 1)
+    # exit 1 for the failed preflight, not a traceback (the first GPU run's summary writer raised
+    # KeyError on the skipped steps, which exits 1 as well) - and the Markdown summary is written
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert "| preflight |" in (out / "session-dry.md").read_text()
 
     assert gpu_run.fits(600, 9.0) and not gpu_run.fits(120, 5.0) and not gpu_run.fits(15, 0.1)
     assert gpu_run.fits(0.6 * 5.0 * 60, 5.0)

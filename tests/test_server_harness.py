@@ -54,3 +54,55 @@ def test_cpu_threads_bind_splits_the_allowed_cores_over_ranks(monkeypatch):
     for cores, ranks, expected in cases:
         monkeypatch.setattr(server_harness.os, "sched_getaffinity", lambda pid, c=cores: c)
         assert server_harness.cpu_threads_bind(ranks) == expected, (cores, ranks)
+
+
+def test_free_ports_leave_room_for_the_ports_sglang_derives():
+    """SGLang 0.5.15 refuses --port P when P + 10000 (its gRPC port) exceeds 65535: the first GPU run's
+    servers failed so with ports from bind(0). free_port stays below that and skips a busy port."""
+    import random
+    import socket
+
+    from sas_backend import server_harness
+
+    for _ in range(50):
+        assert server_harness.free_port() + 10000 <= 65535
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy_port = busy.getsockname()[1]
+
+    class FirstBusy(random.Random):
+        calls = 0
+
+        def randrange(self, a, b):
+            self.calls += 1
+            return busy_port if self.calls == 1 else super().randrange(a, b)
+
+    with busy:
+        busy.listen()
+        rng = FirstBusy(0)
+        port = server_harness.free_port(rng)
+        assert port != busy_port and rng.calls >= 2 and port in server_harness.SERVER_PORTS
+
+
+def test_generated_tokens_from_ids_or_from_logprobs():
+    """SGLang 0.5.15 (the GPU kit's) has no return_token_ids: the GPU server tests compare the logprobs'
+    token strings there, the ids where the server returns them."""
+    import pytest
+
+    from sas_backend.server_harness import generated_tokens
+
+    assert generated_tokens({"token_ids": [5, 6], "logprobs": {"tokens": ["a", "b"]}}) == [5, 6]
+    assert generated_tokens({"text": " a b", "logprobs": {"tokens": [" a", " b"]}}) == [" a", " b"]
+    with pytest.raises(KeyError, match="logprobs"):
+        generated_tokens({"text": " a b", "logprobs": None})
+
+
+def test_an_explicit_sas_commit_wins_over_git(monkeypatch):
+    """The device machine's copy of the tree carried a stale .git: the first GPU run's summary named the
+    previous session's HEAD. The commit the caller passes is the one recorded."""
+    from sas_backend.provenance import git_state, source_checkout
+
+    monkeypatch.setenv("SAS_COMMIT", "0123abcd" * 5)
+    assert git_state(source_checkout())["commit"] == "0123abcd" * 5
+    monkeypatch.delenv("SAS_COMMIT")
+    assert git_state(source_checkout())["commit"] != "0123abcd" * 5

@@ -2,8 +2,8 @@
 
 `environment()` names the device, driver, library versions, the commit and the date; it imports
 nothing that needs CUDA, so a dry run on a CPU machine records the same fields (device "none").
-The commit comes from `git` when the checkout has its .git, else from `$SAS_COMMIT` (sas_backend.provenance; the device
-machine receives the working tree without .git: pass `SAS_COMMIT=$(git rev-parse HEAD)` in the
+The commit comes from `$SAS_COMMIT` when set, else from `git` (sas_backend.provenance; the device
+machine receives the working tree without .git, or with a stale one: pass `SAS_COMMIT=$(git rev-parse HEAD)` in the
 command); `source_digest` (sha256 over the package's .py files) identifies the code either way.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import importlib
+import os
 import pathlib
 import platform
 import subprocess
@@ -32,7 +33,7 @@ def git_commit() -> dict:
     $SAS_COMMIT), and which of the two answered."""
     from sas_backend.provenance import git_state
 
-    return {**git_state(REPO), "source": "git" if (REPO / ".git").exists() else "$SAS_COMMIT"}
+    return {**git_state(REPO), "source": "$SAS_COMMIT" if os.environ.get("SAS_COMMIT") else "git"}
 
 
 def source_digest() -> str:
