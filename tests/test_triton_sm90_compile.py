@@ -28,7 +28,8 @@ sys.path.insert(0, str(TOOL.parent))
 import compile_triton as ct  # noqa: E402  (stdlib-only at import: Triton is imported by its functions)
 
 SERVING_KERNELS = {
-    "ops.gate._gate_query_kernel", "ops.summary._summarize_pages_kernel",
+    "ops.gate._gate_query_kernel", "ops.gate._gate_query_partial_kernel", "ops.gate._gate_query_finish_kernel",
+    "ops.summary._summarize_pages_kernel",
     "ops.summary._summary_update_decode_kernel", "ops.score._score_blocks_kernel",
     "ops.topk._chunk_select_kernel", "ops.topk._merge_select_kernel", "ops.gather._build_kv_indices_kernel",
 }

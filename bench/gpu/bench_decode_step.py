@@ -14,6 +14,7 @@ all layers, replayed; `triton.testing.do_bench` median, L2 flushed between repla
           (63 of 64 steps: the summary kernel exits at once); `amortized` = (63 steady + 1 block) / 64,
           the per-token figure a server sees, and `speedup` = dense / amortized;
 - breakdown: each of those ops alone over all layers (its own graph); `attn` = gather + decode;
+  `gate_query_unsplit`: the one-launch gate query kernel the first GPU run measured, beside the split one;
 - roofline: the bytes the attention step must read (dense: K and V of the whole context; sas:
   K and V of (K+1) blocks per kv head, every candidate's fp32 summary, the gate's query weights),
   its time at the device's peak bandwidth, and the achieved bandwidth.
@@ -176,12 +177,15 @@ class SasStep(LayerStack):
         self.gate_q = torch.empty(w.bs, geo.kv_heads, geo.gate_dim, device=dev)
         self.scores = torch.empty(w.bs, geo.kv_heads, w.max_blocks, device=dev)
         self.selected = torch.empty(w.bs, geo.kv_heads, self.top_k, dtype=torch.int32, device=dev)
-        self.workspace = None
+        self.workspace = self.gate_workspace = None
         if w.device.type == "cuda":
+            from sas_backend.ops.gate.triton import gate_query_workspace_numel
             from sas_backend.ops.topk.triton import topk_workspace_numel
 
             n = topk_workspace_numel(w.bs, geo.kv_heads, w.max_blocks, self.top_k)
             self.workspace = torch.empty(max(n, 1), dtype=torch.int32, device=dev)
+            n = gate_query_workspace_numel(w.bs, geo.kv_heads, geo.group, geo.head_dim, geo.gate_dim)
+            self.gate_workspace = torch.empty(n, dtype=torch.float32, device=dev)
         self.sd = make_sparse_decode(dev, geo.kv_heads, geo.group, geo.head_dim, self.top_k, BLOCK,
                                      w.bs * geo.kv_heads, torch.bfloat16, torch.bfloat16)
         self.sd.plan(w.seq_lens_cpu, w.scale, graph_bs=w.bs if graphs else None)
@@ -201,7 +205,15 @@ class SasStep(LayerStack):
 
         w, gate = self.w, self.w.gates[layer]
         gate_query_post_rope(w.q, w.model_rows, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight,
-                             w.gate_rows, out=self.gate_q)
+                             w.gate_rows, out=self.gate_q, workspace=self.gate_workspace)
+
+    def gate_query_unsplit(self, layer):
+        """The one-launch gate query kernel (CUDA; the first GPU run's), timed beside the split one."""
+        from sas_backend.ops.gate.triton import gate_query_triton
+
+        w, gate = self.w, self.w.gates[layer]
+        gate_query_triton(w.q, w.model_rows, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight,
+                          w.gate_rows, out=self.gate_q, split=False)
 
     def score(self, layer):
         """Scores of every candidate block into the fixed buffer."""
@@ -481,6 +493,11 @@ def check_point(w: World, budget: int, graphs: bool) -> list:
     st.gate_query(0)
     record("gate_query", _err(st.gate_q, gq_ref(w.q, w.model_rows, gate.attngate_linear_q.weight,
                                                 gate.attngate_qnorm.weight, w.gate_rows)), 1e-3)
+    if w.device.type == "cuda":
+        st.gate_query_unsplit(0)
+        record("gate_query (unsplit)", _err(st.gate_q, gq_ref(w.q, w.model_rows, gate.attngate_linear_q.weight,
+                                                              gate.attngate_qnorm.weight, w.gate_rows)), 1e-3)
+        st.gate_query(0)
     st.score(0)
     record("score", _err(st.scores, score_ref(st.gate_q, w.summaries[0], w.block_table, w.num_candidates, BLOCK,
                                               w.max_blocks)), 1e-3)
@@ -546,7 +563,7 @@ def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
         st = SasStep(w, b, args.graphs)
         res = {"ms": time_ms(st.step, args.graphs, args.reps), "bytes": step_bytes(geo, ctx, bs, b),
                "breakdown_ms": {}}
-        ops = list(SasStep.OPS) + (["gather"] if w.device.type == "cuda" else [])
+        ops = list(SasStep.OPS) + (["gather", "gate_query_unsplit"] if w.device.type == "cuda" else [])
         for op in ops:
             res["breakdown_ms"][op] = time_ms(st.op_over_layers(op), args.graphs, args.reps)
         del st
@@ -584,7 +601,7 @@ def markdown(record: dict) -> str:
              ""]
     head = ["context", "batch", "budget", "dense ms", "sas steady ms", "sas block ms", "sas amortized ms", "speedup",
             "roofline x", "dense GB/s", "sas GB/s", "summary", "summary steady", "gate_q", "score", "topk", "attn",
-            "gather"]
+            "gather", "gate_q unsplit"]
     rows = []
     for r in record["rows"]:
         for b, s in r["sas"].items():
@@ -592,7 +609,7 @@ def markdown(record: dict) -> str:
             rows.append([r["context"], r["batch"], int(b), r["dense_ms"], s["steady_ms"], s["ms"], s["amortized_ms"],
                          s["speedup"], s["roofline_speedup"], r.get("dense_achieved_gbs", "-"), s.get("achieved_gbs", "-"),
                          *[bd.get(k, "-") for k in ("summary", "summary_steady", "gate_query", "score", "topk", "attn",
-                                                    "gather")]])
+                                                    "gather", "gate_query_unsplit")]])
     lines.append(md_table(head, rows))
     lines.append("")
     lines.append("Times are ms for all layers of one step (breakdown columns: that op alone over all layers). "

@@ -117,8 +117,9 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
     sg = SPEC_GEOMETRY
     ks = [b // BLOCK for b in BUDGETS]
     out = {
-        "gate_query": product(d=HEAD_DIMS, dg=GATE_DIMS, g=GROUPS, dtype=DTYPES)
-        + [dict(d=sg["d"], dg=sg["dg"], g=sg["g"], dtype=sg["dtype"], **s) for s in spec],
+        # split: the serving launch (partials + finish); unsplit: the one-launch kernel the benchmark times beside it
+        "gate_query": product(d=HEAD_DIMS, dg=GATE_DIMS, g=GROUPS, dtype=DTYPES, split=(True, False))
+        + [dict(d=sg["d"], dg=sg["dg"], g=sg["g"], dtype=sg["dtype"], split=True, **s) for s in spec],
         "summarize_pages": product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=DTYPES)
         + [dict(d=sg["d"], dg=sg["dg"], dtype=sg["dtype"], **s)
            for s in product(h_kv=SPEC_KV_HEADS, n=SPEC_PAGES)],
@@ -164,7 +165,7 @@ def launch(op: str, p: dict) -> None:
         d, dg, g = p["d"], p["dg"], p["g"]
         gate_query_triton(torch.empty(bs, h_kv * g, d, dtype=_dt(p["dtype"])), torch.ones(bs, d),
                           torch.empty(h_kv, g, d, dg), torch.empty(dg), torch.empty(bs, dg),
-                          out=torch.empty(bs, h_kv, dg))
+                          out=torch.empty(bs, h_kv, dg), split=p["split"])
     elif op in ("summarize_pages", "summary_update"):
         from sas_backend.ops.summary import triton as st
 

@@ -28,7 +28,7 @@ K = budget // b, R = max running requests + 1 = rows of `req_to_token`):
 
 Not reserved here: the wrapped dense backend's own buffers (the dense FlashInfer backend
 allocates the same ones when SGLang serves dense, and SGLang's default mem_fraction_static
-already leaves room for them) and transient per-step tensors (scores, Top-K) that live in the
+already leaves room for them) and transient per-step tensors (gate-query partials, scores, Top-K) that live in the
 activation / CUDA-graph pool like the model's own activations.
 """
 

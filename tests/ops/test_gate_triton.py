@@ -36,31 +36,35 @@ def _case(n, h_kv, g, d, dg, positions="mixed", scale=1.0, seed=0):
     return q_pre, q_post, model_cs, w_q, q_norm, gate_cs
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("g", [1, 3, 4, 8])
-def test_gate_query_fp32(g, d):
+@pytest.mark.parametrize("g", [1, 3, 4, 7, 8])
+def test_gate_query_fp32(g, d, split):
     _, q_post, mcs, w_q, qn, gcs = _case(3, 2, g, d, 128, seed=g * d)  # small N: interpreter time
-    out = gate_query_triton(q_post, mcs, w_q, qn, gcs)
+    out = gate_query_triton(q_post, mcs, w_q, qn, gcs, split=split)
     assert out.dtype == torch.float32 and out.shape == (3, 2, 128)
     torch.testing.assert_close(out, gate_query_post_rope_ref(q_post, mcs, w_q, qn, gcs), **TOL)
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])
 @pytest.mark.parametrize("n", [1, 7])
-@pytest.mark.parametrize("g,d,dg", [(8, 128, 64), (1, 64, 64), (2, 96, 128)])
-def test_gate_query_fp32_batch_sizes_and_dims(g, d, dg, n):
-    # Decode batch 1 and 7, gate dim 64, and a head dim whose half is not a power of two.
+@pytest.mark.parametrize("g,d,dg", [(8, 128, 64), (1, 64, 64), (2, 96, 128), (3, 80, 64)])
+def test_gate_query_fp32_batch_sizes_and_dims(g, d, dg, n, split):
+    # Decode batch 1 and 7, gate dim 64, head dims whose half is not a power of two (96: 3 full split
+    # units; 80: a partial last unit).
     _, q_post, mcs, w_q, qn, gcs = _case(n, 3, g, d, dg, seed=100 + n + g)
-    out = gate_query_triton(q_post, mcs, w_q, qn, gcs)
+    out = gate_query_triton(q_post, mcs, w_q, qn, gcs, split=split)
     assert out.shape == (n, 3, dg)
     torch.testing.assert_close(out, gate_query_post_rope_ref(q_post, mcs, w_q, qn, gcs), **TOL)
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])
 @pytest.mark.parametrize("n", [1, 7])
 @pytest.mark.parametrize("g,d,dg", [(4, 128, 128), (3, 64, 64)])
-def test_gate_query_bf16(g, d, dg, n):
+def test_gate_query_bf16(g, d, dg, n, split):
     _, q_post, mcs, w_q, qn, gcs = _case(n, 2, g, d, dg, seed=n + g)
     q_bf = q_post.to(torch.bfloat16)
-    out = gate_query_triton(q_bf, mcs, w_q, qn, gcs)
+    out = gate_query_triton(q_bf, mcs, w_q, qn, gcs, split=split)
     # Both sides upcast the same bf16 values: fp32 tolerance holds.
     torch.testing.assert_close(out, gate_query_post_rope_ref(q_bf, mcs, w_q, qn, gcs), **TOL)
 
@@ -106,6 +110,24 @@ def test_gate_query_empty_and_bad_shapes():
         gate_query_triton(q_post, mcs, w_q[:1], qn, gcs)
     with pytest.raises(ValueError):
         gate_query_triton(q_post, mcs, w_q, qn, gcs, out=torch.empty(2, 2, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="workspace"):  # too small for the split's partials
+        gate_query_triton(q_post, mcs, w_q, qn, gcs, workspace=torch.empty(8, device=DEVICE))
+
+
+def test_gate_query_split_workspace_is_reused_and_independent_of_batch():
+    """A workspace sized for the largest batch serves every smaller one (a CUDA-graph step allocates
+    nothing); the split is fixed by the geometry, so a token's result does not depend on the batch
+    it is in (a padded graph batch computes what the eager batch does), bit for bit."""
+    from sas_backend.ops.gate.triton import gate_query_workspace_numel, split_units
+
+    assert split_units(4, 128) == (16, 16) and split_units(7, 128) == (28, 16)
+    assert split_units(3, 80) == (9, 16) and split_units(1, 16) == (1, 8)
+    _, q_post, mcs, w_q, qn, gcs = _case(5, 2, 4, 128, 128, seed=21)
+    ws = torch.full((gate_query_workspace_numel(5, 2, 4, 128, 128),), float("nan"), device=DEVICE)
+    whole = gate_query_triton(q_post, mcs, w_q, qn, gcs, workspace=ws)
+    part = gate_query_triton(q_post[:2], mcs[:2], w_q, qn, gcs[:2], workspace=ws)
+    assert torch.equal(part, whole[:2])
+    torch.testing.assert_close(whole, gate_query_post_rope_ref(q_post, mcs, w_q, qn, gcs), **TOL)
 
 
 def test_entry_point_dispatch():
