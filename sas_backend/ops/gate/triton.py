@@ -13,8 +13,8 @@ the batch size, one row per (token, kv head), so the projection is a broadcast-m
   a layer at batch 1 and at batch 8 alike: 8 programs, each reading its kv head's 256 KB of fp32 w_q in
   4 serial steps. Split, batch 1 has 128 programs of 16 KB each. U depends on the geometry only, never
   on N, so a padded CUDA-graph batch computes bit for bit what the eager batch does.
-- unsplit (`split=False`): one program per (token, kv head), one launch; kept for the decode-step
-  benchmark's side-by-side timing and for CPU-interpreter speed.
+- unsplit (`split=False`): one program per (token, kv head), one launch, the first GPU run's kernel; kept
+  so the decode-step benchmark times it beside the split one until a GPU run has compared them.
 """
 
 from __future__ import annotations
