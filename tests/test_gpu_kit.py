@@ -240,6 +240,9 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
         assert "would start sas" in (out / "session-dry.log").read_text()
         assert "--contexts 32768 --batch" in steps["e2e-decode"]["command"]  # the quick end-to-end point
         assert len(list(out.iterdir())) <= 8  # the device tool returns at most 8 files
+        # committed records name no folder of the machine they ran on (the first GPU run's did)
+        summary = (out / "session-dry.json").read_text() + md
+        assert str(REPO) not in summary and str(tmp_path) not in summary and "<site>" in summary
         checks = steps["decode-step"]["results"]["decode-step"]["checks"]
         assert checks and all(c["ok"] for c in checks)
         profile = steps["decode-step"]["results"]["decode-step"]["profile"]  # the trace summary comes back

@@ -374,6 +374,14 @@ def collect(step: Step, work: pathlib.Path, out: pathlib.Path, rec: dict) -> Non
                 shutil.copy(f, out / f.name)
 
 
+def portable(text: str, site: pathlib.Path, work: pathlib.Path, out: pathlib.Path) -> str:
+    """text with this run's folders as placeholders (<site>, <work>, <out>, the repository relative):
+    the summaries are committed, and a path of the device machine means nothing elsewhere."""
+    for path, name in ((work, "<work>"), (site, "<site>"), (out, "<out>"), (REPO, ".")):
+        text = text.replace(str(path) + "/", "" if name == "." else name + "/").replace(str(path), name)
+    return text
+
+
 def default_kit(tier: str) -> pathlib.Path:
     """The kit directory a tier carries when --kit is not given (bench/gpu/README.md): `.whl/site`
     for tiers 0 and 2, `.whl/fi` for tier 1 (else `.whl/site`, which holds FlashInfer too), else a
@@ -419,8 +427,8 @@ def main(argv=None) -> int:
 
     def save():
         rec["wall_s"] = round(time.time() - t_start, 1)
-        kit.write_json(out / f"{tag}.json", rec)
-        (out / f"{tag}.md").write_text(summary_markdown(rec))
+        kit.write_json(out / f"{tag}.json", json.loads(portable(json.dumps(rec), site, work, out)))
+        (out / f"{tag}.md").write_text(portable(summary_markdown(rec), site, work, out))
 
     log = open(out / f"{tag}.log", "w")
     print(f"[gpu] {args.tier} ({rec['mode']}): site {site}, work {work}, results {out}", flush=True)
