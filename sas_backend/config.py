@@ -49,6 +49,11 @@ class SASConfig:
     first_sparse_layer: layers below this index decode densely.
     sink_blocks / local_blocks: blocks always selected (first blocks / blocks right before the
         current one); they count inside K. None: the gate's record, else 0.
+    dense_below: a decode step whose requests hold at most this many context tokens in all (the
+        sum of their lengths: what dense attention reads) attends every block densely instead of
+        selecting; 0: never (the default). Below a few tens of thousands of tokens a step is bound by
+        its kernel launches, not its bytes, and dense attention is faster. Under CUDA graphs both
+        branches are captured (conditional IF nodes, CUDA 12.4+); without them graph steps stay sparse.
     debug_dir: if set, each decode step appends selection statistics there (slow; tests only).
     cpu_extend: who runs extend (prefill) attention on CPU: "sas" (ops/extend: the new queries only)
         or "torch_native" (SGLang's, which pads each request's queries to its whole length).
@@ -80,6 +85,10 @@ class SASConfig:
         None, "SAS_LOCAL_BLOCKS", "--sas-local-blocks",
         "Always attend the N blocks before the current one (inside the budget).",
         "default: the gate's record, else 0")
+    dense_below: int = _setting(
+        0, "SAS_DENSE_BELOW", "--sas-dense-below",
+        "Decode steps whose requests hold at most N context tokens in all attend densely (where dense "
+        "attention is faster than selecting); 0: never.")
     debug_dir: Optional[str] = _setting(None, "SAS_DEBUG_DIR")
     cpu_extend: str = _setting("sas", "SAS_CPU_EXTEND")
 
@@ -140,7 +149,7 @@ class SASConfig:
                 f"(it is spent in whole blocks), got {self.budget}; "
                 f"for example --sas-budget {max(1, round(self.budget / self.block_size)) * self.block_size}"
             )
-        for name in ("first_sparse_layer", "sink_blocks", "local_blocks"):
+        for name in ("first_sparse_layer", "sink_blocks", "local_blocks", "dense_below"):
             if (getattr(self, name) or 0) < 0:
                 raise SASConfigError(f"SAS {name} must be >= 0, got {getattr(self, name)}")
         forced = (self.sink_blocks or 0) + (self.local_blocks or 0)

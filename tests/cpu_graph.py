@@ -8,6 +8,10 @@ the recorded tensors, see it). Python state set during warm-up or capture is fro
 
 Capture also refuses what a CUDA graph cannot hold: host syncs (`.item()`, `.tolist()`,
 `bool(tensor)`) and ops whose output shape depends on tensor data (`nonzero`, boolean masks).
+
+Conditional IF nodes (`sas_backend.backend.graph_branch`): ops captured inside `if_body(flag)` replay
+only when the 0-d bool `flag` holds true at replay. `CpuGraph.current` is the graph being captured
+(None outside a capture), for stand-ins of `graph_branch.capturing` / `captured_if`.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ class GraphCaptureError(RuntimeError):
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, log):
+    def __init__(self, graph):
         super().__init__()
-        self.log = log
+        self.graph = graph
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -40,7 +44,7 @@ class _Recorder(TorchDispatchMode):
         ):
             raise GraphCaptureError("boolean-mask indexing (data-dependent shape) inside a captured region")
         out = func(*args, **kwargs)
-        self.log.append((func, args, kwargs, out))
+        self.graph.log.append((func, args, kwargs, out, self.graph._flag))
         return out
 
 
@@ -52,17 +56,39 @@ def _aliases_input(func) -> bool:
 class CpuGraph:
     """capture() once, then replay() any number of times."""
 
+    current = None  # the graph being captured
+
     def __init__(self):
         self.log = []
+        self._flag = None  # the IF body being captured: its flag
 
     @contextlib.contextmanager
     def capture(self):
-        with torch.no_grad(), _Recorder(self.log):
-            yield self
+        CpuGraph.current = self
+        try:
+            with torch.no_grad(), _Recorder(self):
+                yield self
+        finally:
+            CpuGraph.current = None
+
+    @contextlib.contextmanager
+    def if_body(self, flag: torch.Tensor):
+        """Ops captured in this block replay only while `flag` (0-d bool) is true."""
+        if flag.dim() != 0 or flag.dtype != torch.bool:
+            raise GraphCaptureError(f"an IF node's flag must be a 0-d bool tensor, got {flag.shape} {flag.dtype}")
+        if self._flag is not None:
+            raise GraphCaptureError("nested IF bodies are not emulated")
+        self._flag = flag
+        try:
+            yield
+        finally:
+            self._flag = None
 
     @torch.no_grad()
     def replay(self) -> None:
-        for func, args, kwargs, out in self.log:
+        for func, args, kwargs, out, flag in self.log:
+            if flag is not None and not bool(flag):
+                continue
             fresh = func(*args, **kwargs)
             if _aliases_input(func):
                 continue

@@ -253,6 +253,11 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
                 assert sas["amortized_ms"] == (63 * sas["steady_ms"] + sas["ms"]) / 64
                 assert sas["speedup"] == row["dense_ms"] / sas["amortized_ms"]
                 assert "summary_steady" in sas["breakdown_ms"]
+        # the IF-node branch timing (dense or sparse chosen per replay), at the middle budget
+        branch = [s["branch"] for r in steps["decode-step"]["results"]["decode-step"]["rows"] for s in r["sas"].values()
+                  if "branch" in s]
+        assert branch and all(b["sparse_ms"] > 0 and b["dense_ms"] > 0 for b in branch)
+        assert "IF nodes" in md
         # the plot needs matplotlib (the `bench` extra; CI installs test,train only)
         assert (out / "decode-step.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 

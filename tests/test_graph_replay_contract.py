@@ -34,7 +34,7 @@ MAX_BS, MAX_REQS, MAX_CTX, PAGES = 4, 8, 256, 160
 class Rig:
     """A SAS backend over real SGLang CPU pools, with requests placed on random pages."""
 
-    def __init__(self, budget, sink=0, local=0, seed=0):
+    def __init__(self, budget, sink=0, local=0, seed=0, dense_below=0, inner=None):
         self.g = torch.Generator().manual_seed(seed)
         self.req_pool = ReqToTokenPool(MAX_REQS, MAX_CTX, "cpu", False)
         self.kv_pool = MHATokenToKVPool(PAGES * B, B, torch.float32, H_KV, D, LAYERS, "cpu", False)
@@ -42,7 +42,8 @@ class Rig:
             device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
             dtype=torch.float32, model=None, page_size=B,
         )
-        cfg = SASConfig(gate_path="unused", budget=budget * B, block_size=B, sink_blocks=sink, local_blocks=local)
+        cfg = SASConfig(gate_path="unused", budget=budget * B, block_size=B, sink_blocks=sink, local_blocks=local,
+                        dense_below=dense_below)
         gates = {}
         for lid in range(LAYERS):
             gate = AttnGate(H_KV, H_Q // H_KV, D, DG)
@@ -50,7 +51,7 @@ class Rig:
             gates[lid] = gate.requires_grad_(False)
         self.layers = [RadixAttention(H_Q, D, D**-0.5, H_KV, lid) for lid in range(LAYERS)]
         self.backend = SASAttnBackend(
-            runner, TorchNativeAttnBackend(runner), cfg, gates,
+            runner, inner(runner) if inner else TorchNativeAttnBackend(runner), cfg, gates,
             rope_cos_sin_table(D, MAX_CTX + 8, 10000.0), rope_cos_sin_table(DG, MAX_CTX + 8, 10000.0),
             num_kv_heads=H_KV, num_q_heads=H_Q, head_dim=D,
         )
@@ -233,6 +234,97 @@ def test_captured_decode_replays_like_eager(budget, sink, local):
             s_graph, s_eager = after_graph[2][lid][1:], rig.backend.summaries[lid][1:]
             torch.testing.assert_close(s_graph, s_eager, msg=f"step {step} layer {lid}: summaries")
         rig.advance(reqs)
+
+
+class PaddedDenseDecode:
+    """The wrapped dense backend in the IF-node test: plain attention over each request's first
+    seq_len slots, padded to MAX_CTX (fixed shapes, no host sync: capturable, unlike SGLang's
+    torch-native backend, whose per-request loop reads lengths on the host). Counts its decodes."""
+
+    kv_index_translator = None
+
+    def __init__(self, runner):
+        self.req_pool, self.kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
+        self.calls = 0
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        pass
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    def init_forward_metadata(self, fb):
+        pass
+
+    def init_forward_metadata_out_graph(self, fb, in_capture=False):
+        pass
+
+    def init_forward_metadata_in_graph(self, fb):
+        pass
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+        assert not save_kv_cache  # sas wrote the new token's K/V already
+        self.calls += 1
+        slots = self.req_pool.req_to_token[fb.req_pool_indices.long(), :MAX_CTX].long()
+        keys = self.kv_pool.get_key_buffer(layer.layer_id)[slots]  # [bs, T, H_kv, D]
+        values = self.kv_pool.get_value_buffer(layer.layer_id)[slots]
+        bs = q.shape[0]
+        q4 = q.view(bs, H_KV, H_Q // H_KV, D)
+        scores = torch.einsum("bhgd,bthd->bhgt", q4, keys) * layer.scaling
+        valid = torch.arange(MAX_CTX) < fb.seq_lens[:, None]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        out = torch.einsum("bhgt,bthd->bhgd", scores.softmax(-1), values)
+        return out.reshape(bs, H_Q * D)
+
+
+def test_dense_below_captures_both_branches_and_replays_the_host_choice(monkeypatch):
+    """--sas-dense-below under graphs: the warm-up runs both attentions, the capture holds both as IF
+    nodes, and each replay runs the one the host chose in out_graph (the step's total tokens vs the
+    threshold), equal to the eager step, which makes the same choice. The schedule has both kinds."""
+    import sas_backend.backend.sas_attention as sas_attention
+
+    monkeypatch.setattr(sas_attention, "conditional_nodes_supported", lambda: True)
+    monkeypatch.setattr(sas_attention, "capturing", lambda: CpuGraph.current is not None)
+    monkeypatch.setattr(sas_attention, "captured_if", lambda flag: CpuGraph.current.if_body(flag))
+    rig = Rig(3, dense_below=120, inner=PaddedDenseDecode)
+    be, dense = rig.backend, rig.backend.inner
+    for r, n in PROMPTS.items():
+        if r != 4:
+            rig.add_request(r, n)
+    static = Static(MAX_BS, be.get_cuda_graph_seq_len_fill_value())
+    cap = rig.step_inputs([3, 1])  # 131 + 16 tokens: a sparse step
+    snap = rig.snapshot()
+    static.load(cap)
+    graph, graph_outs = _capture(rig, static)
+    assert be._branch is not None and be._branch.value is True  # the sparse branch chosen ...
+    assert dense.calls == 3 * LAYERS  # ... yet the dense one ran in both warm-ups and was captured
+    rig.restore(snap)
+
+    kinds = []
+    for step, reqs in enumerate(SCHEDULE):
+        if 4 in reqs and 4 not in rig.lens:
+            rig.add_request(4, PROMPTS[4])
+        inp = rig.step_inputs(reqs)
+        n = len(reqs)
+        before = rig.snapshot()
+        static.load(inp)
+        be.init_forward_metadata_out_graph(static.fb())
+        calls = dense.calls
+        graph.replay()
+        assert dense.calls == calls  # replay runs kernels, not Python
+        got = [o[:n].clone() for o in graph_outs]
+        short = int(inp["seq_lens"].sum()) <= 120  # the padded rows (length 1) do not count
+        assert be._branch.value is not short and be._plan.dense is short
+        kinds.append(short)
+        rig.restore(before)
+        fb = _fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], n)
+        be.init_forward_metadata(fb)
+        want = _layers(rig, fb, inp["qkv"])
+        assert be._plan.dense is short
+        for lid in range(LAYERS):
+            torch.testing.assert_close(got[lid], want[lid], atol=1e-5, rtol=1e-5, msg=f"step {step} layer {lid}")
+        rig.advance(reqs)
+    assert any(kinds) and not all(kinds), kinds
 
 
 def test_capture_refuses_host_syncs():

@@ -143,7 +143,7 @@ def test_settings_table_is_the_fields(parse):
     assert {s.field: s.env for s in SETTINGS}["block_size"] == "SAS_BLOCK_SIZE"
     assert [s.field for s in SETTINGS if s.flag is None] == ["debug_dir", "cpu_extend"]
     assert {s.field for s in SETTINGS if s.type is int} == {
-        "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks"}
+        "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks", "dense_below"}
     import argparse
 
     from sglang.srt.server_args import ServerArgs

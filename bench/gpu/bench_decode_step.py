@@ -256,6 +256,60 @@ class SasStep(LayerStack):
         return lambda: [getattr(self, op)(lid) for lid in range(self.w.geo.layers)]
 
 
+class BranchStep(LayerStack):
+    """The steady SAS step and dense attention as two branches of one captured graph (conditional IF
+    nodes, `sas_backend.backend.graph_branch`): per layer the summary update, then IF(sparse) the
+    selector + sparse decode, IF(dense) FlashInfer's dense decode, each copying into one output
+    buffer. `flags.set(True)` replays the sparse branch, `flags.set(False)` the dense one: what a
+    server falling back to dense attention on short batches would pay for the choice (the IF nodes'
+    own kernels) on either side. Eagerly (CPU, warm-up) it runs the chosen branch, or both when
+    `both` is set (before capture: everything a body launches must have run once)."""
+
+    def __init__(self, w: World, budget: int, graphs: bool):
+        from sas_backend.backend.graph_branch import BranchFlags
+
+        self.w = w
+        self.sparse = SasStep(w, budget, graphs, block_step=False)
+        self.dense = DenseStep(w, graphs)
+        self.flags = BranchFlags(w.device)
+        self.flags.set(True)
+        self.both = False
+        self.out = torch.empty(w.bs, w.geo.q_heads, w.geo.head_dim, dtype=torch.bfloat16, device=w.device)
+
+    def _sparse(self, layer):
+        st = self.sparse
+        for op in SasStep.OPS[1:-1]:
+            getattr(st, op)(layer)
+        self.out.copy_(st.attn(layer))
+
+    def _dense(self, layer):
+        self.out.copy_(self.dense.layer(layer))
+
+    def layer(self, layer):
+        from sas_backend.backend.graph_branch import captured_if, capturing
+
+        self.sparse.summary(layer)
+        if capturing():
+            with captured_if(self.flags.first):
+                self._sparse(layer)
+            with captured_if(self.flags.second):
+                self._dense(layer)
+        else:
+            if self.both or self.flags.value:
+                self._sparse(layer)
+            if self.both or not self.flags.value:
+                self._dense(layer)
+        return self.out
+
+    def warm(self):
+        """Run both branches once eagerly (the warm-up before capture)."""
+        self.both = True
+        try:
+            self.step()
+        finally:
+            self.both = False
+
+
 def all_blocks(w: World) -> torch.Tensor:
     """`[bs, H_kv, M]` int32: every candidate block selected (attention = dense)."""
     sel = torch.arange(w.max_blocks, dtype=torch.int32, device=w.device)
@@ -341,6 +395,40 @@ def time_ms(fn, graphs: bool, reps: int) -> float:
     ms = do_bench(graph.replay, warmup=5, rep=max(reps, 20), return_mode="median")
     del graph
     return ms
+
+
+def time_branches(br: BranchStep, reps: int) -> dict:
+    """Median ms of one captured `BranchStep` graph replayed with the sparse branch on, then the dense
+    one: {"sparse_ms", "dense_ms"}; {"unsupported": reason} where graphs cannot hold IF nodes.
+    On CPU (no graphs): each branch eagerly, wall clock."""
+    from sas_backend.backend.graph_branch import conditional_nodes_supported
+
+    res = {}
+    if not torch.cuda.is_available():
+        for name, flag in (("sparse_ms", True), ("dense_ms", False)):
+            br.flags.set(flag)
+            res[name] = time_ms(br.step, graphs=False, reps=reps)
+        return res
+    if not conditional_nodes_supported():
+        return {"unsupported": f"torch {torch.__version__} (CUDA {torch.version.cuda}) has no CUDA graph IF nodes"}
+    from triton.testing import do_bench
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        br.warm()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        br.step()
+    for name, flag in (("sparse_ms", True), ("dense_ms", False)):
+        br.flags.set(flag)
+        graph.replay()
+        torch.cuda.synchronize()
+        res[name] = do_bench(graph.replay, warmup=5, rep=max(reps, 20), return_mode="median")
+    del graph
+    return res
 
 
 # ------------------------------------------------------------------------------------- profile
@@ -534,6 +622,36 @@ def check_point(w: World, budget: int, graphs: bool) -> list:
         record("graph replay == eager step (exact)", _err(res, eager), 0.0)
         last = w.geo.layers - 1
         record("graph sparse_decode (last layer)", _err(res, reference_attention(w, last, g_step.selected)), 2e-2)
+        from sas_backend.backend.graph_branch import conditional_nodes_supported
+
+        if conditional_nodes_supported():
+            # Both branches in one graph (IF nodes): each replay equals the plain steady step's graph,
+            # or dense FlashInfer's, bit for bit (same kernels, same plans; the copy adds nothing).
+            for name, step_cls in (("sparse", lambda: SasStep(w, budget, graphs=True, block_step=False)),
+                                   ("dense", lambda: DenseStep(w, graphs=True))):
+                plain = step_cls()
+                plain.step()
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    want = plain.step()
+                g.replay()
+                torch.cuda.synchronize()
+                want = want.clone()
+                del g, plain
+                br = BranchStep(w, budget, graphs=True)
+                br.warm()
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    got = br.step()
+                br.flags.set(name == "dense")  # the other branch first: its output must be overwritten
+                g.replay()
+                br.flags.set(name == "sparse")
+                g.replay()
+                torch.cuda.synchronize()
+                record(f"IF-node graph, {name} branch == plain {name} graph (exact)", _err(got, want), 0.0)
+                del g, br
     return out
 
 
@@ -571,6 +689,10 @@ def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
         res["steady_ms"] = time_ms(steady.step, args.graphs, args.reps)
         res["breakdown_ms"]["summary_steady"] = time_ms(steady.op_over_layers("summary"), args.graphs, args.reps)
         del steady
+        if b == budgets[len(budgets) // 2]:  # the middle budget (2048 by default): the branch cost
+            br = BranchStep(w, b, args.graphs)
+            res["branch"] = time_branches(br, args.reps)
+            del br
         res["amortized_ms"] = (63 * res["steady_ms"] + res["ms"]) / 64
         res["speedup"] = row["dense_ms"] / res["amortized_ms"]
         res["speedup_block_step"] = row["dense_ms"] / res["ms"]
@@ -615,9 +737,36 @@ def markdown(record: dict) -> str:
     lines.append("Times are ms for all layers of one step (breakdown columns: that op alone over all layers). "
                  "block: every request's newest token completes a block (1 step in 64); steady: none does; "
                  "amortized = (63 steady + 1 block) / 64; speedup = dense / amortized; sas GB/s at the amortized time.")
+    lines += branch_markdown(record)
     if record.get("profile"):
         lines += ["", profile_markdown(record["profile"])]
     return "\n".join(lines) + "\n"
+
+
+def branch_markdown(record: dict) -> list:
+    """The IF-node table: what choosing dense or sparse per replay costs on either side."""
+    rows, notes = [], set()
+    for r in record["rows"]:
+        for b, s in r["sas"].items():
+            br = s.get("branch")
+            if not br:
+                continue
+            if "unsupported" in br:
+                notes.add(br["unsupported"])
+                continue
+            rows.append([r["context"], r["batch"], int(b), r["dense_ms"], br["dense_ms"], br["dense_ms"] / r["dense_ms"],
+                         s["steady_ms"], br["sparse_ms"], br["sparse_ms"] / s["steady_ms"]])
+    if not rows and not notes:
+        return []
+    out = ["", "## Dense or sparse per replay: both branches in one graph (IF nodes), steady step", ""]
+    if rows:
+        out += [md_table(["context", "batch", "budget", "dense ms", "IF dense ms", "x dense", "sas steady ms",
+                          "IF sparse ms", "x steady"], rows), "",
+                "IF dense / IF sparse: one captured graph per point holding both branches per layer (summary "
+                "update, then IF(sparse) the selector + sparse decode, IF(dense) dense FlashInfer, each copied into "
+                "one buffer), replayed with each flag; x: against the plain graph of that branch alone."]
+    out += [f"- not timed: {n}" for n in sorted(notes)]
+    return out
 
 
 def plot(record: dict, path: pathlib.Path) -> bool:

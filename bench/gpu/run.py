@@ -91,7 +91,8 @@ class Step:
 
 
 PYTEST = ["{py}", "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
-TIER1_TESTS = ["tests/ops", "tests/training/test_gated_attention.py", "tests/gpu/test_flashinfer_sparse_decode.py"]
+TIER1_TESTS = ["tests/ops", "tests/training/test_gated_attention.py", "tests/gpu/test_flashinfer_sparse_decode.py",
+               "tests/test_graph_branch.py"]
 TIER2_TESTS = ["tests/gpu/test_server_gpu.py", "tests/gpu/test_decode_step_gpu.py"]
 TEST_MODEL, BENCH_MODEL = "{work}/models/qwen3-4b-4l", "{work}/models/qwen3-4b-shape"
 SERVER_TEST_FLAGS = "--chunked-prefill-size 1024 --grammar-backend none --cuda-graph-max-bs 8"

@@ -122,9 +122,10 @@ class DecodePlan:
     (persistent views under graphs). summary_rows: eager CPU only, `[n]` host tensor of the batch
     rows whose newest token completed a block (None: none did). update_all_rows: eager on a device,
     some row's newest token completed a block, so every row runs the masked summary update (as
-    under graphs, which always do): the rows are never copied to the device. dense: eager CPU only,
-    no request has more candidate blocks than K, so attention is exactly dense and selection is
-    skipped.
+    under graphs, which always do): the rows are never copied to the device. dense: the step attends
+    densely through the wrapped backend and selection is skipped: eager CPU when no request has more
+    candidate blocks than K (attention is exactly dense), or any step whose requests hold at most
+    `SASConfig.dense_below` tokens in all (under graphs: the dense IF branch, `backend/graph_branch.py`).
     """
 
     bs: int

@@ -24,6 +24,7 @@ from typing import Dict, Optional
 import torch
 
 from sas_backend.backend.decode_plan import DecodePlan, StepBuffers, StepTensors
+from sas_backend.backend.graph_branch import BranchFlags, captured_if, capturing, conditional_nodes_supported
 from sas_backend.backend.kv_write import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
 from sas_backend.config import SASConfig
@@ -133,6 +134,12 @@ class SASAttnBackend(AttentionBackend):
         self.own_cpu_extend = False
         self._extend_reqs = None  # (req rows, prefix lens, extend lens) host ints, for own_cpu_extend
         self._debug_step = 0
+        # Dense steps under CUDA graphs: the flags of the two captured branches (init_cuda_graph_state;
+        # None: graph steps always select).
+        self._branch: Optional[BranchFlags] = None
+        if cfg.dense_below:
+            logger.info("sas: decode steps whose requests hold at most %d tokens in all attend densely "
+                        "(--sas-dense-below)", cfg.dense_below)
         logger.info(
             "sas: %s selector, %d sparse layers from layer %d, budget %d tokens (K=%d blocks of %d), "
             "sink %d, local %d; summary pool %d pages x %d kv heads x %d dims fp32 = %.1f MiB",
@@ -166,9 +173,21 @@ class SASAttnBackend(AttentionBackend):
             self._extend_blocks = self._plan_extend(forward_batch) if mode.is_extend() else None
             self._extend_reqs = self._plan_own_extend(forward_batch) if mode.is_extend() else None
 
+    def _inner_in_graphs(self) -> bool:
+        """Whether captured steps use the wrapped backend: dense layers, or the dense branch."""
+        return self.cfg.first_sparse_layer > 0 or self._branch is not None
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        # The wrapped backend's graph buffers serve only dense layers: allocate none without them.
-        if self.cfg.first_sparse_layer > 0:
+        if self.cfg.dense_below:
+            if conditional_nodes_supported():
+                self._branch = BranchFlags(self.device)
+            else:
+                logger.warning(
+                    "sas: --sas-dense-below %d needs CUDA graph IF nodes (CUDA 12.4+ and a torch that exposes them); "
+                    "without them captured decode steps always select (eager steps still follow the rule)",
+                    self.cfg.dense_below)
+        # The wrapped backend's graph buffers serve only dense layers and the dense branch: none without.
+        if self._inner_in_graphs():
             self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
         self._step_buffers = StepBuffers(
             max_bs, self.max_blocks, self.head_dim, self.gate_rope_table.shape[-1], self.device
@@ -176,11 +195,11 @@ class SASAttnBackend(AttentionBackend):
 
     def get_cuda_graph_seq_len_fill_value(self):
         # A padded row of length 1 attends one real slot (its current block): always well defined.
-        return self.inner.get_cuda_graph_seq_len_fill_value() if self.cfg.first_sparse_layer > 0 else 1
+        return self.inner.get_cuda_graph_seq_len_fill_value() if self._inner_in_graphs() else 1
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Host part of a captured decode step (capture and every replay): plan, no step state."""
-        if self.cfg.first_sparse_layer > 0:
+        if self._inner_in_graphs():
             self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         if not forward_batch.forward_mode.is_decode():
             # The extend path plans on the host per batch (which blocks complete): it runs eagerly,
@@ -198,7 +217,7 @@ class SASAttnBackend(AttentionBackend):
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Captured: recompute the step's device state into the persistent buffers."""
-        if self.cfg.first_sparse_layer > 0:
+        if self._inner_in_graphs():
             self.inner.init_forward_metadata_in_graph(forward_batch)
         plan = self._plan
         StepBuffers.fill(
@@ -212,6 +231,15 @@ class SASAttnBackend(AttentionBackend):
             self.model_rope_table, self.gate_rope_table, self.block_size, max_blocks,
         )
 
+    def _short_step(self, seq_lens_cpu: torch.Tensor) -> bool:
+        """--sas-dense-below: the step's requests hold at most that many tokens in all, so dense attention
+        reads fewer bytes than the selector's launches cost. Rows of length <= 1 are the graph runner's
+        padding (a decode row holds at least one prompt token and the new one): a padded graph step
+        decides as the same batch does eagerly."""
+        if not self.cfg.dense_below:
+            return False
+        return int(seq_lens_cpu[seq_lens_cpu > 1].sum()) <= self.cfg.dense_below
+
     def _plan_decode(self, fb, graph_bs) -> DecodePlan:
         """Host part of a decode step (outside any CUDA graph)."""
         seq_lens_cpu = fb.seq_lens_cpu
@@ -219,12 +247,17 @@ class SASAttnBackend(AttentionBackend):
             seq_lens_cpu = fb.seq_lens.cpu()
         seq_lens_cpu = seq_lens_cpu.to(torch.int64)
         bs = fb.seq_lens.shape[0]
-        self.sparse_decode.plan(seq_lens_cpu, self.scaling, graph_bs=graph_bs)
+        short = self._short_step(seq_lens_cpu)
         if graph_bs is not None:  # fixed shapes; the step state is filled inside the graph
             if self._step_buffers is None:
                 raise RuntimeError("sas: init_cuda_graph_state must run before a captured decode step")
+            # Both branches are captured; the sparse one reads this plan, the dense one the wrapped
+            # backend's (planned in out_graph), and the flags pick one per replay.
+            self.sparse_decode.plan(seq_lens_cpu, self.scaling, graph_bs=graph_bs)
+            if self._branch is not None:
+                self._branch.set(not short)
             step = self._step_buffers.view(fb.positions, fb.seq_lens, fb.req_pool_indices)
-            return DecodePlan(bs, self.max_blocks, True, step)
+            return DecodePlan(bs, self.max_blocks, True, step, dense=short and self._branch is not None)
         most = int(seq_lens_cpu.max()) if bs else 1
         max_blocks = max(1, (most - 1) // self.block_size)  # the longest request's candidates
         step = self._compute_step(fb.positions, fb.seq_lens, fb.req_pool_indices, max_blocks)
@@ -238,7 +271,9 @@ class SASAttnBackend(AttentionBackend):
         else:
             update = dict(update_all_rows=bool(done.any()))
         # Nothing to skip on CPU: the wrapped dense decode is exactly what selection would attend.
-        dense = not self.on_device and (most - 1) // self.block_size <= self.top_k
+        dense = short or (not self.on_device and (most - 1) // self.block_size <= self.top_k)
+        if not dense:
+            self.sparse_decode.plan(seq_lens_cpu, self.scaling, graph_bs=None)
         return DecodePlan(bs, max_blocks, False, step, dense=dense, **update)
 
     def _plan_extend(self, fb):
@@ -339,17 +374,44 @@ class SASAttnBackend(AttentionBackend):
                 gate, k_buffer, summaries, step.block_table[rows], step.seq_lens[rows],
                 self.model_rope_table, self.gate_rope_table,
             )
+        if plan.graph and self._branch is not None:
+            return self._branched_decode(q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer, **kwargs)
         if plan.dense:
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
+        return self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer)
+
+    def _sparse_attention(self, q, layer, gate, summaries, k_buffer, v_buffer) -> torch.Tensor:
+        """Selection + attention over the selected blocks: `[bs, H_q * Dv]`."""
+        plan, step = self._plan, self._plan.step
         q3 = q.reshape(plan.bs, layer.tp_q_head_num, layer.qk_head_dim)
         selected = self.selector.select(
             gate, q3, step.model_cos_sin, step.gate_cos_sin, summaries, step.block_table, step.num_candidates,
             plan.max_blocks,
         )
-        if self.cfg.debug_dir and lid == self.cfg.first_sparse_layer:
+        if self.cfg.debug_dir and layer.layer_id == self.cfg.first_sparse_layer:
             self._debug_record(plan, selected)
         out = self.sparse_decode.run(q3, k_buffer, v_buffer, selected, step.block_table, step.seq_lens)
         return out.reshape(plan.bs, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _branched_decode(self, q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer, **kwargs):
+        """A captured step with --sas-dense-below: the sparse and the dense attention as two IF nodes
+        (`backend/graph_branch.py`) writing one buffer; the flags set in out_graph pick one per replay."""
+        plan = self._plan
+        out = q.new_empty(plan.bs, layer.tp_q_head_num * layer.v_head_dim)  # made before the bodies: read after
+
+        def dense():
+            return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
+
+        if capturing():
+            with captured_if(self._branch.first):
+                out.copy_(self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer))
+            with captured_if(self._branch.second):
+                out.copy_(dense())
+        else:  # the graph runner's warm-up before capture: every kernel of both bodies runs once here
+            sparse = self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer)
+            dense_out = dense()
+            out.copy_(dense_out if plan.dense else sparse)
+        return out
 
     def _debug_record(self, plan: DecodePlan, selected: torch.Tensor) -> None:
         """Append this step's selection (first sparse layer) as one JSON line. Debug/tests only."""

@@ -89,6 +89,19 @@ def test_full_budget_equals_dense_flashinfer(serve):
     _assert_same_greedy(dense, full, "sas full budget vs dense flashinfer")
 
 
+def test_dense_below_picks_the_dense_or_the_sparse_graph_branch_per_step(serve):
+    """--sas-dense-below 2000 with CUDA graphs: both attentions are captured (IF nodes) and each replay
+    runs one. The two shorter prompts' steps (at most 1524 tokens) decode as dense FlashInfer does; the
+    3000-token prompt's as the plain sparse graph server does."""
+    dense, _ = serve("flashinfer")
+    sparse, _ = serve("sas", *SPARSE)
+    mixed, log = serve("sas", *SPARSE, "--sas-dense-below", "2000")
+    assert "at most 2000 tokens in all attend densely" in log and "needs CUDA graph IF nodes" not in log
+    assert "Capture" in log
+    _assert_same_greedy(dense[:2], mixed[:2], "dense-below 2000, short prompts vs dense flashinfer")
+    _assert_same_greedy(sparse[2:], mixed[2:], "dense-below 2000, long prompt vs sparse graph")
+
+
 def _gb(pattern, log):
     found = re.findall(pattern, log)
     assert found, f"no match for {pattern!r} in the server log"

@@ -69,3 +69,22 @@ def test_sas_info_reports_config_and_gate(sas_full_server, shipped_gate):
     assert "summary pool" in sas_full_server.log_text()
     if not ON_GPU:  # which prefill attention runs is logged
         assert "sas: CPU extend attention by sas (ops/extend)" in sas_full_server.log_text()
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU: eager steps (the GPU's graph branches: tests/gpu/test_server_gpu.py)")
+def test_dense_below_decodes_short_steps_densely(essay_ids, dense_server, model_dir, shipped_gate, tmp_path):
+    """--sas-dense-below 1600 with a 128-token budget: a 1500-token prompt's steps (at most 1530 tokens)
+    decode densely, as the dense server does, and select nothing; a 1700-token prompt's steps select
+    (their selections are logged) and attend 2 blocks + the current one."""
+    args = ["--sas-gate", shipped_gate, "--sas-budget", "128", "--sas-dense-below", "1600", *DENSE_ARGS[2:]]
+    debug = tmp_path / "selection"
+    with Server(model_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(debug)}) as server:
+        short = _prompt(essay_ids, 1500)
+        dense = complete(dense_server.url, short, **ARGS)["choices"][0]
+        sas = complete(server.url, short, **ARGS)["choices"][0]
+        assert_identical_up_to_a_near_tie(dense, sas)
+        assert not list(debug.glob("*.jsonl")), "a step under the threshold selected blocks"
+        complete(server.url, _prompt(essay_ids, 1700), max_tokens=4)
+        records = [line for f in debug.glob("*.jsonl") for line in f.read_text().splitlines()]
+        assert len(records) == 4  # every step of the long prompt selected
+        assert "requests hold at most 1600 tokens in all attend densely" in server.log_text()
