@@ -138,7 +138,7 @@ def tier_steps(tier: str, quick: bool) -> list:
         step_args = ["--quick"] if quick else []
         sizes = ["4096", "8192"] if quick else ["4096", "8192", "16384", "32768"]
         return [
-            Step("decode-step", ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", *step_args], 1.5,
+            Step("decode-step", ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", *step_args], 2.0,
                  ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", "--dry-run"],
                  produces=("decode-step.json", "decode-step.png")),
             Step("gated-attention", ["{py}", "bench/bench_gated_attention.py", "--sizes", *sizes,

@@ -73,18 +73,18 @@ def test_sas_info_reports_config_and_gate(sas_full_server, shipped_gate):
 
 @pytest.mark.skipif(ON_GPU, reason="CPU: eager steps (the GPU's graph branches: tests/gpu/test_server_gpu.py)")
 def test_dense_below_decodes_short_steps_densely(essay_ids, dense_server, model_dir, shipped_gate, tmp_path):
-    """--sas-dense-below 1600 with a 128-token budget: a 1500-token prompt's steps (at most 1530 tokens)
-    decode densely, as the dense server does, and select nothing; a 1700-token prompt's steps select
+    """--sas-dense-below 400 with a 128-token budget: a 300-token prompt's steps (at most 330 tokens)
+    decode densely, as the dense server does, and select nothing; a 450-token prompt's steps select
     (their selections are logged) and attend 2 blocks + the current one."""
-    args = ["--sas-gate", shipped_gate, "--sas-budget", "128", "--sas-dense-below", "1600", *DENSE_ARGS[2:]]
+    args = ["--sas-gate", shipped_gate, "--sas-budget", "128", "--sas-dense-below", "400", *DENSE_ARGS[2:]]
     debug = tmp_path / "selection"
     with Server(model_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(debug)}) as server:
-        short = _prompt(essay_ids, 1500)
+        short = _prompt(essay_ids, 300)
         dense = complete(dense_server.url, short, **ARGS)["choices"][0]
         sas = complete(server.url, short, **ARGS)["choices"][0]
         assert_identical_up_to_a_near_tie(dense, sas)
         assert not list(debug.glob("*.jsonl")), "a step under the threshold selected blocks"
-        complete(server.url, _prompt(essay_ids, 1700), max_tokens=4)
+        complete(server.url, _prompt(essay_ids, 450), max_tokens=4)
         records = [line for f in debug.glob("*.jsonl") for line in f.read_text().splitlines()]
         assert len(records) == 4  # every step of the long prompt selected
-        assert "requests hold at most 1600 tokens in all attend densely" in server.log_text()
+        assert "requests hold at most 400 tokens in all attend densely" in server.log_text()
