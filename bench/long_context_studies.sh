@@ -5,7 +5,8 @@
 #
 # Steps (default: all, in this order): harness-16k harness-32k needle-8k needle-16k needle-32k decode-8k-16k
 # decode-32k paged-32k tp-16k. A step whose result file exists in OUT_DIR is skipped; a killed step leaves a
-# .partial.json that the next run resumes (needle, decode, paged), so a study of many hours can span sessions.
+# .partial.json that the next run resumes (harness: per selector and budget; needle, decode, paged), so a
+# study of many hours can span sessions.
 # Run it on a quiet machine: on 2 cores a job beside a server slows both ~20x. Hours on 2 cores: harness 16K
 # ~0.6 per window kind, 32K ~2; needle 8K ~0.6, 16K ~1.7, 32K ~2.5 (one-chunk prefills, 8-13 min a prompt);
 # decode 8K+16K ~0.6, 32K ~1; paged 32K ~1.5; tp 16K ~0.2.
@@ -33,7 +34,7 @@ harness() {  # $1 window, $2 data, $3 name, [$4 split: default heldout]
     say "harness $3 L=$1"
     $PY -m sas_backend.training.eval_ppl --model $M --last 512 --budgets 512 1024 2048 4096 --gate gate=$GATE \
         --gate-forced 1,1 --baselines oracle quest sink-local --no-recall --no-progress --data "$2" --window "$1" \
-        --max-windows 1 --split "${4:-heldout}" --json "$OUT/quality-$3-L$1.json" --plot "$OUT/quality-$3-L$1"
+        --max-windows 1 --split "${4:-heldout}" --json "$OUT/quality-$3-L$1.json" --plot "$OUT/quality-$3-L$1" --resume
 }
 
 needle() {  # $1 context, $2 tag, [more needle.py arguments]

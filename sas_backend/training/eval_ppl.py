@@ -70,7 +70,70 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-recall", action="store_true", help="skip the per-layer attention-mass recall analysis")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (a log line per window instead)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --json: continue from JSON's .partial.json, which a run writes after every measurement "
+                        "and removes when done (a killed long run keeps what it measured); refused if it was "
+                        "made for other data, windows, budgets, gates or selectors")
     return p
+
+
+def partial_path(json_path: str) -> str:
+    """Where a run with `--json json_path` keeps its measurements so far."""
+    return os.path.splitext(json_path)[0] + ".partial.json"
+
+
+class Progress:
+    """What a run has measured so far, saved after every measurement (`save`), reloaded by `--resume`.
+
+    dense: `[windows done]` summed NLL of each window; per_window: selector -> budget -> the same;
+    recall: selector -> budget -> layer -> [captured, best] (None without the recall analysis).
+    A (window, budget, selector) item is done when its list holds that window.
+    """
+
+    def __init__(self, path: Optional[str], key: dict, selectors, budgets, with_recall: bool):
+        self.path, self.key = path, key
+        self.dense: List[float] = []
+        self.per_window = {s: {bud: [] for bud in budgets} for s in selectors}
+        self.recall = {s: {bud: {} for bud in budgets} for s in selectors} if with_recall else None
+
+    def load(self) -> int:
+        """Take over the partial file if there is one; returns the measurements it held. SystemExit when it
+        was made for another run (its key differs)."""
+        if not self.path or not os.path.exists(self.path):
+            return 0
+        with open(self.path, encoding="utf-8") as f:
+            old = json.load(f)
+        if old.get("key") != self.key:
+            diff = sorted(k for k in set(self.key) | set(old.get("key", {})) if old.get("key", {}).get(k) != self.key.get(k))
+            raise SystemExit(f"error: {self.path} was made for another run (differs in {', '.join(diff)}); "
+                             "remove it or run without --resume")
+        self.dense = old["dense"]
+        for s, per in old["per_window"].items():
+            for bud, v in per.items():
+                self.per_window[s][int(bud)] = v
+        if self.recall is not None:
+            for s, per in old["recall"].items():
+                for bud, layers in per.items():
+                    self.recall[s][int(bud)] = {int(layer): cb for layer, cb in layers.items()}
+        return len(self.dense) + sum(len(v) for per in self.per_window.values() for v in per.values())
+
+    def done(self, window: int, name: Optional[str] = None, budget: Optional[int] = None) -> bool:
+        """Whether window's dense NLL (name None) or its (name, budget) NLL is measured."""
+        got = self.dense if name is None else self.per_window[name][budget]
+        return len(got) > window
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        rec = {"key": self.key, "dense": self.dense,
+               "per_window": {s: {str(b): v for b, v in per.items()} for s, per in self.per_window.items()},
+               "recall": None if self.recall is None else {
+                   s: {str(b): {str(layer): cb for layer, cb in layers.items()} for b, layers in per.items()}
+                   for s, per in self.recall.items()}}
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(rec, f)
+        os.replace(tmp, self.path)  # never half a file, whenever the run is killed
 
 
 def parse_gates(specs: List[str]) -> Dict[str, str]:
@@ -311,19 +374,37 @@ def main(argv: Optional[list] = None) -> int:
     print(f"[eval_ppl] {rows.shape[0]} {args.split} windows of {args.window} tokens (+1 target), last {args.last} "
           f"scored; block {b}; " + ", ".join(f"budget {bud} -> top_k {k}" for bud, k in top_k.items()), flush=True)
 
-    dense_per_window: List[float] = []
-    per_window = {s: {bud: [] for bud in args.budgets} for s in selectors}  # summed NLL of each window
-    recall = None if args.no_recall else {s: {bud: {} for bud in args.budgets} for s in selectors}
+    # What the measurements depend on: a partial file made for anything else is refused.
+    key = {"model": args.model, "data": data.record(), "recall_rows": recall_rows, "split": args.split,
+           "windows": int(rows.shape[0]), "window": args.window, "last": args.last, "block_size": b,
+           "budgets": args.budgets, "gate_sha256": gate_sha256,
+           "variants": {v: list(x) for v, x in variants.items()}, "selectors": selectors, "recall": not args.no_recall}
+    progress = Progress(partial_path(args.json) if args.json else None, key, selectors, args.budgets, not args.no_recall)
+    if args.resume:
+        if not args.json:
+            raise SystemExit("error: --resume needs --json (the partial file sits beside it)")
+        taken = progress.load()
+        print(f"[eval_ppl] resuming: {taken} measurements from {progress.path}" if taken else
+              f"[eval_ppl] --resume: no {progress.path}, starting afresh", flush=True)
+    dense_per_window, per_window, recall = progress.dense, progress.per_window, progress.recall
     t0 = time.time()
     git_at_start = git_state()  # the code that ran, not what the tree holds when it ends
     bar = progress_bar(int(rows.shape[0]), "eval_ppl", enabled=not args.no_progress)
     for w in range(rows.shape[0]):
+        if progress.done(w) and all(progress.done(w, n, bud) for n in selectors for bud in args.budgets):
+            if bar is not None:
+                bar.update(1)
+            continue
         ids = rows[w].to(device)
         cache = prefix_cache(model, ids, args.last)
-        dense_per_window.append(window_nll(model, ids, args.last, cache=cache))
+        if not progress.done(w):
+            dense_per_window.append(window_nll(model, ids, args.last, cache=cache))
+            progress.save()
         for bud in args.budgets:
             k = top_k[bud]
             for name in selectors:
+                if progress.done(w, name, bud):
+                    continue
                 if name in variants:
                     gate, sink, local = variants[name]
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector="gate", gates=gates[gate],
@@ -332,6 +413,7 @@ def main(argv: Optional[list] = None) -> int:
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from)
                 rec = None if recall is None else recall[name][bud]
                 per_window[name][bud].append(window_nll(model, ids, args.last, spec, cache, recall=rec))
+                progress.save()
         if bar is not None:  # loss: the dense model's mean NLL per scored token so far
             bar.set_postfix(dense_loss=f"{sum(dense_per_window) / ((w + 1) * args.last):.4f}", refresh=False)
             bar.update(1)
@@ -390,6 +472,8 @@ def main(argv: Optional[list] = None) -> int:
         md = os.path.splitext(args.json)[0] + ".md"
         with open(md, "w", encoding="utf-8") as f:
             f.write(markdown_report(out))
+        if progress.path and os.path.exists(progress.path):
+            os.remove(progress.path)
         print(f"[eval_ppl] wrote {args.json} and {md}")
     return 0
 

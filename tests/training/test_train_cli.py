@@ -295,3 +295,48 @@ def test_eval_ppl_recall_windows(trained, setup):
     assert (made["facts"], made["tail"], made["rows_changed"]) == (1, 32, 1)
     assert rec["dense_nll_per_window"] != plain["dense_nll_per_window"]
     assert "recall windows: 1 facts" in open(str(root / "recall.md")).read()
+
+
+def test_eval_ppl_resumes_a_killed_run_exactly(trained, setup, monkeypatch):
+    """A run killed mid-way leaves JSON's .partial.json; --resume measures only what is missing and ends with
+    the very numbers (NLLs and recall) of an uninterrupted run, then removes the partial. A partial made for
+    other budgets is refused."""
+    from sas_backend.training import eval_ppl
+
+    root, model_dir, essays = setup
+    argv = ["--model", model_dir, "--data", *essays, "--split", "train", "--window", "128", "--last", "32",
+            "--block-size", "16", "--gate", f"sas={trained}", "--baselines", "sink-local", "--max-windows", "2",
+            "--budgets", "32", "64", "--no-progress"]
+    whole_js, js = str(root / "whole.json"), str(root / "resumed.json")
+    assert eval_ppl.main(argv + ["--json", whole_js]) == 0
+    whole = json.load(open(whole_js))
+    assert not os.path.exists(eval_ppl.partial_path(whole_js))
+    real, calls = eval_ppl.window_nll, []
+
+    class Killed(Exception):
+        pass
+
+    def dies_after(n):
+        def nll(*a, **k):
+            if len(calls) == n:
+                raise Killed
+            calls.append(1)
+            return real(*a, **k)
+        return nll
+
+    # 2 windows x (dense + 2 selectors x 2 budgets) = 10 measurements: killed after 7 (inside window 2)
+    monkeypatch.setattr(eval_ppl, "window_nll", dies_after(7))
+    with pytest.raises(Killed):
+        eval_ppl.main(argv + ["--json", js])
+    partial = json.load(open(eval_ppl.partial_path(js)))
+    assert len(partial["dense"]) == 2 and partial["per_window"]["sas"]["32"] == whole["nll_per_window"]["sas"]["32"][:2]
+    with pytest.raises(SystemExit, match="made for another run"):
+        eval_ppl.main(argv[:-4] + ["--budgets", "32", "--no-progress", "--json", js, "--resume"])
+    calls.clear()
+    monkeypatch.setattr(eval_ppl, "window_nll", dies_after(100))
+    assert eval_ppl.main(argv + ["--json", js, "--resume"]) == 0
+    assert len(calls) == 3  # only the missing measurements ran
+    resumed = json.load(open(js))
+    for field in ("dense_nll_per_window", "nll_per_window", "recall_per_layer", "results"):
+        assert resumed[field] == whole[field], field
+    assert not os.path.exists(eval_ppl.partial_path(js))
