@@ -245,7 +245,7 @@ class PaddedDenseDecode:
 
     def __init__(self, runner):
         self.req_pool, self.kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
-        self.calls = 0
+        self.calls = self.planned = 0
 
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
         pass
@@ -257,7 +257,7 @@ class PaddedDenseDecode:
         pass
 
     def init_forward_metadata_out_graph(self, fb, in_capture=False):
-        pass
+        self.planned += 1
 
     def init_forward_metadata_in_graph(self, fb):
         pass
@@ -308,6 +308,7 @@ def test_dense_below_captures_both_branches_and_replays_the_host_choice(monkeypa
         n = len(reqs)
         before = rig.snapshot()
         static.load(inp)
+        planned = dense.planned
         be.init_forward_metadata_out_graph(static.fb())
         calls = dense.calls
         graph.replay()
@@ -315,6 +316,7 @@ def test_dense_below_captures_both_branches_and_replays_the_host_choice(monkeypa
         got = [o[:n].clone() for o in graph_outs]
         short = int(inp["seq_lens"].sum()) <= 120  # the padded rows (length 1) do not count
         assert be._branch.value is not short and be._plan.dense is short
+        assert dense.planned == planned + short  # the dense plan only for a step that takes the dense branch
         kinds.append(short)
         rig.restore(before)
         fb = _fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], n)

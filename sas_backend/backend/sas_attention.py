@@ -199,7 +199,10 @@ class SASAttnBackend(AttentionBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Host part of a captured decode step (capture and every replay): plan, no step state."""
-        if self._inner_in_graphs():
+        # The wrapped backend plans for dense layers always, for the dense branch at capture and when the
+        # step takes it (a sparse step skips FlashInfer's dense plan and its index kernel).
+        if self.cfg.first_sparse_layer > 0 or (self._branch is not None and (
+                in_capture or self._short_step(self._host_seq_lens(forward_batch)))):
             self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         if not forward_batch.forward_mode.is_decode():
             # The extend path plans on the host per batch (which blocks complete): it runs eagerly,
@@ -240,12 +243,17 @@ class SASAttnBackend(AttentionBackend):
             return False
         return int(seq_lens_cpu[seq_lens_cpu > 1].sum()) <= self.cfg.dense_below
 
-    def _plan_decode(self, fb, graph_bs) -> DecodePlan:
-        """Host part of a decode step (outside any CUDA graph)."""
+    @staticmethod
+    def _host_seq_lens(fb) -> torch.Tensor:
+        """int64 host sequence lengths of the batch (SGLang's CPU mirror)."""
         seq_lens_cpu = fb.seq_lens_cpu
         if seq_lens_cpu is None:  # only without a CPU mirror (never on the paths we serve)
             seq_lens_cpu = fb.seq_lens.cpu()
-        seq_lens_cpu = seq_lens_cpu.to(torch.int64)
+        return seq_lens_cpu.to(torch.int64)
+
+    def _plan_decode(self, fb, graph_bs) -> DecodePlan:
+        """Host part of a decode step (outside any CUDA graph)."""
+        seq_lens_cpu = self._host_seq_lens(fb)
         bs = fb.seq_lens.shape[0]
         short = self._short_step(seq_lens_cpu)
         if graph_bs is not None:  # fixed shapes; the step state is filled inside the graph
