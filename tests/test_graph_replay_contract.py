@@ -191,6 +191,17 @@ SCHEDULE = [[0, 1, 2], [0, 1, 2], [0, 1, 2, 3], [0, 2], [0, 2, 3], [4, 0], [4, 0
 PROMPTS = {0: 70, 1: 15, 2: 7, 3: 130, 4: 40}
 
 
+def _steps(rig):
+    """The SCHEDULE's steps as (step, reqs, inputs, batch size, the state before the step); request 4
+    joins when first scheduled, and every request advances by a token after its step."""
+    for step, reqs in enumerate(SCHEDULE):
+        if 4 in reqs and 4 not in rig.lens:
+            rig.add_request(4, PROMPTS[4])
+        inp = rig.step_inputs(reqs)
+        yield step, reqs, inp, len(reqs), rig.snapshot()
+        rig.advance(reqs)
+
+
 @pytest.mark.parametrize("budget,sink,local", [(3, 0, 0), (4, 1, 1), (40, 0, 0)])
 def test_captured_decode_replays_like_eager(budget, sink, local):
     rig = Rig(budget, sink, local)
@@ -207,12 +218,7 @@ def test_captured_decode_replays_like_eager(budget, sink, local):
     graph_sel = selections[-1]
     rig.restore(snap)
 
-    for step, reqs in enumerate(SCHEDULE):
-        if 4 in reqs and 4 not in rig.lens:
-            rig.add_request(4, PROMPTS[4])
-        inp = rig.step_inputs(reqs)
-        n = len(reqs)
-        before = rig.snapshot()
+    for step, reqs, inp, n, before in _steps(rig):
         # Replay: in-place loads, host planning on the view, the graph.
         static.load(inp)
         rig.backend.init_forward_metadata_out_graph(static.fb())
@@ -233,7 +239,6 @@ def test_captured_decode_replays_like_eager(budget, sink, local):
             assert torch.equal(after_graph[0][lid][B:], rig.kv_pool.k_buffer[lid][B:]), f"step {step}: K"
             s_graph, s_eager = after_graph[2][lid][1:], rig.backend.summaries[lid][1:]
             torch.testing.assert_close(s_graph, s_eager, msg=f"step {step} layer {lid}: summaries")
-        rig.advance(reqs)
 
 
 class PaddedDenseDecode:
@@ -301,12 +306,7 @@ def test_dense_below_captures_both_branches_and_replays_the_host_choice(monkeypa
     rig.restore(snap)
 
     kinds = []
-    for step, reqs in enumerate(SCHEDULE):
-        if 4 in reqs and 4 not in rig.lens:
-            rig.add_request(4, PROMPTS[4])
-        inp = rig.step_inputs(reqs)
-        n = len(reqs)
-        before = rig.snapshot()
+    for step, reqs, inp, n, before in _steps(rig):
         static.load(inp)
         planned = dense.planned
         be.init_forward_metadata_out_graph(static.fb())
@@ -325,7 +325,6 @@ def test_dense_below_captures_both_branches_and_replays_the_host_choice(monkeypa
         assert be._plan.dense is short
         for lid in range(LAYERS):
             torch.testing.assert_close(got[lid], want[lid], atol=1e-5, rtol=1e-5, msg=f"step {step} layer {lid}")
-        rig.advance(reqs)
     assert any(kinds) and not all(kinds), kinds
 
 
