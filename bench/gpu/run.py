@@ -126,7 +126,7 @@ def tier_steps(tier: str, quick: bool) -> list:
         small = tier_steps("tier1", quick=True) + tier_steps("tier2", quick=True)  # gated 4K-8K, e2e 32K
         by_name.update({s.name: s for s in small if s.name in ("gated-attention", "e2e-decode")})
         order = ("preflight", "decode-step", "make-bench-model", "e2e-decode", "make-test-model", "server-tests",
-                 "gated-attention", "kernel-tests")
+                 "topk-sweep", "gated-attention", "kernel-tests")
         return [by_name[n] for n in order]
     if tier == "tier0":
         return [Step("preflight", ["{py}", "bench/gpu/preflight.py", "--site", "{site}", "--out", "{work}",
@@ -141,6 +141,9 @@ def tier_steps(tier: str, quick: bool) -> list:
             Step("decode-step", ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", *step_args], 2.0,
                  ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", "--dry-run"],
                  produces=("decode-step.json", "decode-step.png")),
+            Step("topk-sweep", ["{py}", "bench/bench_topk.py", "--sweep", "--json", "{work}/topk-sweep.json"], 1.0,
+                 ["{py}", "bench/bench_topk.py", "--sweep", "--dry-run", "--json", "{work}/topk-sweep.json"],
+                 produces=("topk-sweep.json",)),
             Step("gated-attention", ["{py}", "bench/bench_gated_attention.py", "--sizes", *sizes,
                                      "--json", "{work}/gated-attention.json"], 1.5,
                  ["{py}", "bench/bench_gated_attention.py", "--dry-run", "--sizes", *sizes],

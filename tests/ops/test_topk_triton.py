@@ -250,3 +250,25 @@ def test_topk_workspace_reused():
     assert torch.equal(res, select_blocks(scores[:2, :, :2500], n_cand[:2], k))
     with pytest.raises(ValueError):
         select_blocks_triton(scores, n_cand, k, workspace=ws[:10])
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 256])
+def test_topk_any_chunk_width_gives_the_same_answer(chunk):
+    """The tuning knob (`chunk`): narrower chunks than the default change the work split, not the result,
+    with forced blocks, ties across chunk borders, rows shorter than one chunk and K above a chunk's width."""
+    g = torch.Generator().manual_seed(chunk)
+    m = 700
+    scores = torch.randn(3, 2, m, generator=g)
+    scores[1, 0] = torch.randint(0, 5, (m,), generator=g).float()
+    scores = scores.to(DEVICE)
+    n_cand = torch.tensor([m, 150, 10], device=DEVICE)
+    for k, sink, local in ((8, 0, 0), (32, 1, 2), (100, 0, 0)):
+        got = select_blocks_triton(scores, n_cand, k, sink, local, chunk=chunk)
+        assert torch.equal(got, select_blocks(scores, n_cand, k, sink, local)), (k, sink, local)
+    with pytest.raises(ValueError, match="power of two"):
+        select_blocks_triton(scores, n_cand, 8, chunk=100)
+    # the width is really used: these rows fit one default chunk (no workspace), not one of `chunk`
+    tiny = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    select_blocks_triton(scores, n_cand, 8, workspace=tiny)
+    with pytest.raises(ValueError, match="workspace"):
+        select_blocks_triton(scores, n_cand, 8, chunk=chunk, workspace=tiny)

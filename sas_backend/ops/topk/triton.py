@@ -251,25 +251,30 @@ def _merge_select_kernel(
         tl.store(o_ptr + pos, blk, mask=sel)
 
 
-def _plan(m: int, k: int) -> Tuple[int, int, int]:
+def _plan(m: int, k: int, chunk: Optional[int] = None) -> Tuple[int, int, int]:
     """(chunk width, chunks, survivor slots per chunk) for rows of width m and a given K.
 
     1024-wide chunks give 32 programs per row at M = 32768 while each chunk still sits in
-    registers; wider for large K so that a chunk keeps at most ~1/4 of its blocks.
+    registers; wider for large K so that a chunk keeps at most ~1/4 of its blocks. `chunk`: a
+    width to use instead (a power of two, 16-8192; any width gives the same answer), for tuning.
     """
-    chunk = max(1024, 4 * triton.next_power_of_2(max(k, 1)))
+    if chunk is not None:
+        if chunk < 16 or chunk > 8192 or chunk & (chunk - 1):
+            raise ValueError(f"chunk must be a power of two in 16..8192, got {chunk}")
+    else:
+        chunk = max(1024, 4 * triton.next_power_of_2(max(k, 1)))
     chunk = min(chunk, 8192, max(16, triton.next_power_of_2(max(m, 1))))
     chunks = triton.cdiv(max(m, 1), chunk)
     return chunk, chunks, min(k, chunk)
 
 
-def topk_workspace_numel(bs: int, h_kv: int, m: int, k: int) -> int:
+def topk_workspace_numel(bs: int, h_kv: int, m: int, k: int, chunk: Optional[int] = None) -> int:
     """int32 elements of the workspace `select_blocks_triton` needs for scores `[bs, H_kv, m]`
     (0 when one chunk covers m). Non-decreasing in every argument, so one buffer sized for the
-    largest batch and width serves all smaller calls with the same K."""
+    largest batch and width serves all smaller calls with the same K (and chunk)."""
     if k <= 0:
         return 0
-    _, chunks, slots = _plan(m, k)
+    _, chunks, slots = _plan(m, k, chunk)
     return 0 if chunks == 1 else bs * h_kv * 2 * chunks * slots
 
 
@@ -281,6 +286,7 @@ def select_blocks_triton(
     local_blocks: int = 0,
     out: Optional[torch.Tensor] = None,
     workspace: Optional[torch.Tensor] = None,
+    chunk: Optional[int] = None,
 ) -> torch.Tensor:
     """Pick K candidate blocks per (request, kv head) (Triton; same result as `select_blocks`).
 
@@ -292,7 +298,8 @@ def select_blocks_triton(
     out: optional preallocated `[bs, H_kv, K]` int32 (last axis contiguous) for CUDA graphs.
     workspace: optional contiguous int32 scratch of at least
     `topk_workspace_numel(bs, H_kv, M, K)` elements (allocated once by the caller, e.g. for
-    CUDA graphs); allocated per call when absent and needed.
+    CUDA graphs); allocated per call when absent and needed. chunk: phase 1's chunk width instead of
+    the default (`_plan`; for tuning: the answer does not depend on it).
     Returns `[bs, H_kv, K]` int32 logical block indices in ascending order, padded with -1.
     """
     bs, h_kv, m = scores.shape
@@ -308,9 +315,9 @@ def select_blocks_triton(
         scores = scores.contiguous()
     if num_candidates.dtype not in (torch.int32, torch.int64):
         num_candidates = num_candidates.to(torch.int64)
-    chunk, chunks, slots = _plan(m, k)
+    chunk, chunks, slots = _plan(m, k, chunk)
     direct = chunks == 1
-    need = topk_workspace_numel(bs, h_kv, m, k)
+    need = topk_workspace_numel(bs, h_kv, m, k, chunk)
     if direct:
         ws = out  # unused placeholder
     elif workspace is None:
