@@ -383,9 +383,11 @@ def main(argv: Optional[list] = None) -> int:
     if args.resume:
         if not args.json:
             raise SystemExit("error: --resume needs --json (the partial file sits beside it)")
-        taken = progress.load()
+        resumed = taken = progress.load()
         print(f"[eval_ppl] resuming: {taken} measurements from {progress.path}" if taken else
               f"[eval_ppl] --resume: no {progress.path}, starting afresh", flush=True)
+    else:
+        resumed = 0
     dense_per_window, per_window, recall = progress.dense, progress.per_window, progress.recall
     t0 = time.time()
     git_at_start = git_state()  # the code that ran, not what the tree holds when it ends
@@ -461,7 +463,8 @@ def main(argv: Optional[list] = None) -> int:
             "checks": checks,
             "plots": [os.path.relpath(p_) for p_ in plots],
             "table_markdown": table,
-            "seconds": round(time.time() - t0, 1),
+            "seconds": round(time.time() - t0, 1),  # this run's: a resumed one's earlier runs are not in it
+            "resumed_measurements": resumed,
             "git": git_at_start,
             "command": "python -m sas_backend.training.eval_ppl " + shlex.join(sys.argv[1:] if argv is None else argv),
         }

@@ -337,6 +337,7 @@ def test_eval_ppl_resumes_a_killed_run_exactly(trained, setup, monkeypatch):
     assert eval_ppl.main(argv + ["--json", js, "--resume"]) == 0
     assert len(calls) == 3  # only the missing measurements ran
     resumed = json.load(open(js))
+    assert resumed["resumed_measurements"] == 7 and whole["resumed_measurements"] == 0  # its seconds are this run's
     for field in ("dense_nll_per_window", "nll_per_window", "recall_per_layer", "results"):
         assert resumed[field] == whole[field], field
     assert not os.path.exists(eval_ppl.partial_path(js))
