@@ -21,8 +21,10 @@
 # each training ~40 min, the harness ~2 h. Run it on a quiet machine (a job beside it slows both ~20x).
 # Sizes (environment): TOKENS per training corpus (1500000), SEQ row/window tokens (4096), TAIL cached queries
 # (256), STEPS_TRAIN (3000), WINDOWS per harness text (4), VAL_ROWS (4), RECALL_ROWS (40), SHARDS (2), BUDGETS ("256 512
-# 1024 2048"), TRAIN_BUDGET (2048); MODEL, INIT_GATE (the shipped gate: trained from and compared with). The test suite runs the
-# whole study at a small size on a tiny model (tests/test_gate_generalization_script.py).
+# 1024 2048"), TRAIN_BUDGET (2048); MODEL, INIT_GATE (the shipped gate: trained from and compared with); GATES, the
+# trained gates the harness compares ("forced free"); HARNESS, its texts ("docs-heldout code-heldout handbook-ood
+# site-packages-ood"); NEEDLE_BUDGETS ("512 1024 2048"). The test suite runs the whole study at a small size on a
+# tiny model (tests/test_gate_generalization_script.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash bench/gate_generalization.sh OUT_DIR [STEP ...]}
@@ -35,6 +37,9 @@ INIT=${INIT_GATE-gate_checkpoints/smollm2-135m-instruct-sas}  # empty: the seede
 BUDGETS=${BUDGETS:-256 512 1024 2048}
 TRAIN_BUDGET=${TRAIN_BUDGET:-2048}  # the serving budget the gates are trained for (K = its blocks)
 WORK=${WORK:-models/gen}
+GATES=${GATES:-forced free}  # trained gates in the harness (each needs its train-NAME step)
+HARNESS=${HARNESS:-docs-heldout code-heldout handbook-ood site-packages-ood}
+NEEDLE_BUDGETS=${NEEDLE_BUDGETS:-512 1024 2048}
 TOKENS=${TOKENS:-1500000}   # per training corpus
 SEQ=${SEQ:-4096}
 TAIL=${TAIL:-256}
@@ -96,12 +101,26 @@ train() {  # $1 name, $2 sink, $3 local
 harness() {  # $1 name, $2 data, $3 split
     local name=quality-$1
     [ -e "$OUT/$name.json" ] && { say "harness $1: done"; return; }
+    local gates=() g
+    for g in $GATES; do gates+=(--gate "$g=$WORK/train-$g"); done
     say "harness $1"
     OMP_NUM_THREADS=2 timed "harness-$1" $PY -m sas_backend.training.eval_ppl --model $M --window $SEQ --last $((SEQ / 8)) \
-        --budgets $BUDGETS ${INIT:+--gate "shipped=$INIT"} --gate forced=$WORK/train-forced \
-        --gate free=$WORK/train-free --gate-forced 1,1 0,0 --baselines oracle quest sink-local random --no-recall \
-        --no-progress --data "$2" --split "$3" --max-windows "$WINDOWS" --json "$OUT/$name.json" --plot "$OUT/$name" \
+        --budgets $BUDGETS ${INIT:+--gate "shipped=$INIT"} "${gates[@]}" --gate-forced 1,1 0,0 --baselines oracle quest sink-local random --no-recall \
+        --no-progress --resume --data "$2" --split "$3" --max-windows "$WINDOWS" --json "$OUT/$name.json" --plot "$OUT/$name" \
         > "$OUT/$name.log" 2>&1
+}
+
+harness_texts() {  # every text of $HARNESS, in order; stops at the first that fails
+    local text
+    for text in $HARNESS; do
+        case $text in
+            docs-heldout) harness docs-heldout @docs heldout ;;
+            code-heldout) harness code-heldout @stdlib heldout ;;
+            handbook-ood) harness handbook-ood @handbook all ;;
+            site-packages-ood) harness site-packages-ood @site-packages all ;;
+            *) echo "unknown harness text $text" >&2; false ;;
+        esac || return 1
+    done
 }
 
 needle() {
@@ -110,7 +129,7 @@ needle() {
     if ls "$OUT"/needle-*-"$tag".json >/dev/null 2>&1; then say "needle $tag: done"; return; fi
     say "needle $tag"
     timed "needle-$tag" $PY bench/needle.py --model "$M" --gate "$gate" --depths 0.1 0.25 0.5 0.75 0.9 \
-        --budgets 512 1024 2048 --selectors gate --gate-forced 1,1 0,0 --tag "$tag" --out "$OUT" \
+        --budgets $NEEDLE_BUDGETS --selectors gate --gate-forced 1,1 0,0 --tag "$tag" --out "$OUT" \
         > "$OUT/needle-$tag.log" 2>&1
 }
 
@@ -121,8 +140,7 @@ for step in $STEPS; do
         caches) caches ;;
         train-forced) train train-forced 1 1 ;;
         train-free) train train-free 0 0 ;;
-        harness) harness docs-heldout @docs heldout && harness code-heldout @stdlib heldout &&
-                 harness handbook-ood @handbook all && harness site-packages-ood @site-packages all ;;
+        harness) harness_texts ;;
         needle) needle ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac || { say "$step failed"; exit 1; }

@@ -70,3 +70,15 @@ def test_study_runs_resumes_and_reports(tmp_path):
                            timeout=600)
     assert again.returncode == 0 and "cache docs: done" in again.stdout and "train train-free: done" in again.stdout
     assert "harness handbook-ood: done" in again.stdout
+
+    # a smaller study: one trained gate and one text in the harness, read from the same working files
+    smaller = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out-free"), "harness"], cwd=REPO,
+                             env={**env, "GATES": "free", "HARNESS": "handbook-ood"}, capture_output=True, text=True,
+                             timeout=600)
+    assert smaller.returncode == 0, smaller.stdout[-3000:] + smaller.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "out-free").glob("quality-*.json")] == ["quality-handbook-ood.json"]
+    rows = set(json.loads((tmp_path / "out-free" / "quality-handbook-ood.json").read_text())["results"])
+    assert {"free+s1l1", "free+s0l0", "oracle"} <= rows and not any(r.startswith("forced") for r in rows)
+    wrong = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out-wrong"), "harness"], cwd=REPO,
+                           env={**env, "HARNESS": "essays-ood"}, capture_output=True, text=True, timeout=60)
+    assert wrong.returncode != 0 and "unknown harness text essays-ood" in wrong.stderr
