@@ -123,7 +123,8 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
     logger.info("sas: %s", cfg.describe_selection(given.origins()))
     _check_gate_fits(cfg, getattr(args, "model_path", None))
     trained = _trained_forced_blocks(cfg)
-    if trained is not None and trained != (cfg.sink_blocks, cfg.local_blocks):
+    # Only fewer forced blocks than in training is a risk: more are blocks the gate would rank itself.
+    if trained is not None and (cfg.sink_blocks < trained[0] or cfg.local_blocks < trained[1]):
         logger.warning("sas: the gate was trained with sink %d + local %d forced blocks and is served with sink %d + "
                        "local %d: the blocks it never learned to rank are left to it (measure quality before serving)",
                        *trained, cfg.sink_blocks, cfg.local_blocks)

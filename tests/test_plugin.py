@@ -319,6 +319,15 @@ def test_launch_logs_the_forced_blocks_and_where_they_came_from(parse, clean_env
     text = capfd.readouterr().err
     assert "forced blocks: sink 0 (launch), local 0 (launch); the gate selector chooses all 16 blocks" in text
     assert "trained with sink 1 + local 1 forced blocks and is served with sink 0 + local 0" in text
+    # A gate trained with no forced blocks ranks the first and the recent blocks itself: forcing them is no risk
+    config.training = {**config.training, "sink_blocks": 0, "local_blocks": 0}
+    save_gate_checkpoint(gate, config, tensors)
+    for k in ("SAS_BUDGET", "SAS_SINK_BLOCKS", "SAS_LOCAL_BLOCKS"):
+        clean_env.delenv(k)
+    parse("--attention-backend", "sas", "--sas-gate", gate)
+    text = capfd.readouterr().err
+    assert "forced blocks: sink 1 (the gate's serving record), local 1 (the gate's serving record)" in text
+    assert "trained with" not in text
     assert SASConfig(selector="quest").origins() == {"budget": "default", "sink_blocks": "default",
                                                      "local_blocks": "default"}
 
