@@ -6,11 +6,16 @@
 #
 # Steps (default: all): caches train needle-score harness.
 #   caches        16384-token feature caches, tail 1024: RECALL_ROWS recall rows (@essays + @docs, 8 facts each,
-#                 seed 2) and CODE_ROWS @stdlib rows; two shard processes, one thread each (~2.5 min a row)
-#   train         distill_cached from the shipped gate on those rows, sink 1 + local 1, budget 2048 (~2.6 s a step)
+#                 seed RECALL_SEED) and CODE_ROWS @stdlib rows, VAL_ROWS held-out recall rows (0: none); two shard
+#                 processes, one thread each (~2.5 min a row in fp32, ~1.5 with DTYPE=bfloat16)
+#   train         distill_cached from the shipped gate on those rows, forced blocks FORCED ("SINK LOCAL"),
+#                 budget 2048, STEPS_TRAIN steps (~2.6 s a step)
 #   needle-score  bench/needle_score.py at 16K, passphrase answers, shipped vs fine-tuned vs oracle
 #   harness       eval_ppl, last 512 of one held-out window, budgets 512-4096, code and essays at 8K and 16K
-# Working files go to $WORK (default models/qwen16k: caches, the fine-tuned gate), results to OUT_DIR.
+# Working files go to $WORK (default models/qwen16k: caches, the fine-tuned gate), results to OUT_DIR; NAME
+# (default ft16k) names the gate in the results. The 2026-11-26 run used the defaults; the free gate
+# (2026-11-28): WORK=models/qwen16k-free NAME=free16k FORCED="0 0" DTYPE=bfloat16 RECALL_SEED=3 RECALL_ROWS=20
+# RECALL_TOKENS=170000 CODE_ROWS=8 CODE_TOKENS=140000 VAL_ROWS=1 STEPS_TRAIN=300.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash bench/qwen_gate_16k.sh OUT_DIR [STEP ...]}
@@ -20,10 +25,18 @@ PY=${PYTHON:-.venv/bin/python}
 M=models/Qwen2.5-Coder-0.5B-Instruct
 SHIP=gate_checkpoints/qwen2.5-coder-0.5b-instruct-sas
 WORK=${WORK:-models/qwen16k}
-FT=$WORK/gate-ft16k
+NAME=${NAME:-ft16k}
+FT=$WORK/gate-$NAME
 RECALL_ROWS=${RECALL_ROWS:-8}
+RECALL_SEED=${RECALL_SEED:-2}
+RECALL_TOKENS=${RECALL_TOKENS:-80000}
 CODE_ROWS=${CODE_ROWS:-6}
+CODE_TOKENS=${CODE_TOKENS:-100000}
+VAL_ROWS=${VAL_ROWS:-0}
 STEPS_TRAIN=${STEPS_TRAIN:-150}
+FORCED=${FORCED:-1 1}
+read -r SINK LOCAL <<< "$FORCED"
+DTYPE=${DTYPE:-float32}
 mkdir -p "$OUT" "$WORK"
 say() { echo "[qwen-gate-16k $(date +%H:%M:%S)] $*"; }
 
@@ -34,7 +47,7 @@ cache() {  # $1 out dir, rest: features arguments
     say "cache $out"
     for i in 0 1; do
         OMP_NUM_THREADS=1 $PY -m sas_backend.training.features --model $M --seq-len 16384 --tail 1024 \
-            --no-progress --out "$out" --shard $i/2 "$@" > "$OUT/features-$(basename "$out")-$i.log" 2>&1 &
+            --no-progress --out "$out" --shard $i/2 --dtype $DTYPE "$@" > "$OUT/features-$(basename "$out")-$i.log" 2>&1 &
         pids+=($!)
     done
     for i in "${pids[@]}"; do wait "$i" || ok=0; done
@@ -44,31 +57,40 @@ cache() {  # $1 out dir, rest: features arguments
 for step in $STEPS; do
     case $step in
         caches)
-            cache $WORK/recall --data @essays @docs --max-tokens 80000 --seed 2 --recall-rows 1 --recall-facts 8 \
-                --max-rows $RECALL_ROWS &&
-            cache $WORK/code --data @stdlib --max-tokens 100000 --max-rows $CODE_ROWS ;;
+            cache $WORK/recall --data @essays @docs --max-tokens $RECALL_TOKENS --seed $RECALL_SEED --recall-rows 1 \
+                --recall-facts 8 --max-rows $RECALL_ROWS &&
+            cache $WORK/code --data @stdlib --max-tokens $CODE_TOKENS --max-rows $CODE_ROWS &&
+            if [ "$VAL_ROWS" -gt 0 ]; then
+                cache $WORK/val-recall --data @essays @docs --split heldout --seed $RECALL_SEED --recall-rows 1 \
+                    --recall-facts 8 --max-rows $VAL_ROWS
+            fi ;;
         train)
             if [ -e $FT/.complete ]; then say "train: done"; else
                 say train
                 resume=""
                 [ -e $FT/train_state.pt ] && resume=--resume
-                $PY -m sas_backend.training.distill_cached --model $M --cache $WORK/recall $WORK/code --out $FT \
-                    --budget 2048 --sink-blocks 1 --local-blocks 1 --steps $STEPS_TRAIN --rows-per-step 4 --lr 1e-3 \
+                val=""
+                [ "$VAL_ROWS" -gt 0 ] && val="--val-cache $WORK/val-recall"
+                $PY -m sas_backend.training.distill_cached --model $M --cache $WORK/recall $WORK/code $val --out $FT \
+                    --budget 2048 --sink-blocks $SINK --local-blocks $LOCAL --steps $STEPS_TRAIN --rows-per-step 4 --lr 1e-3 \
                     --warmup 10 --init-gate $SHIP --save-every 25 --no-progress $resume && touch $FT/.complete
             fi ;;
         needle-score)
-            ls $OUT/needle-score-*-qwen-16k-ft.json >/dev/null 2>&1 && { say "needle-score: done"; continue; }
+            tag=qwen-16k-${NAME%16k}  # ft16k -> qwen-16k-ft (the 2026-11-26 files)
+            ls $OUT/needle-score-*-$tag.json >/dev/null 2>&1 && { say "needle-score: done"; continue; }
             say needle-score
-            $PY bench/needle_score.py --model $M --gate shipped=$SHIP --gate ft16k=$FT --context 16384 \
-                --depths 0.1 0.3 0.5 --budgets 1024 2048 --gate-forced 1,1 --baselines oracle --answer passphrase \
-                --tag qwen-16k-ft --out "$OUT" ;;
+            forced="1,1"
+            [ "$SINK,$LOCAL" != 1,1 ] && forced="1,1 $SINK,$LOCAL"
+            $PY bench/needle_score.py --model $M --gate shipped=$SHIP --gate $NAME=$FT --context 16384 \
+                --depths 0.1 0.3 0.5 --budgets 1024 2048 --gate-forced $forced --baselines oracle \
+                --answer passphrase --tag $tag --out "$OUT" ;;
         harness)
             for spec in "8192 @stdlib code" "8192 @essays essays" "16384 @stdlib code" "16384 @essays essays"; do
                 set -- $spec
                 [ -e "$OUT/quality-$3-L$1.json" ] && continue
                 say "harness $3 L=$1"
                 $PY -m sas_backend.training.eval_ppl --model $M --last 512 --budgets 512 1024 2048 4096 \
-                    --gate shipped=$SHIP --gate ft16k=$FT --gate-forced 1,1 --baselines oracle quest sink-local \
+                    --gate shipped=$SHIP --gate $NAME=$FT --gate-forced 1,1 --baselines oracle quest sink-local \
                     --no-recall --no-progress --data "$2" --window "$1" --max-windows 1 --split heldout \
                     --json "$OUT/quality-$3-L$1.json" --plot "$OUT/quality-$3-L$1" || exit 1
             done ;;

@@ -20,7 +20,7 @@ per row instead of a full model forward).
 
     python -m sas_backend.training.features --model DIR --data @essays @stdlib --out DIR
         [--seq-len 4096] [--tail 1024] [--block-size 64] [--target mass|max] [--split train|heldout]
-        [--seed 0] [--max-rows N] [--recall-rows FRACTION] [--recall-facts N]
+        [--seed 0] [--max-rows N] [--recall-rows FRACTION] [--recall-facts N] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 CAPTURE_ATTN = "sas_feature_capture"
 STORE_DTYPE = torch.float16
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class FeatureCacheError(ValueError):
@@ -134,9 +135,11 @@ def row_features(model, ids: torch.Tensor, spec: FeatureSpec) -> Dict[str, torch
 
 
 def _manifest(spec: FeatureSpec, model_dir: str, geometry, data_record: dict, recall: Optional[dict],
-              rows: int, seed: int) -> dict:
+              rows: int, seed: int, compute_dtype: str = "float32") -> dict:
     from sas_backend.provenance import portable_path
 
+    # only a non-default forward dtype is recorded: caches built before the option keep their manifest
+    extra = {} if compute_dtype == "float32" else {"compute_dtype": compute_dtype}
     return {
         "format_version": FORMAT_VERSION,
         "model": portable_path(model_dir),
@@ -152,6 +155,7 @@ def _manifest(spec: FeatureSpec, model_dir: str, geometry, data_record: dict, re
         "dtype": str(STORE_DTYPE).removeprefix("torch."),
         "method": "dense forward of the frozen model; per layer the tail's pre-RoPE q, the blocks' pooled "
                   "pre-RoPE keys and the distill target (sas_backend.training.features)",
+        **extra,
     }
 
 
@@ -298,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recall-rows", type=float, default=0.0, metavar="FRACTION",
                    help="make this share of the rows recall rows (sas_backend.training.recall), facts restated in the tail")
     p.add_argument("--recall-facts", type=int, default=4, help="facts per recall row")
+    p.add_argument("--dtype", choices=tuple(COMPUTE_DTYPES), default="float32",
+                   help="the frozen model's forward dtype; bfloat16 runs ~2x faster on CPUs with AVX512-BF16 (and is "
+                        "what a GPU serves); q, k and the target are computed in fp32 from its q and k either way")
     p.add_argument("--no-progress", action="store_true", help="a log line per 10 rows instead of a tqdm bar")
     return p
 
@@ -338,12 +345,12 @@ def main(argv: Optional[list] = None) -> int:
         except ValueError as e:
             raise SystemExit(f"error: --recall-facts {args.recall_facts}: {e}") from None
         recall = {**rs.record(), **made}
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=COMPUTE_DTYPES[args.dtype])
     check_supported(model)
     model.eval()
     geometry = ModelGeometry.from_model_dir(args.model)
     manifest = _manifest(spec, args.model, geometry, {**data.record(), "rows_used": int(rows.shape[0])},
-                         recall, int(rows.shape[0]), args.seed)
+                         recall, int(rows.shape[0]), args.seed, args.dtype)
     manifest["command"] = command_line(argv)
     print(f"[features] {rows.shape[0]} {args.split} rows x {args.seq_len} tokens -> {args.out} "
           f"(tail {args.tail}, target {args.target}, ~{_row_mb(spec, geometry):.0f} MB a row)", flush=True)

@@ -83,6 +83,21 @@ def test_row_features_shapes_and_target():
         FeatureSpec(SEQ, TAIL, B, "mean")
 
 
+def test_bfloat16_forward_gives_the_fp32_features_within_rounding():
+    """`--dtype bfloat16` runs the frozen model in bf16; q, k and the target are still computed in fp32
+    from its q and k, so the features differ from an fp32 forward by bf16 rounding only."""
+    model = tiny_llama()
+    spec = FeatureSpec(SEQ, TAIL, B, "mass")
+    ids = _rows(1)[0]
+    want = feats.row_features(model, ids, spec)
+    got = feats.row_features(model.to(torch.bfloat16), ids, spec)
+    assert got.keys() == want.keys() and all(t.dtype == torch.float16 for t in got.values())
+    for name in want:
+        torch.testing.assert_close(got[name].float(), want[name].float(), atol=0.05, rtol=0.05)
+    tgt = got["target.1"].float()
+    torch.testing.assert_close(tgt.sum(-1), torch.ones_like(tgt.sum(-1)), atol=2e-3, rtol=0)  # still distributions
+
+
 def test_cache_resumes_shards_and_refuses_bad_input(tmp_path):
     model = tiny_llama()
     spec = FeatureSpec(SEQ, TAIL, B, "mass")
@@ -141,6 +156,22 @@ def cli_caches(tmp_path_factory):
     assert main(train + ["--shard=0/2"]) == 0
     assert main(common + ["--out", str(root / "val"), "--split", "heldout", "--max-rows", "2"]) == 0
     return root, model_dir
+
+
+def test_cli_records_a_bfloat16_forward_and_keeps_fp32_manifests_as_they_were(cli_caches, tmp_path):
+    from sas_backend.training.features import main
+
+    root, model_dir = cli_caches
+    assert "compute_dtype" not in json.load(open(root / "val" / "manifest.json"))  # fp32: as before the option
+    out = tmp_path / "bf16"
+    args = ["--model", model_dir, "--data", ESSAYS_DIR, "--seq-len", "512", "--tail", "192", "--no-progress",
+            "--out", str(out), "--split", "heldout", "--max-rows", "1"]
+    assert main(args + ["--dtype", "bfloat16"]) == 0
+    manifest = json.load(open(out / "manifest.json"))
+    assert manifest["compute_dtype"] == "bfloat16" and "--dtype bfloat16" in manifest["command"]
+    assert len(load_feature_cache(str(out)).rows) == 1
+    with pytest.raises(SystemExit, match="other settings.*compute_dtype"):  # an fp32 build may not mix in
+        main(args)
 
 
 def _distill(root, model_dir, out, *extra):
