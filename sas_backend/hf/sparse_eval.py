@@ -154,19 +154,29 @@ def sparse_eval_attention(module, query, key, value, attention_mask, scaling, dr
     rows = slice(start - offset, t_q)  # the sparse queries among the given ones
     g = h_q // h_kv
     n_p = positions.numel()
-    qs = query[0, :, rows].float().reshape(h_kv, g * n_p, -1)  # q head h*G+j belongs to kv head h
-    logits = torch.bmm(qs, key[0].float().transpose(1, 2)).view(h_kv, g, n_p, t) * scaling
     q_post = query[0, :, rows].transpose(0, 1)  # [P, H_q, D]
     k_post = key[0].transpose(0, 1)  # [T, H_kv, D]
+    # Only the oracle (its ranking) and recall need the [H_kv, G, P, T] logits; the attention itself runs as
+    # SDPA with the selection as a boolean mask (fused on CPU: no logits tensor, ~2.5x the masked softmax).
+    fused = ctx.get("fused", True)
+    logits = None
+    if spec.selector == "oracle" or ctx.get("recall") is not None or not fused:
+        qs = query[0, :, rows].float().reshape(h_kv, g * n_p, -1)  # q head h*G+j belongs to kv head h
+        logits = torch.bmm(qs, key[0].float().transpose(1, 2)).view(h_kv, g, n_p, t) * scaling
     selected = select_for_queries(
         spec, layer, q_post, k_post, positions, ctx["model_table"], ctx["gate_table"], logits=logits
     )
     if ctx.get("recall") is not None:
         _add_recall(ctx["recall"], layer, logits, selected, positions, spec.block_size)
     allowed = _sparse_rows_mask(selected, positions, t, spec.block_size)  # [H_kv, P, T]
-    logits.masked_fill_(~allowed[:, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).view(h_kv, g * n_p, t)
-    sparse = torch.bmm(probs, value[0].float()).view(h_q, n_p, -1).to(query.dtype)
+    if fused:  # batch = kv head, heads = its G query heads, one shared K/V head each
+        sparse = torch.nn.functional.scaled_dot_product_attention(
+            query[0, :, rows].float().view(h_kv, g, n_p, -1), key[0, :, None].float(), value[0, :, None].float(),
+            attn_mask=allowed[:, None], scale=scaling, enable_gqa=True).reshape(h_q, n_p, -1).to(query.dtype)
+    else:
+        logits.masked_fill_(~allowed[:, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).view(h_kv, g * n_p, t)
+        sparse = torch.bmm(probs, value[0].float()).view(h_q, n_p, -1).to(query.dtype)
     if start == offset:  # every given query is sparse: no dense rows to keep
         out = sparse[None]
     else:
@@ -194,13 +204,15 @@ def _add_recall(recall: dict, layer: int, logits, selected, positions, block_siz
 
 @contextlib.contextmanager
 def sparse_eval(model, spec: SparseEvalSpec, max_pos: Optional[int] = None, record: Optional[dict] = None,
-                recall: Optional[dict] = None):
+                recall: Optional[dict] = None, fused: bool = True):
     """Within the block, `model(...)` runs SAS sparse attention per `spec`.
 
     record: optional dict filled with `{layer: selected [P, H_kv, K]}` of the last forward.
     recall: optional dict accumulating `{layer: [captured, best]}` over forwards: the dense attention
     mass (per kv head, max over its query heads) of the selected blocks, and of the oracle's K best
     blocks; captured / best is the selection's attention-mass recall (1 for the oracle).
+    fused: the sparse rows attend through SDPA with the selection as a boolean mask; False: explicit masked
+    logits and softmax (the same numbers within fp32 rounding, several times the memory traffic: a check).
     """
     from transformers import AttentionInterface
 
@@ -217,7 +229,7 @@ def sparse_eval(model, spec: SparseEvalSpec, max_pos: Optional[int] = None, reco
     attn_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
     for m in attn_modules:
         m._sas_eval = {"spec": spec, "model_table": table, "gate_table": gate_table, "record": record,
-                       "recall": recall}
+                       "recall": recall, "fused": fused}
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     try:
