@@ -37,6 +37,8 @@ STEPS_TRAIN=${STEPS_TRAIN:-150}
 FORCED=${FORCED:-1 1}
 read -r SINK LOCAL <<< "$FORCED"
 DTYPE=${DTYPE:-float32}
+dtype_arg=()  # passed only when not the default: a cache's manifest keeps its build command, resumes compare it
+[ "$DTYPE" != float32 ] && dtype_arg=(--dtype "$DTYPE")
 mkdir -p "$OUT" "$WORK"
 say() { echo "[qwen-gate-16k $(date +%H:%M:%S)] $*"; }
 
@@ -47,7 +49,7 @@ cache() {  # $1 out dir, rest: features arguments
     say "cache $out"
     for i in 0 1; do
         OMP_NUM_THREADS=1 $PY -m sas_backend.training.features --model $M --seq-len 16384 --tail 1024 \
-            --no-progress --out "$out" --shard $i/2 --dtype $DTYPE "$@" > "$OUT/features-$(basename "$out")-$i.log" 2>&1 &
+            --no-progress --out "$out" --shard $i/2 ${dtype_arg[@]+"${dtype_arg[@]}"} "$@" > "$OUT/features-$(basename "$out")-$i.log" 2>&1 &
         pids+=($!)
     done
     for i in "${pids[@]}"; do wait "$i" || ok=0; done
