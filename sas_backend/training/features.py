@@ -303,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make this share of the rows recall rows (sas_backend.training.recall), facts restated in the tail")
     p.add_argument("--recall-facts", type=int, default=4, help="facts per recall row")
     p.add_argument("--dtype", choices=tuple(COMPUTE_DTYPES), default="float32",
-                   help="the frozen model's forward dtype; bfloat16 runs ~2x faster on CPUs with AVX512-BF16 (and is "
-                        "what a GPU serves); q, k and the target are computed in fp32 from its q and k either way")
+                   help="the frozen model's forward dtype; bfloat16 speeds the matmuls on CPUs with AVX512-BF16 (a 4K "
+                        "row 1.6x; little at 16K, where attention dominates) and is what a GPU serves; q, k and the "
+                        "target are computed in fp32 from its q and k either way")
     p.add_argument("--no-progress", action="store_true", help="a log line per 10 rows instead of a tqdm bar")
     return p
 
