@@ -6,8 +6,9 @@
 #
 # Steps (default: all): caches train needle-score harness.
 #   caches        16384-token feature caches, tail 1024: RECALL_ROWS recall rows (@essays + @docs, 8 facts each,
-#                 seed RECALL_SEED) and CODE_ROWS @stdlib rows, VAL_ROWS held-out recall rows (0: none); two shard
-#                 processes, one thread each (~2.5 min a row in fp32, ~1.5 with DTYPE=bfloat16)
+#                 seed RECALL_SEED, every fact RECALL_MIN_DISTANCE tokens or more before the tail; 0: anywhere) and
+#                 CODE_ROWS @stdlib rows, VAL_ROWS held-out recall rows (0: none); two shard processes, one thread
+#                 each (~2.5 min a row, fp32 or DTYPE=bfloat16 alike: at 16K attention dominates)
 #   train         distill_cached from the shipped gate on those rows, forced blocks FORCED ("SINK LOCAL"),
 #                 budget 2048, STEPS_TRAIN steps (~2.6 s a step)
 #   needle-score  bench/needle_score.py at 16K, passphrase answers, shipped vs fine-tuned vs oracle
@@ -33,6 +34,9 @@ RECALL_TOKENS=${RECALL_TOKENS:-80000}
 CODE_ROWS=${CODE_ROWS:-6}
 CODE_TOKENS=${CODE_TOKENS:-100000}
 VAL_ROWS=${VAL_ROWS:-0}
+RECALL_MIN_DISTANCE=${RECALL_MIN_DISTANCE:-0}  # tokens between every fact and the tail (0: anywhere)
+far_arg=()
+[ "$RECALL_MIN_DISTANCE" != 0 ] && far_arg=(--recall-min-distance "$RECALL_MIN_DISTANCE")
 STEPS_TRAIN=${STEPS_TRAIN:-150}
 FORCED=${FORCED:-1 1}
 read -r SINK LOCAL <<< "$FORCED"
@@ -60,7 +64,7 @@ for step in $STEPS; do
     case $step in
         caches)
             cache $WORK/recall --data @essays @docs --max-tokens $RECALL_TOKENS --seed $RECALL_SEED --recall-rows 1 \
-                --recall-facts 8 --max-rows $RECALL_ROWS &&
+                --recall-facts 8 --max-rows $RECALL_ROWS ${far_arg[@]+"${far_arg[@]}"} &&
             cache $WORK/code --data @stdlib --max-tokens $CODE_TOKENS --max-rows $CODE_ROWS &&
             if [ "$VAL_ROWS" -gt 0 ]; then
                 cache $WORK/val-recall --data @essays @docs --split heldout --seed $RECALL_SEED --recall-rows 1 \

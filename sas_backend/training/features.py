@@ -302,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recall-rows", type=float, default=0.0, metavar="FRACTION",
                    help="make this share of the rows recall rows (sas_backend.training.recall), facts restated in the tail")
     p.add_argument("--recall-facts", type=int, default=4, help="facts per recall row")
+    p.add_argument("--recall-min-distance", type=int, default=0, metavar="TOKENS",
+                   help="place every fact at least this many tokens before the tail (default 0: anywhere before it)")
     p.add_argument("--dtype", choices=tuple(COMPUTE_DTYPES), default="float32",
                    help="the frozen model's forward dtype; bfloat16 speeds the matmuls on CPUs with AVX512-BF16 (a 4K "
                         "row 1.6x; little at 16K, where attention dominates) and is what a GPU serves; q, k and the "
@@ -340,11 +342,12 @@ def main(argv: Optional[list] = None) -> int:
     if args.recall_rows > 0:
         from sas_backend.training.recall import RecallSpec, add_recall_rows
 
-        rs = RecallSpec(args.recall_rows, args.recall_facts, tail=args.tail, seed=args.seed)
+        rs = RecallSpec(args.recall_rows, args.recall_facts, tail=args.tail, seed=args.seed,
+                        min_distance=args.recall_min_distance)
         try:
             rows, made = add_recall_rows(rows, tokenizer, rs)
         except ValueError as e:
-            raise SystemExit(f"error: --recall-facts {args.recall_facts}: {e}") from None
+            raise SystemExit(f"error: recall rows: {e}") from None
         recall = {**rs.record(), **made}
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=COMPUTE_DTYPES[args.dtype])
     check_supported(model)

@@ -47,13 +47,16 @@ class RecallSpec:
     """Which rows become recall rows and how many facts each carries.
 
     fraction: share of rows made recall rows (a seeded choice); facts: facts per recall row;
-    tail: the trained tail (`--train-last`, or the whole row's last tokens) that holds the restatements.
+    tail: the trained tail (`--train-last`, or the whole row's last tokens) that holds the restatements;
+    min_distance: at least this many tokens between each fact's end and the tail's start (0: anywhere before
+    the tail), so every restatement must reach that far back, as a needle early in a long context does.
     """
 
     fraction: float
     facts: int
     tail: int
     seed: int = 0
+    min_distance: int = 0
 
     def __post_init__(self):
         if not 0.0 <= self.fraction <= 1.0:
@@ -62,10 +65,15 @@ class RecallSpec:
             raise ValueError(f"recall facts per row must be >= 1, got {self.facts}")
         if self.tail < 2:
             raise ValueError(f"recall tail must be >= 2 tokens, got {self.tail}")
+        if self.min_distance < 0:
+            raise ValueError(f"recall min distance must be >= 0, got {self.min_distance}")
 
     def record(self) -> dict:
-        return {"fraction": self.fraction, "facts": self.facts, "tail": self.tail, "seed": self.seed,
-                "templates": [list(t) for t in TEMPLATES], "method": METHOD}
+        rec = {"fraction": self.fraction, "facts": self.facts, "tail": self.tail, "seed": self.seed,
+               "templates": [list(t) for t in TEMPLATES], "method": METHOD}
+        if self.min_distance:  # recorded only when set: records made before the option stay equal
+            rec["min_distance"] = self.min_distance
+        return rec
 
 
 def _value(rng: random.Random) -> str:
@@ -132,7 +140,15 @@ def add_recall_rows(rows: torch.Tensor, tokenizer, spec: RecallSpec) -> Tuple[to
         rng.shuffle(order)  # restated in another order than stated
         ids = rows[r].tolist()
         head, tail = ids[: length - spec.tail], ids[length - spec.tail:]
-        head = _splice(head, facts, rng, boundaries(head))
+        if spec.min_distance:  # facts go into the head's first part only; its last min_distance tokens stay text
+            if spec.min_distance >= len(head):
+                raise ValueError(f"recall min distance {spec.min_distance} leaves no room before the tail "
+                                 f"({len(head)} tokens)")
+            near = head[len(head) - spec.min_distance:]
+            far = head[: len(head) - spec.min_distance]
+            head = _splice(far, facts, rng, boundaries(far)) + near
+        else:
+            head = _splice(head, facts, rng, boundaries(head))
         tail = _splice(tail, [again[i] for i in order], rng, boundaries(tail))
         out[r] = torch.tensor(head + tail, dtype=rows.dtype)
     return out, {"rows_changed": len(chosen), "facts_placed": len(chosen) * spec.facts}

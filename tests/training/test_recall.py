@@ -60,6 +60,22 @@ def test_facts_before_the_tail_restated_in_it(tok, rows):
         assert tok.decode(rows[r, : L - TAIL])[: max(first - 2, 0)] == head[: max(first - 2, 0)]
 
 
+def test_min_distance_keeps_every_fact_that_far_from_the_tail(tok, rows):
+    far = (L - TAIL) // 2
+    spec = RecallSpec(fraction=1.0, facts=2, tail=TAIL, seed=3, min_distance=far)
+    out, made = add_recall_rows(rows, tok, spec)
+    assert made["facts_placed"] == 2 * rows.shape[0] and spec.record()["min_distance"] == far
+    for r in range(rows.shape[0]):
+        assert len(FACT.findall(tok.decode(out[r, : L - TAIL - far]))) == 2  # both facts in the far part
+        assert torch.equal(out[r, L - TAIL - far: L - TAIL], rows[r, L - TAIL - far: L - TAIL])  # near text kept
+        assert len(AGAIN.findall(tok.decode(out[r, L - TAIL:]))) == 2
+    assert "min_distance" not in RecallSpec(1.0, 2, TAIL).record()  # unset: records as before the option
+    with pytest.raises(ValueError, match="no room"):
+        add_recall_rows(rows, tok, RecallSpec(1.0, 1, TAIL, min_distance=L - TAIL))
+    with pytest.raises(ValueError, match="min distance"):
+        RecallSpec(1.0, 1, TAIL, min_distance=-1)
+
+
 def test_seeded(tok, rows):
     a, _ = add_recall_rows(rows, tok, RecallSpec(1.0, 2, TAIL, seed=0))
     b, _ = add_recall_rows(rows, tok, RecallSpec(1.0, 2, TAIL, seed=0))
