@@ -21,8 +21,9 @@
 # each training ~40 min, the harness ~2 h. Run it on a quiet machine (a job beside it slows both ~20x).
 # Sizes (environment): TOKENS per training corpus (1500000), SEQ row/window tokens (4096), TAIL cached queries
 # (256), STEPS_TRAIN (3000), WINDOWS per harness text (4), VAL_ROWS (4), RECALL_ROWS (40), SHARDS (2), BUDGETS ("256 512
-# 1024 2048"), TRAIN_BUDGET (2048), DTYPE the caches' forward dtype (float32; bfloat16 is ~1.6x faster on an
-# AVX512-BF16 CPU, features equal within bf16 rounding); MODEL, INIT_GATE (the shipped gate: trained from and compared with); GATES, the
+# 1024 2048"), TRAIN_BUDGET (2048), DTYPE the caches' forward dtype (float32; bfloat16: a 4096-token Qwen row
+# 1.6x faster on an AVX512-BF16 CPU, not measured for SmolLM2; features equal within bf16 rounding); MODEL,
+# INIT_GATE (the shipped gate: trained from and compared with); GATES, the
 # trained gates the harness compares ("forced free"); HARNESS, its texts ("docs-heldout code-heldout handbook-ood
 # site-packages-ood"); NEEDLE_BUDGETS ("512 1024 2048"). The test suite runs the whole study at a small size on a
 # tiny model (tests/test_gate_generalization_script.py).
