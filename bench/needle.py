@@ -75,14 +75,18 @@ def server_configs(args) -> list[tuple[str, str, list]]:
         served = SASConfig(gate_path=args.gate).resolved()
         configs.append((f"sas gate serve default (b{served.budget}, sink {served.sink_blocks}, local "
                         f"{served.local_blocks})", "sas", ["--sas-gate", args.gate]))
+    anchored = args.prompt_anchors is not None
     for sel in args.selectors:
         for b in args.budgets:
             extra = ["--sas-selector", sel, "--sas-budget", str(b)] + (["--sas-gate", args.gate] if sel == "gate" else [])
+            anchors = ""
+            if anchored and sel != "sink-local":
+                extra, anchors = extra + ["--sas-prompt-anchors", str(args.prompt_anchors)], f"+a{args.prompt_anchors}"
             for sink, local in (forced or [(None, None)]) if sel == "gate" else [(None, None)]:
                 if sink is None:
-                    configs.append((f"sas {sel} b{b}", "sas", extra))
+                    configs.append((f"sas {sel}{anchors} b{b}", "sas", extra))
                 else:
-                    configs.append((f"sas {sel}+s{sink}l{local} b{b}", "sas",
+                    configs.append((f"sas {sel}+s{sink}l{local}{anchors} b{b}", "sas",
                                     extra + ["--sas-sink-blocks", str(sink), "--sas-local-blocks", str(local)]))
     return configs
 
@@ -100,6 +104,8 @@ def main(argv=None) -> int:
                     help="gate servers with these forced blocks (e.g. 0,0 1,1) instead of the gate's serving record")
     ap.add_argument("--serve-default", action="store_true",
                     help="also a gate server launched with no budget or forced-block flags: what serve/serve.sh serves")
+    ap.add_argument("--prompt-anchors", type=int, default=None, metavar="R",
+                    help="gate and quest servers with --sas-prompt-anchors R (named +aR; default: the gate's record)")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="one more launch argument for every server (repeatable; after the study's own, so it wins)")
     ap.add_argument("--tag", default="", help="suffix of the result files (needle-DATE-TAG.json/.md)")

@@ -131,13 +131,17 @@ def main(argv=None) -> int:
                     choices=["oracle", "quest", "sink-local", "random"])
     ap.add_argument("--answer", choices=ANSWERS, default="sentence",
                     help="teacher-forced answer: the needle sentence, or the passphrase alone (the server's answer)")
+    ap.add_argument("--anchor-blocks", type=int, nargs="*", default=[], metavar="R",
+                    help="also run each gate with R prompt-anchored blocks forced (inside the budget): per layer "
+                         "and kv head, the blocks the prompt's last --anchor-window queries attended most")
+    ap.add_argument("--anchor-window", type=int, default=1, help="prompt queries whose attention picks the anchors")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sas_backend.hf.sparse_eval import SparseEvalSpec
+    from sas_backend.hf.sparse_eval import SparseEvalSpec, prompt_anchors
 
     started = time.time()
     gate_paths = parse_gates(args.gate or [f"shipped={default_gate(args.model)}"])
@@ -157,6 +161,10 @@ def main(argv=None) -> int:
             for sink, local in parse_forced(args.gate_forced):
                 configs.append((f"{name}+s{sink}l{local} b{budget}", dict(top_k=k, selector="gate", gates=gates,
                                                                           sink_blocks=sink, local_blocks=local)))
+                for r in args.anchor_blocks:
+                    configs.append((f"{name}+s{sink}l{local}+a{r} b{budget}",
+                                    dict(top_k=k, selector="gate", gates=gates, sink_blocks=sink, local_blocks=local,
+                                         anchors=r)))
         configs += [(f"{sel} b{budget}", dict(top_k=k, selector=sel)) for sel in args.baselines]
     rows = [{"selector": name, "scores": []} for name, _ in configs]
     for i_case, (depth, p_ids, a_ids, code) in enumerate(cases):  # one dense prefill per depth
@@ -164,7 +172,12 @@ def main(argv=None) -> int:
         prefilled = prefill(model, p_ids)
         print(f"[needle_score] depth {depth:g} ({i_case + 1}/{len(cases)}): {len(p_ids)}-token prompt prefilled "
               f"in {time.time() - t0:.0f} s", flush=True)
+        anchors = None  # computed once per prompt, when a row asks for them (the cache is left as prefilled)
         for row, (name, kw) in zip(rows, configs):
+            if kw is not None and kw.get("anchors") is not None:
+                if anchors is None:
+                    anchors = prompt_anchors(model, p_ids, prefilled[0], max(args.anchor_blocks), args.anchor_window, b)
+                kw = dict(kw, anchors={layer: a[:, :kw["anchors"]] for layer, a in anchors.items()})
             spec = None if kw is None else SparseEvalSpec(block_size=b, sparse_from=len(p_ids), **kw)
             selected = {}
             nll, top1, greedy = passphrase_nll(model, p_ids, a_ids, code, spec, selected, prefilled)

@@ -49,6 +49,10 @@ class SASConfig:
     first_sparse_layer: layers below this index decode densely.
     sink_blocks / local_blocks: blocks always selected (first blocks / blocks right before the
         current one); they count inside K. None: the gate's record, else 0.
+    prompt_anchors: per request, layer and kv head, the blocks its last prompt token attended most (computed
+        at the end of each extend, `ops.anchors`) are forced into every decode selection, inside K after the
+        sink and local blocks: in a question over a long context they hold what the question asked for.
+        None: the gate's record, else 0.
     dense_below: a decode step whose requests hold at most this many context tokens in all (the
         sum of their lengths: what dense attention reads) attends every block densely instead of
         selecting; 0: never (the default). Below a few tens of thousands of tokens a step is bound by
@@ -84,6 +88,11 @@ class SASConfig:
     local_blocks: Optional[int] = _setting(
         None, "SAS_LOCAL_BLOCKS", "--sas-local-blocks",
         "Always attend the N blocks before the current one (inside the budget).",
+        "default: the gate's record, else 0")
+    prompt_anchors: Optional[int] = _setting(
+        None, "SAS_PROMPT_ANCHORS", "--sas-prompt-anchors",
+        "Per request and kv head, always attend the N blocks its last prompt token attended most (inside the "
+        "budget, after the sink and local blocks); 0: none.",
         "default: the gate's record, else 0")
     dense_below: int = _setting(
         0, "SAS_DENSE_BELOW", "--sas-dense-below",
@@ -127,11 +136,12 @@ class SASConfig:
     def describe_selection(self, origins: dict) -> str:
         """One line for the server log: the budget and the forced blocks this (resolved) config serves,
         and where each came from (`origins()` of the unresolved config)."""
-        free = self.top_k - self.sink_blocks - self.local_blocks
+        free = self.top_k - self.sink_blocks - self.local_blocks - (self.prompt_anchors or 0)
         ranked = (f"the {self.selector} selector chooses the other {free} of {self.top_k} blocks" if free < self.top_k
                   else f"the {self.selector} selector chooses all {self.top_k} blocks, none forced")
+        anchors = f", prompt anchors {self.prompt_anchors} ({origins['prompt_anchors']})" if self.prompt_anchors else ""
         return (f"budget {self.budget} tokens ({origins['budget']}); forced blocks: sink {self.sink_blocks} "
-                f"({origins['sink_blocks']}), local {self.local_blocks} ({origins['local_blocks']}); {ranked}")
+                f"({origins['sink_blocks']}), local {self.local_blocks} ({origins['local_blocks']}){anchors}; {ranked}")
 
     @classmethod
     def for_serving(cls, environ=None) -> "SASConfig":
@@ -149,7 +159,7 @@ class SASConfig:
                 f"(it is spent in whole blocks), got {self.budget}; "
                 f"for example --sas-budget {max(1, round(self.budget / self.block_size)) * self.block_size}"
             )
-        for name in ("first_sparse_layer", "sink_blocks", "local_blocks", "dense_below"):
+        for name in ("first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "dense_below"):
             if (getattr(self, name) or 0) < 0:
                 raise SASConfigError(f"SAS {name} must be >= 0, got {getattr(self, name)}")
         forced = (self.sink_blocks or 0) + (self.local_blocks or 0)
@@ -158,6 +168,14 @@ class SASConfig:
                 f"SAS sink ({self.sink_blocks}) + local ({self.local_blocks}) blocks exceed the "
                 f"{self.top_k} blocks the budget {self.budget} allows"
             )
+        if self.budget is not None and forced + (self.prompt_anchors or 0) > self.top_k:
+            raise SASConfigError(
+                f"SAS sink ({self.sink_blocks}) + local ({self.local_blocks}) + prompt anchor "
+                f"({self.prompt_anchors}) blocks exceed the {self.top_k} blocks the budget {self.budget} allows"
+            )
+        if self.prompt_anchors and self.selector == "sink-local":
+            raise SASConfigError("--sas-prompt-anchors needs a ranking selector (gate or quest): sink-local forces "
+                                 "every block it selects")
         from sas_backend.selection import SELECTORS
 
         if self.selector not in SELECTORS:
@@ -205,7 +223,7 @@ class SASConfig:
 
 
 #: Settings a gate checkpoint may supply (`GateConfig.serve_defaults`), with their fallbacks.
-_FROM_GATE = {"budget": DEFAULT_BUDGET, "sink_blocks": 0, "local_blocks": 0}
+_FROM_GATE = {"budget": DEFAULT_BUDGET, "sink_blocks": 0, "local_blocks": 0, "prompt_anchors": 0}
 
 
 @dataclasses.dataclass(frozen=True)

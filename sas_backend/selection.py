@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 from sas_backend.gate.module import AttnGate
+from sas_backend.ops.anchors import force_anchors
 from sas_backend.ops.gate import gate_query_post_rope
 from sas_backend.ops.quest import key_bounds, quest_scores, update_key_bounds
 from sas_backend.ops.score import score_blocks
@@ -83,11 +84,15 @@ class Selector:
         r = self.rule
         return select_blocks(scores, num_candidates, r.top_k, r.sink_blocks, r.local_blocks)
 
-    def select(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
-        """`pick(scores(...))`: selected blocks `[bs, H_kv, K]` int32 (ascending, -1 padded)."""
+    def select(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks,
+               anchors=None):
+        """`pick(scores(...))`: selected blocks `[bs, H_kv, K]` int32 (ascending, -1 padded). anchors: optional
+        `[bs, H_kv, R]` blocks each row takes right after its forced ones (`ops.anchors.force_anchors`)."""
         scores = self.scores(
             gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks
         )
+        if anchors is not None:
+            scores = force_anchors(scores, anchors, num_candidates)
         return self.pick(scores, num_candidates)
 
 

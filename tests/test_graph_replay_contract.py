@@ -34,7 +34,7 @@ MAX_BS, MAX_REQS, MAX_CTX, PAGES = 4, 8, 256, 160
 class Rig:
     """A SAS backend over real SGLang CPU pools, with requests placed on random pages."""
 
-    def __init__(self, budget, sink=0, local=0, seed=0, dense_below=0, inner=None):
+    def __init__(self, budget, sink=0, local=0, seed=0, dense_below=0, inner=None, anchors=0):
         self.g = torch.Generator().manual_seed(seed)
         self.req_pool = ReqToTokenPool(MAX_REQS, MAX_CTX, "cpu", False)
         self.kv_pool = MHATokenToKVPool(PAGES * B, B, torch.float32, H_KV, D, LAYERS, "cpu", False)
@@ -43,7 +43,7 @@ class Rig:
             dtype=torch.float32, model=None, page_size=B,
         )
         cfg = SASConfig(gate_path="unused", budget=budget * B, block_size=B, sink_blocks=sink, local_blocks=local,
-                        dense_below=dense_below)
+                        dense_below=dense_below, prompt_anchors=anchors)
         gates = {}
         for lid in range(LAYERS):
             gate = AttnGate(H_KV, H_Q // H_KV, D, DG)
@@ -69,6 +69,11 @@ class Rig:
             self.kv_pool.k_buffer[lid][slots] = apply_rope(torch.randn(prompt_len, H_KV, D, generator=self.g), cos_sin)
             self.kv_pool.v_buffer[lid][slots] = torch.randn(prompt_len, H_KV, D, generator=self.g)
             n_blocks = prompt_len // B
+            if self.backend.anchors is not None:  # as an extend would leave them: blocks of the prompt, -1 padded
+                picks = torch.randperm(max((prompt_len - 1) // B, 1), generator=self.g)[: self.backend.anchor_count]
+                row = torch.full((H_KV, self.backend.anchor_count), -1, dtype=torch.int32)
+                row[:, : picks.numel()] = picks.to(torch.int32) if (prompt_len - 1) // B else -1
+                self.backend.anchors[lid][req] = row
             if n_blocks:
                 pages = self.req_pool.req_to_token[req, : n_blocks * B : B].long() // B
                 starts = torch.arange(n_blocks) * B
@@ -202,9 +207,9 @@ def _steps(rig):
         rig.advance(reqs)
 
 
-@pytest.mark.parametrize("budget,sink,local", [(3, 0, 0), (4, 1, 1), (40, 0, 0)])
-def test_captured_decode_replays_like_eager(budget, sink, local):
-    rig = Rig(budget, sink, local)
+@pytest.mark.parametrize("budget,sink,local,anchors", [(3, 0, 0, 0), (4, 1, 1, 0), (40, 0, 0, 0), (5, 1, 1, 2)])
+def test_captured_decode_replays_like_eager(budget, sink, local, anchors):
+    rig = Rig(budget, sink, local, anchors=anchors)
     for r, n in PROMPTS.items():
         if r != 4:
             rig.add_request(r, n)
@@ -235,6 +240,11 @@ def test_captured_decode_replays_like_eager(budget, sink, local):
             torch.testing.assert_close(got[lid], want[lid], atol=1e-5, rtol=1e-5, msg=f"step {step} layer {lid}")
         if not rig.backend._plan.dense:  # a dense eager step selects nothing to compare with
             assert torch.equal(got_sel, selections[-1]), f"step {step}: graph selection differs from eager"
+            if anchors:  # each row's prompt anchors are among its selected blocks (layer 0)
+                for i, r in enumerate(reqs):
+                    for h in range(H_KV):
+                        want_in = {m for m in rig.backend.anchors[0][r, h].tolist() if m >= 0}
+                        assert want_in <= set(got_sel[i, h].tolist()), (step, r, h)
         for lid in range(LAYERS):  # the KV and the summaries of every page a request owns
             assert torch.equal(after_graph[0][lid][B:], rig.kv_pool.k_buffer[lid][B:]), f"step {step}: K"
             s_graph, s_eager = after_graph[2][lid][1:], rig.backend.summaries[lid][1:]

@@ -11,7 +11,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 
 def _args(**kw):
-    base = dict(gate="g", gate_forced=None, serve_default=False, selectors=["gate"], budgets=[1024])
+    base = dict(gate="g", gate_forced=None, serve_default=False, selectors=["gate"], budgets=[1024], prompt_anchors=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -29,3 +29,14 @@ def test_gate_once_per_forced_setting_and_training_free_once():
     assert [c[0] for c in configs] == ["dense", "sas gate+s1l1 b1024", "sas gate+s0l0 b1024", "sas sink-local b1024"]
     assert configs[1][2][-4:] == ["--sas-sink-blocks", "1", "--sas-local-blocks", "1"]
     assert "--sas-gate" not in configs[3][2]
+
+
+def test_prompt_anchors_go_to_ranking_selectors_only():
+    import needle
+
+    configs = needle.server_configs(_args(selectors=["gate", "quest", "sink-local"], gate_forced=["1,1"],
+                                          prompt_anchors=4))
+    assert [c[0] for c in configs] == ["dense", "sas gate+s1l1+a4 b1024", "sas quest+a4 b1024", "sas sink-local b1024"]
+    for _, _, extra in configs[1:3]:
+        assert extra[extra.index("--sas-prompt-anchors") + 1] == "4"
+    assert "--sas-prompt-anchors" not in configs[0][2] + configs[3][2]

@@ -143,7 +143,7 @@ def test_settings_table_is_the_fields(parse):
     assert {s.field: s.env for s in SETTINGS}["block_size"] == "SAS_BLOCK_SIZE"
     assert [s.field for s in SETTINGS if s.flag is None] == ["debug_dir", "cpu_extend"]
     assert {s.field for s in SETTINGS if s.type is int} == {
-        "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks", "dense_below"}
+        "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "dense_below"}
     import argparse
 
     from sglang.srt.server_args import ServerArgs
@@ -329,7 +329,7 @@ def test_launch_logs_the_forced_blocks_and_where_they_came_from(parse, clean_env
     assert "forced blocks: sink 1 (the gate's serving record), local 1 (the gate's serving record)" in text
     assert "trained with" not in text
     assert SASConfig(selector="quest").origins() == {"budget": "default", "sink_blocks": "default",
-                                                     "local_blocks": "default"}
+                                                     "local_blocks": "default", "prompt_anchors": "default"}
 
 
 def test_records_keep_no_machine_paths():

@@ -86,6 +86,7 @@ def sas_memory(
     head_dim: int = 0,
     rope_positions: int = 0,
     model_rope_copied: bool = False,
+    prompt_anchors: int = 0,
 ) -> SASMemory:
     """The sas backend's allocation on one rank (see the module doc for each term).
 
@@ -97,6 +98,7 @@ def sas_memory(
     `summary_dim`: 2D for quest, 0 for sink-local).
     rope_positions: rows of the RoPE tables (`rope_table_positions`; 0: not counted);
     model_rope_copied: the backend holds a fp32 copy of the model's table (`model_rope_table_is_copied`).
+    prompt_anchors: R of `--sas-prompt-anchors` (its pool: `[max_reqs + 1, H_kv, R]` int32 per sparse layer).
     """
     from sas_backend.ops.gather import row_capacity
     from sas_backend.ops.sparse_decode.flashinfer import WORKSPACE_BYTES, WRAPPER_INT_WORKSPACE_BYTES
@@ -110,6 +112,8 @@ def sas_memory(
         fixed["gate rope table"] = rope_positions * gate_dim * 4
     if rope_positions and model_rope_copied:
         fixed["model rope table (fp32 copy)"] = rope_positions * head_dim * 4
+    if prompt_anchors:
+        fixed["prompt anchors"] = num_sparse_layers * (max_reqs + 1) * num_kv_heads * prompt_anchors * 4
     if on_cuda:
         rows = (max_reqs + 1) * num_kv_heads
         fixed["kv indices"] = rows * row_capacity(top_k, block_size) * 4
@@ -241,6 +245,7 @@ def memory_for_sglang(owner) -> tuple:
         shared_workspace=on_cuda,  # the backend borrows the wrapped FlashInfer backend's workspace
         rope_positions=rope_table_positions(server_args, owner.model_config, geo.max_position_embeddings),
         model_rope_copied=model_rope_table_is_copied(on_cuda, getattr(owner.model_config, "dtype", torch.float32)),
+        prompt_anchors=cfg.prompt_anchors or 0,
     )
     return mem, kv_bytes_per_token
 

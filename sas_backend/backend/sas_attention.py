@@ -29,6 +29,7 @@ from sas_backend.backend.kv_write import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
 from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
+from sas_backend.ops.anchors import last_query_block_mass, top_anchors
 from sas_backend.ops.extend import paged_extend_attention
 from sas_backend.ops.sparse_decode import make_sparse_decode
 from sas_backend.selection import SelectionRule, make_selector
@@ -109,6 +110,16 @@ class SASAttnBackend(AttentionBackend):
         summary_dim = self.selector.summary_dim(head_dim, gate_rope_table.shape[-1])
         self.summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, summary_dim, self.device)
         max_reqs = self.req_to_token_pool.req_to_token.shape[0]
+        # --sas-prompt-anchors: per request row, sparse layer and kv head, the blocks its last prompt token
+        # attended most (written at each extend, read by every decode step; ops/anchors). -1: none.
+        self.anchor_count = cfg.prompt_anchors or 0
+        self.anchors = None
+        if self.anchor_count:
+            self.anchors = {
+                lid: torch.full((max_reqs, num_kv_heads, self.anchor_count), -1, dtype=torch.int32, device=self.device)
+                for lid in sorted(gates)
+            }
+        self._extend_last = None  # (batch rows, flat q index, seq len) of the extend's last tokens, for anchors
         self.sparse_decode = make_sparse_decode(
             self.device,
             num_kv_heads,
@@ -142,10 +153,10 @@ class SASAttnBackend(AttentionBackend):
                         "(--sas-dense-below)", cfg.dense_below)
         logger.info(
             "sas: %s selector, %d sparse layers from layer %d, budget %d tokens (K=%d blocks of %d), "
-            "sink %d, local %d; summary pool %d pages x %d kv heads x %d dims fp32 = %.1f MiB",
+            "sink %d, local %d, prompt anchors %d; summary pool %d pages x %d kv heads x %d dims fp32 = %.1f MiB",
             cfg.selector, len(gates), cfg.first_sparse_layer, cfg.budget, self.top_k, self.block_size,
-            self.selector.rule.sink_blocks, self.selector.rule.local_blocks, num_pages, num_kv_heads,
-            summary_dim, self.summaries.nbytes / 2**20,
+            self.selector.rule.sink_blocks, self.selector.rule.local_blocks, self.anchor_count, num_pages,
+            num_kv_heads, summary_dim, self.summaries.nbytes / 2**20,
         )
 
     # ------------------------------------------------------------------ metadata
@@ -172,6 +183,7 @@ class SASAttnBackend(AttentionBackend):
             self._plan = None
             self._extend_blocks = self._plan_extend(forward_batch) if mode.is_extend() else None
             self._extend_reqs = self._plan_own_extend(forward_batch) if mode.is_extend() else None
+            self._extend_last = self._plan_anchors(forward_batch) if mode.is_extend() else None
 
     def _inner_in_graphs(self) -> bool:
         """Whether captured steps use the wrapped backend: dense layers, or the dense branch."""
@@ -304,6 +316,29 @@ class SASAttnBackend(AttentionBackend):
         )
         return pages, starts
 
+    def _plan_anchors(self, fb):
+        """[(batch row, flat index of its last new token, seq len)] when prompt anchors are on: each request's
+        last token in this extend (the last chunk's is the prompt's last, and wins), else None."""
+        if self.anchors is None or fb.extend_seq_lens_cpu is None or fb.seq_lens_cpu is None:
+            return None
+        out, end = [], 0
+        for i, (e, s) in enumerate(zip(list(fb.extend_seq_lens_cpu), fb.seq_lens_cpu.tolist())):
+            end += int(e)
+            if int(e) > 0:
+                out.append((i, end - 1, int(s)))
+        return out or None
+
+    def _set_anchors(self, q, layer, forward_batch) -> None:
+        """Write each extended request's prompt anchors for this layer (see `_plan_anchors`)."""
+        q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        pool = self.anchors[layer.layer_id]
+        for i, last, seq_len in self._extend_last:
+            row = forward_batch.req_pool_indices[i].long()
+            slots = self.req_to_token_pool.req_to_token[row, :seq_len].long()
+            mass = last_query_block_mass(q3[last], k_buffer[slots], layer.scaling, self.block_size)
+            pool[row] = top_anchors(mass, (seq_len - 1) // self.block_size, self.anchor_count)
+
     def _plan_own_extend(self, fb):
         """(req rows, prefix lens, extend lens) as host ints when this batch's extend is ours, else None:
         own_cpu_extend set, a plain decoder batch (no encoder), host lengths available."""
@@ -351,6 +386,8 @@ class SASAttnBackend(AttentionBackend):
             out = self._own_extend(q, k, v, layer, forward_batch, save_kv_cache)
         else:
             out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        if self._extend_last is not None and layer.layer_id in self.gates:
+            self._set_anchors(q, layer, forward_batch)
         if layer.layer_id in self.gates and self._extend_blocks is not None:
             gate = self.gates[layer.layer_id]  # None for the training-free selectors
             pages, starts = self._extend_blocks
@@ -392,9 +429,10 @@ class SASAttnBackend(AttentionBackend):
         """Selection + attention over the selected blocks: `[bs, H_q * Dv]`."""
         plan, step = self._plan, self._plan.step
         q3 = q.reshape(plan.bs, layer.tp_q_head_num, layer.qk_head_dim)
+        anchors = None if self.anchors is None else self.anchors[layer.layer_id][step.req_pool_indices.long()]
         selected = self.selector.select(
             gate, q3, step.model_cos_sin, step.gate_cos_sin, summaries, step.block_table, step.num_candidates,
-            plan.max_blocks,
+            plan.max_blocks, anchors,
         )
         if self.cfg.debug_dir and layer.layer_id == self.cfg.first_sparse_layer:
             self._debug_record(plan, selected)
@@ -427,6 +465,8 @@ class SASAttnBackend(AttentionBackend):
         rec = {
             "step": self._debug_step,
             "seq_lens": plan.step.seq_lens.tolist(),
+            "anchors": None if self.anchors is None else
+            self.anchors[self.cfg.first_sparse_layer][plan.step.req_pool_indices.long()].tolist(),
             "num_candidates": plan.step.num_candidates.tolist(),
             "selected": selected.tolist(),
             "kv_heads": list(range(self.kv_head_offset, self.kv_head_offset + self.num_kv_heads)),

@@ -74,7 +74,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 #: Integer settings a gate's `serving` record may hold (see `GateConfig.serve_defaults`).
-_SERVING_INTS = ("budget", "sink_blocks", "local_blocks")
+_SERVING_INTS = ("budget", "sink_blocks", "local_blocks", "prompt_anchors")
 
 
 def _serving_problems(serving: Any, block_size: int) -> list[str]:
@@ -93,6 +93,10 @@ def _serving_problems(serving: Any, block_size: int) -> list[str]:
         problems.append(f"serving.budget {budget} is not a positive multiple of the block size {block_size}")
     elif budget is not None and serving.get("sink_blocks", 0) + serving.get("local_blocks", 0) > budget // block_size:
         problems.append(f"serving sink + local blocks exceed the {budget // block_size} blocks of budget {budget}")
+    elif budget is not None and (serving.get("sink_blocks", 0) + serving.get("local_blocks", 0)
+                                 + serving.get("prompt_anchors", 0)) > budget // block_size:
+        problems.append(f"serving sink + local + prompt anchor blocks exceed the {budget // block_size} blocks of "
+                        f"budget {budget}")
     return problems
 
 
@@ -186,7 +190,7 @@ class GateConfig:
             raise GateCheckpointError(where + "invalid gate config: " + "; ".join(problems))
 
     def serve_defaults(self) -> dict:
-        """`{"budget", "sink_blocks", "local_blocks"}` the server uses when the launch names none:
+        """`{"budget", "sink_blocks", "local_blocks", "prompt_anchors"}` the server uses when the launch names none:
         the `serving` record, else the training budget (under the one budget rule K = budget // b,
         the K the gate was trained with) and no forced blocks; keys it cannot tell are left out."""
         out = {k: self.serving[k] for k in _SERVING_INTS if k in self.serving}

@@ -19,6 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from sas_backend.gate.module import AttnGate
+from sas_backend.ops.anchors import force_anchors, top_anchors
 from sas_backend.selection import SelectionRule, make_selector
 
 ATTN_NAME = "sas_sparse_eval"
@@ -38,6 +39,8 @@ class SparseEvalSpec:
     the first block(s) and the most recent ones; "oracle": true attention mass; "random"; "dense").
     gates: `{layer: AttnGate}` for the "gate" selector. sparse_from: first sparse query position.
     sink_blocks / local_blocks: forced blocks inside K (sink-local: sink default 1, local = K - sink).
+    anchors: optional `{layer: [H_kv, R]}` block indices forced for every sparse query (inside K, after the
+    sink and local blocks; -1 = none), e.g. `prompt_anchors`' blocks the prompt's last queries attended most.
     """
 
     top_k: int
@@ -48,6 +51,7 @@ class SparseEvalSpec:
     local_blocks: int = 0
     sparse_from: int = 0
     first_sparse_layer: int = 0
+    anchors: Optional[Dict[int, torch.Tensor]] = None
 
     def __post_init__(self):
         if self.selector not in SELECTORS:
@@ -92,7 +96,10 @@ def select_for_queries(spec: SparseEvalSpec, layer_idx: int, q_post, k_post, pos
     summaries = selector.summarize(gate, k_post, pages, pages * b, model_table, gate_table)  # [NB, H_kv, S]
     block_table = (torch.arange(m + 1, device=q_post.device) * b).expand(positions.numel(), -1)
     gate_rows = gate_table[positions] if gate_table is not None else None
-    return selector.select(gate, q_post, model_table[positions], gate_rows, summaries, block_table, n_cand, m)
+    scores = selector.scores(gate, q_post, model_table[positions], gate_rows, summaries, block_table, n_cand, m)
+    if spec.anchors is not None and layer_idx in spec.anchors:
+        scores = force_anchors(scores, spec.anchors[layer_idx].expand(positions.numel(), -1, -1), n_cand)
+    return selector.pick(scores, n_cand)
 
 
 def oracle_scores(logits: torch.Tensor, positions: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
@@ -238,3 +245,59 @@ def sparse_eval(model, spec: SparseEvalSpec, max_pos: Optional[int] = None, reco
         model.set_attn_implementation(previous)
         for m in attn_modules:
             del m._sas_eval
+
+
+ANCHOR_ATTN_NAME = "sas_prompt_anchors"
+
+
+def _anchor_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Dense causal attention that also adds each kv head's block attention mass of its queries (summed over
+    them) to `module._sas_anchor_mass[layer]` `[H_kv, T // b]`."""
+    ctx = module._sas_anchor
+    h_q, t_q, t = query.shape[1], query.shape[2], key.shape[2]
+    h_kv = key.shape[1]
+    qs = query[0].float().reshape(h_kv, (h_q // h_kv) * t_q, -1)
+    logits = torch.bmm(qs, key[0].float().transpose(1, 2)).view(h_kv, h_q // h_kv, t_q, t) * scaling
+    positions = torch.arange(t - t_q, t, device=query.device)
+    b = ctx["block_size"]
+    ctx["mass"][module.layer_idx] = oracle_scores(logits, positions, b, max(t // b, 1)).sum(0)  # [H_kv, T // b]
+    return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
+
+
+@torch.no_grad()
+def prompt_anchors(model, ids, cache, num_blocks: int, window: int = 1, block_size: int = 64) -> Dict[int, torch.Tensor]:
+    """Per layer and kv head, the `num_blocks` complete blocks the prompt's last `window` queries attend most:
+    `{layer: [H_kv, num_blocks]}` int64 (fewer candidates: -1 padded), for `SparseEvalSpec.anchors`; with
+    window 1, what the server's `--sas-prompt-anchors` picks (`ops.anchors`).
+
+    ids: the prompt `[n]` (list or tensor); cache: its dense transformers cache (all n tokens), left exactly as
+    given (the last `window` tokens are recomputed to get their queries, then their K/V restored). A block's mass is the dense softmax summed over its
+    keys, max over the kv group's query heads (as the oracle ranks), summed over the window's queries; the
+    candidates are the complete blocks before the last prompt token's block.
+    """
+    from transformers import AttentionInterface
+
+    ids = torch.as_tensor(ids)
+    n = ids.numel()
+    window = max(1, min(window, n - 1))
+    AttentionInterface.register(ANCHOR_ATTN_NAME, _anchor_attention)
+    mass: Dict[int, torch.Tensor] = {}
+    attn_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+    for m in attn_modules:
+        m._sas_anchor = {"mass": mass, "block_size": block_size}
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ANCHOR_ATTN_NAME)
+    saved = [(layer.keys[..., n - window:, :].clone(), layer.values[..., n - window:, :].clone())
+             for layer in cache.layers]
+    try:
+        cache.crop(n - window)
+        model(ids[None, n - window:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for layer, (k, v) in zip(cache.layers, saved):  # the prefill's own K/V, bit for bit
+            layer.keys[..., n - window:, :] = k
+            layer.values[..., n - window:, :] = v
+    finally:
+        model.set_attn_implementation(previous)
+        for m in attn_modules:
+            del m._sas_anchor
+    n_cand = (n - 1) // block_size
+    return {layer: top_anchors(blocks, n_cand, num_blocks).long() for layer, blocks in mass.items()}

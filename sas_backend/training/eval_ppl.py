@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gate-forced", nargs="+", default=None, metavar="SINK,LOCAL",
                    help="evaluate every gate with each of these forced-block settings instead (inside K), "
                         "named NAME+sSINKlLOCAL, e.g. --gate-forced 0,0 1,1 1,2")
+    p.add_argument("--prompt-anchors", type=int, nargs="+", default=None, metavar="R",
+                   help="also evaluate every gate variant with R prompt anchors (the server's --sas-prompt-anchors: "
+                        "the R blocks per kv head the last unscored token attends most, forced for every scored "
+                        "query), named +aR; a gate's record's own anchors apply to its plain variant")
     p.add_argument("--baselines", nargs="*", default=[], choices=BASELINES,
                    help="training-free selectors to evaluate beside the gates")
     p.add_argument("--window-baseline", action="store_true", help="same as --baselines sink-local")
@@ -165,12 +169,21 @@ def parse_forced(specs: Optional[List[str]]) -> Optional[List[tuple]]:
     return out
 
 
-def gate_variants(gate_paths: Dict[str, str], records: Dict[str, dict], forced: Optional[List[tuple]]):
-    """`{selector name: (gate name, sink, local)}`: each gate as its serving record forces blocks,
-    or under each `forced` (sink, local) setting, named `NAME+sSlL`."""
+def gate_variants(gate_paths: Dict[str, str], records: Dict[str, dict], forced: Optional[List[tuple]],
+                  anchors: Optional[List[int]] = None):
+    """`{selector name: (gate name, sink, local, prompt anchors)}`: each gate as its serving record forces blocks
+    (and anchors), or under each `forced` (sink, local) setting, named `NAME+sSlL` (no anchors); then each of
+    those again with every `anchors` count R, named `...+aR`."""
     if forced is None:
-        return {n: (n, records[n].get("sink_blocks", 0), records[n].get("local_blocks", 0)) for n in gate_paths}
-    return {f"{n}+s{s}l{l}": (n, s, l) for n in gate_paths for s, l in forced}
+        base = {n: (n, records[n].get("sink_blocks", 0), records[n].get("local_blocks", 0),
+                    records[n].get("prompt_anchors", 0)) for n in gate_paths}
+    else:
+        base = {f"{n}+s{s}l{l}": (n, s, l, 0) for n in gate_paths for s, l in forced}
+    out = dict(base)
+    for name, (g, s, l, _) in base.items():
+        for r in anchors or []:
+            out[f"{name}+a{r}"] = (g, s, l, r)
+    return out
 
 
 def load_gates(path: str, model, block_size: int, device):
@@ -324,7 +337,7 @@ def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sas_backend.hf.sparse_eval import SparseEvalSpec
+    from sas_backend.hf.sparse_eval import SparseEvalSpec, prompt_anchors
     from sas_backend.training.data import DEFAULT_HELDOUT_FRACTION, load_packed
     from sas_backend.training.train import progress_bar
 
@@ -363,9 +376,12 @@ def main(argv: Optional[list] = None) -> int:
     from sas_backend.gate.checkpoint import weights_sha256
 
     gate_sha256 = {name: weights_sha256(path) for name, path in gate_paths.items()}
-    variants = gate_variants(gate_paths, {name: rec for name, (_, rec) in loaded.items()}, forced)
+    if args.prompt_anchors and min(args.prompt_anchors) < 1:
+        raise SystemExit("error: --prompt-anchors counts must be >= 1")
+    variants = gate_variants(gate_paths, {name: rec for name, (_, rec) in loaded.items()}, forced, args.prompt_anchors)
     sparse_from = args.window - args.last
-    too_many = [f"{v} at budget {bud}" for v, (_, s, l) in variants.items() for bud in args.budgets if s + l > bud // b]
+    too_many = [f"{v} at budget {bud}" for v, (_, s, l, a) in variants.items() for bud in args.budgets
+                if s + l + a > bud // b]
     if too_many:
         raise SystemExit(f"error: forced blocks exceed K for {', '.join(too_many)}")
 
@@ -399,6 +415,7 @@ def main(argv: Optional[list] = None) -> int:
             continue
         ids = rows[w].to(device)
         cache = prefix_cache(model, ids, args.last)
+        anchors = None  # the last unscored token's blocks, per layer (when a variant forces them)
         if not progress.done(w):
             dense_per_window.append(window_nll(model, ids, args.last, cache=cache))
             progress.save()
@@ -408,9 +425,14 @@ def main(argv: Optional[list] = None) -> int:
                 if progress.done(w, name, bud):
                     continue
                 if name in variants:
-                    gate, sink, local = variants[name]
+                    gate, sink, local, n_anchors = variants[name]
+                    if n_anchors and anchors is None:
+                        most = max(v[3] for v in variants.values())
+                        anchors = prompt_anchors(model, ids[:sparse_from], cache, most, window=1, block_size=b)
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector="gate", gates=gates[gate],
-                                          sink_blocks=sink, local_blocks=local, sparse_from=sparse_from)
+                                          sink_blocks=sink, local_blocks=local, sparse_from=sparse_from,
+                                          anchors={lid: a[:, :n_anchors] for lid, a in anchors.items()}
+                                          if n_anchors else None)
                 else:
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from)
                 rec = None if recall is None else recall[name][bud]
@@ -452,7 +474,8 @@ def main(argv: Optional[list] = None) -> int:
             "budgets": [{"budget": bud, "top_k": top_k[bud]} for bud in args.budgets],
             "gates": gate_paths,
             "gate_sha256": gate_sha256,
-            "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_} for v, (g, s_, l_) in variants.items()},
+            "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_, **({"prompt_anchors": a_} if a_ else {})}
+                              for v, (g, s_, l_, a_) in variants.items()},
             "dense": dense,
             "results": {s: {str(bud): v for bud, v in per.items()} for s, per in results.items()},
             "dense_nll_per_window": dense_per_window,
@@ -493,7 +516,8 @@ def markdown_report(out: dict) -> str:
         *([f"- recall windows: {data['recall']['facts']} facts spliced before the scored tail of each window and "
            "restated in it (`sas_backend.training.recall`)"] if data.get("recall") else []),
         f"- budget B -> K = B // {out['block_size']} previous blocks + the query's own (the serving rule)",
-        "- gates: " + (", ".join(f"{v} = `{g['gate']}` (sink {g['sink_blocks']}, local {g['local_blocks']})"
+        "- gates: " + (", ".join(f"{v} = `{g['gate']}` (sink {g['sink_blocks']}, local {g['local_blocks']}"
+                                 + (f", prompt anchors {g['prompt_anchors']}" if g.get("prompt_anchors") else "") + ")"
                                  for v, g in out.get("gate_variants", {}).items()) or "none"),
         f"- commit `{out['git']['commit'][:12]}`{' (with local changes)' if out['git']['dirty'] else ''}, "
         f"{out['seconds']:.0f} s",

@@ -196,6 +196,30 @@ def test_eval_ppl_gate_forced_blocks_and_markdown(trained, setup):
         eval_ppl.main(argv + ["--budgets", "32", "--gate-forced", "1"])
 
 
+def test_eval_ppl_prompt_anchors(trained, setup):
+    """--prompt-anchors R adds each gate variant with R anchored blocks (named +aR, recorded in the JSON), which
+    changes what a small budget attends but nothing once the budget covers the window; anchors that leave no
+    room in K are refused."""
+    from sas_backend.training import eval_ppl
+
+    root, model_dir, essays = setup
+    js = str(root / "anchors.json")
+    argv = ["--model", model_dir, "--data", *essays, "--split", "train", "--window", "128", "--last", "32",
+            "--block-size", "16", "--gate", f"sas={trained}", "--max-windows", "1", "--no-recall", "--no-progress",
+            "--gate-forced", "1,1"]
+    assert eval_ppl.main(argv + ["--budgets", "64", "128", "--prompt-anchors", "2", "--json", js]) == 0
+    with open(js) as f:
+        res = json.load(f)
+    assert set(res["results"]) == {"sas+s1l1", "sas+s1l1+a2"}
+    assert res["gate_variants"]["sas+s1l1+a2"] == {"gate": "sas", "sink_blocks": 1, "local_blocks": 1,
+                                                   "prompt_anchors": 2}
+    nll = res["nll_per_window"]
+    assert nll["sas+s1l1+a2"]["64"] != nll["sas+s1l1"]["64"]
+    assert nll["sas+s1l1+a2"]["128"] == pytest.approx(nll["sas+s1l1"]["128"], rel=1e-5)  # K covers the window
+    with pytest.raises(SystemExit, match="forced blocks exceed K"):
+        eval_ppl.main(argv + ["--budgets", "64", "--prompt-anchors", "3"])
+
+
 def test_eval_self_check_refuses_a_covering_budget_that_is_not_dense():
     from sas_backend.training.eval_ppl import self_checks
 
