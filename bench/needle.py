@@ -73,8 +73,9 @@ def server_configs(args) -> list[tuple[str, str, list]]:
     forced = parse_forced(args.gate_forced)
     if args.serve_default:
         served = SASConfig(gate_path=args.gate).resolved()
+        anchors = f", anchors {served.prompt_anchors}" if served.prompt_anchors else ""
         configs.append((f"sas gate serve default (b{served.budget}, sink {served.sink_blocks}, local "
-                        f"{served.local_blocks})", "sas", ["--sas-gate", args.gate]))
+                        f"{served.local_blocks}{anchors})", "sas", ["--sas-gate", args.gate]))
     anchored = args.prompt_anchors is not None
     for sel in args.selectors:
         for b in args.budgets:

@@ -148,6 +148,12 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
     ):
         if getattr(args, attr, None):
             raise SASConfigError(f"the sas backend does not support {what} yet; drop that flag")
+    if cfg.prompt_anchors and getattr(args, "enable_mixed_chunk", False):
+        # a mixed batch extends running requests by their decode token: their anchors would follow it
+        raise SASConfigError(
+            f"--sas-prompt-anchors {cfg.prompt_anchors} cannot be combined with --enable-mixed-chunk (a mixed "
+            "batch extends running requests by one decode token, which would replace their prompt's anchors); "
+            "drop --enable-mixed-chunk or pass --sas-prompt-anchors 0")
     for attr in ("prefill_attention_backend", "decode_attention_backend"):
         other = getattr(args, attr, None)
         if other not in (None, BACKEND_NAME):

@@ -90,6 +90,9 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--page-size", "16"], "--page-size 64"),
         (["--sas-sink-blocks", "20", "--sas-budget", "512"], "exceed"),
         (["--speculative-algorithm", "EAGLE"], "speculative decoding"),
+        (["--sas-prompt-anchors", "2", "--enable-mixed-chunk"], "--enable-mixed-chunk"),
+        (["--sas-prompt-anchors", "31", "--sas-budget", "2048", "--sas-sink-blocks", "1", "--sas-local-blocks", "1"],
+         "prompt anchor"),
     ],
 )
 def test_refusals_are_messages(parse, clean_env, gate, argv, needle):

@@ -330,7 +330,7 @@ class SASAttnBackend(AttentionBackend):
 
     def _set_anchors(self, q, layer, forward_batch) -> None:
         """Write each extended request's prompt anchors for this layer (see `_plan_anchors`)."""
-        q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         pool = self.anchors[layer.layer_id]
         for i, last, seq_len in self._extend_last:
