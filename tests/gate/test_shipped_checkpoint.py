@@ -89,6 +89,9 @@ def test_shipped_qwen_gate_fits_the_second_model_and_records_its_training():
     assert not any(part.startswith("/") for part in rec["command"].split()), "the record names a machine path"
     for path in config.serving["chosen_by"]:
         assert (REPO / path).is_file(), path
+    # served with 4 prompt anchors: the 16K needle is recalled at every depth with them, 3/5 without
+    # (bench/results/2026-11-28-prompt-anchors)
+    assert config.serve_defaults() == {"budget": 2048, "sink_blocks": 1, "local_blocks": 1, "prompt_anchors": 4}
 
 
 @pytest.mark.skipif(not (QWEN_MODEL_DIR / "config.json").is_file(),
