@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from sas_backend.gate.module import AttnGate
-from sas_backend.ops.anchors import force_anchors, top_anchors
+from sas_backend.ops.anchors import block_mass, force_anchors, top_anchors
 from sas_backend.selection import SelectionRule, make_selector
 
 ATTN_NAME = "sas_sparse_eval"
@@ -104,14 +104,9 @@ def select_for_queries(spec: SparseEvalSpec, layer_idx: int, q_post, k_post, pos
 
 def oracle_scores(logits: torch.Tensor, positions: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
     """Attention mass of each block `[P, H_kv, width]`: the dense causal softmax of `logits`
-    `[H_kv, G, P, T]` summed over each block's tokens, max over the G query heads of a kv head."""
-    h_kv, g, n_p, t = logits.shape
-    causal = torch.arange(t, device=logits.device)[None, :] <= positions[:, None]  # [P, T]
-    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-    n_blocks = min(width, t // block_size)
-    mass = torch.zeros(h_kv, g, n_p, width, device=logits.device)
-    mass[..., :n_blocks] = probs[..., : n_blocks * block_size].unflatten(-1, (n_blocks, block_size)).sum(-1)
-    return mass.amax(dim=1).transpose(0, 1)
+    `[H_kv, G, P, T]` summed over each block's tokens, max over the G query heads of a kv head
+    (`ops.anchors.block_mass`, the rule the server's prompt anchors use too)."""
+    return block_mass(logits, positions, block_size, width)
 
 
 def _sparse_rows_mask(selected, positions, t: int, b: int) -> torch.Tensor:

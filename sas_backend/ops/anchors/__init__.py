@@ -1,10 +1,11 @@
 """Prompt anchors (`--sas-prompt-anchors R`): torch on every device, see `naive`.
 
+- `block_mass(logits, positions, block_size, width)`: `[P, H_kv, width]` block attention mass (the oracle's rule).
 - `last_query_block_mass(q, k, scale, block_size)`: `[H_kv, T // b]` block attention mass of one query.
 - `top_anchors(mass, num_candidates, count)`: `[H_kv, count]` its highest blocks, -1 padded.
 - `force_anchors(scores, anchors, num_candidates)`: decode scores with the anchors raised to +inf.
 """
 
-from sas_backend.ops.anchors.naive import force_anchors, last_query_block_mass, top_anchors
+from sas_backend.ops.anchors.naive import block_mass, force_anchors, last_query_block_mass, top_anchors
 
-__all__ = ["force_anchors", "last_query_block_mass", "top_anchors"]
+__all__ = ["block_mass", "force_anchors", "last_query_block_mass", "top_anchors"]

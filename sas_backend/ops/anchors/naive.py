@@ -12,21 +12,29 @@ from __future__ import annotations
 import torch
 
 
+def block_mass(logits: torch.Tensor, positions: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """Attention mass of each block `[P, H_kv, width]`: the dense causal softmax of `logits` `[H_kv, G, P, T]`
+    (query p at position positions[p] sees keys <= it) summed over each complete block's keys, max over the G
+    query heads of a kv head; blocks past T // b are 0. The oracle's ranking (`hf.sparse_eval.oracle_scores`)."""
+    h_kv, g, n_p, t = logits.shape
+    causal = torch.arange(t, device=logits.device)[None, :] <= positions[:, None]  # [P, T]
+    probs = torch.softmax(logits.float().masked_fill(~causal, float("-inf")), dim=-1)
+    n_blocks = min(width, t // block_size)
+    mass = torch.zeros(h_kv, g, n_p, width, device=logits.device)
+    mass[..., :n_blocks] = probs[..., : n_blocks * block_size].unflatten(-1, (n_blocks, block_size)).sum(-1)
+    return mass.amax(dim=1).transpose(0, 1)
+
+
 def last_query_block_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
-    """Block attention mass of one query: `[H_kv, T // b]` fp32.
+    """Block attention mass of one query: `[H_kv, T // b]` fp32 (`block_mass` of that query).
 
     q: `[H_q, D]` the query (after RoPE); k: `[T, H_kv, D]` every key it sees, its own last (after RoPE);
-    scale: the softmax scale. Entry [h, m] is the softmax over all T keys summed over block m's keys, max over
-    the G = H_q / H_kv query heads of kv head h (complete blocks only: the partial last one is not a candidate).
+    scale: the softmax scale.
     """
     h_q, d = q.shape
     t, h_kv, _ = k.shape
-    g = h_q // h_kv
-    logits = torch.einsum("hgd,thd->hgt", q.float().view(h_kv, g, d), k.float()) * scale
-    probs = torch.softmax(logits, dim=-1)
-    n_blocks = t // block_size
-    mass = probs[..., : n_blocks * block_size].unflatten(-1, (n_blocks, block_size)).sum(-1)  # [H_kv, G, NB]
-    return mass.amax(dim=1)
+    logits = torch.einsum("hgd,thd->hgt", q.float().view(h_kv, h_q // h_kv, d), k.float())[:, :, None] * scale
+    return block_mass(logits, torch.tensor([t - 1], device=q.device), block_size, t // block_size)[0]
 
 
 def top_anchors(mass: torch.Tensor, num_candidates: int, count: int) -> torch.Tensor:
