@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from sas_backend.server_harness import ON_GPU, Server, complete
+from sas_backend.server_harness import ON_GPU, Server, complete, cpu_threads_bind
 from tests.server.oracle import oracle_check
 
 PROMPT_LEN = 2500
@@ -19,15 +19,20 @@ ANCHORS = 2
 BLOCK = 64
 
 
-@pytest.fixture(scope="module")
-def anchored_run(model_dir, seed_gate, essay_ids, tmp_path_factory):
-    debug = tmp_path_factory.mktemp("sas-anchor-debug")
+def _anchored_args(seed_gate) -> list:
     args = [
         "--sas-gate", seed_gate, "--sas-budget", str(BUDGET), "--sas-sink-blocks", "1", "--sas-local-blocks", "1",
         "--sas-prompt-anchors", str(ANCHORS), "--dtype", "bfloat16" if ON_GPU else "float32",
     ]
     if ON_GPU:  # the selection log reads the host each step
         args.append("--disable-cuda-graph")
+    return args
+
+
+@pytest.fixture(scope="module")
+def anchored_run(model_dir, seed_gate, essay_ids, tmp_path_factory):
+    debug = tmp_path_factory.mktemp("sas-anchor-debug")
+    args = _anchored_args(seed_gate)
     prompt = essay_ids[9000 : 9000 + PROMPT_LEN]
     with Server(model_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(debug)}) as server:
         out = complete(server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)["choices"][0]
@@ -75,6 +80,30 @@ def test_anchored_decode_matches_the_oracle_with_the_same_anchors(anchored_run, 
     spec = SparseEvalSpec(top_k=BUDGET // BLOCK, block_size=BLOCK, gates=gates, sparse_from=PROMPT_LEN,
                           sink_blocks=1, local_blocks=1, anchors=_reference_anchors(model_dir, prompt))
     oracle_check(prompt, out, records, model_dir, spec, PROMPT_LEN)
+
+
+@pytest.mark.skipif(ON_GPU, reason="one GPU here: the multi-GPU tier would run --tp on several GPUs")
+def test_tp3_ranks_anchor_their_own_kv_head_as_tp1_does(anchored_run, model_dir, seed_gate, tmp_path):
+    """`--tp-size 3` (one of the default model's 3 kv heads per rank): each rank computes its own head's anchors
+    from its own q and K at the prompt's end; they, the selections and the decode equal the tp1 server's."""
+    from tests.server.test_tensor_parallel import _records
+
+    prompt, ref, ref_records, _ = anchored_run
+    args = [*_anchored_args(seed_gate), "--tp-size", "3"]
+    env = {"SAS_DEBUG_DIR": str(tmp_path), "SGLANG_CPU_OMP_THREADS_BIND": cpu_threads_bind(3)}
+    with Server(model_dir, backend="sas", extra_args=args, env=env) as server:
+        out = complete(server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)["choices"][0]
+    assert out["token_ids"] == ref["token_ids"] and len(out["token_ids"]) == NEW_TOKENS
+    worst = max(abs(a - b) for a, b in zip(ref["logprobs"]["token_logprobs"], out["logprobs"]["token_logprobs"]))
+    assert worst < 2e-3, worst
+    by_heads = _records(tmp_path)
+    assert sorted(by_heads) == [(0,), (1,), (2,)]
+    for (head,), steps in by_heads.items():
+        assert len(steps) == len(ref_records) >= NEW_TOKENS - 1
+        for step, (rec, want) in enumerate(zip(steps, ref_records)):  # one request: [0] of [B][H_kv][...]
+            assert rec["kv_heads"] == [head] and rec["seq_lens"] == want["seq_lens"]
+            assert rec["anchors"][0] == [want["anchors"][0][head]], f"step {step}, kv head {head}"
+            assert rec["selected"][0] == [want["selected"][0][head]], f"step {step}, kv head {head}"
 
 
 def test_anchors_need_room_in_the_budget():
