@@ -1,6 +1,7 @@
 """--sas-prompt-anchors through a real server: each request's anchors are the blocks its last prompt token
 attended most, forced into every decode step's selection, and the decode equals the transformers oracle
-run with the same anchors (`hf.sparse_eval.prompt_anchors`)."""
+run with the same anchors (`hf.sparse_eval.prompt_anchors`); under `--tp-size 3` each rank anchors its own kv head as
+tp1 does."""
 
 from __future__ import annotations
 
