@@ -22,7 +22,10 @@
 # Sizes (environment): TOKENS per training corpus (1500000), SEQ row/window tokens (4096), TAIL cached queries
 # (256), STEPS_TRAIN (3000), WINDOWS per harness text (4), VAL_ROWS (4), RECALL_ROWS (40), SHARDS (2), BUDGETS ("256 512
 # 1024 2048"), TRAIN_BUDGET (2048), DTYPE the caches' forward dtype (float32; bfloat16: a 4096-token Qwen row
-# 1.6x faster on an AVX512-BF16 CPU, not measured for SmolLM2; features equal within bf16 rounding); MODEL,
+# 1.6x faster on an AVX512-BF16 CPU, a SmolLM2 row 1.4x: 9.7 s vs 13.4 s a row on the 2 cores; features equal
+# within bf16 rounding); HARNESS_REUSE, an earlier study's results folder: its quality-TEXT.json gives the
+# baselines and the gates it already measured on the same windows (eval_ppl --reuse), so only the new gates
+# are measured; MODEL,
 # INIT_GATE (the shipped gate: trained from and compared with); GATES, the
 # trained gates the harness compares ("forced free"); HARNESS, its texts ("docs-heldout code-heldout handbook-ood
 # site-packages-ood"); NEEDLE_BUDGETS ("512 1024 2048"). The test suite runs the whole study at a small size on a
@@ -106,12 +109,13 @@ train() {  # $1 name, $2 sink, $3 local
 harness() {  # $1 name, $2 data, $3 split
     local name=quality-$1
     [ -e "$OUT/$name.json" ] && { say "harness $1: done"; return; }
-    local gates=() g
+    local gates=() g reuse=()
     for g in $GATES; do gates+=(--gate "$g=$WORK/train-$g"); done
+    [ -n "${HARNESS_REUSE:-}" ] && [ -e "$HARNESS_REUSE/$name.json" ] && reuse=(--reuse "$HARNESS_REUSE/$name.json")
     say "harness $1"
     OMP_NUM_THREADS=2 timed "harness-$1" $PY -m sas_backend.training.eval_ppl --model $M --window $SEQ --last $((SEQ / 8)) \
         --budgets $BUDGETS ${INIT:+--gate "shipped=$INIT"} "${gates[@]}" --gate-forced 1,1 0,0 --baselines oracle quest sink-local random --no-recall \
-        --no-progress --resume --data "$2" --split "$3" --max-windows "$WINDOWS" --json "$OUT/$name.json" --plot "$OUT/$name" \
+        --no-progress --resume ${reuse[@]+"${reuse[@]}"} --data "$2" --split "$3" --max-windows "$WINDOWS" --json "$OUT/$name.json" --plot "$OUT/$name" \
         > "$OUT/$name.log" 2>&1
 }
 

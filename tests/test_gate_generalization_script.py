@@ -71,14 +71,19 @@ def test_study_runs_resumes_and_reports(tmp_path):
     assert again.returncode == 0 and "cache docs: done" in again.stdout and "train train-free: done" in again.stdout
     assert "harness handbook-ood: done" in again.stdout
 
-    # a smaller study: one trained gate and one text in the harness, read from the same working files
+    # a smaller study: one trained gate and one text in the harness, read from the same working files; with
+    # HARNESS_REUSE every selector the first study measured on these windows is taken over, not measured again
     smaller = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out-free"), "harness"], cwd=REPO,
-                             env={**env, "GATES": "free", "HARNESS": "handbook-ood"}, capture_output=True, text=True,
-                             timeout=600)
+                             env={**env, "GATES": "free", "HARNESS": "handbook-ood", "HARNESS_REUSE": str(out)},
+                             capture_output=True, text=True, timeout=600)
     assert smaller.returncode == 0, smaller.stdout[-3000:] + smaller.stderr[-3000:]
     assert [p.name for p in (tmp_path / "out-free").glob("quality-*.json")] == ["quality-handbook-ood.json"]
-    rows = set(json.loads((tmp_path / "out-free" / "quality-handbook-ood.json").read_text())["results"])
+    res = json.loads((tmp_path / "out-free" / "quality-handbook-ood.json").read_text())
+    rows = set(res["results"])
     assert {"free+s1l1", "free+s0l0", "oracle"} <= rows and not any(r.startswith("forced") for r in rows)
+    assert set(res["reused"]["measurements"]) == rows  # the same gate and baselines on the same windows
+    first = json.loads((out / "quality-handbook-ood.json").read_text())
+    assert res["dense"] == first["dense"] and all(res["results"][r] == first["results"][r] for r in rows)
     wrong = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out-wrong"), "harness"], cwd=REPO,
                            env={**env, "HARNESS": "essays-ood"}, capture_output=True, text=True, timeout=60)
     assert wrong.returncode != 0 and "unknown harness text essays-ood" in wrong.stderr

@@ -3,7 +3,7 @@
     python -m sas_backend.training.eval_ppl --model DIR --data PATH [PATH ...] [--window 4096]
         [--last 512] [--budgets 256 512 1024] [--gate NAME=DIR ...]
         [--baselines oracle quest sink-local random] [--block-size 64] [--max-windows N]
-        [--json OUT.json] [--no-progress]
+        [--json OUT.json] [--no-progress] [--reuse EARLIER.json --no-recall]
 
 Each held-out row has window + 1 tokens: the model reads the first `window`; the queries at the
 last `last` positions (window-last .. window-1) are sparse and each predicts the next token,
@@ -15,7 +15,9 @@ server's selection component): dense; every `--gate` checkpoint; and the `--base
 `oracle` (blocks ranked by their true attention mass, max over the kv group's heads), `quest`
 (per-block key min/max bound), `sink-local` (block 0 plus the K-1 blocks right before the own
 block), `random`. Held-out rows come from the same deterministic document split as training
-(`data.split_documents`).
+(`data.split_documents`). `--reuse` takes what an earlier run on the same windows already measured (its
+baselines, and gate variants with the same weights and forced blocks), so a new gate is measured alone and
+still compared side by side in one results file.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from sas_backend.provenance import git_state
 
 # The training-free selectors and evaluation references: every selector but the gate and dense.
 BASELINES = tuple(s for s in SELECTORS if s not in ("gate", "dense"))
+# --reuse: how far a window's dense NLL may differ from the earlier run's (CPU kernels differ across machines in
+# the last bits; another window or model differs by percents)
+REUSE_TOLERANCE = 1e-5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-recall", action="store_true", help="skip the per-layer attention-mass recall analysis")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (a log line per window instead)")
+    p.add_argument("--reuse", default=None, metavar="RESULTS.json",
+                   help="take measurements from an earlier run's --json on the same windows instead of repeating "
+                        "them: every --baselines selector it holds, and every gate variant whose weights (sha256), "
+                        "forced blocks and anchors it measured; each window's dense NLL must match that file's "
+                        f"(relative {REUSE_TOLERANCE:g}) or the run stops; needs --no-recall")
     p.add_argument("--resume", action="store_true",
                    help="with --json: continue from JSON's .partial.json, which a run writes after every measurement "
                         "and removes when done (a killed long run keeps what it measured); refused if it was "
@@ -184,6 +194,47 @@ def gate_variants(gate_paths: Dict[str, str], records: Dict[str, dict], forced: 
         for r in anchors or []:
             out[f"{name}+a{r}"] = (g, s, l, r)
     return out
+
+
+def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windows: int, window: int, last: int,
+               block_size: int, budgets: List[int], variants: dict, gate_sha256: Dict[str, str],
+               baselines: List[str]) -> Dict[str, Dict[int, str]]:
+    """What `--reuse` takes from `ref` (an earlier run's JSON): `{selector: {budget: ref selector}}` for every
+    baseline `ref` measured under the same name, and every gate variant `(gate, sink, local, anchors)` of
+    `variants` whose gate weights (sha256) and forced settings `ref` measured, at each budget it has.
+    SystemExit when `ref` was made on other windows (data, split, window, scored tail, block size, fewer
+    windows); the dense NLLs per window are compared as the run goes (`check_reused_dense`)."""
+    ours = {"data": data_record, "split": split, "window": window, "last": last, "block_size": block_size}
+    differ = [k for k, v in ours.items() if ref.get(k) != v]
+    if ref.get("windows", 0) < windows:
+        differ.append(f"windows ({ref.get('windows')} < {windows})")
+    if differ:
+        raise SystemExit(f"error: --reuse {ref_path} was measured on other windows (differs in {', '.join(differ)})")
+    measured = ref.get("nll_per_window", {})
+    by_weights = {}  # (sha256, sink, local, anchors) -> the ref's variant name
+    for name, v in ref.get("gate_variants", {}).items():
+        sha = ref.get("gate_sha256", {}).get(v["gate"])
+        by_weights[(sha, v["sink_blocks"], v["local_blocks"], v.get("prompt_anchors", 0))] = name
+    sources = {name: by_weights[(gate_sha256[g], s_, l_, a_)] for name, (g, s_, l_, a_) in variants.items()
+               if (gate_sha256[g], s_, l_, a_) in by_weights}
+    sources.update({name: name for name in baselines})
+    plan = {}
+    for name, src in sources.items():
+        got = {bud: src for bud in budgets if str(bud) in measured.get(src, {})}
+        if got:
+            plan[name] = got
+    return plan
+
+
+def check_reused_dense(ref: dict, ref_path: str, w: int, dense_nll: float) -> float:
+    """Window `w`'s dense NLL against `ref`'s: the relative difference, SystemExit beyond REUSE_TOLERANCE."""
+    want = ref["dense_nll_per_window"][w]
+    rel = abs(dense_nll - want) / abs(want)
+    if rel > REUSE_TOLERANCE:
+        raise SystemExit(f"error: --reuse {ref_path}: window {w}'s dense NLL is {dense_nll:.6f} here and {want:.6f} "
+                         f"there (relative {rel:.1e} > {REUSE_TOLERANCE:g}): another model or other windows; "
+                         "run without --reuse")
+    return rel
 
 
 def load_gates(path: str, model, block_size: int, device):
@@ -387,6 +438,22 @@ def main(argv: Optional[list] = None) -> int:
 
     selectors = list(variants) + baselines
     top_k = {bud: bud // b for bud in args.budgets}
+    ref, reused, reuse_sha = None, {}, None
+    if args.reuse:
+        if not args.no_recall:
+            raise SystemExit("error: --reuse needs --no-recall (the recall analysis is not taken over)")
+        import hashlib
+
+        with open(args.reuse, "rb") as f:
+            raw = f.read()
+        ref, reuse_sha = json.loads(raw), hashlib.sha256(raw).hexdigest()
+        reused = reuse_plan(ref, args.reuse, data_record={**data.record(), "recall": recall_rows}, split=args.split,
+                            windows=int(rows.shape[0]), window=args.window, last=args.last, block_size=b,
+                            budgets=args.budgets, variants=variants, gate_sha256=gate_sha256, baselines=baselines)
+        print(f"[eval_ppl] --reuse {args.reuse}: " + (", ".join(
+            f"{n} (as {sorted(set(m.values()))[0]}, budgets {sorted(m)})" for n, m in reused.items()) or "nothing fits"),
+            flush=True)
+    dense_rel_diff = []  # per window, with --reuse
     print(f"[eval_ppl] {rows.shape[0]} {args.split} windows of {args.window} tokens (+1 target), last {args.last} "
           f"scored; block {b}; " + ", ".join(f"budget {bud} -> top_k {k}" for bud, k in top_k.items()), flush=True)
 
@@ -394,7 +461,8 @@ def main(argv: Optional[list] = None) -> int:
     key = {"model": args.model, "data": data.record(), "recall_rows": recall_rows, "split": args.split,
            "windows": int(rows.shape[0]), "window": args.window, "last": args.last, "block_size": b,
            "budgets": args.budgets, "gate_sha256": gate_sha256,
-           "variants": {v: list(x) for v, x in variants.items()}, "selectors": selectors, "recall": not args.no_recall}
+           "variants": {v: list(x) for v, x in variants.items()}, "selectors": selectors, "recall": not args.no_recall,
+           **({"reuse": reuse_sha} if reuse_sha else {})}
     progress = Progress(partial_path(args.json) if args.json else None, key, selectors, args.budgets, not args.no_recall)
     if args.resume:
         if not args.json:
@@ -419,10 +487,16 @@ def main(argv: Optional[list] = None) -> int:
         if not progress.done(w):
             dense_per_window.append(window_nll(model, ids, args.last, cache=cache))
             progress.save()
+        if ref is not None:
+            dense_rel_diff.append(check_reused_dense(ref, args.reuse, w, dense_per_window[w]))
         for bud in args.budgets:
             k = top_k[bud]
             for name in selectors:
                 if progress.done(w, name, bud):
+                    continue
+                if bud in reused.get(name, {}):
+                    per_window[name][bud].append(ref["nll_per_window"][reused[name][bud]][str(bud)][w])
+                    progress.save()
                     continue
                 if name in variants:
                     gate, sink, local, n_anchors = variants[name]
@@ -484,6 +558,9 @@ def main(argv: Optional[list] = None) -> int:
                 s: {str(bud): {str(layer): cb for layer, cb in sorted(per[bud].items())} for bud in per}
                 for s, per in recall.items()},
             "checks": checks,
+            "reused": None if ref is None else {
+                "file": args.reuse, "sha256": reuse_sha, "dense_max_relative_difference": max(dense_rel_diff, default=0.0),
+                "measurements": {n: {str(bud): src for bud, src in m.items()} for n, m in reused.items()}},
             "plots": [os.path.relpath(p_) for p_ in plots],
             "table_markdown": table,
             "seconds": round(time.time() - t0, 1),  # this run's: a resumed one's earlier runs are not in it
@@ -522,6 +599,10 @@ def markdown_report(out: dict) -> str:
         f"- commit `{out['git']['commit'][:12]}`{' (with local changes)' if out['git']['dirty'] else ''}, "
         f"{out['seconds']:.0f} s",
         f"- command: `{out['command']}`",
+        *([f"- taken from `{out['reused']['file']}` (same windows: dense NLL per window within "
+           f"{out['reused']['dense_max_relative_difference']:.1e}), not measured again: "
+           + ", ".join(f"{n}" + (f" (there {sorted(set(m.values()))[0]})" if set(m.values()) != {n} else "")
+                       for n, m in out["reused"]["measurements"].items())] if out.get("reused") else []),
         "",
         out["table_markdown"],
         "",

@@ -220,6 +220,53 @@ def test_eval_ppl_prompt_anchors(trained, setup):
         eval_ppl.main(argv + ["--budgets", "64", "--prompt-anchors", "3"])
 
 
+def test_eval_ppl_reuses_an_earlier_runs_measurements_on_the_same_windows(trained, setup, monkeypatch):
+    """--reuse takes the baselines and the gate variants (same weights and forced blocks, under any name) an
+    earlier run measured on the same windows, measures the rest, and ends with the numbers a full run gives;
+    a file from other windows, or whose dense NLLs differ, is refused."""
+    from sas_backend.training import eval_ppl
+
+    root, model_dir, essays = setup
+    base = ["--model", model_dir, "--data", *essays, "--split", "train", "--window", "128", "--last", "32",
+            "--block-size", "16", "--max-windows", "2", "--budgets", "32", "64", "--no-recall", "--no-progress"]
+    early_js, full_js, js = (str(root / n) for n in ("early.json", "full.json", "reusing.json"))
+    assert eval_ppl.main(base + ["--gate", f"sas={trained}", "--gate-forced", "1,1", "--baselines", "sink-local",
+                                 "oracle", "--json", early_js]) == 0
+    argv = base + ["--gate", f"again={trained}", "--gate-forced", "1,1", "0,0", "--baselines", "sink-local", "oracle",
+                   "random"]
+    assert eval_ppl.main(argv + ["--json", full_js]) == 0
+    real, calls = eval_ppl.window_nll, []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(eval_ppl, "window_nll", counted)
+    assert eval_ppl.main(argv + ["--reuse", early_js, "--json", js]) == 0
+    assert len(calls) == 2 * (1 + 2 + 2)  # per window: dense, again+s0l0 and random at 2 budgets
+    full, reusing = json.load(open(full_js)), json.load(open(js))
+    assert reusing["nll_per_window"] == full["nll_per_window"]  # the same numbers a full run gives
+    assert reusing["reused"]["measurements"] == {"again+s1l1": {"32": "sas+s1l1", "64": "sas+s1l1"},
+                                                 "sink-local": {"32": "sink-local", "64": "sink-local"},
+                                                 "oracle": {"32": "oracle", "64": "oracle"}}
+    assert reusing["reused"]["dense_max_relative_difference"] <= eval_ppl.REUSE_TOLERANCE
+    assert "not measured again: again+s1l1 (there sas+s1l1), sink-local, oracle" in open(str(root / "reusing.md")).read()
+    monkeypatch.setattr(eval_ppl, "window_nll", real)
+    tampered = json.load(open(early_js))
+    tampered["dense_nll_per_window"][1] *= 1.001
+    bad_js = str(root / "tampered.json")
+    json.dump(tampered, open(bad_js, "w"))
+    with pytest.raises(SystemExit, match="window 1's dense NLL"):
+        eval_ppl.main(argv + ["--reuse", bad_js, "--json", str(root / "x.json")])
+    tampered = json.load(open(early_js))
+    tampered["last"] = 16
+    json.dump(tampered, open(bad_js, "w"))
+    with pytest.raises(SystemExit, match="other windows .differs in last"):
+        eval_ppl.main(argv + ["--reuse", bad_js, "--json", str(root / "x.json")])
+    with pytest.raises(SystemExit, match="needs --no-recall"):
+        eval_ppl.main([a for a in argv if a != "--no-recall"] + ["--reuse", early_js])
+
+
 def test_eval_self_check_refuses_a_covering_budget_that_is_not_dense():
     from sas_backend.training.eval_ppl import self_checks
 
