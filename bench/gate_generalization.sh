@@ -22,7 +22,7 @@
 # Sizes (environment): TOKENS per training corpus (1500000), SEQ row/window tokens (4096), TAIL cached queries
 # (256), STEPS_TRAIN (3000), WINDOWS per harness text (4), VAL_ROWS (4), RECALL_ROWS (40), SHARDS (2), BUDGETS ("256 512
 # 1024 2048"), TRAIN_BUDGET (2048), DTYPE the caches' forward dtype (float32; bfloat16: a 4096-token Qwen row
-# 1.6x faster on an AVX512-BF16 CPU, a SmolLM2 row 1.4x: 9.7 s vs 13.4 s a row on the 2 cores; features equal
+# 1.6x faster on an AVX512-BF16 CPU, a SmolLM2 row 1.4x: 9.3 s vs 13.4 s a row on the 2 cores; features equal
 # within bf16 rounding); HARNESS_REUSE, an earlier study's results folder: its quality-TEXT.json gives the
 # baselines and the gates it already measured on the same windows (eval_ppl --reuse), so only the new gates
 # are measured; MODEL,
