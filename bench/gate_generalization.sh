@@ -11,16 +11,19 @@
 #                two shard processes per cache; a killed build resumes at the next missing row
 #   train-forced cached mass distillation from the shipped gate, sink 1 + local 1 forced (the record's rule)
 #   train-free   the same with no forced blocks: the target covers the first and the recent blocks too
+#                (train-forced-NAME / train-free-NAME: a variant, e.g. with TRAIN_ARGS; GATES names it as forced-NAME)
 #   harness      eval_ppl, last 512 of 4096-token windows, budgets 256-2048, the three gates at sink,local 1,1 and
 #                0,0 beside oracle/quest/sink-local/random: in-domain (@docs, @stdlib held-out) and out-of-domain
 #                (@handbook, @site-packages: no training set touches them)
 #   needle       bench/needle.py through the real server (dense vs sas, 5 depths of 3K tokens, budgets 512-2048,
 #                forced 1,1 and 0,0) with $NEEDLE_GATE (default: the train-free gate)
-# Working files (caches, checkpoints) go to $WORK (default models/gen, not committed); results, logs and the
-# seconds of every step ($OUT/timings.tsv: the cost per million tokens) to OUT_DIR. On 2 cores: caches ~2.5 h,
-# each training ~40 min, the harness ~2 h. Run it on a quiet machine (a job beside it slows both ~20x).
+# Working files (checkpoints; caches in $CACHE, default $WORK/cache: point it at another study's caches to reuse
+# them) go to $WORK (default models/gen, not committed); results, logs and the seconds of every step
+# ($OUT/timings.tsv: the cost per million tokens) to OUT_DIR. On 2 cores: caches ~2.5 h, each training ~40 min,
+# the harness ~2 h. Run it on a quiet machine (a job beside it slows both ~20x).
 # Sizes (environment): TOKENS per training corpus (1500000), SEQ row/window tokens (4096), TAIL cached queries
-# (256), STEPS_TRAIN (3000), WINDOWS per harness text (4), VAL_ROWS (4), RECALL_ROWS (40), SHARDS (2), BUDGETS ("256 512
+# (256), STEPS_TRAIN (3000), TRAIN_ARGS more distill_cached arguments for the train steps of this invocation (e.g.
+# "--coverage-weight 1"), WINDOWS per harness text (4), VAL_ROWS (4), RECALL_ROWS (40), SHARDS (2), BUDGETS ("256 512
 # 1024 2048"), TRAIN_BUDGET (2048), DTYPE the caches' forward dtype (float32; bfloat16: a 4096-token Qwen row
 # 1.6x faster on an AVX512-BF16 CPU, a SmolLM2 row 1.4x: 9.3 s vs 13.4 s a row on the 2 cores; features equal
 # within bf16 rounding); HARNESS_REUSE, an earlier study's results folder: its quality-TEXT.json gives the
@@ -42,6 +45,8 @@ INIT=${INIT_GATE-gate_checkpoints/smollm2-135m-instruct-sas}  # empty: the seede
 BUDGETS=${BUDGETS:-256 512 1024 2048}
 TRAIN_BUDGET=${TRAIN_BUDGET:-2048}  # the serving budget the gates are trained for (K = its blocks)
 WORK=${WORK:-models/gen}
+CACHE=${CACHE:-$WORK/cache}
+read -r -a train_args <<< "${TRAIN_ARGS:-}"  # word-split: plain flags and numbers only
 GATES=${GATES:-forced free}  # trained gates in the harness (each needs its train-NAME step)
 HARNESS=${HARNESS:-docs-heldout code-heldout handbook-ood site-packages-ood}
 NEEDLE_BUDGETS=${NEEDLE_BUDGETS:-512 1024 2048}
@@ -57,7 +62,7 @@ dtype_arg=()  # passed only when not the default: a cache's manifest keeps its b
 [ "$DTYPE" != float32 ] && dtype_arg=(--dtype "$DTYPE")
 RECALL_ROWS=${RECALL_ROWS:-40}
 PY=${PYTHON:-.venv/bin/python}
-mkdir -p "$OUT" "$WORK/cache"
+mkdir -p "$OUT" "$CACHE"
 
 say() { echo "[gate-generalization $(date +%H:%M:%S)] $*"; }
 timed() {  # $1 name, rest: command; appends "name<TAB>seconds" to $OUT/timings.tsv when it succeeds
@@ -69,7 +74,7 @@ timed() {  # $1 name, rest: command; appends "name<TAB>seconds" to $OUT/timings.
 }
 
 cache() {  # $1 name, rest: features arguments; $SHARDS processes side by side, one thread each
-    local name=$1 dir=$WORK/cache/$1 pids=() i ok=1
+    local name=$1 dir=$CACHE/$1 pids=() i ok=1
     shift
     if [ -e "$dir/.complete" ]; then say "cache $name: done"; return; fi
     say "cache $name"
@@ -96,12 +101,12 @@ train() {  # $1 name, $2 sink, $3 local
     if [ -e "$out/.complete" ]; then say "train $1: done"; return; fi
     [ -e "$out/train_state.pt" ] && resume=--resume
     say "train $1 (sink $2, local $3)${resume:+, resuming}"
-    local c=$WORK/cache
+    local c=$CACHE
     OMP_NUM_THREADS=2 timed "$1" $PY -m sas_backend.training.distill_cached --model $M \
         --cache $c/docs $c/code $c/essays $c/docs-recall --val-cache $c/val-docs $c/val-code \
         ${INIT:+--init-gate "$INIT"} --out "$out" --budget "$TRAIN_BUDGET" --sink-blocks "$2" --local-blocks "$3" \
         --steps "$STEPS_TRAIN" --rows-per-step 4 --lr 2e-3 --warmup $((STEPS_TRAIN < 200 ? 0 : 20)) --eval-every 250 --save-every 100 \
-        --no-progress $resume >> "$OUT/$1.log" 2>&1 || return 1
+        ${train_args[@]+"${train_args[@]}"} --no-progress $resume >> "$OUT/$1.log" 2>&1 || return 1
     cp "$out/train_log.jsonl" "$OUT/$1.jsonl" 2>/dev/null
     touch "$out/.complete"
 }
@@ -147,8 +152,8 @@ for step in $STEPS; do
         corpus) [ -d "$CORPUS/docs" ] && [ -d "$CORPUS/handbook" ] && say "corpus: done" ||
                     { say corpus; timed corpus $PY serve/prepare_corpus.py --out "$CORPUS"; } ;;
         caches) caches ;;
-        train-forced) train train-forced 1 1 ;;
-        train-free) train train-free 0 0 ;;
+        train-forced*) train "$step" 1 1 ;;  # train-forced, or a variant such as train-forced-cov (its own WORK/train-*)
+        train-free*) train "$step" 0 0 ;;
         harness) harness_texts ;;
         needle) needle ;;
         *) echo "unknown step $step" >&2; exit 2 ;;

@@ -84,6 +84,17 @@ def test_study_runs_resumes_and_reports(tmp_path):
     assert set(res["reused"]["measurements"]) == rows  # the same gate and baselines on the same windows
     first = json.loads((out / "quality-handbook-ood.json").read_text())
     assert res["dense"] == first["dense"] and all(res["results"][r] == first["results"][r] for r in rows)
+    # a variant trained on the first study's caches (CACHE) with more trainer arguments (TRAIN_ARGS), under its
+    # own step name in another WORK: nothing is cached again, the checkpoint records the arguments
+    variant = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out-cov"), "train-free-cov"], cwd=REPO,
+                             env={**env, "WORK": str(tmp_path / "work-cov"), "CACHE": str(work / "cache"),
+                                  "TRAIN_ARGS": "--coverage-weight 0.5 --coverage-budgets 256"},
+                             capture_output=True, text=True, timeout=600)
+    assert variant.returncode == 0, variant.stdout[-3000:] + variant.stderr[-3000:]
+    training = json.loads((tmp_path / "work-cov" / "train-free-cov" / "config.json").read_text())["training"]
+    assert (training["sink_blocks"], training["local_blocks"]) == (0, 0)
+    assert training["coverage"] == {"weight": 0.5, "budgets": [256], "temperature": 0.05}
+    assert not (tmp_path / "work-cov" / "cache").exists() and (tmp_path / "out-cov" / "train-free-cov.jsonl").exists()
     wrong = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out-wrong"), "harness"], cwd=REPO,
                            env={**env, "HARNESS": "essays-ood"}, capture_output=True, text=True, timeout=60)
     assert wrong.returncode != 0 and "unknown harness text essays-ood" in wrong.stderr

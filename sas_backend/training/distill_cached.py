@@ -18,7 +18,8 @@ many times.
 Several caches (e.g. prose, prose with recall rows, code) are one pool of rows; they must share
 model, seq len, tail, block size and target. Every row is loaded into memory (fp16; ~47 MB a
 4096-token row of SmolLM2-135M at tail 1024, so 145 rows take ~7 GB). Output: the canonical checkpoint (config `training` =
-the record: caches and their data, steps, losses, held-out KL and top-k coverage), `train_state.pt` for `--resume`
+the record: caches and their data, steps, losses, held-out KL and top-k coverage beside the oracle's, the ceiling),
+`train_state.pt` for `--resume`
 (batches are a pure function of seed and step) and `train_log.jsonl`.
 """
 
@@ -137,6 +138,23 @@ def evaluate(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, pi
             for k in picks:
                 cov[k] += float(topk_coverage(target, log_g, cand, k)) / len(gates)
     return kl, cov
+
+
+def oracle_coverage(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, picks) -> Dict[int, float]:
+    """{k: hard top-k coverage of the target by its own top k (the oracle selector), averaged over
+    layers} of `rows`: the ceiling the gates' held-out coverage (`evaluate`) is read against. The
+    gates only lend their layers and geometry; their scores are not used."""
+    from sas_backend.training.model import topk_coverage
+
+    cov = {k: 0.0 for k in picks}
+    with torch.no_grad():
+        for layer, gate in gates.items():
+            _, target, cand = _layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
+                                            sink_blocks, local_blocks)
+            log_target = torch.log(target.clamp_min(1e-30))  # ranks the blocks by their target mass
+            for k in picks:
+                cov[k] += float(topk_coverage(target, log_target, cand, k)) / len(gates)
+    return cov
 
 
 def _coverage_text(entry: dict) -> str:
@@ -287,6 +305,8 @@ def main(argv: Optional[list] = None) -> int:
         os.unlink(log_path)
     end = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
 
+    oracle_cov = None  # the held-out rows' oracle coverage {budget: value}, measured at start (gate-independent)
+
     def held_out(step: int) -> Optional[float]:
         if not val_rows:
             return None
@@ -335,6 +355,7 @@ def main(argv: Optional[list] = None) -> int:
             "final_loss": sum(tail) / len(tail) if tail else None,
             "final_loss_window": len(tail),
             "heldout_kl": val_log,
+            "heldout_oracle_coverage": oracle_cov,
             "train_seconds": round(elapsed, 1),
             "command": "python -m sas_backend.training.distill_cached " + " ".join(portable_argv(argv)),
         }
@@ -353,6 +374,12 @@ def main(argv: Optional[list] = None) -> int:
           f"| tail {spec.tail} of {spec.seq_len} | target {spec.target} | budget {args.budget} (K={top_k}, "
           f"sink {args.sink_blocks}, local {args.local_blocks}) | {len(val_rows)} held-out rows | steps {start}->{end}",
           flush=True)
+    if val_rows:
+        cov = oracle_coverage(gates, val_rows, spec, gate_table, top_k, args.sink_blocks, args.local_blocks,
+                              tuple(picks.values()))
+        oracle_cov = {str(c): round(cov[k], 5) for c, k in picks.items()}
+        print(f"[distill_cached] held-out oracle {_coverage_text({'coverage': oracle_cov})} (the best a selector "
+              "of that many blocks covers)", flush=True)
     if start == 0 and val_rows:
         print(f"[distill_cached] held-out KL at step 0: {held_out(0):.4f}, {_coverage_text(val_log[-1])}", flush=True)
     bar = progress_bar(args.steps, "distill", initial=start, enabled=not args.no_progress)

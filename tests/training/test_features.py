@@ -232,6 +232,8 @@ def test_cli_coverage_term_raises_held_out_coverage_and_is_recorded(cli_caches, 
     assert "top-k coverage" in rec["method"]
     cov = [v["coverage"]["192"] for v in rec["heldout_kl"]]
     assert len(cov) == 4 and all(0 < c <= 1 for c in cov) and cov[-1] > cov[0]
+    oracle = rec["heldout_oracle_coverage"]["192"]  # the target's own top k: no selector covers more
+    assert all(c <= oracle + 1e-5 for c in cov) and oracle < 1
     with pytest.raises(SystemExit, match="coverage-budgets"):
         _distill(root, model_dir, tmp_path / "bad", "--coverage-weight", "1", "--coverage-budgets", "128")
 
