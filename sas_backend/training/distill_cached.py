@@ -12,7 +12,7 @@ many times.
         [--budget 2048] [--sink-blocks 1] [--local-blocks 1] [--steps 500] [--rows-per-step 4]
         [--lr 2e-3] [--warmup 20] [--min-lr-ratio 0.1] [--init-gate DIR] [--seed 0]
         [--val-cache DIR [DIR ...]] [--eval-every 50] [--save-every 100] [--resume]
-        [--coverage-weight 0] [--coverage-budgets 512 1024 2048] [--coverage-temperature 0.05]
+        [--coverage-weight 0] [--coverage-budgets 512 1024 2048] [--coverage-temperature 0.05] [--coverage-regret]
         [--layers I [I ...]]   # train only these layers' gates (needs --init-gate; the others are kept)
 
 Several caches (e.g. prose, prose with recall rows, code) are one pool of rows; they must share
@@ -41,10 +41,10 @@ LOG_FILE = "train_log.jsonl"
 # Arguments a resumed run must share with the run that wrote the state.
 _RESUME_KEYS = ("model", "cache", "budget", "sink_blocks", "local_blocks", "steps", "rows_per_step", "lr",
                 "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "init_gate", "gate_dim", "coverage_weight",
-                "coverage_budgets", "coverage_temperature", "layers")
+                "coverage_budgets", "coverage_temperature", "coverage_regret", "layers")
 # What a state saved before a key existed ran with.
 _RESUME_DEFAULTS = {"coverage_weight": 0.0, "coverage_budgets": [512, 1024, 2048], "coverage_temperature": 0.05,
-                    "layers": None}
+                    "coverage_regret": False, "layers": None}
 _SPEC_KEYS = ("model", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "seq_len", "tail",
               "block_size", "target")
 
@@ -67,10 +67,12 @@ class Coverage:
     """The optional top-k coverage term: `weight * sum_k (1 - soft coverage at k)` added to the KL,
     k = each budget's free picks (budget // block - forced blocks); `temperature` as
     `model.topk_coverage`. The KL fits the whole block distribution; this term spends the gradient
-    on the ranking at the boundary each serving budget cuts."""
+    on the ranking at the boundary each serving budget cuts. regret: `weight * sum_k` of the mean
+    squared regret against the oracle's top k instead (`model.topk_regret`: the worst misses first)."""
     weight: float
     picks: tuple
     temperature: float
+    regret: bool = False
 
 
 def _layer_scores(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int, sink_blocks: int,
@@ -101,13 +103,15 @@ def layer_loss(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int
     The distill loss of `model.training_attention` for one layer, computed from the cached
     pre-RoPE q, pooled keys and target instead of a model forward.
     """
-    from sas_backend.training.model import distill_kl, topk_coverage
+    from sas_backend.training.model import distill_kl, topk_coverage, topk_regret
 
     log_g, target, cand = _layer_scores(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks)
     loss = distill_kl(target, log_g)
     if coverage is not None and coverage.weight > 0:
         for k in coverage.picks:
-            loss = loss + coverage.weight * (1 - topk_coverage(target, log_g, cand, k, coverage.temperature))
+            miss = (topk_regret(target, log_g, cand, k, coverage.temperature) if coverage.regret
+                    else 1 - topk_coverage(target, log_g, cand, k, coverage.temperature))
+            loss = loss + coverage.weight * miss
     return loss
 
 
@@ -208,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coverage-temperature", type=float, default=0.05,
                    help="sigmoid temperature (in log-gate units) of the soft top-k; SmolLM2's gates space their "
                         "6th and 7th best blocks 0.05-0.17 apart")
+    p.add_argument("--coverage-regret", action="store_true",
+                   help="the coverage term is the mean squared regret against the oracle's top k (the queries "
+                        "that miss the most weigh most) instead of the mean missed mass")
     p.add_argument("--layers", type=int, nargs="+", default=None,
                    help="train only these layers' gates (the others are kept from --init-gate); default all")
     p.add_argument("--val-cache", nargs="*", default=[], help="held-out feature caches: their KL is logged, never trained on")
@@ -265,7 +272,7 @@ def main(argv: Optional[list] = None) -> int:
                          f"gate picks beyond the {forced} forced blocks (got {bad}); --coverage-weight >= 0 and "
                          "--coverage-temperature > 0")
     picks = {c: c // spec.block_size - forced for c in args.coverage_budgets}  # budget -> the gate's free picks
-    coverage = Coverage(args.coverage_weight, tuple(picks.values()), args.coverage_temperature)
+    coverage = Coverage(args.coverage_weight, tuple(picks.values()), args.coverage_temperature, args.coverage_regret)
     if args.layers is not None:
         bad_layers = sorted({i for i in args.layers if not 0 <= i < geometry.num_layers})
         if bad_layers or not args.init_gate:
@@ -324,11 +331,14 @@ def main(argv: Optional[list] = None) -> int:
             "method": "distillation of the oracle on cached dense features: KL(block attention "
                       f"{spec.target} of the dense attention, max over the group's heads || gate), forced blocks "
                       "excluded (sas_backend.training.distill_cached)"
-                      + (f" + {args.coverage_weight} x (1 - soft top-k coverage of the target) at budgets "
-                         f"{args.coverage_budgets} (temperature {args.coverage_temperature})"
+                      + (f" + {args.coverage_weight} x "
+                         + ("(the oracle's top-k coverage - the gate's soft one)^2" if args.coverage_regret
+                            else "(1 - soft top-k coverage of the target)")
+                         + f" at budgets {args.coverage_budgets} (temperature {args.coverage_temperature})"
                          if args.coverage_weight > 0 else ""),
             "coverage": {"weight": args.coverage_weight, "budgets": args.coverage_budgets,
-                         "temperature": args.coverage_temperature} if args.coverage_weight > 0 else None,
+                         "temperature": args.coverage_temperature,
+                         **({"regret": True} if args.coverage_regret else {})} if args.coverage_weight > 0 else None,
             "budget": args.budget,
             "block_size": spec.block_size,
             "top_k": top_k,

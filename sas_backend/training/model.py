@@ -24,7 +24,7 @@ row); the rows become packed sequences with `cu_seqlens = [0, L, 2L, ...]`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -244,6 +244,25 @@ def distill_kl(target: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
     return kl.sum() / has_prev.sum().clamp_min(1)
 
 
+def _per_query_coverage(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor, k: int,
+                        temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(coverage `[Hkv, T]`, has_prev `[Hkv, T]`): `topk_coverage` before the mean over queries."""
+    nb = log_g.shape[-1]
+    has_prev = target.sum(-1) > 0  # [Hkv, T]
+    if k >= nb:
+        return has_prev.float(), has_prev
+    masked = log_g.masked_fill(~cand[None], float("-inf"))
+    top = torch.topk(masked, k + 1, dim=-1).values  # [Hkv, T, k+1]
+    keep_all = (cand.sum(-1) <= k)[None].expand_as(has_prev)
+    if temperature <= 0:
+        inside = (masked >= top[..., k - 1 : k]) & cand[None]
+        inside = inside | keep_all[..., None]
+        return (target * inside).sum(-1), has_prev
+    tau = torch.where(keep_all, torch.zeros_like(top[..., 0]), (top[..., k - 1] + top[..., k]) / 2)
+    soft = torch.sigmoid((log_g - tau[..., None]) / temperature)
+    return (target * torch.where(keep_all[..., None], torch.ones_like(soft), soft)).sum(-1), has_prev
+
+
 def topk_coverage(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor, k: int,
                   temperature: float = 0.0) -> torch.Tensor:
     """Mean over queries with previous blocks of the target mass inside the gate's top-k candidates.
@@ -255,22 +274,22 @@ def topk_coverage(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor,
     so the gradient reaches the blocks near the selection boundary, the ones a budget decides on.
     Queries with at most k candidates keep everything (coverage 1).
     """
-    nb = log_g.shape[-1]
-    has_prev = target.sum(-1) > 0  # [Hkv, T]
-    if k >= nb:
-        return has_prev.float().sum() / has_prev.sum().clamp_min(1)
-    masked = log_g.masked_fill(~cand[None], float("-inf"))
-    top = torch.topk(masked, k + 1, dim=-1).values  # [Hkv, T, k+1]
-    keep_all = (cand.sum(-1) <= k)[None].expand_as(has_prev)
-    if temperature <= 0:
-        inside = (masked >= top[..., k - 1 : k]) & cand[None]
-        inside = inside | keep_all[..., None]
-        cov = (target * inside).sum(-1)
-    else:
-        tau = torch.where(keep_all, torch.zeros_like(top[..., 0]), (top[..., k - 1] + top[..., k]) / 2)
-        soft = torch.sigmoid((log_g - tau[..., None]) / temperature)
-        cov = (target * torch.where(keep_all[..., None], torch.ones_like(soft), soft)).sum(-1)
+    cov, has_prev = _per_query_coverage(target, log_g, cand, k, temperature)
     return (cov * has_prev).sum() / has_prev.sum().clamp_min(1)
+
+
+def topk_regret(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor, k: int,
+                temperature: float = 0.0) -> torch.Tensor:
+    """Mean over queries with previous blocks of the squared regret `(best - coverage)^2`: best is the
+    target mass of the target's own k heaviest candidates (the oracle), coverage the gate's as in
+    `topk_coverage` (same shapes and temperature). Squaring puts the gradient on the queries whose
+    selection misses the most, where a sparse step loses its perplexity; a mean coverage term spreads
+    it over every query alike."""
+    cov, has_prev = _per_query_coverage(target, log_g, cand, k, temperature)
+    kk = min(k, target.shape[-1])
+    best = torch.topk(target, kk, dim=-1).values.sum(-1)  # the target is zero outside the candidates
+    regret = (best - cov).clamp_min(0)
+    return (regret.square() * has_prev).sum() / has_prev.sum().clamp_min(1)
 
 
 def training_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

@@ -234,6 +234,12 @@ def test_cli_coverage_term_raises_held_out_coverage_and_is_recorded(cli_caches, 
     assert len(cov) == 4 and all(0 < c <= 1 for c in cov) and cov[-1] > cov[0]
     oracle = rec["heldout_oracle_coverage"]["192"]  # the target's own top k: no selector covers more
     assert all(c <= oracle + 1e-5 for c in cov) and oracle < 1
+    assert _distill(root, model_dir, tmp_path / "regret", "--coverage-weight", "5", "--coverage-budgets", "192",
+                    "--coverage-temperature", "0.3", "--coverage-regret") == 0
+    rec = load_gate_checkpoint(str(tmp_path / "regret"))[0].training
+    assert rec["coverage"]["regret"] is True and "(the oracle's top-k coverage" in rec["method"]
+    cov = [v["coverage"]["192"] for v in rec["heldout_kl"]]
+    assert cov[-1] > cov[0]  # less regret: the gate's top k covers more
     with pytest.raises(SystemExit, match="coverage-budgets"):
         _distill(root, model_dir, tmp_path / "bad", "--coverage-weight", "1", "--coverage-budgets", "128")
 

@@ -389,3 +389,30 @@ def test_topk_coverage_gradient_is_finite_and_moves_boundary_blocks():
     assert (grad[:, ~cand] == 0).all()  # blocks the gate does not rank get nothing
     improved = tm.topk_coverage(target, (log_g + 0.5 * grad).detach(), cand, 3, temperature=0.5)
     assert improved > tm.topk_coverage(target, log_g.detach(), cand, 3, temperature=0.5)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_topk_regret_is_the_squared_shortfall_from_the_oracles_top_k(k):
+    """Regret per query = mass of the target's k heaviest candidates - mass of the gate's k best-scored
+    ones, squared and averaged; zero for the oracle's own scores; the soft one's gradient lowers it."""
+    target, log_g, cand = _coverage_case(seed=2)
+    want, n = 0.0, 0
+    for h in range(target.shape[0]):
+        for t in range(target.shape[1]):
+            if target[h, t].sum() == 0:
+                continue
+            idx = cand[t].nonzero().flatten()
+            best = float(target[h, t, idx].sort(descending=True).values[:k].sum())
+            got = float(target[h, t, idx[torch.argsort(log_g[h, t, idx], descending=True)[:k]]].sum())
+            want, n = want + (best - got) ** 2, n + 1
+    assert float(tm.topk_regret(target, log_g, cand, k)) == pytest.approx(want / n, rel=1e-5, abs=1e-12)
+    if k >= int(cand.sum(-1).max()):  # every query keeps all its candidates: nothing to regret
+        assert want == pytest.approx(0.0, abs=1e-10)
+        return
+    oracle_scores = torch.log(target.clamp_min(1e-30)).masked_fill(~cand[None], float("-inf"))
+    assert float(tm.topk_regret(target, oracle_scores, cand, k)) == pytest.approx(0.0, abs=1e-7)
+    soft = log_g.clone().requires_grad_(True)
+    tm.topk_regret(target, soft, cand, k, temperature=0.5).backward()
+    assert torch.isfinite(soft.grad).all() and (soft.grad[:, ~cand] == 0).all()
+    moved = (soft - 0.5 * soft.grad).detach()
+    assert tm.topk_regret(target, moved, cand, k, temperature=0.5) < tm.topk_regret(target, log_g, cand, k, 0.5)
