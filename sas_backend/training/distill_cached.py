@@ -75,8 +75,8 @@ class Coverage:
     regret: bool = False
 
 
-def _layer_scores(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int, sink_blocks: int,
-                  local_blocks: int):
+def layer_scores(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int, sink_blocks: int,
+                 local_blocks: int):
     """(log_g `[Hkv, T, NB]`, target over the ranked blocks `[Hkv, T, NB]`, ranked blocks `[T, NB]`)
     of one layer on cached rows (log_g differentiable in `gate`)."""
     from sas_backend.training.model import target_over_candidates
@@ -105,7 +105,7 @@ def layer_loss(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int
     """
     from sas_backend.training.model import distill_kl, topk_coverage, topk_regret
 
-    log_g, target, cand = _layer_scores(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks)
+    log_g, target, cand = layer_scores(gate, batch, spec, gate_table, top_k, sink_blocks, local_blocks)
     loss = distill_kl(target, log_g)
     if coverage is not None and coverage.weight > 0:
         for k in coverage.picks:
@@ -136,7 +136,7 @@ def evaluate(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, pi
     kl, cov = 0.0, {k: 0.0 for k in picks}
     with torch.no_grad():
         for layer, gate in gates.items():
-            log_g, target, cand = _layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
+            log_g, target, cand = layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
                                                 sink_blocks, local_blocks)
             kl += float(distill_kl(target, log_g))
             for k in picks:
@@ -153,7 +153,7 @@ def oracle_coverage(gates, rows, spec, gate_table, top_k, sink_blocks, local_blo
     cov = {k: 0.0 for k in picks}
     with torch.no_grad():
         for layer, gate in gates.items():
-            _, target, cand = _layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
+            _, target, cand = layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
                                             sink_blocks, local_blocks)
             log_target = torch.log(target.clamp_min(1e-30))  # ranks the blocks by their target mass
             for k in picks:
@@ -165,7 +165,9 @@ def _coverage_text(entry: dict) -> str:
     return "top-k coverage " + " ".join(f"{b}: {v:.4f}" for b, v in entry["coverage"].items())
 
 
-def _compatible(caches) -> None:
+def check_compatible(caches) -> None:
+    """Exit with an error unless every (path, cache) of `caches` was made with the same model, lengths,
+    block size and target."""
     first = caches[0][1].manifest
     for path, cache in caches[1:]:
         diff = [k for k in _SPEC_KEYS if cache.manifest.get(k) != first.get(k)]
@@ -248,7 +250,7 @@ def main(argv: Optional[list] = None) -> int:
         vals = [(c, load_feature_cache(c)) for c in args.val_cache]
     except FeatureCacheError as e:
         raise SystemExit(f"error: {e}") from None
-    _compatible(caches + vals)
+    check_compatible(caches + vals)
     _train_split_only(caches)
     manifest = caches[0][1].manifest
     spec = caches[0][1].spec

@@ -244,9 +244,10 @@ def distill_kl(target: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
     return kl.sum() / has_prev.sum().clamp_min(1)
 
 
-def _per_query_coverage(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor, k: int,
+def per_query_coverage(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor, k: int,
                         temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(coverage `[Hkv, T]`, has_prev `[Hkv, T]`): `topk_coverage` before the mean over queries."""
+    """(coverage `[Hkv, T]`, has_prev `[Hkv, T]` bool): each query's target mass inside the gate's top k,
+    as `topk_coverage` (same arguments) before its mean over the queries with previous blocks."""
     nb = log_g.shape[-1]
     has_prev = target.sum(-1) > 0  # [Hkv, T]
     if k >= nb:
@@ -274,7 +275,7 @@ def topk_coverage(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor,
     so the gradient reaches the blocks near the selection boundary, the ones a budget decides on.
     Queries with at most k candidates keep everything (coverage 1).
     """
-    cov, has_prev = _per_query_coverage(target, log_g, cand, k, temperature)
+    cov, has_prev = per_query_coverage(target, log_g, cand, k, temperature)
     return (cov * has_prev).sum() / has_prev.sum().clamp_min(1)
 
 
@@ -285,7 +286,7 @@ def topk_regret(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor, k
     `topk_coverage` (same shapes and temperature). Squaring puts the gradient on the queries whose
     selection misses the most, where a sparse step loses its perplexity; a mean coverage term spreads
     it over every query alike."""
-    cov, has_prev = _per_query_coverage(target, log_g, cand, k, temperature)
+    cov, has_prev = per_query_coverage(target, log_g, cand, k, temperature)
     kk = min(k, target.shape[-1])
     best = torch.topk(target, kk, dim=-1).values.sum(-1)  # the target is zero outside the candidates
     regret = (best - cov).clamp_min(0)

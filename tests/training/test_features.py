@@ -3,8 +3,10 @@ distill objective, a resumable and self-checking cache, and the CLIs end to end 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import pathlib
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from sas_backend.training.distill_cached import RowBatch, mean_loss
 from sas_backend.training.features import FeatureCacheError, FeatureSpec, build_feature_cache, load_feature_cache
 from sas_backend.training.model import GateTrainSpec, attach_gates, detach_gates, objective_loss
 from tiny_llama import ESSAYS_DIR, have_real_assets, save_tiny_model_dir, tiny_llama
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 SEQ, B, TAIL = 80, 16, 48  # 5 blocks of 16; the last 48 positions are queries
 
@@ -240,6 +244,20 @@ def test_cli_coverage_term_raises_held_out_coverage_and_is_recorded(cli_caches, 
     assert rec["coverage"]["regret"] is True and "(the oracle's top-k coverage" in rec["method"]
     cov = [v["coverage"]["192"] for v in rec["heldout_kl"]]
     assert cov[-1] > cov[0]  # less regret: the gate's top k covers more
+
+    # bench/coverage_gap.py reads the same held-out numbers per layer: their means are what training logged
+    spec = importlib.util.spec_from_file_location("coverage_gap", REPO / "bench" / "coverage_gap.py")
+    coverage_gap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(coverage_gap)
+    out = tmp_path / "gap.json"
+    assert coverage_gap.main(["--model", model_dir, "--val-cache", str(root / "val"),
+                              "--gate", f"regret={tmp_path / 'regret'}", "--budgets", "192", "--sink-blocks", "1", "--local-blocks", "1", "--json", str(out)]) == 0
+    gap = json.loads(out.read_text())["gaps"]["regret"]["192"]
+    assert sum(gap["gate"]) / len(gap["gate"]) == pytest.approx(cov[-1], abs=1e-4)
+    assert sum(gap["oracle"]) / len(gap["oracle"]) == pytest.approx(rec["heldout_oracle_coverage"]["192"], abs=1e-4)
+    assert all(g <= o + 1e-6 for g, o in zip(gap["gate"], gap["oracle"]))
+    shares = list(gap["worst_share"].values())
+    assert shares == sorted(shares) and 0 < shares[0] <= shares[-1] <= 1
     with pytest.raises(SystemExit, match="coverage-budgets"):
         _distill(root, model_dir, tmp_path / "bad", "--coverage-weight", "1", "--coverage-budgets", "128")
 
