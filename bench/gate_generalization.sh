@@ -73,10 +73,14 @@ timed() {  # $1 name, rest: command; appends "name<TAB>seconds" to $OUT/timings.
     printf '%s\t%s\n' "$name" "$(( $(date +%s) - t0 ))" >> "$OUT/timings.tsv"
 }
 
-cache() {  # $1 name, rest: features arguments; $SHARDS processes side by side, one thread each
+cache() {  # $1 name, rest: features arguments; a finished cache is skipped (and not timed)
+    if [ -e "$CACHE/$1/.complete" ]; then say "cache $1: done"; return; fi
+    timed "cache-$1" build_cache "$@"
+}
+
+build_cache() {  # $1 name, rest: features arguments; $SHARDS processes side by side, one thread each
     local name=$1 dir=$CACHE/$1 pids=() i ok=1
     shift
-    if [ -e "$dir/.complete" ]; then say "cache $name: done"; return; fi
     say "cache $name"
     for ((i = 0; i < SHARDS; i++)); do
         OMP_NUM_THREADS=1 $PY -m sas_backend.training.features --model "$M" --seq-len "$SEQ" --tail "$TAIL" \
@@ -88,12 +92,12 @@ cache() {  # $1 name, rest: features arguments; $SHARDS processes side by side, 
 }
 
 caches() {
-    timed cache-docs cache docs --data @docs --max-tokens "$TOKENS" &&
-    timed cache-code cache code --data @stdlib --max-tokens "$TOKENS" &&
-    timed cache-essays cache essays --data @essays --max-tokens "$TOKENS" &&
-    timed cache-docs-recall cache docs-recall --data @docs --seed 1 --max-rows $RECALL_ROWS --recall-rows 1 --recall-facts 8 &&
-    timed cache-val-docs cache val-docs --data @docs --split heldout --max-rows $VAL_ROWS &&
-    timed cache-val-code cache val-code --data @stdlib --split heldout --max-rows $VAL_ROWS
+    cache docs --data @docs --max-tokens "$TOKENS" &&
+    cache code --data @stdlib --max-tokens "$TOKENS" &&
+    cache essays --data @essays --max-tokens "$TOKENS" &&
+    cache docs-recall --data @docs --seed 1 --max-rows $RECALL_ROWS --recall-rows 1 --recall-facts 8 &&
+    cache val-docs --data @docs --split heldout --max-rows $VAL_ROWS &&
+    cache val-code --data @stdlib --split heldout --max-rows $VAL_ROWS
 }
 
 train() {  # $1 name, $2 sink, $3 local

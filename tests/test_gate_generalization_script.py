@@ -70,6 +70,8 @@ def test_study_runs_resumes_and_reports(tmp_path):
                            timeout=600)
     assert again.returncode == 0 and "cache docs: done" in again.stdout and "train train-free: done" in again.stdout
     assert "harness handbook-ood: done" in again.stdout
+    steps_timed = [line.split("\t")[0] for line in (out / "timings.tsv").read_text().splitlines()]
+    assert steps_timed.count("cache-docs") == 1 and steps_timed.count("train-free") == 1  # skipped: not timed
 
     # a smaller study: one trained gate and one text in the harness, read from the same working files; with
     # HARNESS_REUSE every selector the first study measured on these windows is taken over, not measured again
