@@ -360,19 +360,28 @@ def _coverage_case(seed=0, h=2, t=40, nb=10, b=16):
     return target / target.sum(-1, keepdim=True).clamp_min(1e-30), log_g, cand
 
 
-@pytest.mark.parametrize("k", [1, 3, 5, 8, 12])
-def test_topk_coverage_is_the_mass_a_budget_keeps(k):
-    """Hard coverage = target mass of each query's k best-scored candidates (all of them when it has
-    at most k), averaged over queries; the soft one tends to it as the temperature falls."""
-    target, log_g, cand = _coverage_case()
-    want, n = 0.0, 0
+def _loop_coverages(target, log_g, cand, k):
+    """[(the gate's k best-scored candidates' target mass, the k heaviest candidates' mass)] per
+    (head, query) with previous blocks: the loop reference of topk_coverage / topk_regret."""
+    out = []
     for h in range(target.shape[0]):
         for t in range(target.shape[1]):
             if target[h, t].sum() == 0:
                 continue
             idx = cand[t].nonzero().flatten()
-            best = idx[torch.argsort(log_g[h, t, idx], descending=True)[:k]]
-            want, n = want + float(target[h, t, best].sum()), n + 1
+            chosen = idx[torch.argsort(log_g[h, t, idx], descending=True)[:k]]
+            heaviest = target[h, t, idx].sort(descending=True).values[:k]
+            out.append((float(target[h, t, chosen].sum()), float(heaviest.sum())))
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8, 12])
+def test_topk_coverage_is_the_mass_a_budget_keeps(k):
+    """Hard coverage = target mass of each query's k best-scored candidates (all of them when it has
+    at most k), averaged over queries; the soft one tends to it as the temperature falls."""
+    target, log_g, cand = _coverage_case()
+    per_query = _loop_coverages(target, log_g, cand, k)
+    want, n = sum(got for got, _ in per_query), len(per_query)
     got = tm.topk_coverage(target, log_g, cand, k)
     assert float(got) == pytest.approx(want / n, rel=1e-6)
     assert float(tm.topk_coverage(target, log_g, cand, k, temperature=1e-4)) == pytest.approx(want / n, abs=1e-3)
@@ -396,15 +405,8 @@ def test_topk_regret_is_the_squared_shortfall_from_the_oracles_top_k(k):
     """Regret per query = mass of the target's k heaviest candidates - mass of the gate's k best-scored
     ones, squared and averaged; zero for the oracle's own scores; the soft one's gradient lowers it."""
     target, log_g, cand = _coverage_case(seed=2)
-    want, n = 0.0, 0
-    for h in range(target.shape[0]):
-        for t in range(target.shape[1]):
-            if target[h, t].sum() == 0:
-                continue
-            idx = cand[t].nonzero().flatten()
-            best = float(target[h, t, idx].sort(descending=True).values[:k].sum())
-            got = float(target[h, t, idx[torch.argsort(log_g[h, t, idx], descending=True)[:k]]].sum())
-            want, n = want + (best - got) ** 2, n + 1
+    per_query = _loop_coverages(target, log_g, cand, k)
+    want, n = sum((best - got) ** 2 for got, best in per_query), len(per_query)
     assert float(tm.topk_regret(target, log_g, cand, k)) == pytest.approx(want / n, rel=1e-5, abs=1e-12)
     if k >= int(cand.sum(-1).max()):  # every query keeps all its candidates: nothing to regret
         assert want == pytest.approx(0.0, abs=1e-10)
