@@ -137,7 +137,7 @@ def evaluate(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, pi
     with torch.no_grad():
         for layer, gate in gates.items():
             log_g, target, cand = layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
-                                                sink_blocks, local_blocks)
+                                               sink_blocks, local_blocks)
             kl += float(distill_kl(target, log_g))
             for k in picks:
                 cov[k] += float(topk_coverage(target, log_g, cand, k)) / len(gates)
@@ -154,7 +154,7 @@ def oracle_coverage(gates, rows, spec, gate_table, top_k, sink_blocks, local_blo
     with torch.no_grad():
         for layer, gate in gates.items():
             _, target, cand = layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
-                                            sink_blocks, local_blocks)
+                                           sink_blocks, local_blocks)
             log_target = torch.log(target.clamp_min(1e-30))  # ranks the blocks by their target mass
             for k in picks:
                 cov[k] += float(topk_coverage(target, log_target, cand, k)) / len(gates)

@@ -245,7 +245,7 @@ def distill_kl(target: torch.Tensor, log_g: torch.Tensor) -> torch.Tensor:
 
 
 def per_query_coverage(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor, k: int,
-                        temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
+                       temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """(coverage `[Hkv, T]`, has_prev `[Hkv, T]` bool): each query's target mass inside the gate's top k,
     as `topk_coverage` (same arguments) before its mean over the queries with previous blocks."""
     nb = log_g.shape[-1]
