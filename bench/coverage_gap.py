@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from statistics import fmean
 from typing import Dict, List, Optional
 
 import torch
@@ -77,8 +78,7 @@ def report(gaps: Dict[str, Dict[str, dict]], budgets: List[int]) -> str:
     for name, gap in gaps.items():
         for b in budgets:
             g = gap[str(b)]
-            mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-            lines.append(f"| {name} | {b} | {mean(g['gate']):.4f} | {mean(g['oracle']):.4f} | "
+            lines.append(f"| {name} | {b} | {fmean(g['gate']):.4f} | {fmean(g['oracle']):.4f} | "
                          + " / ".join(f"{g['quantiles'][str(q)]:.3f}" for q in QUANTILES) + " | "
                          + " / ".join(f"{100 * g['worst_share'][str(f)]:.0f}%" for f in WORST) + " |")
     b = str(budgets[0])
