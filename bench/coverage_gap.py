@@ -34,7 +34,7 @@ def gap_of(gate_dir: str, rows, spec, geometry, budgets: List[int], sink_blocks:
     from sas_backend.gate.module import gates_from_tensors
     from sas_backend.geometry import gate_rope_table
     from sas_backend.training.distill_cached import RowBatch, layer_scores
-    from sas_backend.training.model import per_query_coverage
+    from sas_backend.training.model import oracle_topk_mass, per_query_coverage
     from sas_backend.training.train import load_init_gate
 
     tensors, _ = load_init_gate(gate_dir, geometry, spec.block_size)
@@ -49,10 +49,9 @@ def gap_of(gate_dir: str, rows, spec, geometry, budgets: List[int], sink_blocks:
         for layer, gate in gates.items():
             log_g, target, cand = layer_scores(gate, RowBatch(rows, layer, spec), spec, table,
                                                max(budgets) // spec.block_size, sink_blocks, local_blocks)
-            log_target = torch.log(target.clamp_min(1e-30))  # the oracle ranks blocks by their target mass
             for b, k in picks.items():
                 got, has_prev = per_query_coverage(target, log_g, cand, k, 0.0)
-                best, _ = per_query_coverage(target, log_target, cand, k, 0.0)
+                best = oracle_topk_mass(target, k)
                 n = has_prev.sum().clamp_min(1)
                 per_layer[b]["gate"].append(float((got * has_prev).sum() / n))
                 per_layer[b]["oracle"].append(float((best * has_prev).sum() / n))

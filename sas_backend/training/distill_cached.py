@@ -148,16 +148,17 @@ def oracle_coverage(gates, rows, spec, gate_table, top_k, sink_blocks, local_blo
     """{k: hard top-k coverage of the target by its own top k (the oracle selector), averaged over
     layers} of `rows`: the ceiling the gates' held-out coverage (`evaluate`) is read against. The
     gates only lend their layers and geometry; their scores are not used."""
-    from sas_backend.training.model import topk_coverage
+    from sas_backend.training.model import oracle_topk_mass
 
     cov = {k: 0.0 for k in picks}
     with torch.no_grad():
         for layer, gate in gates.items():
-            _, target, cand = layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
-                                           sink_blocks, local_blocks)
-            log_target = torch.log(target.clamp_min(1e-30))  # ranks the blocks by their target mass
+            _, target, _ = layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
+                                        sink_blocks, local_blocks)
+            has_prev = target.sum(-1) > 0
             for k in picks:
-                cov[k] += float(topk_coverage(target, log_target, cand, k)) / len(gates)
+                best = oracle_topk_mass(target, k)
+                cov[k] += float((best * has_prev).sum() / has_prev.sum().clamp_min(1)) / len(gates)
     return cov
 
 

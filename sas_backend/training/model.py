@@ -255,10 +255,10 @@ def per_query_coverage(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Te
     masked = log_g.masked_fill(~cand[None], float("-inf"))
     top = torch.topk(masked, k + 1, dim=-1).values  # [Hkv, T, k+1]
     keep_all = (cand.sum(-1) <= k)[None].expand_as(has_prev)
-    if temperature <= 0:
-        inside = (masked >= top[..., k - 1 : k]) & cand[None]
-        inside = inside | keep_all[..., None]
-        return (target * inside).sum(-1), has_prev
+    if temperature <= 0:  # exactly k blocks, ties to the lower block index (the serving rule)
+        chosen = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]
+        cov = torch.gather(target, -1, chosen).sum(-1)
+        return torch.where(keep_all, target.sum(-1), cov), has_prev
     tau = torch.where(keep_all, torch.zeros_like(top[..., 0]), (top[..., k - 1] + top[..., k]) / 2)
     soft = torch.sigmoid((log_g - tau[..., None]) / temperature)
     return (target * torch.where(keep_all[..., None], torch.ones_like(soft), soft)).sum(-1), has_prev
@@ -279,6 +279,13 @@ def topk_coverage(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor,
     return (cov * has_prev).sum() / has_prev.sum().clamp_min(1)
 
 
+def oracle_topk_mass(target: torch.Tensor, k: int) -> torch.Tensor:
+    """`[Hkv, T]`: each query's target mass in its k heaviest blocks, the most any selection of k
+    covers (the oracle's coverage). target `[Hkv, T, NB]` zero outside the ranked candidates, as
+    `target_over_candidates` leaves it; a query with at most k candidates keeps all its mass."""
+    return torch.topk(target, min(k, target.shape[-1]), dim=-1).values.sum(-1)
+
+
 def topk_regret(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor, k: int,
                 temperature: float = 0.0) -> torch.Tensor:
     """Mean over queries with previous blocks of the squared regret `(best - coverage)^2`: best is the
@@ -287,9 +294,7 @@ def topk_regret(target: torch.Tensor, log_g: torch.Tensor, cand: torch.Tensor, k
     selection misses the most, where a sparse step loses its perplexity; a mean coverage term spreads
     it over every query alike."""
     cov, has_prev = per_query_coverage(target, log_g, cand, k, temperature)
-    kk = min(k, target.shape[-1])
-    best = torch.topk(target, kk, dim=-1).values.sum(-1)  # the target is zero outside the candidates
-    regret = (best - cov).clamp_min(0)
+    regret = (oracle_topk_mass(target, k) - cov).clamp_min(0)
     return (regret.square() * has_prev).sum() / has_prev.sum().clamp_min(1)
 
 

@@ -251,7 +251,8 @@ def test_cli_coverage_term_raises_held_out_coverage_and_is_recorded(cli_caches, 
     spec.loader.exec_module(coverage_gap)
     out = tmp_path / "gap.json"
     assert coverage_gap.main(["--model", model_dir, "--val-cache", str(root / "val"),
-                              "--gate", f"regret={tmp_path / 'regret'}", "--budgets", "192", "--sink-blocks", "1", "--local-blocks", "1", "--json", str(out)]) == 0
+                              "--gate", f"regret={tmp_path / 'regret'}", "--budgets", "192",
+                              "--sink-blocks", "1", "--local-blocks", "1", "--json", str(out)]) == 0
     gap = json.loads(out.read_text())["gaps"]["regret"]["192"]
     assert sum(gap["gate"]) / len(gap["gate"]) == pytest.approx(cov[-1], abs=1e-4)
     assert sum(gap["oracle"]) / len(gap["oracle"]) == pytest.approx(rec["heldout_oracle_coverage"]["192"], abs=1e-4)

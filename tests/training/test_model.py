@@ -407,6 +407,8 @@ def test_topk_regret_is_the_squared_shortfall_from_the_oracles_top_k(k):
     target, log_g, cand = _coverage_case(seed=2)
     per_query = _loop_coverages(target, log_g, cand, k)
     want, n = sum((best - got) ** 2 for got, best in per_query), len(per_query)
+    has_prev = target.sum(-1) > 0
+    assert tm.oracle_topk_mass(target, k)[has_prev].tolist() == pytest.approx([best for _, best in per_query])
     assert float(tm.topk_regret(target, log_g, cand, k)) == pytest.approx(want / n, rel=1e-5, abs=1e-12)
     if k >= int(cand.sum(-1).max()):  # every query keeps all its candidates: nothing to regret
         assert want == pytest.approx(0.0, abs=1e-10)
@@ -418,3 +420,17 @@ def test_topk_regret_is_the_squared_shortfall_from_the_oracles_top_k(k):
     assert torch.isfinite(soft.grad).all() and (soft.grad[:, ~cand] == 0).all()
     moved = (soft - 0.5 * soft.grad).detach()
     assert tm.topk_regret(target, moved, cand, k, temperature=0.5) < tm.topk_regret(target, log_g, cand, k, 0.5)
+
+
+def test_hard_topk_coverage_counts_exactly_k_blocks_when_scores_tie():
+    """Tied scores at the cut: the hard coverage counts k blocks, the lower block index first (the
+    serving rule), never every tied block; the oracle's mass bounds it."""
+    from sas_backend.training.scoring import candidate_blocks
+
+    nb, b = 6, 4
+    pos = torch.tensor([nb * b - 1])  # the last query: blocks 0-4 before its own
+    cand, _ = candidate_blocks(pos, nb, b, 0, 0)
+    target = torch.tensor([[[0.1, 0.4, 0.2, 0.2, 0.1, 0.0]]])
+    log_g = torch.zeros(1, 1, nb).masked_fill(~cand[None], float("-inf"))  # every candidate ties
+    assert float(tm.topk_coverage(target, log_g, cand, 2)) == pytest.approx(0.5)  # blocks 0 and 1
+    assert float(tm.oracle_topk_mass(target, 2)) == pytest.approx(0.6)  # blocks 1 and 2 (or 3)
