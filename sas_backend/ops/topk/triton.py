@@ -52,6 +52,14 @@ def _row_keys(row_ptr, idx, n, sink_blocks, local_blocks):
     """Order-preserving int32 keys of scores[idx] (idx < n valid), forced blocks on top."""
     valid = idx < n
     x = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32)
+    return score_keys(x, idx, n, sink_blocks, local_blocks), valid
+
+
+@triton.jit
+def score_keys(x, idx, n, sink_blocks, local_blocks):
+    """Order-preserving int32 keys of fp32 scores x at block indices idx (row of n candidates):
+    NaN as -inf, -0.0 as +0.0, the `sink_blocks` first and `local_blocks` last blocks forced on top.
+    Shared with the fused select kernel (`ops.decode_step.triton`)."""
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(bits == _INT32_MIN, 0, bits)  # -0.0 ties with +0.0, as in torch.sort
     is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
@@ -60,7 +68,7 @@ def _row_keys(row_ptr, idx, n, sink_blocks, local_blocks):
     local_lo = n - local_blocks
     key = tl.where(idx >= local_lo, _LOCAL_KEY_BASE + (idx - local_lo), key)
     key = tl.where(idx < sink_blocks, _SINK_KEY, key)
-    return key, valid
+    return key
 
 
 @triton.jit
@@ -171,27 +179,35 @@ def _chunk_select_kernel(
 
         idx = start + tl.arange(0, CHUNK)
         key, valid = _row_keys(row_ptr, idx, n, sink_blocks, local_blocks)
-        thresh = tl.full([], _INT32_MIN, tl.int32)  # below every key: take all
-        need_ties = tl.full([], 0, tl.int32)
-        if n_c > K:
-            # The chunk sits in registers: every pass re-reads the same keys, no reloads.
-            prefix = tl.full([], 0, tl.int32)
-            above = tl.full([], 0, tl.int32)
-            done = tl.full([], 0, tl.int32)
-            for p in tl.static_range(4):
-                hist = tl.zeros([256], dtype=tl.int32)
-                if done == 0:
-                    hist = _pass_hist(key, valid, p, prefix)
-                prefix, above, thresh, need_ties, done = _pass_pick(
-                    hist, p, K, prefix, above, thresh, need_ties, done
-                )
-            thresh = tl.where(done != 0, thresh, prefix)
-            need_ties = tl.where(done != 0, need_ties, K - above)
-        zero = tl.full([], 0, tl.int32)
-        sel, pos, _, _ = _tile_select(key, valid, thresh, need_ties, zero, zero)
-        tl.store(idx_ptr + pos, idx, mask=sel)
-        if not DIRECT:
-            tl.store(key_ptr + pos, key, mask=sel)
+        chunk_topk(key, valid, idx, n_c, K, idx_ptr, key_ptr, WRITE_KEYS=not DIRECT)
+
+
+@triton.jit
+def chunk_topk(key, valid, idx, n_c, K, idx_ptr, key_ptr, WRITE_KEYS: tl.constexpr):
+    """The top min(K, n_c) of one tile held in registers (keys from `score_keys`, n_c valid entries) ->
+    idx_ptr[0:] block indices in ascending block order (and key_ptr[0:] their keys if WRITE_KEYS).
+    The caller pads the rest. Shared with the fused select kernel (`ops.decode_step.triton`)."""
+    thresh = tl.full([], _INT32_MIN, tl.int32)  # below every key: take all
+    need_ties = tl.full([], 0, tl.int32)
+    if n_c > K:
+        # The tile sits in registers: every pass re-reads the same keys, no reloads.
+        prefix = tl.full([], 0, tl.int32)
+        above = tl.full([], 0, tl.int32)
+        done = tl.full([], 0, tl.int32)
+        for p in tl.static_range(4):
+            hist = tl.zeros([256], dtype=tl.int32)
+            if done == 0:
+                hist = _pass_hist(key, valid, p, prefix)
+            prefix, above, thresh, need_ties, done = _pass_pick(
+                hist, p, K, prefix, above, thresh, need_ties, done
+            )
+        thresh = tl.where(done != 0, thresh, prefix)
+        need_ties = tl.where(done != 0, need_ties, K - above)
+    zero = tl.full([], 0, tl.int32)
+    sel, pos, _, _ = _tile_select(key, valid, thresh, need_ties, zero, zero)
+    tl.store(idx_ptr + pos, idx, mask=sel)
+    if WRITE_KEYS:
+        tl.store(key_ptr + pos, key, mask=sel)
 
 
 @triton.jit
@@ -219,10 +235,17 @@ def _merge_select_kernel(
     o_ptr = out_ptr + r.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     n = tl.minimum(tl.load(ncand_ptr + r).to(tl.int32), M)
     n = tl.maximum(n, 0)
-    _pad(o_ptr, tl.minimum(n, K), K, K_TILE)
     # Survivors of the chunks that hold candidates; -1 block index marks a padding slot.
-    length = ((n + CHUNK - 1) // CHUNK) * SLOTS
+    merge_topk(key_row, idx_row, o_ptr, n, K, ((n + CHUNK - 1) // CHUNK) * SLOTS, TILE, K_TILE, False)
 
+
+@triton.jit
+def merge_topk(key_row, idx_row, o_ptr, n, K, length, TILE: tl.constexpr, K_TILE: tl.constexpr,
+               CG: tl.constexpr):
+    """Top K of `length` chunk survivors (keys at key_row, block indices at idx_row, -1 = padding slot, in
+    block order) of a row with n candidates -> o_ptr[0:K], ascending, -1 padded. CG: read the survivors
+    through L2 only (another program of the same launch wrote them). Shared with `ops.decode_step.triton`."""
+    _pad(o_ptr, tl.minimum(n, K), K, K_TILE)
     thresh = tl.full([], _INT32_MIN, tl.int32)
     need_ties = tl.full([], 0, tl.int32)
     # n > K leaves at least K survivors (each chunk keeps min(its count, K)), so a K-th exists.
@@ -234,8 +257,7 @@ def _merge_select_kernel(
             hist = tl.zeros([256], dtype=tl.int32)
             for s0 in range(0, tl.where(done != 0, 0, length), TILE):
                 j = s0 + tl.arange(0, TILE)
-                blk = tl.load(idx_row + j, mask=j < length, other=-1)
-                key = tl.load(key_row + j, mask=blk >= 0, other=0)
+                blk, key = _load_survivors(key_row, idx_row, j, length, CG)
                 hist += _pass_hist(key, blk >= 0, p, prefix)
             prefix, above, thresh, need_ties, done = _pass_pick(hist, p, K, prefix, above, thresh, need_ties, done)
         thresh = tl.where(done != 0, thresh, prefix)
@@ -245,10 +267,20 @@ def _merge_select_kernel(
     ties = tl.full([], 0, tl.int32)
     for s0 in range(0, length, TILE):
         j = s0 + tl.arange(0, TILE)
-        blk = tl.load(idx_row + j, mask=j < length, other=-1)
-        key = tl.load(key_row + j, mask=blk >= 0, other=0)
+        blk, key = _load_survivors(key_row, idx_row, j, length, CG)
         sel, pos, taken, ties = _tile_select(key, blk >= 0, thresh, need_ties, taken, ties)
         tl.store(o_ptr + pos, blk, mask=sel)
+
+
+@triton.jit
+def _load_survivors(key_row, idx_row, j, length, CG: tl.constexpr):
+    if CG:
+        blk = tl.load(idx_row + j, mask=j < length, other=-1, cache_modifier=".cg")
+        key = tl.load(key_row + j, mask=blk >= 0, other=0, cache_modifier=".cg")
+    else:
+        blk = tl.load(idx_row + j, mask=j < length, other=-1)
+        key = tl.load(key_row + j, mask=blk >= 0, other=0)
+    return blk, key
 
 
 def _plan(m: int, k: int, chunk: Optional[int] = None) -> Tuple[int, int, int]:

@@ -1,0 +1,290 @@
+"""The fused sparse decode step of one layer: three launches (front, select, attend), ONE entry point each.
+
+    front(...)   gate query of the new token, and the summary of a block its token completed
+    select(...)  scores of every candidate block, forced blocks and anchors, Top-K -> `[bs, H_kv, K]`
+    attend(...)  attention over the K selected blocks plus the current block -> `[bs, H_q, Dv]`
+
+`triton.py` holds the kernels (its docstring says how each is split); `naive.py` states the same step with
+the plain references of `ops.gate`, `ops.summary`, `ops.score`, `ops.anchors`, `ops.topk` and
+`ops.sparse_decode` (tests only). The torch path a CPU server runs is the per-op one
+(`sas_backend.selection` + `ops.sparse_decode`); `backend.decode_step.DecodeStep` picks between them.
+Buffers live in a `DecodeStepWorkspace`, allocated once per server for the largest batch: no launch
+allocates (CUDA graphs), and no launch syncs the host. The kernels are imported on first use only, so
+CPU callers that never launch them never import Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+# The GPU the kernels' splits are sized for: programs per launch at batch 1 (about two waves of an
+# H100/H200's 132 SMs). On CPU (the interpreter runs programs one by one) a handful, so that the split
+# paths still run; `DecodeStepWorkspace(target_programs=...)` overrides both.
+GPU_TARGET_PROGRAMS = 264
+CPU_TARGET_PROGRAMS = 4
+_QCHUNK = 16  # w_q rows per RoPE half per front unit (16 KB of fp32 at Dg 128), as ops.gate.triton's split
+_KCHUNK = 8  # head dims per RoPE half per summary unit (24 KB of fp32 w_k at D = Dg = 128)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGeometry:
+    """Per-rank geometry of a sparse layer: H_kv kv heads, G query heads each, head dims D (keys) and
+    Dv (values), gate dim Dg, K selected blocks of b tokens."""
+
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    v_head_dim: int
+    gate_dim: int
+    top_k: int
+    block_size: int
+
+    def check(self) -> "StepGeometry":
+        if self.head_dim % 2 or self.gate_dim % 2:
+            raise ValueError(f"RoPE needs even dims, got D={self.head_dim}, Dg={self.gate_dim}")
+        if self.block_size & (self.block_size - 1) or self.block_size <= 0:
+            raise ValueError(f"block size must be a power of two, got {self.block_size}")
+        if self.top_k < 0 or self.num_kv_heads <= 0 or self.group <= 0:
+            raise ValueError(f"bad geometry {self}")
+        return self
+
+
+class DecodeStepWorkspace:
+    """The three kernels' buffers for at most `max_bs` rows and `max_blocks` candidate blocks per row.
+
+    gate_q `[max_bs, H_kv, Dg]` fp32 (front -> select); selected `[max_bs, H_kv, K]` int32 (select ->
+    attend); partials and the zeroed arrival counters of each launch. Split sizes:
+    - front: UQ = G * cdiv(D/2, 16) gate-query units and UK = cdiv(D/2, 8) summary units per (row, kv head);
+    - select: chunks of `chunk` blocks (default max(64, 4 * next_pow2(K))), NC = cdiv(width, chunk) programs
+      per (row, kv head), each keeping min(K, chunk) survivors;
+    - attend: `attend_splits(bs)` splits of the K + 1 blocks, about `target_programs` programs at batch 1,
+      one split (no partials) once bs * H_kv alone fills the device.
+    """
+
+    def __init__(self, geometry: StepGeometry, max_bs: int, max_blocks: int, device, chunk: Optional[int] = None,
+                 target_programs: Optional[int] = None):
+        self.geo = geo = geometry.check()
+        self.device = torch.device(device)
+        self.max_bs = int(max_bs)
+        self.max_blocks = int(max_blocks)
+        cuda = self.device.type == "cuda"
+        self.target_programs = int(target_programs or (GPU_TARGET_PROGRAMS if cuda else CPU_TARGET_PROGRAMS))
+        half_d = geo.head_dim // 2
+        self.qchunk = min(_QCHUNK, _pow2(half_d))
+        self.uq_per_head = -(-half_d // self.qchunk)
+        self.uq = geo.group * self.uq_per_head
+        self.kchunk = min(_KCHUNK, _pow2(half_d))
+        self.uk = -(-half_d // self.kchunk)
+        k = geo.top_k
+        self.chunk = int(chunk or max(64, 4 * _pow2(max(k, 1))))
+        if self.chunk < 16 or self.chunk & (self.chunk - 1):
+            raise ValueError(f"select chunk must be a power of two >= 16, got {self.chunk}")
+        self.slots = max(1, min(k, self.chunk))
+        f32, i32 = dict(dtype=torch.float32, device=self.device), dict(dtype=torch.int32, device=self.device)
+        rows = self.max_bs * geo.num_kv_heads
+        dg = geo.gate_dim
+        self.gate_q = torch.zeros(self.max_bs, geo.num_kv_heads, dg, **f32)
+        self.selected = torch.full((self.max_bs, geo.num_kv_heads, max(k, 0)), -1, **i32)
+        self.front_partials_q = torch.zeros(rows * self.uq * dg, **f32)
+        self.front_partials_k = torch.zeros(rows * self.uk * dg, **f32)
+        self.front_counters = torch.zeros(rows * 2, **i32)
+        nc = self.select_chunks(self.max_blocks)
+        self.select_partials = torch.zeros(rows * 2 * nc * self.slots if nc > 1 else 1, **i32)
+        self.select_counters = torch.zeros(rows, **i32)
+        self.gp = max(16, _pow2(geo.group))
+        self.block_dv = max(16, _pow2(geo.v_head_dim))
+        most = max(bs * self.attend_splits(bs) for bs in range(1, self.max_bs + 1))
+        splits_rows = most * geo.num_kv_heads
+        self.attend_stats = torch.zeros(splits_rows * 2 * self.gp, **f32)
+        self.attend_partials = torch.zeros(splits_rows * self.gp * self.block_dv, **f32)
+        self.attend_counters = torch.zeros(rows, **i32)
+
+    def select_chunks(self, width: int) -> int:
+        """Programs per (row, kv head) of the select launch for rows of `width` candidate blocks."""
+        return max(1, -(-max(int(width), 1) // self.chunk))
+
+    def attend_splits(self, bs: int) -> int:
+        """Splits of the K + 1 attended blocks for a batch of bs rows (a function of bs only, so a
+        captured batch size always splits alike)."""
+        entries = self.geo.top_k + 1
+        want = max(1, -(-self.target_programs // max(1, bs * self.geo.num_kv_heads)))
+        per = -(-entries // min(entries, want))
+        return -(-entries // per)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of every buffer."""
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+
+
+def front(
+    ws: DecodeStepWorkspace,
+    q: torch.Tensor,
+    model_cos_sin: torch.Tensor,
+    gate_cos_sin: torch.Tensor,
+    w_q: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_buffer: torch.Tensor,
+    model_table: torch.Tensor,
+    gate_table: torch.Tensor,
+    w_k: torch.Tensor,
+    k_norm: torch.Tensor,
+    summaries: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> torch.Tensor:
+    """One launch: the gate query of each row's new token, and the summary of the block it completed.
+
+    q: `[bs, H_q, D]` after the model's RoPE (last axis contiguous); model_cos_sin `[bs, D]`, gate_cos_sin
+    `[bs, Dg]`: fp32 table rows at each row's position; w_q `[H_kv, G, D, Dg]`, q_norm `[Dg]`; k_buffer
+    `[slots, H_kv, D]` holding the new key already; model_table `[max_pos, D]`, gate_table `[max_pos, Dg]`
+    fp32; w_k `[H_kv, 3D, Dg]`, k_norm `[Dg]` (weights fp32 or bf16); summaries `[num_pages, H_kv, Dg]`
+    (fp32 or bf16) written in place for rows whose seq_len is a positive multiple of b; block_table
+    `[bs, >= M + 1]` int; seq_lens `[bs]`. Returns `ws.gate_q[:bs]` `[bs, H_kv, Dg]` fp32
+    (= `naive.front`'s gate query; the summaries as `ops.summary.update_summaries` leaves them).
+    """
+    from sas_backend.ops.decode_step import triton as kernels
+    from sas_backend.ops.gate.naive import GATE_NORM_EPS
+
+    geo = ws.geo
+    bs, h_q, d = q.shape
+    h_kv, dg = geo.num_kv_heads, geo.gate_dim
+    if bs > ws.max_bs or h_q != h_kv * geo.group or d != geo.head_dim:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the workspace ({ws.max_bs} rows, {h_kv}x{geo.group} "
+                         f"heads of {geo.head_dim})")
+    if w_q.shape != (h_kv, geo.group, d, dg) or w_k.shape != (h_kv, 3 * d, dg):
+        raise ValueError(f"gate weights {tuple(w_q.shape)} / {tuple(w_k.shape)} do not fit the geometry {geo}")
+    if summaries.shape[1:] != (h_kv, dg) or summaries.stride(-1) != 1 or k_buffer.stride(-1) != 1:
+        raise ValueError("summaries must be [num_pages, H_kv, Dg] and k_buffer [slots, H_kv, D], last axes contiguous")
+    for name, t in (("model_cos_sin", model_cos_sin), ("gate_cos_sin", gate_cos_sin), ("model_table", model_table),
+                    ("gate_table", gate_table)):
+        if t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be fp32 with a contiguous last axis")
+    gq = ws.gate_q[:bs]
+    if bs == 0:
+        return gq
+    kernels._front_kernel[(bs, h_kv, ws.uq + ws.uk)](
+        q, model_cos_sin, gate_cos_sin, w_q, q_norm, gq,
+        k_buffer, model_table, gate_table, w_k, k_norm, summaries, block_table, seq_lens,
+        ws.front_partials_q, ws.front_partials_k, ws.front_counters,
+        q.stride(0), q.stride(1), model_cos_sin.stride(0), gate_cos_sin.stride(0),
+        w_q.stride(0), w_q.stride(1), w_q.stride(2), w_q.stride(3),
+        gq.stride(0), gq.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), model_table.stride(0), gate_table.stride(0),
+        w_k.stride(0), w_k.stride(1), w_k.stride(2),
+        summaries.stride(0), summaries.stride(1), block_table.stride(0),
+        h_kv, geo.group, ws.uq, ws.uq_per_head, ws.uk, GATE_NORM_EPS,
+        HALF_D=d // 2, HALF_DG=dg // 2, QCHUNK=ws.qchunk, KCHUNK=ws.kchunk, BLOCK_HDG=_pow2(dg // 2),
+        BLOCK_SIZE=geo.block_size,
+    )
+    return gq
+
+
+def select(
+    ws: DecodeStepWorkspace,
+    gate_q: torch.Tensor,
+    summaries: torch.Tensor,
+    block_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    max_blocks: int,
+    sink_blocks: int = 0,
+    local_blocks: int = 0,
+    anchors: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One launch: the K blocks of each (row, kv head), as `naive.select`.
+
+    gate_q `[bs, H_kv, Dg]` fp32; summaries `[num_pages, H_kv, Dg]`; block_table `[bs, >= max_blocks]` int;
+    num_candidates `[bs]` int (complete blocks before the current one); max_blocks: the plan's width M
+    (the grid follows it, never a row's length); anchors: optional `[bs, H_kv, R]` int32 (-1 none).
+    Forced sink / local blocks count inside K, then anchors, then blocks by score, ties to the lower
+    index; a row with at most K candidates takes them all. Returns `ws.selected[:bs]` `[bs, H_kv, K]`
+    int32 ascending, -1 padded.
+    """
+    from sas_backend.ops.decode_step import triton as kernels
+
+    geo = ws.geo
+    bs, h_kv, dg = gate_q.shape
+    k = geo.top_k
+    out = ws.selected[:bs]
+    if max_blocks > ws.max_blocks:
+        raise ValueError(f"width {max_blocks} exceeds the workspace's {ws.max_blocks} blocks")
+    if bs == 0 or k == 0:
+        return out
+    if anchors is None:
+        anchors_t, r_count = out, 0  # never read
+    else:
+        if anchors.shape[:2] != (bs, h_kv) or anchors.dtype != torch.int32:
+            raise ValueError(f"anchors must be [bs, H_kv, R] int32, got {tuple(anchors.shape)} {anchors.dtype}")
+        anchors_t, r_count = anchors, anchors.shape[2]
+    nc = ws.select_chunks(max_blocks)
+    m = max(int(max_blocks), 0)
+    kernels._select_kernel[(bs, h_kv, nc)](
+        gate_q, summaries, block_table, num_candidates, anchors_t, out, ws.select_partials, ws.select_counters,
+        gate_q.stride(0), gate_q.stride(1), summaries.stride(0), summaries.stride(1), block_table.stride(0),
+        anchors_t.stride(0), anchors_t.stride(1), out.stride(0), out.stride(1),
+        h_kv, m, k, ws.slots, nc, min(max(sink_blocks, 0), m), min(max(local_blocks, 0), m), r_count,
+        dg**-0.5,
+        DG=dg, BLOCK_DG=_pow2(dg), BLOCK_SIZE=geo.block_size, CHUNK=ws.chunk,
+        SLOT_TILE=max(16, _pow2(ws.slots)), MERGE_TILE=max(16, min(4096, _pow2(nc * ws.slots))),
+        K_TILE=max(16, _pow2(k)),
+        num_warps=8 if ws.chunk >= 512 else 4,
+    )
+    return out
+
+
+def attend(
+    ws: DecodeStepWorkspace,
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    selected: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One launch: attention of each row's new token over its selected blocks and its current block.
+
+    q `[bs, H_q, D]`; k_buffer `[slots, H_kv, D]`, v_buffer `[slots, H_kv, Dv]`; selected `[bs, H_kv, K]`
+    int32 ascending, -1 padded; block_table `[bs, >= cur + 1]` int (token o of block m at slot
+    block_table[r, m] + o); seq_lens `[bs]` (the current block is attended up to the newest token).
+    Returns `[bs, H_q, Dv]` in q's dtype (out if given): plain `softmax(q K^T * scale) V`.
+    """
+    from sas_backend.ops.decode_step import triton as kernels
+
+    geo = ws.geo
+    bs, h_q, d = q.shape
+    h_kv, g = geo.num_kv_heads, geo.group
+    dv = v_buffer.shape[-1]
+    if bs > ws.max_bs or h_q != h_kv * g or selected.shape != (bs, h_kv, geo.top_k):
+        raise ValueError(f"q {tuple(q.shape)} / selected {tuple(selected.shape)} do not fit the workspace")
+    if q.stride(-1) != 1 or k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
+        raise ValueError("q, k_buffer and v_buffer need a contiguous last axis")
+    if out is None:
+        out = torch.empty(bs, h_q, dv, dtype=q.dtype, device=q.device)
+    if bs == 0:
+        return out
+    splits = ws.attend_splits(bs)
+    per = -(-(geo.top_k + 1) // splits)
+    kernels._attend_kernel[(bs, h_kv, splits)](
+        q, k_buffer, v_buffer, selected, block_table, seq_lens, out,
+        ws.attend_stats, ws.attend_partials, ws.attend_counters,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        selected.stride(0), selected.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
+        h_kv, g, geo.top_k, splits, per, float(scale),
+        D=d, DV=dv, BLOCK_SIZE=geo.block_size, TOK=max(16, geo.block_size), GP=ws.gp,
+        BLOCK_D=max(16, _pow2(d)), BLOCK_DV=ws.block_dv, SPLITS_P=max(2, _pow2(splits)),
+        IEEE=q.dtype == torch.float32,
+        DOT_F32=q.dtype == torch.bfloat16 and q.device.type != "cuda",
+    )
+    return out
+
+
+__all__ = ["DecodeStepWorkspace", "StepGeometry", "attend", "front", "select"]

@@ -1,0 +1,223 @@
+"""The fused decode step's three kernels (ops.decode_step: front, select, attend) against the plain
+references (ops.decode_step.naive), on random and edge-case inputs: partial and exactly-full blocks, budgets
+covering the context, GQA groups 1-8 (3 and 7 included), head dims 64 and 128, mixed lengths in one batch,
+padded graph rows, forced blocks and prompt anchors, multi-chunk selects and multi-split attention, and
+fp32 / bf16 / fp16."""
+
+import pytest
+import torch
+
+from sas_backend.ops import decode_step as fused
+from sas_backend.ops.decode_step import naive
+from sas_backend.ops.rope import apply_rope, rope_cos_sin_table
+from sas_backend.ops.score.naive import candidate_counts
+from sas_backend.ops.summary.naive import summarize_pages
+from tests.devices import DEVICE
+
+
+class StepCase:
+    """A decode batch over a paged cache (tests/ops/conftest.PagedCase) with gate weights, post-RoPE keys at
+    the positions their slots hold, values, summaries of every complete block, and the batch's RoPE rows."""
+
+    def __init__(self, paged_case, lens, group, d=16, dg=16, b=4, h_kv=2, kv_dtype=torch.float32, seed=0,
+                 weight_dtype=torch.float32, summary_dtype=torch.float32, integer_summaries=False):
+        self.case = case = paged_case(lens, b, h_kv, d, seed=seed)
+        g = case.gen
+        self.b, self.h_kv, self.d, self.dg, self.group = b, h_kv, d, dg, group
+        self.lens = lens
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=g).to(DEVICE)
+
+        max_pos = case.max_blocks * b + 2 * b
+        self.model_table = rope_cos_sin_table(d, max_pos, 10000.0, device=DEVICE)
+        self.gate_table = rope_cos_sin_table(dg, max_pos, 10000.0, device=DEVICE)
+        slot_pos = torch.zeros(case.slots, dtype=torch.int64, device=DEVICE)
+        for r, n in enumerate(lens):
+            slot_pos[case.req_to_token[int(case.req_pool_indices[r]), :n].long()] = torch.arange(n, device=DEVICE)
+        self.k_buf = apply_rope(randn(case.slots, h_kv, d), self.model_table[slot_pos]).to(kv_dtype)
+        self.v_buf = randn(case.slots, h_kv, d).to(kv_dtype)
+        self.w_q = (randn(h_kv, group, d, dg) / (group * d) ** 0.5).to(weight_dtype)
+        self.w_k = (randn(h_kv, 3 * d, dg) / (3 * d) ** 0.5).to(weight_dtype)
+        self.q_norm = (torch.rand(dg, generator=g) + 0.5).to(DEVICE)
+        self.k_norm = (torch.rand(dg, generator=g) + 0.5).to(DEVICE)
+        self.q = randn(len(lens), h_kv * group, d).to(kv_dtype)
+        pos = (case.seq_lens - 1).clamp_min(0)
+        self.model_cs, self.gate_cs = self.model_table[pos], self.gate_table[pos]
+        self.table = case.block_table()
+        self.seq_lens = case.seq_lens
+        self.n_cand = candidate_counts(case.seq_lens, b)
+        self.max_blocks = case.max_blocks
+        summ = torch.zeros(case.num_pages + 1, h_kv, dg, device=DEVICE)
+        pages, starts = [], []
+        for r, n in enumerate(lens):
+            for m in range(n // b):
+                pages.append(int(case.req_to_token[int(case.req_pool_indices[r]), m * b]) // b)
+                starts.append(m * b)
+        if pages:
+            pages_t, starts_t = torch.tensor(pages, device=DEVICE), torch.tensor(starts, device=DEVICE)
+            summ[pages_t] = summarize_pages(self.k_buf, pages_t, starts_t, self.model_table, self.gate_table,
+                                            self.w_k.float(), self.k_norm, b)
+        if integer_summaries:  # exact scores in any summation order: ties are real ties on both sides
+            summ = torch.randint(-2, 3, summ.shape, generator=g).float().to(DEVICE)
+        self.summaries = summ.to(summary_dtype)
+
+    def workspace(self, top_k, **kw):
+        geo = fused.StepGeometry(self.h_kv, self.group, self.d, self.d, self.dg, top_k, self.b)
+        return fused.DecodeStepWorkspace(geo, len(self.lens), self.max_blocks, DEVICE, **kw)
+
+
+LENS = [1, 4, 7, 8, 13, 24, 37]  # empty history, exactly full blocks (4, 8, 24), partial ones
+
+
+@pytest.mark.parametrize("group", [1, 3, 7, 8])
+def test_front_matches_reference(paged_case, group):
+    c = StepCase(paged_case, LENS, group, seed=group)
+    ws = c.workspace(top_k=2)
+    ref_summ = c.summaries.clone()
+    ref_gq = naive.front(c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table, c.w_k,
+                         c.k_norm, ref_summ, c.table, c.seq_lens, c.b)
+    summ = c.summaries.clone()
+    summ[1:] += 1.0  # rows the kernel must overwrite differ from the reference's until it does
+    summ_before = summ.clone()
+    gq = fused.front(ws, c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table,
+                     c.w_k, c.k_norm, summ, c.table, c.seq_lens)
+    torch.testing.assert_close(gq, ref_gq, rtol=1e-5, atol=1e-5)
+    done = [r for r, n in enumerate(LENS) if n % c.b == 0]
+    written = set()
+    for r in done:
+        page = int(c.table[r, LENS[r] // c.b - 1]) // c.b
+        written.add(page)
+        torch.testing.assert_close(summ[page], ref_summ[page], rtol=1e-5, atol=1e-5)
+    others = [p for p in range(summ.shape[0]) if p not in written]
+    assert torch.equal(summ[others], summ_before[others])  # no other page touched (page 0 included)
+    assert int(ws.front_counters.abs().sum()) == 0  # every counter reset for the next launch
+
+
+@pytest.mark.parametrize("d,dtype", [(64, torch.bfloat16), (128, torch.float16), (128, torch.float32)])
+def test_front_head_dims_and_dtypes(paged_case, d, dtype):
+    lens = [8, 5, 16]
+    c = StepCase(paged_case, lens, 4, d=d, dg=32, kv_dtype=dtype, weight_dtype=torch.bfloat16,
+                 summary_dtype=torch.bfloat16, seed=d)
+    ws = c.workspace(top_k=1)
+    ref_summ = c.summaries.clone()
+    ref_gq = naive.front(c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table, c.w_k,
+                         c.k_norm, ref_summ, c.table, c.seq_lens, c.b)
+    summ = c.summaries.clone()
+    gq = fused.front(ws, c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table,
+                     c.w_k, c.k_norm, summ, c.table, c.seq_lens)
+    torch.testing.assert_close(gq, ref_gq, rtol=1e-4, atol=1e-4)
+    # bf16 pool: the same value rounded once (the reference casts its fp32 summary the same way)
+    torch.testing.assert_close(summ.float(), ref_summ.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("top_k,sink,local,chunk", [(2, 0, 0, None), (3, 1, 1, 16), (5, 1, 2, 16), (40, 0, 0, None),
+                                                    (1, 1, 0, 16), (4, 0, 0, 16)])
+def test_select_matches_reference_with_ties(paged_case, top_k, sink, local, chunk):
+    # Integer summaries and gate queries: exact scores, many exact ties (the lower block index wins).
+    lens = [1, 5, 64, 65, 130, 260, 77]
+    c = StepCase(paged_case, lens, 3, integer_summaries=True, seed=top_k)
+    gq = torch.randint(-2, 3, (len(lens), c.h_kv, c.dg), generator=c.case.gen).float().to(DEVICE)
+    ws = c.workspace(top_k=top_k, chunk=chunk)
+    ref = naive.select(gq, c.summaries, c.table, c.n_cand, c.b, c.max_blocks, top_k, sink, local)
+    got = fused.select(ws, gq, c.summaries, c.table, c.n_cand, c.max_blocks, sink, local)
+    assert torch.equal(got, ref)
+    assert int(ws.select_counters.abs().sum()) == 0
+    if chunk == 16:
+        assert ws.select_chunks(c.max_blocks) > 1  # the merge ran
+
+
+@pytest.mark.parametrize("anchor_count", [1, 3])
+def test_select_anchors_and_padded_rows(paged_case, anchor_count):
+    lens = [300, 1, 1, 97, 33]  # rows 1 and 2 stand for a graph's padding rows (seq_len 1)
+    c = StepCase(paged_case, lens, 2, seed=11 + anchor_count)
+    gq = torch.randn(len(lens), c.h_kv, c.dg, generator=c.case.gen).to(DEVICE)
+    anchors = torch.randint(-1, 80, (len(lens), c.h_kv, anchor_count), generator=c.case.gen).to(DEVICE, torch.int32)
+    ws = c.workspace(top_k=6, chunk=16)
+    ref = naive.select(gq, c.summaries, c.table, c.n_cand, c.b, c.max_blocks, 6, 1, 1, anchors=anchors)
+    got = fused.select(ws, gq, c.summaries, c.table, c.n_cand, c.max_blocks, 1, 1, anchors=anchors)
+    assert torch.equal(got, ref)
+    for r, n in enumerate(lens):  # every anchor that is a candidate is selected
+        for h in range(c.h_kv):
+            for a in anchors[r, h].tolist():
+                if 0 <= a < (n - 1) // c.b:
+                    assert a in got[r, h].tolist()
+
+
+def test_select_random_scores_agree_up_to_rounding(paged_case):
+    # Continuous scores: the kernel sums the dot in another order, so a selection may differ only where two
+    # reference scores are within rounding of each other.
+    lens = [513, 260, 129]
+    c = StepCase(paged_case, lens, 4, dg=32, seed=5)
+    gq = torch.randn(len(lens), c.h_kv, c.dg, generator=c.case.gen).to(DEVICE)
+    ws = c.workspace(top_k=7, chunk=32)
+    scores = naive.scores(gq, c.summaries, c.table, c.n_cand, c.b, c.max_blocks)
+    ref = naive.select(gq, c.summaries, c.table, c.n_cand, c.b, c.max_blocks, 7)
+    got = fused.select(ws, gq, c.summaries, c.table, c.n_cand, c.max_blocks)
+    for r in range(len(lens)):
+        for h in range(c.h_kv):
+            a, b = set(ref[r, h].tolist()), set(got[r, h].tolist())
+            for x, y in zip(sorted(a - b), sorted(b - a)):
+                assert abs(float(scores[r, h, x]) - float(scores[r, h, y])) < 1e-5
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 7, 8])
+@pytest.mark.parametrize("target", [1, 64])
+def test_attend_matches_reference(paged_case, group, target):
+    c = StepCase(paged_case, LENS + [70], group, seed=20 + group)
+    ws = c.workspace(top_k=3, target_programs=target)
+    sel = naive.select(c.gate_cs[:, None, :].expand(-1, c.h_kv, -1).contiguous(), c.summaries, c.table, c.n_cand,
+                       c.b, c.max_blocks, 3)
+    ref = naive.attend(c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, c.b, c.d**-0.5)
+    got = fused.attend(ws, c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, c.d**-0.5)
+    if target > 1:
+        assert ws.attend_splits(len(c.lens)) > 1  # the in-kernel merge ran
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert int(ws.attend_counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("d,dtype,b", [(64, torch.bfloat16, 64), (128, torch.float16, 16), (128, torch.bfloat16, 64)])
+def test_attend_head_dims_dtypes_and_block_64(paged_case, d, dtype, b):
+    lens = [3 * b, 2 * b + 5, 1, 5 * b - 1]
+    c = StepCase(paged_case, lens, 4, d=d, dg=32, b=b, kv_dtype=dtype, seed=d + b)
+    ws = c.workspace(top_k=2, target_programs=16)
+    sel = naive.select(torch.randn(len(lens), c.h_kv, c.dg, generator=c.case.gen).to(DEVICE), c.summaries, c.table,
+                       c.n_cand, b, c.max_blocks, 2)
+    ref = naive.attend(c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, b, d**-0.5)
+    got = fused.attend(ws, c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, d**-0.5)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_attend_covering_budget_is_dense(paged_case):
+    # Budget >= context: every block is selected, so the sparse result is dense decode attention.
+    lens = [1, 4, 9, 17, 30]
+    c = StepCase(paged_case, lens, 3, seed=3)
+    ws = c.workspace(top_k=8, target_programs=8)
+    sel = naive.select(torch.zeros(len(lens), c.h_kv, c.dg, device=DEVICE), c.summaries, c.table, c.n_cand, c.b,
+                       c.max_blocks, 8)
+    got = fused.attend(ws, c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, c.d**-0.5)
+    for r, n in enumerate(lens):
+        slots = c.case.req_to_token[int(c.case.req_pool_indices[r]), :n].long()
+        ks = c.k_buf[slots].transpose(0, 1).repeat_interleave(3, 0)
+        vs = c.v_buf[slots].transpose(0, 1).repeat_interleave(3, 0)
+        dense = torch.nn.functional.scaled_dot_product_attention(c.q[r][:, None], ks, vs, scale=c.d**-0.5)
+        torch.testing.assert_close(got[r], dense[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_whole_step_matches_reference_chain(paged_case):
+    """front -> select -> attend, twice over one workspace (counters reset), equals the reference chain."""
+    lens = [64, 129, 1, 200]
+    c = StepCase(paged_case, lens, 4, seed=9)
+    ws = c.workspace(top_k=5, chunk=16, target_programs=8)
+    for _ in range(2):
+        ref_summ, summ = c.summaries.clone(), c.summaries.clone()
+        gq_ref = naive.front(c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table,
+                             c.w_k, c.k_norm, ref_summ, c.table, c.seq_lens, c.b)
+        sel_ref = naive.select(gq_ref, ref_summ, c.table, c.n_cand, c.b, c.max_blocks, 5, 1, 1)
+        out_ref = naive.attend(c.q, c.k_buf, c.v_buf, sel_ref, c.table, c.seq_lens, c.b, c.d**-0.5)
+        gq = fused.front(ws, c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table,
+                         c.w_k, c.k_norm, summ, c.table, c.seq_lens)
+        sel = fused.select(ws, gq, summ, c.table, c.n_cand, c.max_blocks, 1, 1)
+        out = fused.attend(ws, c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, c.d**-0.5)
+        assert torch.equal(sel, sel_ref)
+        torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
