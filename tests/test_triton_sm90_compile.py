@@ -32,6 +32,7 @@ SERVING_KERNELS = {
     "ops.summary._summarize_pages_kernel",
     "ops.summary._summary_update_decode_kernel", "ops.score._score_blocks_kernel",
     "ops.topk._chunk_select_kernel", "ops.topk._merge_select_kernel", "ops.gather._build_kv_indices_kernel",
+    "ops.decode_step._front_kernel", "ops.decode_step._select_kernel", "ops.decode_step._attend_kernel",
 }
 TRAINING_KERNELS = {"training.fused._fwd_kernel", "training.fused._delta_kernel", "training.fused._bwd_dq_kernel",
                     "training.fused._bwd_dkdv_kernel"}

@@ -75,6 +75,7 @@ KERNEL_MODULES = (
     "sas_backend.ops.score.triton",
     "sas_backend.ops.topk.triton",
     "sas_backend.ops.gather.triton",
+    "sas_backend.ops.decode_step.triton",
     "sas_backend.training.ops.gated_attention.fused",
 )
 TRAINING_MODULES = ("sas_backend.training.",)
@@ -96,7 +97,8 @@ SPEC_FORCED = ((0, 0), (1, 1), (1, 2))
 # The runtime ints each launcher takes (the others would only clutter its geometry label).
 RUNTIME_KEYS = dict(gate_query=("bs", "h_kv"), summarize_pages=("h_kv", "n"), summary_update=("bs", "h_kv", "m"),
                     score=("bs", "h_kv", "m"), topk=("bs", "h_kv", "m", "sink", "local"),
-                    gather=("bs", "h_kv", "m"), gated_attention=())
+                    gather=("bs", "h_kv", "m"), gated_attention=(), decode_front=("bs", "h_kv"),
+                    decode_select=("bs", "h_kv", "m", "sink", "local"), decode_attend=("bs", "h_kv"))
 # The one fp32 training geometry of the CI grid: the cheapest (about 20 CPU s for its 4 kernels).
 CI_FP32_TRAINING = dict(d=64, g=1)
 CI_HALF_TRAINING = ("bf16",)  # the 16-bit training dtype of the CI grid
@@ -133,6 +135,15 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
         "topk": product(k=ks, m=WIDTHS)
         + [dict(k=sg["k"], sink=f[0], local=f[1], **s) for s in width_spec for f in SPEC_FORCED],
         "gather": product(k=ks, m=WIDTHS) + [dict(k=sg["k"], **s) for s in width_spec],
+        # The fused decode step (ops/decode_step): every group and dim in bf16, the dtypes at the spec geometry.
+        "decode_front": product(d=HEAD_DIMS, dg=GATE_DIMS, g=GROUPS, dtype=("bf16",), weights=("fp32",),
+                                summaries=("fp32",))
+        + product(d=(sg["d"],), dg=(sg["dg"],), g=(sg["g"],), dtype=DTYPES, weights=("fp32", "bf16"),
+                  summaries=("fp32", "bf16")),
+        "decode_select": product(dg=GATE_DIMS, k=ks, m=(1, 65, 2047, 4095), anchors=(0,))
+        + [dict(dg=sg["dg"], k=sg["k"], anchors=4, sink=1, local=1, bs=1, h_kv=8, m=w) for w in SPEC_WIDTHS],
+        "decode_attend": product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES, k=(sg["k"],))
+        + [dict(d=sg["d"], g=sg["g"], dtype=sg["dtype"], k=k, **s) for s in spec for k in ks],
         "gated_attention": [p for p in product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES)
                             if grid == "full" or p["dtype"] in CI_HALF_TRAINING
                             or (p["dtype"] == "fp32" and all(p[k] == v for k, v in CI_FP32_TRAINING.items()))],
@@ -201,6 +212,30 @@ def launch(op: str, p: dict) -> None:
         indptr = torch.arange(rows + 1, dtype=i32) * ((k + 1) * BLOCK)
         build_kv_indices_triton(torch.zeros(bs, h_kv, k, dtype=i32), table, seq_lens, BLOCK, indptr,
                                 torch.empty(rows * (k + 1) * BLOCK, dtype=i32))
+    elif op.startswith("decode_"):
+        from sas_backend.ops import decode_step as fused
+
+        d, dg, g = p.get("d", 128), p.get("dg", 128), p.get("g", 4)
+        k = p.get("k", 32)
+        geo = fused.StepGeometry(h_kv, g, d, d, dg, k, BLOCK)
+        # The GPU's split sizes: the CPU default would size the attend splits for the interpreter.
+        ws = fused.DecodeStepWorkspace(geo, bs, m, "cpu", target_programs=fused.GPU_TARGET_PROGRAMS)
+        dt = _dt(p.get("dtype", "bf16"))
+        k_buffer = torch.empty(pages * BLOCK, h_kv, d, dtype=dt)
+        summaries = torch.empty(pages + 1, h_kv, dg, dtype=_dt(p.get("summaries", "fp32")))
+        if op == "decode_front":
+            wt = _dt(p["weights"])
+            fused.front(ws, torch.empty(bs, h_kv * g, d, dtype=dt), torch.ones(bs, d), torch.ones(bs, dg),
+                        torch.empty(h_kv, g, d, dg, dtype=wt), torch.empty(dg), k_buffer, torch.ones(4 * BLOCK, d),
+                        torch.ones(4 * BLOCK, dg), torch.empty(h_kv, 3 * d, dg, dtype=wt), torch.empty(dg),
+                        summaries, table, seq_lens)
+        elif op == "decode_select":
+            anchors = torch.full((bs, h_kv, p["anchors"]), -1, dtype=i32) if p["anchors"] else None
+            fused.select(ws, torch.empty(bs, h_kv, dg), summaries, table, torch.full((bs,), m, dtype=i64), m,
+                         p.get("sink", 0), p.get("local", 0), anchors)
+        else:
+            fused.attend(ws, torch.empty(bs, h_kv * g, d, dtype=dt), k_buffer, torch.empty_like(k_buffer),
+                         torch.zeros(bs, h_kv, k, dtype=i32), table, seq_lens, d**-0.5)
     elif op == "gated_attention":
         from sas_backend.training.ops.gated_attention import gated_attention
 

@@ -16,6 +16,7 @@ CPU callers that never launch them never import Triton.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -27,6 +28,12 @@ GPU_TARGET_PROGRAMS = 264
 CPU_TARGET_PROGRAMS = 4
 _QCHUNK = 16  # w_q rows per RoPE half per front unit (16 KB of fp32 at Dg 128), as ops.gate.triton's split
 _KCHUNK = 8  # head dims per RoPE half per summary unit (24 KB of fp32 w_k at D = Dg = 128)
+
+
+def _interpreting() -> bool:
+    """Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1): the kernels then work around its
+    wrong bf16 `tl.dot` (seen with Triton 3.6 and 3.9) by computing that dot in fp32."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _pow2(x: int) -> int:
@@ -225,16 +232,16 @@ def select(
         anchors_t, r_count = anchors, anchors.shape[2]
     nc = ws.select_chunks(max_blocks)
     m = max(int(max_blocks), 0)
+    merge_tile = max(16, min(4096, _pow2(nc * ws.slots)))
     kernels._select_kernel[(bs, h_kv, nc)](
         gate_q, summaries, block_table, num_candidates, anchors_t, out, ws.select_partials, ws.select_counters,
         gate_q.stride(0), gate_q.stride(1), summaries.stride(0), summaries.stride(1), block_table.stride(0),
         anchors_t.stride(0), anchors_t.stride(1), out.stride(0), out.stride(1),
         h_kv, m, k, ws.slots, nc, min(max(sink_blocks, 0), m), min(max(local_blocks, 0), m), r_count,
         dg**-0.5,
-        DG=dg, BLOCK_DG=_pow2(dg), BLOCK_SIZE=geo.block_size, CHUNK=ws.chunk,
-        SLOT_TILE=max(16, _pow2(ws.slots)), MERGE_TILE=max(16, min(4096, _pow2(nc * ws.slots))),
-        K_TILE=max(16, _pow2(k)),
-        num_warps=8 if ws.chunk >= 512 else 4,
+        DG=dg, BLOCK_DG=_pow2(dg), DG_TILE=min(32, _pow2(dg)), BLOCK_SIZE=geo.block_size, CHUNK=ws.chunk,
+        SLOT_TILE=max(16, _pow2(ws.slots)), MERGE_TILE=merge_tile, K_TILE=max(16, _pow2(k)),
+        num_warps=8 if ws.chunk >= 512 or merge_tile >= 2048 else 4,
     )
     return out
 
@@ -272,6 +279,8 @@ def attend(
     if bs == 0:
         return out
     splits = ws.attend_splits(bs)
+    tok = max(16, geo.block_size)
+    wide = k_buffer.element_size() >= 4  # fp32 K/V: 64-token fp32 tiles spill (ptxas, D = 128)
     per = -(-(geo.top_k + 1) // splits)
     kernels._attend_kernel[(bs, h_kv, splits)](
         q, k_buffer, v_buffer, selected, block_table, seq_lens, out,
@@ -279,10 +288,11 @@ def attend(
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         selected.stride(0), selected.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
         h_kv, g, geo.top_k, splits, per, float(scale),
-        D=d, DV=dv, BLOCK_SIZE=geo.block_size, TOK=max(16, geo.block_size), GP=ws.gp,
+        D=d, DV=dv, BLOCK_SIZE=geo.block_size, TOK=tok, TOK_TILE=min(tok, 16) if wide else tok, GP=ws.gp,
         BLOCK_D=max(16, _pow2(d)), BLOCK_DV=ws.block_dv, SPLITS_P=max(2, _pow2(splits)),
         IEEE=q.dtype == torch.float32,
-        DOT_F32=q.dtype == torch.bfloat16 and q.device.type != "cuda",
+        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
+        num_warps=8 if wide else 4,
     )
     return out
 

@@ -166,7 +166,7 @@ def _select_kernel(
     gq_ptr, summ_ptr, bt_ptr, ncand_ptr, anc_ptr, out_ptr, ws_ptr, cnt_ptr,
     stride_gqn, stride_gqh, stride_sp, stride_sh, stride_bt, stride_ab, stride_ah, stride_ob, stride_oh,
     H_KV, M, K, SLOTS, NC, sink_blocks, local_blocks, R, inv_sqrt_dg,
-    DG: tl.constexpr, BLOCK_DG: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+    DG: tl.constexpr, BLOCK_DG: tl.constexpr, DG_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
     SLOT_TILE: tl.constexpr, MERGE_TILE: tl.constexpr, K_TILE: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
@@ -178,11 +178,15 @@ def _select_kernel(
         idx = c * CHUNK + tl.arange(0, CHUNK)
         valid = idx < n
         pages = tl.load(bt_ptr + r * stride_bt + idx, mask=valid, other=0).to(tl.int64) // BLOCK_SIZE
-        j = tl.arange(0, BLOCK_DG)
-        kg = tl.load(summ_ptr + (pages * stride_sp + h * stride_sh)[:, None] + j[None, :],
-                     mask=valid[:, None] & (j < DG)[None, :], other=0.0).to(tl.float32)
-        gq = tl.load(gq_ptr + r * stride_gqn + h * stride_gqh + j, mask=j < DG, other=0.0)
-        x = tl.sum(kg * gq[None, :], axis=1) * inv_sqrt_dg
+        # Dg in tiles of DG_TILE columns: a [CHUNK, DG_TILE] summary tile at a time stays in registers.
+        x = tl.zeros([CHUNK], tl.float32)
+        s_row = summ_ptr + (pages * stride_sp + h * stride_sh)[:, None]
+        for j0 in tl.static_range(0, BLOCK_DG, DG_TILE):
+            j = j0 + tl.arange(0, DG_TILE)
+            kg = tl.load(s_row + j[None, :], mask=valid[:, None] & (j < DG)[None, :], other=0.0).to(tl.float32)
+            gq = tl.load(gq_ptr + r * stride_gqn + h * stride_gqh + j, mask=j < DG, other=0.0)
+            x += tl.sum(kg * gq[None, :], axis=1)
+        x = x * inv_sqrt_dg
         # Prompt anchors rank as +inf (`ops.anchors.force_anchors`), under the forced sink / local keys.
         for a in range(R):
             anchor = tl.load(anc_ptr + r * stride_ab + h * stride_ah + a)
@@ -209,7 +213,7 @@ def _attend_kernel(
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_selb, stride_selh, stride_bt,
     stride_on, stride_oh,
     H_KV, G, K, SPLITS, BPS, scale,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOK: tl.constexpr, GP: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOK: tl.constexpr, TOK_TILE: tl.constexpr, GP: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_P: tl.constexpr, IEEE: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -222,7 +226,6 @@ def _attend_kernel(
     gm = g < G
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    t = tl.arange(0, TOK)
     q = tl.load(q_ptr + r * stride_qn + (h * G + g)[:, None] * stride_qh + d[None, :],
                 mask=gm[:, None] & (d < D)[None, :], other=0.0)
     if DOT_F32:  # Triton's interpreter computes bf16 tl.dot wrongly (seen with 3.6 and 3.9): fp32 on CPU
@@ -238,25 +241,29 @@ def _attend_kernel(
         blk = tl.where(e == K, cur, blk)
         if blk >= 0:
             slot0 = tl.load(bt_ptr + r * stride_bt + blk).to(tl.int64)
-            tm = (t < BLOCK_SIZE) & (blk * BLOCK_SIZE + t < seq_len)  # the current block: causal limit
-            kt = tl.load(k_ptr + ((slot0 + t) * stride_ks + h * stride_kh)[:, None] + d[None, :],
-                         mask=tm[:, None] & (d < D)[None, :], other=0.0).to(q.dtype)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(kt), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(kt))
-            qk = tl.where(tm[None, :], qk * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(v_ptr + ((slot0 + t) * stride_vs + h * stride_vh)[:, None] + dv[None, :],
-                         mask=tm[:, None] & (dv < DV)[None, :], other=0.0).to(q.dtype)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
+            # The block in token tiles (TOK_TILE < TOK only for fp32 K/V, whose FMA dots need the registers).
+            for t0 in range(0, TOK, TOK_TILE):  # a runtime loop: unrolled, its hoisted loads spill
+                t = t0 + tl.arange(0, TOK_TILE)
+                tm = (t < BLOCK_SIZE) & (blk * BLOCK_SIZE + t < seq_len)  # the current block: causal limit
+                kt = tl.load(k_ptr + ((slot0 + t) * stride_ks + h * stride_kh)[:, None] + d[None, :],
+                             mask=tm[:, None] & (d < D)[None, :], other=0.0).to(q.dtype)
+                if IEEE:
+                    qk = tl.dot(q, tl.trans(kt), input_precision="ieee")
+                else:
+                    qk = tl.dot(q, tl.trans(kt))
+                qk = tl.where(tm[None, :], qk * scale, float("-inf"))
+                # A tile past the newest token is all -inf; the block's first tile never is, so m_i is finite.
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                vt = tl.load(v_ptr + ((slot0 + t) * stride_vs + h * stride_vh)[:, None] + dv[None, :],
+                             mask=tm[:, None] & (dv < DV)[None, :], other=0.0).to(q.dtype)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+                m_i = m_new
     # Partials [row_h, split, G] of (max, sum) and [row_h, split, G, DV] of acc; only the G real heads.
     row_h = r * H_KV + h
     wm = wsm_ptr + (row_h * SPLITS + s) * (2 * GP)
