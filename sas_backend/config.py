@@ -21,6 +21,11 @@ class SASConfigError(ValueError):
 #: Who runs extend attention on CPU (SASConfig.cpu_extend).
 CPU_EXTENDS = ("sas", "torch_native")
 
+#: Values of the decode-step settings (SASConfig.kernels, .attention, .summary_dtype).
+KERNELS = ("auto", "triton", "torch")
+ATTENTIONS = ("auto", "triton", "flashinfer")
+SUMMARY_DTYPES = ("auto", "fp32", "bf16")
+
 #: Budget when neither the launch nor the gate's record names one (and for training-free selectors).
 DEFAULT_BUDGET = 2048
 
@@ -58,6 +63,10 @@ class SASConfig:
         selecting; 0: never (the default). Below a few tens of thousands of tokens a step is bound by
         its kernel launches, not its bytes, and dense attention is faster. Under CUDA graphs both
         branches are captured (conditional IF nodes, CUDA 12.4+); without them graph steps stay sparse.
+    kernels / attention / summary_dtype: how the decode step runs (`backend.decode_step`) and what the
+        summary pool holds; "auto" resolves per device (`backend.step_settings.resolve`).
+    force_sparse: 1: eager CPU steps select even when every candidate fits the budget (where dense attention
+        is exactly the result), so tests run the sparse path itself; tests/debug only.
     debug_dir: if set, each decode step appends selection statistics there (slow; tests only).
     cpu_extend: who runs extend (prefill) attention on CPU: "sas" (ops/extend: the new queries only)
         or "torch_native" (SGLang's, which pads each request's queries to its whole length).
@@ -98,6 +107,19 @@ class SASConfig:
         0, "SAS_DENSE_BELOW", "--sas-dense-below",
         "Decode steps whose requests hold at most N context tokens in all attend densely (where dense "
         "attention is faster than selecting); 0: never.")
+    kernels: str = _setting(
+        "auto", "SAS_KERNELS", "--sas-kernels",
+        "Decode-step kernels: triton (front / select / attend, three launches a layer; on CPU under "
+        "TRITON_INTERPRET=1), torch (the per-op path) or auto (triton on CUDA with the gate selector, else torch).")
+    attention: str = _setting(
+        "auto", "SAS_ATTENTION", "--sas-attention",
+        "Sparse attention path: triton (over the block table), flashinfer (gathered token rows; CUDA) or auto "
+        "(CUDA: the measured settings table, backend/gpu_settings.json; CPU: triton with --sas-kernels triton, "
+        "else torch).")
+    summary_dtype: str = _setting(
+        "auto", "SAS_SUMMARY_DTYPE", "--sas-summary-dtype",
+        "Block summary pool dtype: fp32, bf16 (half the pool) or auto (CUDA: the settings table; CPU: fp32).")
+    force_sparse: int = _setting(0, "SAS_FORCE_SPARSE")
     debug_dir: Optional[str] = _setting(None, "SAS_DEBUG_DIR")
     cpu_extend: str = _setting("sas", "SAS_CPU_EXTEND")
 
@@ -188,6 +210,13 @@ class SASConfig:
                 "python -m sas_backend.gate.convert), or choose a training-free "
                 "selector with --sas-selector quest or --sas-selector sink-local"
             )
+        for name, allowed in (("kernels", KERNELS), ("attention", ATTENTIONS), ("summary_dtype", SUMMARY_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise SASConfigError(f"--sas-{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                                     f"got {getattr(self, name)!r}")
+        if self.kernels == "triton" and self.selector != "gate":
+            raise SASConfigError(f"--sas-kernels triton computes the gate's query and summaries; the {self.selector} "
+                                 "selector runs with --sas-kernels torch (or auto)")
         if self.cpu_extend not in CPU_EXTENDS:
             raise SASConfigError(f"SAS_CPU_EXTEND must be one of {', '.join(CPU_EXTENDS)}, got {self.cpu_extend!r}")
         return self

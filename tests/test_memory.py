@@ -145,16 +145,22 @@ def test_hook_shrinks_the_budget_for_sas_only(sas_env, caplog):
         budget = reserve_sas_memory(original, _owner(sas_env), 0)
     cell = 2 * 3 * 64 * 30 * 2
     # The RoPE tables: SmolLM2's 8192 positions + SGLang's 256-row margin, aligned to 128.
+    # The fused decode step (CUDA's default: kernels and attention "triton") instead of FlashInfer's buffers.
+    from sas_backend.backend.memory import decode_step_workspace_bytes
+
+    fused_bytes = decode_step_workspace_bytes(3, 3, 64, 128, 8, 64, 64, 8448, True)
     mem = sas_memory(num_sparse_layers=30, num_kv_heads=3, gate_dim=128, block_size=64, top_k=8,
                      max_reqs=64, on_cuda=True, num_graph_batch_sizes=4, group_size=3, head_dim=64, shared_workspace=True,
-                     rope_positions=8448)
+                     rope_positions=8448, flashinfer_attention=False, decode_step_bytes=fused_bytes)
+    assert fused_bytes > 0 and "kv indices" not in mem.fixed
     assert mem.fixed["gate rope table"] == 8448 * 128 * 4 and "model rope table (fp32 copy)" not in mem.fixed
     assert budget == kv_budget_with_sas(available, cell, mem) < available
     assert "sas: reserving" in caplog.text and "KV budget 4.000 ->" in caplog.text
 
-    # No CUDA graphs: no graph wrappers to pay for.
+    # The fused step keeps no per-batch-size buffers: graphs or not, the same reservation (FlashInfer's graph
+    # wrappers: test_no_graph_wrappers_are_reserved_whatever_the_flag_spelling).
     no_graph = reserve_sas_memory(original, _owner(sas_env, disable_cuda_graph=True), 0)
-    assert no_graph - budget > 0
+    assert no_graph == budget
 
 
 def test_hook_leaves_the_budget_when_the_config_is_broken(sas_env, monkeypatch):
@@ -187,12 +193,17 @@ def test_plugin_registers_the_memory_hook():
     dict(cuda_graph_backend_decode="disabled"),
     dict(cuda_graph_config={"decode": {"backend": "disabled"}}),
 ])
-def test_no_graph_wrappers_are_reserved_whatever_the_flag_spelling(sas_env, spelling):
+def test_no_graph_wrappers_are_reserved_whatever_the_flag_spelling(sas_env, spelling, monkeypatch):
     """Every way of turning decode graphs off reserves no per-batch-size FlashInfer wrapper (8 MiB each)."""
     from sas_backend.backend.memory import memory_for_sglang
 
+    monkeypatch.setenv("SAS_ATTENTION", "flashinfer")  # the FlashInfer sparse decode holds the wrappers
+
     graphs, _ = memory_for_sglang(_owner(sas_env))
     eager, _ = memory_for_sglang(_owner(sas_env, **spelling))
+    monkeypatch.setenv("SAS_ATTENTION", "triton")
+    fused, _ = memory_for_sglang(_owner(sas_env))
+    assert "flashinfer int workspaces" not in fused.fixed and "decode step workspace" in fused.fixed
     assert graphs.fixed["flashinfer int workspaces"] == 5 * (8 << 20)  # eager + 4 captured sizes
     assert eager.fixed["flashinfer int workspaces"] == 8 << 20
 
@@ -228,3 +239,26 @@ def test_cpu_reservation_equals_what_the_backend_allocates(sas_env, caplog):
     )
     assert available - budget == allocated
     assert "for 16384 tokens" in caplog.text  # the log names the pool that is built
+
+
+@pytest.mark.parametrize("on_cuda", [False, True])
+def test_decode_step_workspace_figure_matches_the_step_object(on_cuda):
+    """The reservation for the fused kernels' workspace equals what `DecodeStep` allocates (on `meta`)."""
+    from sas_backend.backend.decode_step import FUSED_MAX_ROWS, DecodeStep
+    from sas_backend.backend.memory import decode_step_workspace_bytes
+    from sas_backend.ops.decode_step import CPU_TARGET_PROGRAMS, GPU_TARGET_PROGRAMS, StepGeometry
+    from sas_backend.selection import SelectionRule, make_selector
+
+    h, g, d, dg, k, b, max_reqs, ctx = 8, 4, 128, 128, 32, 64, 300, 256 * 1024
+    req_to_token = torch.empty(max_reqs + 1, ctx, dtype=torch.int32, device="meta")
+    step = DecodeStep(make_selector("gate", SelectionRule(k, b)), StepGeometry(h, g, d, d, dg, k, b), req_to_token,
+                      "meta", torch.bfloat16, torch.bfloat16, 0.1, kernels="triton", attention="triton",
+                      target_programs=GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS)
+    assert step.fused_ws.max_bs == FUSED_MAX_ROWS
+    got = decode_step_workspace_bytes(h, g, d, dg, k, b, max_reqs, ctx, on_cuda)
+    assert got == step.device_nbytes
+    assert got < 64 * 2**20  # Qwen3-4B shapes at 256K: tens of MiB, not hundreds
+    mem = sas_memory(**GEO, max_reqs=max_reqs, on_cuda=True, decode_step_bytes=got, flashinfer_attention=False,
+                     summary_bytes=2)
+    assert mem.fixed["decode step workspace"] == got and "kv indices" not in mem.fixed
+    assert mem.summary_bytes_per_page == GEO["num_sparse_layers"] * GEO["num_kv_heads"] * GEO["gate_dim"] * 2

@@ -144,9 +144,10 @@ def test_settings_table_is_the_fields(parse):
 
     assert [s.field for s in SETTINGS] == [f.name for f in dataclasses.fields(SASConfig)]
     assert {s.field: s.env for s in SETTINGS}["block_size"] == "SAS_BLOCK_SIZE"
-    assert [s.field for s in SETTINGS if s.flag is None] == ["debug_dir", "cpu_extend"]
+    assert [s.field for s in SETTINGS if s.flag is None] == ["force_sparse", "debug_dir", "cpu_extend"]
     assert {s.field for s in SETTINGS if s.type is int} == {
-        "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "dense_below"}
+        "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "dense_below",
+        "force_sparse"}
     import argparse
 
     from sglang.srt.server_args import ServerArgs

@@ -87,6 +87,9 @@ def sas_memory(
     rope_positions: int = 0,
     model_rope_copied: bool = False,
     prompt_anchors: int = 0,
+    summary_bytes: int = 4,
+    flashinfer_attention: bool = True,
+    decode_step_bytes: int = 0,
 ) -> SASMemory:
     """The sas backend's allocation on one rank (see the module doc for each term).
 
@@ -99,11 +102,15 @@ def sas_memory(
     rope_positions: rows of the RoPE tables (`rope_table_positions`; 0: not counted);
     model_rope_copied: the backend holds a fp32 copy of the model's table (`model_rope_table_is_copied`).
     prompt_anchors: R of `--sas-prompt-anchors` (its pool: `[max_reqs + 1, H_kv, R]` int32 per sparse layer).
+    summary_bytes: bytes per summary element (4 fp32, 2 bf16: `--sas-summary-dtype`).
+    flashinfer_attention: the FlashInfer sparse decode exists (CUDA with `--sas-attention flashinfer`, or
+    batches larger than the fused path serves); decode_step_bytes: the fused kernels' workspace
+    (`decode_step_workspace_bytes`).
     """
     from sas_backend.ops.gather import row_capacity
     from sas_backend.ops.sparse_decode.flashinfer import WORKSPACE_BYTES, WRAPPER_INT_WORKSPACE_BYTES
 
-    per_page = num_sparse_layers * num_kv_heads * (gate_dim if summary_dim is None else summary_dim) * 4
+    per_page = num_sparse_layers * num_kv_heads * (gate_dim if summary_dim is None else summary_dim) * summary_bytes
     fixed = {"summary padding page": per_page}
     if head_dim and gate_dim:
         per_layer = num_kv_heads * group_size * head_dim * gate_dim + num_kv_heads * 3 * head_dim * gate_dim + 2 * gate_dim
@@ -114,7 +121,9 @@ def sas_memory(
         fixed["model rope table (fp32 copy)"] = rope_positions * head_dim * 4
     if prompt_anchors:
         fixed["prompt anchors"] = num_sparse_layers * (max_reqs + 1) * num_kv_heads * prompt_anchors * 4
-    if on_cuda:
+    if decode_step_bytes:
+        fixed["decode step workspace"] = decode_step_bytes
+    if on_cuda and flashinfer_attention:
         rows = (max_reqs + 1) * num_kv_heads
         fixed["kv indices"] = rows * row_capacity(top_k, block_size) * 4
         fixed["kv indptr"] = (rows + 1) * 4
@@ -122,6 +131,20 @@ def sas_memory(
         fixed["flashinfer workspace"] = 0 if shared_workspace else WORKSPACE_BYTES
         fixed["flashinfer int workspaces"] = (1 + num_graph_batch_sizes) * WRAPPER_INT_WORKSPACE_BYTES
     return SASMemory(page_size=block_size, summary_bytes_per_page=per_page, fixed=fixed)
+
+
+def decode_step_workspace_bytes(num_kv_heads: int, group_size: int, head_dim: int, gate_dim: int, top_k: int,
+                                block_size: int, max_reqs: int, context_len: int, on_cuda: bool,
+                                chunk: Optional[int] = None, target_programs: Optional[int] = None) -> int:
+    """Device bytes of the fused decode step's workspace (`backend.decode_step.DecodeStep.fused_ws`), sized as the
+    backend sizes it (built on `meta`: nothing is allocated)."""
+    from sas_backend.backend.decode_step import FUSED_MAX_ROWS
+    from sas_backend.ops.decode_step import CPU_TARGET_PROGRAMS, GPU_TARGET_PROGRAMS, DecodeStepWorkspace, StepGeometry
+
+    geo = StepGeometry(num_kv_heads, group_size, head_dim, head_dim, max(gate_dim, 2), top_k, block_size)
+    ws = DecodeStepWorkspace(geo, min(max_reqs + 1, FUSED_MAX_ROWS), context_len // block_size, "meta", chunk=chunk,
+                             target_programs=target_programs or (GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS))
+    return ws.nbytes
 
 
 def kv_budget_with_sas(
@@ -230,6 +253,16 @@ def memory_for_sglang(owner) -> tuple:
     summary_dim = make_selector(cfg.selector, SelectionRule(cfg.top_k, cfg.block_size)).summary_dim(geo.head_dim, gate_dim)
     on_cuda = torch.device(owner.device).type == "cuda"
     max_reqs = getattr(server_args, "max_running_requests", None) or SGLANG_MAX_REQS_ESTIMATE_CAP
+    from sas_backend.backend.decode_step import FUSED_MAX_ROWS
+    from sas_backend.backend.step_settings import device_name, resolve
+
+    settings = resolve(cfg, owner.device, device_name(owner.device))
+    context_len = rope_table_positions(server_args, owner.model_config, geo.max_position_embeddings)
+    fused_bytes = 0
+    if settings.kernels == "triton" or settings.attention == "triton":
+        fused_bytes = decode_step_workspace_bytes(kv_heads, geo.group_size, geo.head_dim, gate_dim, cfg.top_k,
+                                                  cfg.block_size, max_reqs, context_len, on_cuda,
+                                                  settings.select_chunk, settings.target_programs)
     mem = sas_memory(
         num_sparse_layers=geo.num_layers - cfg.first_sparse_layer,
         num_kv_heads=kv_heads,
@@ -246,6 +279,9 @@ def memory_for_sglang(owner) -> tuple:
         rope_positions=rope_table_positions(server_args, owner.model_config, geo.max_position_embeddings),
         model_rope_copied=model_rope_table_is_copied(on_cuda, getattr(owner.model_config, "dtype", torch.float32)),
         prompt_anchors=cfg.prompt_anchors or 0,
+        summary_bytes=torch.empty(0, dtype=settings.summary_dtype).element_size(),
+        flashinfer_attention=settings.attention != "triton" or max_reqs + 1 > FUSED_MAX_ROWS,
+        decode_step_bytes=fused_bytes,
     )
     return mem, kv_bytes_per_token
 

@@ -23,7 +23,8 @@ from typing import Dict, Optional
 
 import torch
 
-from sas_backend.backend.decode_plan import DecodePlan, StepBuffers, StepTensors
+from sas_backend.backend.decode_plan import DecodePlan
+from sas_backend.backend.decode_step import DecodeStep
 from sas_backend.backend.graph_branch import BranchFlags, captured_if, capturing, conditional_nodes_supported
 from sas_backend.backend.kv_write import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
@@ -31,7 +32,8 @@ from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
 from sas_backend.ops.anchors import last_query_block_mass, top_anchors
 from sas_backend.ops.extend import paged_extend_attention
-from sas_backend.ops.sparse_decode import make_sparse_decode
+from sas_backend.backend.step_settings import StepSettings, device_name, resolve
+from sas_backend.ops.decode_step import StepGeometry
 from sas_backend.selection import SelectionRule, make_selector
 
 try:
@@ -62,7 +64,8 @@ class SASAttnBackend(AttentionBackend):
     """SGLang AttentionBackend for SAS block-sparse decode. Built by `factory.create_sas_backend`.
 
     gates: `{layer_id: AttnGate}` for every sparse layer (values None under a training-free
-    selector, `cfg.selector`); layers not in it decode densely.
+    selector, `cfg.selector`); layers not in it decode densely. settings: the decode step's resolved
+    settings (`backend.step_settings.resolve`; None: resolved here from cfg and the device).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class SASAttnBackend(AttentionBackend):
         num_kv_heads: int,
         num_q_heads: int,
         head_dim: int,
+        settings: Optional[StepSettings] = None,
     ):
         super().__init__()
         self.inner = inner
@@ -105,10 +109,14 @@ class SASAttnBackend(AttentionBackend):
         self.scaling = model_attention_scaling(getattr(runner, "model", None), set(gates), head_dim**-0.5)
 
         rule = SelectionRule(cfg.top_k, cfg.block_size, cfg.sink_blocks, cfg.local_blocks)
-        self.selector = make_selector(cfg.selector, rule)
+        selector = make_selector(cfg.selector, rule)
+        if settings is None:
+            settings = resolve(cfg, self.device, device_name(self.device))
+        self.settings = settings
         num_pages = self.token_to_kv_pool.get_key_buffer(min(gates)).shape[0] // self.block_size
-        summary_dim = self.selector.summary_dim(head_dim, gate_rope_table.shape[-1])
-        self.summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, summary_dim, self.device)
+        summary_dim = selector.summary_dim(head_dim, gate_rope_table.shape[-1])
+        self.summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, summary_dim, self.device,
+                                     dtype=settings.summary_dtype)
         max_reqs = self.req_to_token_pool.req_to_token.shape[0]
         # --sas-prompt-anchors: per request row, sparse layer and kv head, the blocks its last prompt token
         # attended most (written at each extend, read by every decode step; ops/anchors). -1: none.
@@ -120,24 +128,24 @@ class SASAttnBackend(AttentionBackend):
                 for lid in sorted(gates)
             }
         self._extend_last = None  # (batch rows, flat q index, seq len) of the extend's last tokens, for anchors
-        self.sparse_decode = make_sparse_decode(
-            self.device,
-            num_kv_heads,
-            num_q_heads // num_kv_heads,
-            head_dim,
-            self.top_k,
-            self.block_size,
-            max_rows=max_reqs * num_kv_heads,
-            q_dtype=runner.dtype,
-            kv_dtype=self.token_to_kv_pool.get_key_buffer(min(gates)).dtype,
+        v_dim = self.token_to_kv_pool.get_value_buffer(min(gates)).shape[-1]
+        geometry = StepGeometry(num_kv_heads, num_q_heads // num_kv_heads, head_dim, v_dim,
+                                max(gate_rope_table.shape[-1], 2), self.top_k, self.block_size)
+        # The decode step: selection and sparse attention of every sparse layer (backend/decode_step.py).
+        self.step = DecodeStep(
+            selector, geometry, self.req_to_token_pool.req_to_token, self.device, runner.dtype,
+            self.token_to_kv_pool.get_key_buffer(min(gates)).dtype, self.scaling,
+            kernels=settings.kernels, attention=settings.attention, dense_below=settings.dense_below,
+            force_sparse=bool(cfg.force_sparse),
             # The wrapped FlashInfer backend's float workspace: used in stream order, never at the
             # same time as ours, so one buffer serves both (backend/memory.py counts it so).
             workspace=getattr(inner, "workspace_buffer", None),
+            chunk=settings.select_chunk, target_programs=settings.target_programs,
         )
+        self.selector = selector
         # Set by the factory: the live RoPE tables (SGLang may replace its cos_sin_cache; see
         # backend/rope_tables.py). None keeps the tables given above (tests, tools).
         self.rope_tables = None
-        self._step_buffers: Optional[StepBuffers] = None  # made by init_cuda_graph_state
         self._plan: Optional[DecodePlan] = None
         self._extend_blocks = None  # (pages [N], starts [N]) of blocks completed by this extend
         # CPU extend: our own (the new queries only, ops/extend) instead of the wrapped torch-native
@@ -148,12 +156,14 @@ class SASAttnBackend(AttentionBackend):
         # Dense steps under CUDA graphs: the flags of the two captured branches (init_cuda_graph_state;
         # None: graph steps always select).
         self._branch: Optional[BranchFlags] = None
-        if cfg.dense_below:
+        if settings.dense_below:
             logger.info("sas: decode steps whose requests hold at most %d tokens in all attend densely "
-                        "(--sas-dense-below)", cfg.dense_below)
+                        "(--sas-dense-below)", settings.dense_below)
+        logger.info("sas: decode step kernels %s, attention %s, summaries %s (%s)", settings.kernels,
+                    settings.attention, str(settings.summary_dtype).replace("torch.", ""), settings.source)
         logger.info(
             "sas: %s selector, %d sparse layers from layer %d, budget %d tokens (K=%d blocks of %d), "
-            "sink %d, local %d, prompt anchors %d; summary pool %d pages x %d kv heads x %d dims fp32 = %.1f MiB",
+            "sink %d, local %d, prompt anchors %d; summary pool %d pages x %d kv heads x %d dims = %.1f MiB",
             cfg.selector, len(gates), cfg.first_sparse_layer, cfg.budget, self.top_k, self.block_size,
             self.selector.rule.sink_blocks, self.selector.rule.local_blocks, self.anchor_count, num_pages,
             num_kv_heads, summary_dim, self.summaries.nbytes / 2**20,
@@ -190,20 +200,18 @@ class SASAttnBackend(AttentionBackend):
         return self.cfg.first_sparse_layer > 0 or self._branch is not None
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        if self.cfg.dense_below:
+        if self.step.dense_below:
             if conditional_nodes_supported():
                 self._branch = BranchFlags(self.device)
             else:
                 logger.warning(
                     "sas: --sas-dense-below %d needs CUDA graph IF nodes (CUDA 12.4+ and a torch that exposes them); "
                     "without them captured decode steps always select (eager steps still follow the rule)",
-                    self.cfg.dense_below)
+                    self.step.dense_below)
         # The wrapped backend's graph buffers serve only dense layers and the dense branch: none without.
         if self._inner_in_graphs():
             self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
-        self._step_buffers = StepBuffers(
-            max_bs, self.max_blocks, self.head_dim, self.gate_rope_table.shape[-1], self.device
-        )
+        self.step.init_graph_state(max_bs, self.head_dim, self.gate_rope_table.shape[-1])
 
     def get_cuda_graph_seq_len_fill_value(self):
         # A padded row of length 1 attends one real slot (its current block): always well defined.
@@ -214,7 +222,7 @@ class SASAttnBackend(AttentionBackend):
         # The wrapped backend plans for dense layers always, for the dense branch at capture and when the
         # step takes it (a sparse step skips FlashInfer's dense plan and its index kernel).
         if self.cfg.first_sparse_layer > 0 or (self._branch is not None and (
-                in_capture or self._short_step(self._host_seq_lens(forward_batch)))):
+                in_capture or self.step.short_step(self._host_seq_lens(forward_batch)))):
             self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         if not forward_batch.forward_mode.is_decode():
             # The extend path plans on the host per batch (which blocks complete): it runs eagerly,
@@ -234,26 +242,7 @@ class SASAttnBackend(AttentionBackend):
         """Captured: recompute the step's device state into the persistent buffers."""
         if self._inner_in_graphs():
             self.inner.init_forward_metadata_in_graph(forward_batch)
-        plan = self._plan
-        StepBuffers.fill(
-            plan.step,
-            self._compute_step(plan.step.positions, plan.step.seq_lens, plan.step.req_pool_indices, plan.max_blocks),
-        )
-
-    def _compute_step(self, positions, seq_lens, req_pool_indices, max_blocks) -> StepTensors:
-        return StepTensors.compute(
-            positions, seq_lens, req_pool_indices, self.req_to_token_pool.req_to_token,
-            self.model_rope_table, self.gate_rope_table, self.block_size, max_blocks,
-        )
-
-    def _short_step(self, seq_lens_cpu: torch.Tensor) -> bool:
-        """--sas-dense-below: the step's requests hold at most that many tokens in all, so dense attention
-        reads fewer bytes than the selector's launches cost. Rows of length <= 1 are the graph runner's
-        padding (a decode row holds at least one prompt token and the new one): a padded graph step
-        decides as the same batch does eagerly."""
-        if not self.cfg.dense_below:
-            return False
-        return int(seq_lens_cpu[seq_lens_cpu > 1].sum()) <= self.cfg.dense_below
+        self.step.fill(self._plan, self.model_rope_table, self.gate_rope_table)
 
     @staticmethod
     def _host_seq_lens(fb) -> torch.Tensor:
@@ -264,37 +253,15 @@ class SASAttnBackend(AttentionBackend):
         return seq_lens_cpu.to(torch.int64)
 
     def _plan_decode(self, fb, graph_bs) -> DecodePlan:
-        """Host part of a decode step (outside any CUDA graph)."""
-        seq_lens_cpu = self._host_seq_lens(fb)
-        bs = fb.seq_lens.shape[0]
-        short = self._short_step(seq_lens_cpu)
-        if graph_bs is not None:  # fixed shapes; the step state is filled inside the graph
-            if self._step_buffers is None:
-                raise RuntimeError("sas: init_cuda_graph_state must run before a captured decode step")
+        """Host part of a decode step (outside any CUDA graph): the step object's frozen plan."""
+        plan = self.step.plan(fb.positions, fb.seq_lens, fb.req_pool_indices, self._host_seq_lens(fb),
+                              self.model_rope_table, self.gate_rope_table, graph_bs=graph_bs,
+                              branched=self._branch is not None)
+        if graph_bs is not None and self._branch is not None:
             # Both branches are captured; the sparse one reads this plan, the dense one the wrapped
             # backend's (planned in out_graph), and the flags pick one per replay.
-            self.sparse_decode.plan(seq_lens_cpu, self.scaling, graph_bs=graph_bs)
-            if self._branch is not None:
-                self._branch.set(not short)
-            step = self._step_buffers.view(fb.positions, fb.seq_lens, fb.req_pool_indices)
-            return DecodePlan(bs, self.max_blocks, True, step, dense=short and self._branch is not None)
-        most = int(seq_lens_cpu.max()) if bs else 1
-        max_blocks = max(1, (most - 1) // self.block_size)  # the longest request's candidates
-        step = self._compute_step(fb.positions, fb.seq_lens, fb.req_pool_indices, max_blocks)
-        # Which rows' newest token completes a block is known on the host. On a device, copying
-        # their indices over would be a blocking host-to-device copy every such step (it stalls
-        # the overlap scheduler): run the masked update over every row instead, as graphs do.
-        done = (seq_lens_cpu > 0) & (seq_lens_cpu % self.block_size == 0)
-        if not self.on_device:
-            rows = done.nonzero().flatten()  # host tensors on CPU: indexing with them copies nothing
-            update = dict(summary_rows=rows) if rows.numel() else {}
-        else:
-            update = dict(update_all_rows=bool(done.any()))
-        # Nothing to skip on CPU: the wrapped dense decode is exactly what selection would attend.
-        dense = short or (not self.on_device and (most - 1) // self.block_size <= self.top_k)
-        if not dense:
-            self.sparse_decode.plan(seq_lens_cpu, self.scaling, graph_bs=None)
-        return DecodePlan(bs, max_blocks, False, step, dense=dense, **update)
+            self._branch.set(not self.step.short_step(self._host_seq_lens(fb)))
+        return plan
 
     def _plan_extend(self, fb):
         """Blocks that this extend completes, per request: logical [prefix // b, seq_len // b)."""
@@ -408,41 +375,32 @@ class SASAttnBackend(AttentionBackend):
         k_buffer = self.token_to_kv_pool.get_key_buffer(lid)
         v_buffer = self.token_to_kv_pool.get_value_buffer(lid)
         summaries = self.summaries[lid]
-        step = plan.step
-        if plan.graph or plan.update_all_rows:  # every row runs the masked update (no host indices)
-            self.selector.update(
-                gate, k_buffer, summaries, step.block_table, step.seq_lens, self.model_rope_table, self.gate_rope_table
-            )
-        elif plan.summary_rows is not None:  # eager CPU: only the rows whose newest token completed a block
-            rows = plan.summary_rows
-            self.selector.update(
-                gate, k_buffer, summaries, step.block_table[rows], step.seq_lens[rows],
-                self.model_rope_table, self.gate_rope_table,
-            )
         if plan.graph and self._branch is not None:
             return self._branched_decode(q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer, **kwargs)
         if plan.dense:
+            # The summary of a block this token completed is still due (the next steps select from it).
+            self.step.update_summaries(plan, gate, k_buffer, summaries, self.model_rope_table, self.gate_rope_table)
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
         return self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer)
 
-    def _sparse_attention(self, q, layer, gate, summaries, k_buffer, v_buffer) -> torch.Tensor:
-        """Selection + attention over the selected blocks: `[bs, H_q * Dv]`."""
-        plan, step = self._plan, self._plan.step
+    def _sparse_attention(self, q, layer, gate, summaries, k_buffer, v_buffer, update=True) -> torch.Tensor:
+        """Summary update, selection and attention over the selected blocks (`DecodeStep.run`): `[bs, H_q * Dv]`."""
+        plan = self._plan
         q3 = q.reshape(plan.bs, layer.tp_q_head_num, layer.qk_head_dim)
-        anchors = None if self.anchors is None else self.anchors[layer.layer_id][step.req_pool_indices.long()]
-        selected = self.selector.select(
-            gate, q3, step.model_cos_sin, step.gate_cos_sin, summaries, step.block_table, step.num_candidates,
-            plan.max_blocks, anchors,
-        )
+        anchors = None if self.anchors is None else self.anchors[layer.layer_id]
+        out = self.step.run(plan, gate, q3, k_buffer, v_buffer, summaries, self.model_rope_table,
+                            self.gate_rope_table, anchors, update=update)
         if self.cfg.debug_dir and layer.layer_id == self.cfg.first_sparse_layer:
-            self._debug_record(plan, selected)
-        out = self.sparse_decode.run(q3, k_buffer, v_buffer, selected, step.block_table, step.seq_lens)
+            self._debug_record(plan, self.step.last_selected)
         return out.reshape(plan.bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def _branched_decode(self, q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer, **kwargs):
         """A captured step with --sas-dense-below: the sparse and the dense attention as two IF nodes
         (`backend/graph_branch.py`) writing one buffer; the flags set in out_graph pick one per replay."""
         plan = self._plan
+        # Outside both bodies: the next steps select from this block's summary whichever branch runs (the fused
+        # front of the sparse body writes it again, to the same value up to rounding).
+        self.step.update_summaries(plan, gate, k_buffer, summaries, self.model_rope_table, self.gate_rope_table)
         out = q.new_empty(plan.bs, layer.tp_q_head_num * layer.v_head_dim)  # made before the bodies: read after
 
         def dense():
@@ -450,11 +408,11 @@ class SASAttnBackend(AttentionBackend):
 
         if capturing():
             with captured_if(self._branch.first):
-                out.copy_(self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer))
+                out.copy_(self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer, update=False))
             with captured_if(self._branch.second):
                 out.copy_(dense())
         else:  # the graph runner's warm-up before capture: every kernel of both bodies runs once here
-            sparse = self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer)
+            sparse = self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer, update=False)
             dense_out = dense()
             out.copy_(dense_out if plan.dense else sparse)
         return out

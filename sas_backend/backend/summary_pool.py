@@ -6,17 +6,19 @@ import torch
 
 
 class SummaryPool:
-    """`summaries[layer]`: `[num_pages, H_kv, Dg]` fp32, row = physical page (slot // block size).
+    """`summaries[layer]`: `[num_pages, H_kv, Dg]` in `dtype` (fp32, or bf16 for half the memory; the selectors
+    score in fp32 either way), row = physical page (slot // block size).
 
     With page size = block size, logical block m of a request lives in page
     `req_to_token[r, m*b] // b`, so radix-shared prefix pages share their summaries for free.
     Page 0 is SGLang's padding page (never allocated to a request): masked writes land there.
     """
 
-    def __init__(self, layer_ids, num_pages: int, num_kv_heads: int, gate_dim: int, device):
+    def __init__(self, layer_ids, num_pages: int, num_kv_heads: int, gate_dim: int, device, dtype=torch.float32):
         self.num_pages = num_pages
+        self.dtype = dtype
         self.summaries = {
-            lid: torch.zeros(num_pages, num_kv_heads, gate_dim, dtype=torch.float32, device=device)
+            lid: torch.zeros(num_pages, num_kv_heads, gate_dim, dtype=dtype, device=device)
             for lid in layer_ids
         }
         self.nbytes = sum(t.numel() * t.element_size() for t in self.summaries.values())

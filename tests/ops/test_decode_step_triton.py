@@ -137,6 +137,13 @@ def test_select_anchors_and_padded_rows(paged_case, anchor_count):
     ref = naive.select(gq, c.summaries, c.table, c.n_cand, c.b, c.max_blocks, 6, 1, 1, anchors=anchors)
     got = fused.select(ws, gq, c.summaries, c.table, c.n_cand, c.max_blocks, 1, 1, anchors=anchors)
     assert torch.equal(got, ref)
+    # The server's way: a pool of anchor rows read at the batch's req pool indices.
+    pool = torch.full((len(lens) + 3, c.h_kv, anchor_count), -1, dtype=torch.int32, device=DEVICE)
+    rows = torch.randperm(len(lens) + 3, generator=c.case.gen)[: len(lens)].to(DEVICE)
+    pool[rows] = anchors
+    got_pool = fused.select(ws, gq, c.summaries, c.table, c.n_cand, c.max_blocks, 1, 1, anchors=pool,
+                            anchor_rows=rows)
+    assert torch.equal(got_pool, ref)
     for r, n in enumerate(lens):  # every anchor that is a candidate is selected
         for h in range(c.h_kv):
             for a in anchors[r, h].tolist():

@@ -204,12 +204,15 @@ def select(
     sink_blocks: int = 0,
     local_blocks: int = 0,
     anchors: Optional[torch.Tensor] = None,
+    anchor_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One launch: the K blocks of each (row, kv head), as `naive.select`.
 
     gate_q `[bs, H_kv, Dg]` fp32; summaries `[num_pages, H_kv, Dg]`; block_table `[bs, >= max_blocks]` int;
     num_candidates `[bs]` int (complete blocks before the current one); max_blocks: the plan's width M
-    (the grid follows it, never a row's length); anchors: optional `[bs, H_kv, R]` int32 (-1 none).
+    (the grid follows it, never a row's length); anchors: optional `[rows, H_kv, R]` int32 (-1 none), row
+    `anchor_rows[r]` for batch row r (`[bs]` int, e.g. the batch's req pool indices: the server's anchor
+    pool is read in place), row r without anchor_rows.
     Forced sink / local blocks count inside K, then anchors, then blocks by score, ties to the lower
     index; a row with at most K candidates takes them all. Returns `ws.selected[:bs]` `[bs, H_kv, K]`
     int32 ascending, -1 padded.
@@ -225,19 +228,23 @@ def select(
     if bs == 0 or k == 0:
         return out
     if anchors is None:
-        anchors_t, r_count = out, 0  # never read
+        anchors_t, r_count, rows_t = out, 0, out  # never read
     else:
-        if anchors.shape[:2] != (bs, h_kv) or anchors.dtype != torch.int32:
-            raise ValueError(f"anchors must be [bs, H_kv, R] int32, got {tuple(anchors.shape)} {anchors.dtype}")
+        if anchors.shape[1] != h_kv or anchors.dtype != torch.int32 or anchors.stride(-1) != 1:
+            raise ValueError(f"anchors must be [rows, H_kv, R] int32, got {tuple(anchors.shape)} {anchors.dtype}")
+        if anchor_rows is None and anchors.shape[0] < bs:
+            raise ValueError(f"anchors has {anchors.shape[0]} rows for a batch of {bs}")
         anchors_t, r_count = anchors, anchors.shape[2]
+        rows_t = anchor_rows if anchor_rows is not None else out
     nc = ws.select_chunks(max_blocks)
     m = max(int(max_blocks), 0)
     merge_tile = max(16, min(4096, _pow2(nc * ws.slots)))
     kernels._select_kernel[(bs, h_kv, nc)](
-        gate_q, summaries, block_table, num_candidates, anchors_t, out, ws.select_partials, ws.select_counters,
+        gate_q, summaries, block_table, num_candidates, anchors_t, rows_t, out, ws.select_partials,
+        ws.select_counters,
         gate_q.stride(0), gate_q.stride(1), summaries.stride(0), summaries.stride(1), block_table.stride(0),
         anchors_t.stride(0), anchors_t.stride(1), out.stride(0), out.stride(1),
-        h_kv, m, k, ws.slots, nc, min(max(sink_blocks, 0), m), min(max(local_blocks, 0), m), r_count,
+        h_kv, m, k, ws.slots, nc, anchor_rows is not None, min(max(sink_blocks, 0), m), min(max(local_blocks, 0), m), r_count,
         dg**-0.5,
         DG=dg, BLOCK_DG=_pow2(dg), DG_TILE=min(32, _pow2(dg)), BLOCK_SIZE=geo.block_size, CHUNK=ws.chunk,
         SLOT_TILE=max(16, _pow2(ws.slots)), MERGE_TILE=merge_tile, K_TILE=max(16, _pow2(k)),

@@ -163,9 +163,9 @@ def _seg_dot(a, p1, p2, w_h, rows, rmask, stride_wr, stride_wc, HALF_DG, BLOCK_H
 
 @triton.jit
 def _select_kernel(
-    gq_ptr, summ_ptr, bt_ptr, ncand_ptr, anc_ptr, out_ptr, ws_ptr, cnt_ptr,
+    gq_ptr, summ_ptr, bt_ptr, ncand_ptr, anc_ptr, arow_ptr, out_ptr, ws_ptr, cnt_ptr,
     stride_gqn, stride_gqh, stride_sp, stride_sh, stride_bt, stride_ab, stride_ah, stride_ob, stride_oh,
-    H_KV, M, K, SLOTS, NC, sink_blocks, local_blocks, R, inv_sqrt_dg,
+    H_KV, M, K, SLOTS, NC, ROWS_GIVEN: tl.constexpr, sink_blocks, local_blocks, R, inv_sqrt_dg,
     DG: tl.constexpr, BLOCK_DG: tl.constexpr, DG_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
     SLOT_TILE: tl.constexpr, MERGE_TILE: tl.constexpr, K_TILE: tl.constexpr,
 ):
@@ -188,9 +188,13 @@ def _select_kernel(
             x += tl.sum(kg * gq[None, :], axis=1)
         x = x * inv_sqrt_dg
         # Prompt anchors rank as +inf (`ops.anchors.force_anchors`), under the forced sink / local keys.
-        for a in range(R):
-            anchor = tl.load(anc_ptr + r * stride_ab + h * stride_ah + a)
-            x = tl.where(idx == anchor, float("inf"), x)
+        if R > 0:
+            arow = r
+            if ROWS_GIVEN:
+                arow = tl.load(arow_ptr + r).to(tl.int64)
+            for a in range(R):
+                anchor = tl.load(anc_ptr + arow * stride_ab + h * stride_ah + a)
+                x = tl.where(idx == anchor, float("inf"), x)
         key = score_keys(x, idx, n, sink_blocks, local_blocks)
         n_c = tl.minimum(tl.maximum(n - c * CHUNK, 0), CHUNK)
         o_row = out_ptr + r * stride_ob + h * stride_oh

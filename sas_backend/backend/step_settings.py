@@ -1,0 +1,83 @@
+"""The decode step's GPU settings: a small table a GPU measurement writes, read once at startup.
+
+`gpu_settings.json` (beside this file) maps a device name (a substring of `torch.cuda.get_device_name()`,
+e.g. "H200") or "default" to the settings the decode-step tournament chose (`bench/gpu/run.py session`
+writes `chosen-settings.json` in this format): kernels, attention path, summary dtype, select chunk,
+programs per launch at batch 1, `--sas-dense-below`. Adopting a new measurement is a data change: copy the
+file here. `"measured": false` says the values are still the pre-measurement expectation.
+
+Launch flags and `SAS_*` variables win over the table; on CPU the table is not read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Optional
+
+import torch
+
+TABLE = pathlib.Path(__file__).with_name("gpu_settings.json")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """Resolved decode-step settings of one server. kernels: "triton" | "torch"; attention: "triton" |
+    "flashinfer" | "torch"; summary_dtype: torch dtype of the summary pool; select_chunk, target_programs:
+    the fused launches' split sizes (None: `ops.decode_step` defaults); dense_below: tokens;
+    source: where they came from (for the log and /sas/info)."""
+
+    kernels: str
+    attention: str
+    summary_dtype: torch.dtype
+    select_chunk: Optional[int]
+    target_programs: Optional[int]
+    dense_below: int
+    source: str
+
+
+def table_entry(device_name: str, table: Optional[dict] = None) -> tuple[dict, str]:
+    """(settings, key) for a device name: the longest matching device key, else "default"."""
+    table = json.loads(TABLE.read_text()) if table is None else table
+    devices = table["devices"]
+    keys = sorted((k for k in devices if k != "default" and k in device_name), key=len, reverse=True)
+    key = keys[0] if keys else "default"
+    measured = "measured" if table.get("measured") else "not yet measured"
+    return devices[key], f"{TABLE.name}[{key}] ({measured})"
+
+
+def resolve(cfg, device: torch.device, device_name: str = "", table: Optional[dict] = None) -> StepSettings:
+    """The settings one server runs with: cfg's explicit values (flags, SAS_* variables), the table's for
+    "auto" on CUDA, the CPU defaults otherwise. cfg: a validated `SASConfig`."""
+    cuda = torch.device(device).type == "cuda"
+    entry, source = table_entry(device_name, table) if cuda else ({}, "CPU defaults")
+    gate = cfg.selector == "gate"
+    kernels = cfg.kernels if cfg.kernels != "auto" else (entry.get("kernels", "triton") if cuda and gate else "torch")
+    if kernels == "triton" and not gate:
+        kernels = "torch"  # the table's choice covers the gate; training-free selectors run per op
+    if cfg.attention != "auto":
+        attention = cfg.attention
+    elif cuda:
+        attention = entry.get("attention", "triton")
+    else:
+        attention = "triton" if kernels == "triton" else "torch"
+    if attention == "flashinfer" and not cuda:
+        from sas_backend.config import SASConfigError
+
+        raise SASConfigError("--sas-attention flashinfer needs a CUDA device; on CPU use triton (under "
+                             "TRITON_INTERPRET=1) or leave it to auto")
+    dtype = cfg.summary_dtype if cfg.summary_dtype != "auto" else (entry.get("summary_dtype", "fp32") if cuda else "fp32")
+    dense_below = cfg.dense_below if cfg.dense_below else int(entry.get("dense_below", 0) or 0)
+    return StepSettings(kernels, attention, _DTYPES[dtype], entry.get("select_chunk"), entry.get("target_programs"),
+                        dense_below, source)
+
+
+def device_name(device) -> str:
+    """The CUDA device's name (the table's key), "" elsewhere or where CUDA cannot be queried (tests on a
+    CPU machine stand a CUDA device in)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return ""
+    return torch.cuda.get_device_name(device)
