@@ -1,0 +1,180 @@
+"""`backend.decode_step.DecodeStep`, the one object the server, the GPU benchmark and these tests drive.
+
+- launch count: a sparse layer of a fused step is exactly three Triton launches (front, select, attend), in a
+  steady step and in a block step alike, and the per-batch plan and step state launch none;
+- graph shape: two captured-batch steps with other lengths (one completing blocks, padded rows) launch the same
+  grids over the same buffers (what a CUDA graph replays), and leave every counter zeroed;
+- the fused path selects and attends as the per-op path does (the CPU server's, checked against the oracle by
+  the server tests), over several layers, mixed lengths, forced blocks and prompt anchors.
+
+On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); on a GPU they compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from sas_backend.backend.decode_step import DecodeStep
+from sas_backend.gate.module import AttnGate
+from sas_backend.ops.decode_step import StepGeometry
+from sas_backend.ops.rope import apply_rope, rope_cos_sin_table
+from sas_backend.ops.summary.naive import summarize_pages
+from sas_backend.selection import SelectionRule, make_selector
+from tests.devices import DEVICE
+
+B, H_KV, G, D, DG, LAYERS, MAX_REQS, MAX_CTX = 8, 2, 3, 16, 16, 2, 6, 512
+
+
+@contextlib.contextmanager
+def launches():
+    """Record every Triton launch: (kernel name, grid, {arg name: data_ptr of each tensor argument})."""
+    from triton.runtime import interpreter, jit
+
+    seen = []
+    saved = {cls: cls.run for cls in (jit.JITFunction, interpreter.InterpretedFunction)}
+
+    def recorder(cls):
+        def run(self, *args, grid, warmup, **kwargs):
+            names = list(self.arg_names) if hasattr(self, "arg_names") else [p.name for p in self.params]
+            ptrs = {n: a.data_ptr() for n, a in zip(names, args) if isinstance(a, torch.Tensor)}
+            seen.append((self.fn.__name__ if hasattr(self, "fn") else self.__name__, tuple(grid), ptrs))
+            return saved[cls](self, *args, grid=grid, warmup=warmup, **kwargs)
+        return run
+
+    for cls in saved:
+        cls.run = recorder(cls)
+    try:
+        yield seen
+    finally:
+        for cls, fn in saved.items():
+            cls.run = fn
+
+
+class World:
+    """A paged cache with requests on random pages, a gate per layer, summaries of the complete blocks."""
+
+    def __init__(self, budget_blocks=3, sink=1, local=1, anchors=0, seed=0):
+        g = self.g = torch.Generator().manual_seed(seed)
+        pages = MAX_REQS * MAX_CTX // B + 1
+        self.req_to_token = torch.zeros(MAX_REQS, MAX_CTX, dtype=torch.int32)
+        perm = torch.randperm(pages - 1, generator=g) + 1  # page 0: SGLang's padding page
+        for r in range(MAX_REQS):
+            for m in range(MAX_CTX // B):
+                self.req_to_token[r, m * B:(m + 1) * B] = int(perm[r * (MAX_CTX // B) + m]) * B + torch.arange(B)
+        self.req_to_token = self.req_to_token.to(DEVICE)
+        self.model_table = rope_cos_sin_table(D, MAX_CTX + B, 10000.0, device=DEVICE)
+        self.gate_table = rope_cos_sin_table(DG, MAX_CTX + B, 10000.0, device=DEVICE)
+        slots = pages * B
+        pos_of_slot = torch.zeros(slots, dtype=torch.int64)
+        pos_of_slot[self.req_to_token.cpu().reshape(-1).long()] = torch.arange(MAX_CTX).repeat(MAX_REQS)
+        self.k = [apply_rope(torch.randn(slots, H_KV, D, generator=g).to(DEVICE), self.model_table[pos_of_slot])
+                  for _ in range(LAYERS)]
+        self.v = [torch.randn(slots, H_KV, D, generator=g).to(DEVICE) for _ in range(LAYERS)]
+        self.gates = []
+        for _ in range(LAYERS):
+            gate = AttnGate(H_KV, G, D, DG)
+            gate.reset_parameters(g)
+            self.gates.append(gate.to(DEVICE).requires_grad_(False))
+        self.summaries = []
+        all_pages = torch.arange(1, pages, device=DEVICE)
+        starts = pos_of_slot.to(DEVICE)[all_pages * B]
+        for lid in range(LAYERS):
+            s = torch.zeros(pages, H_KV, DG, device=DEVICE)
+            w = self.gates[lid]
+            s[all_pages] = summarize_pages(self.k[lid], all_pages, starts, self.model_table, self.gate_table,
+                                           w.attngate_linear_k.weight, w.attngate_knorm.weight, B)
+            self.summaries.append(s)
+        self.anchors = None
+        if anchors:
+            self.anchors = torch.randint(-1, 20, (MAX_REQS, H_KV, anchors), generator=g).to(DEVICE, torch.int32)
+        self.rule = SelectionRule(budget_blocks, B, sink, local)
+        self.geo = StepGeometry(H_KV, G, D, D, DG, budget_blocks, B)
+
+    def step(self, kernels, attention, **kw):
+        return DecodeStep(make_selector("gate", self.rule), self.geo, self.req_to_token, DEVICE, torch.float32,
+                          torch.float32, D**-0.5, kernels=kernels, attention=attention, **kw)
+
+    def batch(self, lens, rows):
+        seq = torch.tensor(lens, dtype=torch.int64)
+        q = torch.randn(len(lens), H_KV * G, D, generator=self.g).to(DEVICE)
+        return dict(positions=(seq - 1).clamp_min(0).to(DEVICE), seq_lens=seq.to(DEVICE),
+                    req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE), seq_lens_cpu=seq), q
+
+    def run(self, step, plan, q, summaries=None):
+        outs = []
+        for lid in range(LAYERS):
+            s = self.summaries[lid] if summaries is None else summaries[lid]
+            outs.append((step.run(plan, self.gates[lid], q, self.k[lid], self.v[lid], s, self.model_table,
+                                  self.gate_table, self.anchors), step.last_selected.clone()))
+        return outs
+
+
+def _plan(step, world, inp, graph_bs=None):
+    return step.plan(inp["positions"], inp["seq_lens"], inp["req_pool_indices"], inp["seq_lens_cpu"],
+                     world.model_table, world.gate_table, graph_bs=graph_bs)
+
+
+@pytest.mark.parametrize("lens", [[100, 37, 61], [96, 40, 64]], ids=["steady", "block"])
+def test_fused_sparse_layer_is_three_launches(lens):
+    world = World()
+    step = world.step("triton", "triton")
+    inp, q = world.batch(lens, [0, 3, 5])
+    with launches() as seen:
+        plan = _plan(step, world, inp)
+    assert seen == [] and plan.fused and not plan.dense  # planning launches nothing
+    with launches() as seen:
+        world.run(step, plan, q)
+    names = [s[0] for s in seen]
+    assert names == ["_front_kernel", "_select_kernel", "_attend_kernel"] * LAYERS, names
+
+
+def test_fused_step_replays_fixed_grids_over_fixed_buffers():
+    """Captured-batch plans (graph_bs 4) of two unlike steps launch identical grids over identical buffers."""
+    world = World(anchors=2)
+    step = world.step("triton", "triton")
+    step.init_graph_state(4, D, DG)
+    records = []
+    static = None  # the graph runner's static input buffers, refilled in place
+    for lens, rows in (([100, 37, 1, 1], [0, 3, 0, 0]), ([64, 200, 96, 1], [5, 1, 2, 0])):  # padded rows: length 1
+        inp, q = world.batch(lens, rows)
+        if static is None:
+            static = {k: v.clone() for k, v in inp.items()}
+        for k, v in inp.items():
+            static[k].copy_(v)
+        inp = static
+        plan = _plan(step, world, inp, graph_bs=4)
+        step.fill(plan, world.model_table, world.gate_table)
+        with launches() as seen:
+            world.run(step, plan, q)
+        records.append(seen)
+    for (n1, g1, p1), (n2, g2, p2) in zip(*records):
+        assert n1 == n2 and g1 == g2, (n1, g1, g2)
+        moving = {"q_ptr", "out_ptr"}  # the layer's input and its freshly allocated output (graph pool under capture)
+        assert {k: v for k, v in p1.items() if k not in moving} == {k: v for k, v in p2.items() if k not in moving}, n1
+    ws = step.fused_ws
+    assert int(ws.front_counters.abs().sum() + ws.select_counters.abs().sum() + ws.attend_counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("budget,sink,local,anchors", [(3, 1, 1, 0), (4, 0, 0, 2), (40, 0, 0, 0)])
+def test_fused_step_equals_the_per_op_step(budget, sink, local, anchors):
+    """Same batch, same state: the fused kernels and the per-op torch path select the same blocks, attend to
+    the same result and leave the same summaries (blocks completed by this step's tokens included)."""
+    world = World(budget, sink, local, anchors, seed=budget)
+    lens, rows = [64, 257, 9, 130, 200], [0, 1, 2, 3, 4]
+    inp, q = world.batch(lens, rows)
+    results = {}
+    for kernels, attention in (("torch", "torch"), ("triton", "triton"), ("torch", "triton"), ("triton", "torch")):
+        step = world.step(kernels, attention, force_sparse=True)
+        summaries = [s.clone() for s in world.summaries]
+        plan = _plan(step, world, inp)
+        assert not plan.dense
+        results[kernels, attention] = world.run(step, plan, q, summaries), summaries
+    (ref, ref_summ) = results["torch", "torch"]
+    for key, (got, summ) in results.items():
+        for lid in range(LAYERS):
+            assert torch.equal(got[lid][1], ref[lid][1]), (key, lid)
+            torch.testing.assert_close(got[lid][0], ref[lid][0], rtol=1e-5, atol=1e-5, msg=str(key))
+            torch.testing.assert_close(summ[lid], ref_summ[lid], rtol=1e-5, atol=1e-5, msg=str(key))
