@@ -63,6 +63,9 @@ class StepCase:
         self.summaries = summ.to(summary_dtype)
 
     def workspace(self, top_k, **kw):
+        # Several front units per (row, kv head), as on a GPU (the CPU default is one of each).
+        kw.setdefault("qchunk", 4 if self.d <= 16 else 16)
+        kw.setdefault("kchunk", 2 if self.d <= 16 else 8)
         geo = fused.StepGeometry(self.h_kv, self.group, self.d, self.d, self.dg, top_k, self.b)
         return fused.DecodeStepWorkspace(geo, len(self.lens), self.max_blocks, DEVICE, **kw)
 
@@ -83,6 +86,7 @@ def test_front_matches_reference(paged_case, group):
     gq = fused.front(ws, c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table,
                      c.w_k, c.k_norm, summ, c.table, c.seq_lens)
     torch.testing.assert_close(gq, ref_gq, rtol=1e-5, atol=1e-5)
+    assert ws.uq == group * 2 and ws.uk == 4  # the last-arriving-unit merges ran
     done = [r for r, n in enumerate(LENS) if n % c.b == 0]
     written = set()
     for r in done:

@@ -68,7 +68,8 @@ class DecodeStepWorkspace:
 
     gate_q `[max_bs, H_kv, Dg]` fp32 (front -> select); selected `[max_bs, H_kv, K]` int32 (select ->
     attend); partials and the zeroed arrival counters of each launch. Split sizes:
-    - front: UQ = G * cdiv(D/2, 16) gate-query units and UK = cdiv(D/2, 8) summary units per (row, kv head);
+    - front: UQ = G * cdiv(D/2, qchunk) gate-query units and UK = cdiv(D/2, kchunk) summary units per (row, kv
+      head) (CUDA: 16 and 8 head dims per RoPE half; CPU: D/2, one unit each);
     - select: chunks of `chunk` blocks (default max(64, 4 * next_pow2(K))), NC = cdiv(width, chunk) programs
       per (row, kv head), each keeping min(K, chunk) survivors;
     - attend: `attend_splits(bs)` splits of the K + 1 blocks, about `target_programs` programs at batch 1,
@@ -76,7 +77,7 @@ class DecodeStepWorkspace:
     """
 
     def __init__(self, geometry: StepGeometry, max_bs: int, max_blocks: int, device, chunk: Optional[int] = None,
-                 target_programs: Optional[int] = None):
+                 target_programs: Optional[int] = None, qchunk: Optional[int] = None, kchunk: Optional[int] = None):
         self.geo = geo = geometry.check()
         self.device = torch.device(device)
         self.max_bs = int(max_bs)
@@ -84,10 +85,12 @@ class DecodeStepWorkspace:
         cuda = self.device.type == "cuda"
         self.target_programs = int(target_programs or (GPU_TARGET_PROGRAMS if cuda else CPU_TARGET_PROGRAMS))
         half_d = geo.head_dim // 2
-        self.qchunk = min(_QCHUNK, _pow2(half_d))
+        # On CPU (the interpreter runs one program at a time, each op costing far more than its bytes) the front
+        # is cut coarsely: one unit per query head and one summary unit; the tests pass the GPU's sizes.
+        self.qchunk = min(qchunk or (_QCHUNK if cuda else half_d), _pow2(half_d))
         self.uq_per_head = -(-half_d // self.qchunk)
         self.uq = geo.group * self.uq_per_head
-        self.kchunk = min(_KCHUNK, _pow2(half_d))
+        self.kchunk = min(kchunk or (_KCHUNK if cuda else half_d), _pow2(half_d))
         self.uk = -(-half_d // self.kchunk)
         k = geo.top_k
         self.chunk = int(chunk or max(64, 4 * _pow2(max(k, 1))))
@@ -287,7 +290,8 @@ def attend(
         return out
     splits = ws.attend_splits(bs)
     tok = max(16, geo.block_size)
-    wide = k_buffer.element_size() >= 4  # fp32 K/V: 64-token fp32 tiles spill (ptxas, D = 128)
+    # fp32 K/V: 64-token fp32 tiles spill (ptxas, D = 128); the interpreter has no registers, only per-op costs.
+    wide = k_buffer.element_size() >= 4 and not _interpreting()
     per = -(-(geo.top_k + 1) // splits)
     kernels._attend_kernel[(bs, h_kv, splits)](
         q, k_buffer, v_buffer, selected, block_table, seq_lens, out,
