@@ -252,7 +252,18 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
             for sas in row["sas"].values():
                 assert sas["amortized_ms"] == (63 * sas["steady_ms"] + sas["ms"]) / 64
                 assert sas["speedup"] == row["dense_ms"] / sas["amortized_ms"]
-                assert "summary_steady" in sas["breakdown_ms"]
+                assert set(sas["breakdown_ms"]) == {"front", "front_block", "select", "attend"}  # the fused launches
+                assert sas["vs_old"] > 0  # the old step timed beside the new one
+            variants = row["variants"][str(max(map(int, row["sas"])))]
+            assert {"new: fused, triton attend", "old: per-op kernels + flashinfer"} <= set(variants)
+        # the tournament's variants at the middle budget, and the settings table it chose (dry run: unmeasured)
+        names = {n for r in steps["decode-step"]["results"]["decode-step"]["rows"] for vs in r["variants"].values()
+                 for n in vs}
+        assert len(names) == 8, names
+        chosen = steps["decode-step"]["results"]["decode-step"]["chosen_settings"]
+        assert chosen["measured"] is False and "default" in chosen["devices"]
+        assert set(chosen["devices"]["default"]) == {"kernels", "attention", "summary_dtype", "select_chunk",
+                                                     "target_programs", "dense_below"}
         # the IF-node branch timing (dense or sparse chosen per replay), at the middle budget
         branch = [s["branch"] for r in steps["decode-step"]["results"]["decode-step"]["rows"] for s in r["sas"].values()
                   if "branch" in s]

@@ -1,4 +1,4 @@
-"""Tier 1: one decode step of a Qwen3-4B-shaped attention stack, dense FlashInfer vs the full SAS step.
+"""Tier 1: one decode step of a Qwen3-4B-shaped attention stack, dense FlashInfer vs the served SAS step.
 
 No SGLang and no model: torch + Triton + FlashInfer, the package's op entry points
 (`sas_backend.ops`), random K/V, random gates. Geometry of Qwen3-4B: 36 layers, 32 q / 8 kv
@@ -7,14 +7,19 @@ heads, head dim 128, gate dim 128, block 64, bf16 KV.
 Per point (context, batch, budget), CUDA graphs on (each timed thing is one captured graph over
 all layers, replayed; `triton.testing.do_bench` median, L2 flushed between replays):
 - dense:  FlashInfer's paged decode (page 64, tensor cores) over the whole context, every layer;
-- sas:    per layer the full step: summary update (every row runs the masked kernel, as under graphs
-          in the server), gate query, block scores, Top-K, gather of the selected token rows,
-          FlashInfer sparse decode. Timed twice: the block step, where every request's newest token
-          completes a block (the summary kernel projects it), and the steady step, where none does
-          (63 of 64 steps: the summary kernel exits at once); `amortized` = (63 steady + 1 block) / 64,
-          the per-token figure a server sees, and `speedup` = dense / amortized;
-- breakdown: each of those ops alone over all layers (its own graph); `attn` = gather + decode;
-  `gate_query_unsplit`: the one-launch gate query kernel the first GPU run measured, beside the split one;
+- sas:    the step the server runs, `sas_backend.backend.decode_step.DecodeStep` over the world's slot table,
+          planned as the backend plans a captured batch (persistent step buffers filled inside the graph):
+          `NEW` (fused front / select / attend, three launches a layer) and `OLD` (the per-op kernels and
+          FlashInfer's sparse decode, the first GPU run's step) at every budget, and at the middle budget the
+          variants the measurement decides (`VARIANTS`: attention path, bf16 summaries, programs per launch,
+          select chunk). Each timed twice: the block step, where every request's newest token completes a
+          block (the front summarizes it), and the steady step, where none does (63 of 64 steps);
+          `amortized` = (63 steady + 1 block) / 64, the per-token figure a server sees, `speedup` = dense /
+          amortized;
+- breakdown: each fused launch alone over all layers (its own graph), front in both kinds of step;
+- chosen settings: the variant with the best geometric-mean speedup and the `--sas-dense-below` crossover,
+  written as `chosen-settings.json` in the format of `sas_backend/backend/gpu_settings.json` (adopting the
+  winner is copying that file; `docs/launch-budget.md` says what each launch is expected to cost);
 - roofline: the bytes the attention step must read (dense: K and V of the whole context; sas:
   K and V of (K+1) blocks per kv head, every candidate's fp32 summary, the gate's query weights),
   its time at the device's peak bandwidth, and the achieved bandwidth.
@@ -22,8 +27,8 @@ Profile (issue 22's trace summary): one steady SAS step at the longest context, 
 the torch profiler, eager and as a graph replay: its kernels (name, count, time), launches, the busy
 time and the gaps between kernels on the device timeline, so the next optimisation can be planned
 without a GPU (on CPU, the dry run: top-level torch ops stand in for kernels). In "profile".
-Before timing, `--check` (default on) compares every compiled kernel with its torch reference at
-these shapes (contexts up to 128K) and the captured step with the eager one: results in "checks".
+Before timing, `--check` (default on) compares every compiled kernel of both steps with its torch reference
+at these shapes (contexts up to 128K) and each captured step with the eager one: results in "checks".
 
 K/V: the contexts and batches up to 256K x 8 do not fit 36 distinct layers; layers cycle over
 `distinct_layers` buffer sets (as many as fit `--mem-fraction` of free memory, at least 2, so no
@@ -31,9 +36,9 @@ layer reads what the previous one left in L2). Recorded per point.
 
     python bench/gpu/bench_decode_step.py --out DIR            # full: 8K..256K, batch 1 8, budgets 1024 2048 4096
     python bench/gpu/bench_decode_step.py --quick --out DIR    # 8K 32K, batch 1 8, budget 2048
-    python bench/gpu/bench_decode_step.py --dry-run --out DIR  # CPU: the same step through the torch paths, tiny
+    python bench/gpu/bench_decode_step.py --dry-run --out DIR  # CPU: the same steps, tiny, fused kernels interpreted
 
-Writes DIR/decode-step.json, DIR/decode-step.md, DIR/decode-step.png.
+Writes DIR/decode-step.json, DIR/decode-step.md, DIR/decode-step.png, DIR/chosen-settings.json.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 import time
@@ -105,6 +111,10 @@ class World:
         self.max_blocks = (ctx - 1) // BLOCK  # candidates of every request
         dev = self.device
         self.block_table = (self.pages[:, : self.max_blocks + 1] * BLOCK).long().to(dev)
+        # SGLang's slot table for these requests (the decode step object reads its block table from it)
+        offs = torch.arange(BLOCK, dtype=torch.int32)
+        self.req_to_token = (self.pages.to(torch.int32)[:, :, None] * BLOCK + offs).reshape(bs, -1).to(dev)
+        self.req_pool_indices = torch.arange(bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((bs,), ctx, dtype=torch.int64, device=dev)
         self.seq_lens_cpu = torch.full((bs,), ctx, dtype=torch.int64)
         self.seq_lens_steady = self.seq_lens - 1
@@ -115,6 +125,7 @@ class World:
         self.v = torch.randn(shape, dtype=torch.bfloat16, device=dev, generator=self._dev_gen(seed + 2))
         self.summaries = torch.randn(distinct, self.num_pages, geo.kv_heads, geo.gate_dim, device=dev,
                                      generator=self._dev_gen(seed + 3))
+        self._summaries_bf16 = None
         from sas_backend.gate.module import AttnGate
         from sas_backend.ops.rope import rope_cos_sin_table
 
@@ -132,6 +143,14 @@ class World:
 
     def _dev_gen(self, seed):
         return torch.Generator(device=self.device).manual_seed(seed)
+
+    def summaries_of(self, layer: int, dtype=torch.float32) -> torch.Tensor:
+        """`[pages, H_kv, Dg]` summary pool of the buffer set `layer` uses, fp32 or a bf16 copy."""
+        if dtype == torch.float32:
+            return self.summaries[layer % self.distinct]
+        if self._summaries_bf16 is None:
+            self._summaries_bf16 = self.summaries.to(torch.bfloat16)
+        return self._summaries_bf16[layer % self.distinct]
 
     def kv(self, layer: int):
         """`[slots, H_kv, D]` K and V of the buffer set `layer` uses."""
@@ -163,93 +182,111 @@ class LayerStack:
         return out
 
 
-class SasStep(LayerStack):
-    """The full SAS decode step over all layers, as op closures (one list per op) over fixed buffers."""
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to run the served decode step (`sas_backend.backend.decode_step.DecodeStep`'s settings)."""
 
-    def __init__(self, w: World, budget: int, graphs: bool, block_step: bool = True):
-        from sas_backend.ops.sparse_decode import make_sparse_decode
+    name: str
+    kernels: str = "triton"
+    attention: str = "triton"
+    summary_dtype: str = "fp32"
+    target_programs: int | None = None
+    chunk: int | None = None
+
+    def settings(self) -> dict:
+        """The chosen-settings table's entry for this variant (`sas_backend/backend/gpu_settings.json`)."""
+        return {"kernels": self.kernels, "attention": self.attention, "summary_dtype": self.summary_dtype,
+                "select_chunk": self.chunk, "target_programs": self.target_programs}
+
+
+# The old step (per-op kernels + FlashInfer: the first GPU run's) and the new one's variants the measurement
+# decides between: attention path, summary dtype, split sizes (programs per launch at batch 1), select chunk.
+OLD = Variant("old: per-op kernels + flashinfer", kernels="torch", attention="flashinfer")
+NEW = Variant("new: fused, triton attend")
+VARIANTS = (
+    NEW,
+    Variant("new: fused, flashinfer attention", attention="flashinfer"),
+    Variant("new: fused, bf16 summaries", summary_dtype="bf16"),
+    Variant("new: fused, 132 programs", target_programs=132),
+    Variant("new: fused, 528 programs", target_programs=528),
+    Variant("new: fused, select chunk 64", chunk=64),
+    Variant("new: fused, select chunk 256", chunk=256),
+)
+
+
+class ServedStep(LayerStack):
+    """The decode step the server runs: a `DecodeStep` over the world's slot table, planned as the backend
+    plans a captured batch (graph_bs = bs, persistent step buffers filled inside the graph) or an eager one.
+
+    block_step: every request's newest token completes a block (the front summarizes it; 1 step in 64)
+    rather than none (steady)."""
+
+    def __init__(self, w: World, budget: int, graphs: bool, block_step: bool = True, variant: Variant = NEW):
+        from sas_backend.backend.decode_step import DecodeStep
+        from sas_backend.ops.decode_step import StepGeometry
+        from sas_backend.selection import SelectionRule, make_selector
 
         geo = w.geo
-        self.w, self.top_k = w, budget // BLOCK
-        # the summary update's view of the lengths: a block completes (block step) or none does (steady)
-        self.summary_seq_lens = w.seq_lens if block_step else w.seq_lens_steady
-        dev = w.device
-        self.gate_q = torch.empty(w.bs, geo.kv_heads, geo.gate_dim, device=dev)
-        self.scores = torch.empty(w.bs, geo.kv_heads, w.max_blocks, device=dev)
-        self.selected = torch.empty(w.bs, geo.kv_heads, self.top_k, dtype=torch.int32, device=dev)
-        self.workspace = self.gate_workspace = None
-        if w.device.type == "cuda":
-            from sas_backend.ops.gate.triton import gate_query_workspace_numel
-            from sas_backend.ops.topk.triton import topk_workspace_numel
-
-            n = topk_workspace_numel(w.bs, geo.kv_heads, w.max_blocks, self.top_k)
-            self.workspace = torch.empty(max(n, 1), dtype=torch.int32, device=dev)
-            n = gate_query_workspace_numel(w.bs, geo.kv_heads, geo.group, geo.head_dim, geo.gate_dim)
-            self.gate_workspace = torch.empty(n, dtype=torch.float32, device=dev)
-        self.sd = make_sparse_decode(dev, geo.kv_heads, geo.group, geo.head_dim, self.top_k, BLOCK,
-                                     w.bs * geo.kv_heads, torch.bfloat16, torch.bfloat16)
-        self.sd.plan(w.seq_lens_cpu, w.scale, graph_bs=w.bs if graphs else None)
-
-    def summary(self, layer):
-        """Summary update of the block each request's newest token completed (masked kernel; in a
-        steady step no request completes one and the kernel exits at once)."""
-        from sas_backend.ops.summary import update_summaries
-
-        w, gate = self.w, self.w.gates[layer]
-        update_summaries(w.kv(layer)[0], w.summaries[layer % w.distinct], w.block_table, self.summary_seq_lens, BLOCK,
-                         w.model_table, w.gate_table, gate.attngate_linear_k.weight, gate.attngate_knorm.weight)
-
-    def gate_query(self, layer):
-        """Gate query from the post-RoPE q into the fixed buffer."""
-        from sas_backend.ops.gate import gate_query_post_rope
-
-        w, gate = self.w, self.w.gates[layer]
-        gate_query_post_rope(w.q, w.model_rows, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight,
-                             w.gate_rows, out=self.gate_q, workspace=self.gate_workspace)
-
-    def gate_query_unsplit(self, layer):
-        """The one-launch gate query kernel (CUDA; the first GPU run's), timed beside the split one."""
-        from sas_backend.ops.gate.triton import gate_query_triton
-
-        w, gate = self.w, self.w.gates[layer]
-        gate_query_triton(w.q, w.model_rows, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight,
-                          w.gate_rows, out=self.gate_q, split=False)
-
-    def score(self, layer):
-        """Scores of every candidate block into the fixed buffer."""
-        from sas_backend.ops.score import score_blocks
-
-        w = self.w
-        score_blocks(self.gate_q, w.summaries[layer % w.distinct], w.block_table, w.num_candidates, BLOCK,
-                     w.max_blocks, out=self.scores)
-
-    def topk(self, layer):
-        """Top-K blocks per (request, kv head) into the fixed buffer."""
-        from sas_backend.ops.topk import select_blocks
-
-        select_blocks(self.scores, self.w.num_candidates, self.top_k, out=self.selected, workspace=self.workspace)
-
-    def gather(self, layer):
-        """The gather kernel alone (CUDA; on CPU the sparse decode gathers a padded view itself)."""
-        from sas_backend.ops.gather import gather_kv_indices
-
-        rows = self.w.bs * self.w.geo.kv_heads
-        gather_kv_indices(self.selected, self.w.block_table, self.w.seq_lens, BLOCK,
-                          self.sd.gather_indptr[: rows + 1], self.sd.indices_buf)
-
-    def attn(self, layer):
-        """Gather of the selected token rows + sparse decode; returns `[bs, H_q, D]`."""
-        k, v = self.w.kv(layer)
-        return self.sd.run(self.w.q, k, v, self.selected, self.w.block_table, self.w.seq_lens)
-
-    OPS = ("summary", "gate_query", "score", "topk", "attn")
+        cuda = w.device.type == "cuda"
+        if not cuda:  # the dry run: the interpreter for the fused kernels, torch for the rest
+            variant = dataclasses.replace(variant, attention="torch" if variant.attention == "flashinfer"
+                                          else variant.attention)
+        self.w, self.top_k, self.variant = w, budget // BLOCK, variant
+        self.seq_lens = (w.seq_lens if block_step else w.seq_lens_steady).clone()
+        self.positions = self.seq_lens - 1
+        self.seq_lens_cpu = self.seq_lens.cpu()
+        self.dtype = torch.bfloat16 if variant.summary_dtype == "bf16" else torch.float32
+        self.step_obj = DecodeStep(
+            make_selector("gate", SelectionRule(self.top_k, BLOCK)),
+            StepGeometry(geo.kv_heads, geo.group, geo.head_dim, geo.head_dim, geo.gate_dim, self.top_k, BLOCK),
+            w.req_to_token, w.device, torch.bfloat16, w.k.dtype, w.scale, kernels=variant.kernels,
+            attention=variant.attention, chunk=variant.chunk, target_programs=variant.target_programs,
+        )
+        self.graphs = graphs
+        if graphs:
+            self.step_obj.init_graph_state(w.bs, geo.head_dim, geo.gate_dim)
+        self.plan = self.step_obj.plan(self.positions, self.seq_lens, w.req_pool_indices, self.seq_lens_cpu,
+                                       w.model_table, w.gate_table, graph_bs=w.bs if graphs else None)
+        if graphs:
+            self.step_obj.fill(self.plan, w.model_table, w.gate_table)
 
     def layer(self, layer):
-        """One layer of the step, in the server's order; returns the attention output."""
-        for op in self.OPS[:-1]:
-            getattr(self, op)(layer)
-        return self.attn(layer)
+        w = self.w
+        k, v = w.kv(layer)
+        return self.step_obj.run(self.plan, w.gates[layer], w.q, k, v, w.summaries_of(layer, self.dtype),
+                                 w.model_table, w.gate_table)
 
+    def step(self):
+        if self.graphs:  # as in the server: the step's device state is recomputed inside the graph
+            self.step_obj.fill(self.plan, self.w.model_table, self.w.gate_table)
+        return super().step()
+
+    # The breakdown: each fused launch alone over all layers (the new step), on the plan's step tensors.
+    OPS = ("front", "select", "attend")
+
+    def front(self, layer):
+        from sas_backend.ops import decode_step as fused
+
+        w, st, gate = self.w, self.plan.step, self.w.gates[layer]
+        return fused.front(self.step_obj.fused_ws, w.q, st.model_cos_sin, st.gate_cos_sin,
+                           gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, w.kv(layer)[0], w.model_table,
+                           w.gate_table, gate.attngate_linear_k.weight, gate.attngate_knorm.weight,
+                           w.summaries_of(layer, self.dtype), st.block_table, st.seq_lens)
+
+    def select(self, layer):
+        from sas_backend.ops import decode_step as fused
+
+        st = self.plan.step
+        return fused.select(self.step_obj.fused_ws, self.step_obj.fused_ws.gate_q[: self.w.bs],
+                            self.w.summaries_of(layer, self.dtype), st.block_table, st.num_candidates,
+                            self.plan.max_blocks)
+
+    def attend(self, layer):
+        from sas_backend.ops import decode_step as fused
+
+        st, (k, v) = self.plan.step, self.w.kv(layer)
+        return fused.attend(self.step_obj.fused_ws, self.w.q, k, v, self.step_obj.fused_ws.selected[: self.w.bs],
+                            st.block_table, st.seq_lens, self.w.scale)
 
     def op_over_layers(self, op):
         """A callable running one op for every layer (the breakdown)."""
@@ -257,19 +294,18 @@ class SasStep(LayerStack):
 
 
 class BranchStep(LayerStack):
-    """The steady SAS step and dense attention as two branches of one captured graph (conditional IF
-    nodes, `sas_backend.backend.graph_branch`): per layer the summary update, then IF(sparse) the
-    selector + sparse decode, IF(dense) FlashInfer's dense decode, each copying into one output
-    buffer. `flags.set(True)` replays the sparse branch, `flags.set(False)` the dense one: what a
-    server falling back to dense attention on short batches would pay for the choice (the IF nodes'
-    own kernels) on either side. Eagerly (CPU, warm-up) it runs the chosen branch, or both when
-    `both` is set (before capture: everything a body launches must have run once)."""
+    """The steady served step and dense attention as two branches of one captured graph (conditional IF
+    nodes, `sas_backend.backend.graph_branch`), as the backend captures `--sas-dense-below`: per layer the
+    per-op summary update, then IF(sparse) the served sparse layer, IF(dense) FlashInfer's dense decode, each
+    copying into one output buffer. `flags.set(True)` replays the sparse branch, `flags.set(False)` the
+    dense one. Eagerly (CPU, warm-up) it runs the chosen branch, or both when `both` is set (before capture:
+    everything a body launches must have run once)."""
 
-    def __init__(self, w: World, budget: int, graphs: bool):
+    def __init__(self, w: World, budget: int, graphs: bool, variant: Variant = NEW):
         from sas_backend.backend.graph_branch import BranchFlags
 
         self.w = w
-        self.sparse = SasStep(w, budget, graphs, block_step=False)
+        self.sparse = ServedStep(w, budget, graphs, block_step=False, variant=variant)
         self.dense = DenseStep(w, graphs)
         self.flags = BranchFlags(w.device)
         self.flags.set(True)
@@ -278,9 +314,10 @@ class BranchStep(LayerStack):
 
     def _sparse(self, layer):
         st = self.sparse
-        for op in SasStep.OPS[1:-1]:
-            getattr(st, op)(layer)
-        self.out.copy_(st.attn(layer))
+        k, v = self.w.kv(layer)
+        self.out.copy_(st.step_obj.run(st.plan, self.w.gates[layer], self.w.q, k, v,
+                                       self.w.summaries_of(layer, st.dtype), self.w.model_table, self.w.gate_table,
+                                       update=False))
 
     def _dense(self, layer):
         self.out.copy_(self.dense.layer(layer))
@@ -288,7 +325,9 @@ class BranchStep(LayerStack):
     def layer(self, layer):
         from sas_backend.backend.graph_branch import captured_if, capturing
 
-        self.sparse.summary(layer)
+        st, w = self.sparse, self.w
+        st.step_obj.update_summaries(st.plan, w.gates[layer], w.kv(layer)[0], w.summaries_of(layer, st.dtype),
+                                     w.model_table, w.gate_table)
         if capturing():
             with captured_if(self.flags.first):
                 self._sparse(layer)
@@ -300,6 +339,11 @@ class BranchStep(LayerStack):
             if self.both or not self.flags.value:
                 self._dense(layer)
         return self.out
+
+    def step(self):
+        if self.sparse.graphs:
+            self.sparse.step_obj.fill(self.sparse.plan, self.w.model_table, self.w.gate_table)
+        return super().step()
 
     def warm(self):
         """Run both branches once eagerly (the warm-up before capture)."""
@@ -494,16 +538,16 @@ def profile_step(fn, graphs: bool) -> dict:
 
 
 def profile_point(geo, ctx, bs, budget, args) -> dict:
-    """The profile record of one steady SAS step, the typical one (no block completes; eager, and graph
-    replay where CUDA graphs are on)."""
+    """The profile record of one steady served step (the new one's defaults), the typical one (no block completes;
+    eager, and graph replay where CUDA graphs are on)."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     w = World(geo, ctx, bs, distinct_sets(geo, ctx, bs, args.mem_fraction), dev)
     rec = {"context": ctx, "batch": bs, "budget": budget}
-    st = SasStep(w, budget, graphs=False, block_step=False)
+    st = ServedStep(w, budget, graphs=False, block_step=False)
     rec["eager"] = profile_step(st.step, graphs=False)
     del st
     if args.graphs:
-        st = SasStep(w, budget, graphs=True, block_step=False)
+        st = ServedStep(w, budget, graphs=True, block_step=False)
         rec["graph"] = profile_step(st.step, graphs=True)
         del st
     del w
@@ -550,12 +594,19 @@ def _err(a, b) -> float:
 
 
 def check_point(w: World, budget: int, graphs: bool, branches: bool = False) -> list:
-    """Every kernel of the step vs its torch reference at this point, on layer 0 (fresh buffers),
-    then the captured step vs the eager one (and, with `branches`, the IF-node graph's two branches vs the
-    plain graphs). Returns [{"op", "max_abs_err", "tol", "ok"}]."""
+    """Every kernel of both steps vs its torch reference at this point, on layer 0 (fresh buffers), then each
+    served step captured vs run eagerly (and, with `branches`, the IF-node graph's two branches vs the plain
+    graphs). Returns [{"op", "max_abs_err", "tol", "ok"}]."""
+    from sas_backend.ops import decode_step as fused
+    from sas_backend.ops.decode_step import naive as fused_ref
+    from sas_backend.ops.gate import gate_query_post_rope
     from sas_backend.ops.gate.naive import gate_query_post_rope as gq_ref
+    from sas_backend.ops.score import score_blocks
     from sas_backend.ops.score.naive import score_blocks as score_ref
+    from sas_backend.ops.summary import summarize_pages, update_summaries
+    from sas_backend.ops.summary.naive import summarize_pages as pages_ref
     from sas_backend.ops.summary.naive import summary_update_decode as summary_ref
+    from sas_backend.ops.topk import select_blocks
     from sas_backend.ops.topk.naive import select_blocks as topk_ref
 
     out = []
@@ -564,65 +615,73 @@ def check_point(w: World, budget: int, graphs: bool, branches: bool = False) -> 
         out.append({"op": op, "context": w.ctx, "batch": w.bs, "budget": budget, "max_abs_err": err, "tol": tol,
                     "ok": bool(err <= tol)})
 
-    st = SasStep(w, budget, graphs=False)
+    k_top = budget // BLOCK
     gate = w.gates[0]
+    wk, kn = gate.attngate_linear_k.weight, gate.attngate_knorm.weight
     before = w.summaries[0].clone()
-    st.summary(0)
-    ref = summary_ref(w.k[0], before.clone(), w.block_table, w.seq_lens, BLOCK, w.model_table, w.gate_table,
-                      gate.attngate_linear_k.weight, gate.attngate_knorm.weight)
-    record("summary_update", _err(w.summaries[0], ref), 1e-3)
-    # the extend path's kernel: whole blocks read back from the cache (request 0's first 512 blocks)
-    from sas_backend.ops.summary import summarize_pages
-    from sas_backend.ops.summary.naive import summarize_pages as pages_ref
-
+    # --- the per-op kernels (the old step; still the extend path's and the training-free selectors')
+    got = update_summaries(w.k[0], before.clone(), w.block_table, w.seq_lens, BLOCK, w.model_table, w.gate_table, wk, kn)
+    ref = summary_ref(w.k[0], before.clone(), w.block_table, w.seq_lens, BLOCK, w.model_table, w.gate_table, wk, kn)
+    record("summary_update", _err(got, ref), 1e-3)
     n = min(512, w.max_blocks)
     args = (w.k[0], w.pages[0, :n].to(w.device), torch.arange(n, device=w.device) * BLOCK, w.model_table,
-            w.gate_table, gate.attngate_linear_k.weight, gate.attngate_knorm.weight, BLOCK)
+            w.gate_table, wk, kn, BLOCK)
     record("summarize_pages", _err(summarize_pages(*args), pages_ref(*args)), 1e-3)
-    st.gate_query(0)
-    record("gate_query", _err(st.gate_q, gq_ref(w.q, w.model_rows, gate.attngate_linear_q.weight,
-                                                gate.attngate_qnorm.weight, w.gate_rows)), 1e-3)
-    if w.device.type == "cuda":
-        st.gate_query_unsplit(0)
-        record("gate_query (unsplit)", _err(st.gate_q, gq_ref(w.q, w.model_rows, gate.attngate_linear_q.weight,
-                                                              gate.attngate_qnorm.weight, w.gate_rows)), 1e-3)
-        st.gate_query(0)
-    st.score(0)
-    record("score", _err(st.scores, score_ref(st.gate_q, w.summaries[0], w.block_table, w.num_candidates, BLOCK,
-                                              w.max_blocks)), 1e-3)
-    st.topk(0)
-    ref_sel = topk_ref(st.scores, w.num_candidates, st.top_k)
-    record("topk (exact)", float((st.selected != ref_sel).sum()), 0.0)
-    if w.device.type == "cuda":
-        from sas_backend.ops.gather.naive import build_kv_indices
-
-        st.gather(0)
-        rows = w.bs * w.geo.kv_heads
-        indptr = st.sd.gather_indptr[: rows + 1]
-        n = int(indptr[-1])
-        ref_idx = build_kv_indices(st.selected, w.block_table, w.seq_lens, BLOCK, indptr,
-                                   torch.zeros(n, dtype=torch.int32, device=w.device))
-        record("gather (exact)", float((st.sd.indices_buf[:n] != ref_idx).sum()), 0.0)
-    sparse = st.attn(0)
-    record("sparse_decode", _err(sparse, reference_attention(w, 0, st.selected)), 2e-2)
+    gq_args = (w.q, w.model_rows, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, w.gate_rows)
+    gq = gate_query_post_rope(*gq_args)
+    record("gate_query", _err(gq, gq_ref(*gq_args)), 1e-3)
+    scores = score_blocks(gq, before, w.block_table, w.num_candidates, BLOCK, w.max_blocks)
+    record("score", _err(scores, score_ref(gq, before, w.block_table, w.num_candidates, BLOCK, w.max_blocks)), 1e-3)
+    sel = select_blocks(scores, w.num_candidates, k_top)
+    record("topk (exact)", float((sel != topk_ref(scores, w.num_candidates, k_top)).sum()), 0.0)
+    old = ServedStep(w, budget, graphs=False, variant=OLD)
+    k0, v0 = w.kv(0)
+    record("sparse_decode (per-op attention)",
+           _err(old.step_obj.sparse_decode.run(w.q, k0, v0, sel, w.block_table, w.seq_lens),
+                reference_attention(w, 0, sel)), 2e-2)
+    del old
     dense = DenseStep(w, graphs=False).layer(0)
     record("dense_decode", _err(dense, reference_attention(w, 0, all_blocks(w))), 2e-2)
+    # --- the fused kernels (the new step), on the same inputs
+    new = ServedStep(w, budget, graphs=False, variant=NEW)
+    ws = new.step_obj.fused_ws
+    summ_fused, summ_ref = before.clone(), before.clone()
+    gq_fused = fused.front(ws, w.q, w.model_rows, w.gate_rows, gate.attngate_linear_q.weight,
+                           gate.attngate_qnorm.weight, w.k[0], w.model_table, w.gate_table, wk, kn, summ_fused,
+                           w.block_table, w.seq_lens).clone()
+    gq_want = fused_ref.front(w.q, w.model_rows, w.gate_rows, gate.attngate_linear_q.weight,
+                              gate.attngate_qnorm.weight, w.k[0], w.model_table, w.gate_table, wk, kn, summ_ref,
+                              w.block_table, w.seq_lens, BLOCK)
+    record("fused front: gate query", _err(gq_fused, gq_want), 1e-3)
+    record("fused front: summaries", _err(summ_fused, summ_ref), 1e-3)
+    sel_fused = fused.select(ws, gq_fused, summ_ref, w.block_table, w.num_candidates, w.max_blocks).clone()
+    ref_scores = fused_ref.scores(gq_fused, summ_ref, w.block_table, w.num_candidates, BLOCK, w.max_blocks)
+    sel_want = topk_ref(ref_scores, w.num_candidates, k_top)
+    record("fused select (blocks outside rounding ties)", _selection_misses(sel_fused, sel_want, ref_scores), 0.0)
+    record("fused attend", _err(fused.attend(ws, w.q, k0, v0, sel_fused, w.block_table, w.seq_lens, w.scale),
+                                reference_attention(w, 0, sel_fused)), 2e-2)
+    del new
     if graphs and w.device.type == "cuda":
-        # The whole step captured and replayed equals the same step run eagerly (same FlashInfer
-        # graph wrapper, so the same split plan: bit-exact), and its attention matches the oracle.
-        g_step = SasStep(w, budget, graphs=True)
+        # Each served step captured and replayed equals the same step run eagerly, bit for bit, and its
+        # attention matches the oracle.
+        for variant in (OLD, NEW):
+            g_step = ServedStep(w, budget, graphs=True, variant=variant)
+            w.summaries.copy_(before.expand_as(w.summaries))
+            eager = g_step.step().clone()  # also the warm-up before capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                res = g_step.step()
+            w.summaries.copy_(before.expand_as(w.summaries))
+            graph.replay()
+            torch.cuda.synchronize()
+            tag = variant.name.split(":")[0]
+            record(f"{tag} step: graph replay == eager step (exact)", _err(res, eager), 0.0)
+            last = w.geo.layers - 1
+            record(f"{tag} step: graph attention (last layer) vs oracle",
+                   _err(res, reference_attention(w, last, g_step.step_obj.last_selected)), 2e-2)
+            del graph, g_step
         w.summaries.copy_(before.expand_as(w.summaries))
-        eager = g_step.step().clone()  # also the warm-up before capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            res = g_step.step()
-        w.summaries.copy_(before.expand_as(w.summaries))
-        graph.replay()
-        torch.cuda.synchronize()
-        record("graph replay == eager step (exact)", _err(res, eager), 0.0)
-        last = w.geo.layers - 1
-        record("graph sparse_decode (last layer)", _err(res, reference_attention(w, last, g_step.selected)), 2e-2)
         from sas_backend.backend.graph_branch import conditional_nodes_supported
 
         if branches and conditional_nodes_supported():
@@ -638,9 +697,21 @@ def check_point(w: World, budget: int, graphs: bool, branches: bool = False) -> 
     return out
 
 
+def _selection_misses(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor, tie: float = 1e-3) -> float:
+    """Blocks one selection has and the other lacks whose reference scores differ by more than `tie` (the
+    fused select scores with its own summation order, so exact ties of rounding may swap)."""
+    misses = 0
+    for r in range(got.shape[0]):
+        for h in range(got.shape[1]):
+            a, b = set(got[r, h].tolist()), set(want[r, h].tolist())
+            for x, y in zip(sorted(a - b), sorted(b - a)):
+                misses += abs(float(scores[r, h, x]) - float(scores[r, h, y])) > tie
+    return float(misses)
+
+
 def _check_branches(w: World, budget: int, record) -> None:
     """The IF-node graph's two branches against the plain graphs (see check_point)."""
-    for name, step_cls in (("sparse", lambda: SasStep(w, budget, graphs=True, block_step=False)),
+    for name, step_cls in (("sparse", lambda: ServedStep(w, budget, graphs=True, block_step=False)),
                            ("dense", lambda: DenseStep(w, graphs=True))):
         plain = step_cls()
         plain.step()
@@ -677,6 +748,24 @@ def distinct_sets(geo: Geometry, ctx: int, bs: int, mem_fraction: float) -> int:
     return max(2, min(geo.layers, int(free * mem_fraction // per)))
 
 
+def time_variant(w: World, budget: int, variant: Variant, args, breakdown: bool = False) -> dict:
+    """Block, steady and amortized ms of one served-step variant; with `breakdown`, each fused launch alone."""
+    st = ServedStep(w, budget, args.graphs, block_step=True, variant=variant)
+    res = {"ms": time_ms(st.step, args.graphs, args.reps), "breakdown_ms": {}}
+    if breakdown and st.plan.fused:
+        res["breakdown_ms"]["front_block"] = time_ms(st.op_over_layers("front"), args.graphs, args.reps)
+    del st
+    steady = ServedStep(w, budget, args.graphs, block_step=False, variant=variant)
+    res["steady_ms"] = time_ms(steady.step, args.graphs, args.reps)
+    if breakdown and steady.plan.fused:
+        for op in ServedStep.OPS:
+            res["breakdown_ms"][op] = time_ms(steady.op_over_layers(op), args.graphs, args.reps)
+    del steady
+    res["amortized_ms"] = (63 * res["steady_ms"] + res["ms"]) / 64
+    res["block_over_steady"] = res["ms"] / res["steady_ms"]
+    return res
+
+
 def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
     """Check (up to --check-max-context) and time one (context, batch) for dense and every budget."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -687,21 +776,30 @@ def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
     dense = DenseStep(w, args.graphs)
     row = {"context": ctx, "batch": bs, "distinct_layers": w.distinct,
            "dense_ms": time_ms(dense.step, args.graphs, args.reps), "dense_bytes": step_bytes(geo, ctx, bs, None),
-           "sas": {}}
+           "sas": {}, "variants": {}}
     del dense
+    middle = budgets[len(budgets) // 2]
     for b in budgets:
-        st = SasStep(w, b, args.graphs)
-        res = {"ms": time_ms(st.step, args.graphs, args.reps), "bytes": step_bytes(geo, ctx, bs, b),
-               "breakdown_ms": {}}
-        ops = list(SasStep.OPS) + (["gather", "gate_query_unsplit"] if w.device.type == "cuda" else [])
-        for op in ops:
-            res["breakdown_ms"][op] = time_ms(st.op_over_layers(op), args.graphs, args.reps)
-        del st
-        steady = SasStep(w, b, args.graphs, block_step=False)
-        res["steady_ms"] = time_ms(steady.step, args.graphs, args.reps)
-        res["breakdown_ms"]["summary_steady"] = time_ms(steady.op_over_layers("summary"), args.graphs, args.reps)
-        del steady
-        if b == budgets[len(budgets) // 2]:  # the middle budget (2048 by default): the branch cost
+        # The old step and the new one at every budget; the variants the tournament decides at the middle one.
+        variants = [NEW, OLD] + (list(VARIANTS[1:]) if b == middle and not args.quick else [])
+        row["variants"][str(b)] = {}
+        for variant in variants:
+            try:
+                timed = time_variant(w, b, variant, args, breakdown=variant is NEW)
+            except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+                timed = {"error": f"{type(e).__name__}: {e}"[:500]}
+                print(f"[step] {variant.name} at ctx {ctx} bs {bs} b{b} failed: {timed['error']}", flush=True)
+            if "error" not in timed:
+                timed["speedup"] = row["dense_ms"] / timed["amortized_ms"]
+            row["variants"][str(b)][variant.name] = timed
+        res = dict(row["variants"][str(b)][NEW.name])
+        res["bytes"] = step_bytes(geo, ctx, bs, b)
+        if "error" not in res:
+            res["speedup_block_step"] = row["dense_ms"] / res["ms"]
+            old = row["variants"][str(b)][OLD.name]
+            res["vs_old"] = old["amortized_ms"] / res["amortized_ms"] if "error" not in old else None
+        res["roofline_speedup"] = row["dense_bytes"] / res["bytes"]
+        if b == middle:  # the branch cost of --sas-dense-below
             try:
                 br = BranchStep(w, b, args.graphs)
                 res["branch"] = time_branches(br, args.reps)
@@ -709,22 +807,47 @@ def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
             except Exception as e:  # noqa: BLE001 - the plain timings above still count
                 res["branch"] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 print(f"[step] IF-node branch timing failed: {res['branch']['error']}", flush=True)
-        res["amortized_ms"] = (63 * res["steady_ms"] + res["ms"]) / 64
-        res["speedup"] = row["dense_ms"] / res["amortized_ms"]
-        res["speedup_block_step"] = row["dense_ms"] / res["ms"]
-        res["roofline_speedup"] = row["dense_bytes"] / res["bytes"]
         row["sas"][str(b)] = res
     peak = args.peak_gbs
     if peak:
         row["dense_roofline_ms"] = row["dense_bytes"] / peak / 1e6
         row["dense_achieved_gbs"] = row["dense_bytes"] / row["dense_ms"] / 1e6
         for res in row["sas"].values():
+            if "error" in res:
+                continue
             res["roofline_ms"] = res["bytes"] / peak / 1e6
             res["achieved_gbs"] = res["bytes"] / res["amortized_ms"] / 1e6
     del w
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
+
+
+def chosen_settings(record: dict, device_key: str) -> dict:
+    """The settings table the backend reads at startup, from this run: the new-step variant with the best
+    geometric-mean speedup over every (context, batch) at the middle budget, and `dense_below` = the most tokens
+    in a step (context x batch) at which dense attention still beat that variant (0: never)."""
+    import math
+
+    budget = str(record["budgets"][len(record["budgets"]) // 2])
+    scores = {}
+    for r in record["rows"]:
+        for name, v in r.get("variants", {}).get(budget, {}).items():
+            if name.startswith("new") and "error" not in v:
+                scores.setdefault(name, []).append(math.log(v["speedup"]))
+    complete = {n: sum(x) / len(x) for n, x in scores.items() if len(x) == len(record["rows"])}
+    if not complete:
+        return {}
+    best = max(complete, key=complete.get)
+    variant = next(v for v in VARIANTS if v.name == best)
+    slower = [r["context"] * r["batch"] for r in record["rows"]
+              if r["variants"][budget][best]["amortized_ms"] > r["dense_ms"]]
+    entry = {**variant.settings(), "dense_below": max(slower, default=0)}
+    measured = record["mode"] != "dry run"
+    return {"measured": measured, "source": f"bench/gpu/bench_decode_step.py on {record['environment'].get('device')}, "
+                                        f"budget {budget}, variant {best!r} (geometric-mean speedup "
+                                        f"{math.exp(complete[best]):.2f}x over {len(record['rows'])} points)",
+            "devices": {device_key: entry, "default": entry}}
 
 
 def markdown(record: dict) -> str:
@@ -737,22 +860,44 @@ def markdown(record: dict) -> str:
              f"- checks vs torch references: {len(record['checks']) - len(bad)}/{len(record['checks'])} ok"
              + ("" if not bad else "; FAILED: " + ", ".join(f"{c['op']}@{c['context']}x{c['batch']}" for c in bad)),
              ""]
-    head = ["context", "batch", "budget", "dense ms", "sas steady ms", "sas block ms", "sas amortized ms", "speedup",
-            "roofline x", "dense GB/s", "sas GB/s", "summary", "summary steady", "gate_q", "score", "topk", "attn",
-            "gather", "gate_q unsplit"]
+    head = ["context", "batch", "budget", "dense ms", "new steady ms", "new block ms", "new amortized ms", "speedup",
+            "x old", "block/steady", "steady us/layer", "roofline x", "dense GB/s", "sas GB/s", "front", "front block",
+            "select", "attend"]
+    layers = record["geometry"]["layers"]
     rows = []
     for r in record["rows"]:
         for b, s in r["sas"].items():
+            if "error" in s:
+                rows.append([r["context"], r["batch"], int(b), r["dense_ms"], f"failed: {s['error'][:60]}"] + ["-"] * 13)
+                continue
             bd = s["breakdown_ms"]
             rows.append([r["context"], r["batch"], int(b), r["dense_ms"], s["steady_ms"], s["ms"], s["amortized_ms"],
-                         s["speedup"], s["roofline_speedup"], r.get("dense_achieved_gbs", "-"), s.get("achieved_gbs", "-"),
-                         *[bd.get(k, "-") for k in ("summary", "summary_steady", "gate_query", "score", "topk", "attn",
-                                                    "gather", "gate_query_unsplit")]])
+                         s["speedup"], s.get("vs_old") or "-", s["block_over_steady"], s["steady_ms"] * 1e3 / layers,
+                         s["roofline_speedup"], r.get("dense_achieved_gbs", "-"), s.get("achieved_gbs", "-"),
+                         *[bd.get(k, "-") for k in ("front", "front_block", "select", "attend")]])
     lines.append(md_table(head, rows))
     lines.append("")
-    lines.append("Times are ms for all layers of one step (breakdown columns: that op alone over all layers). "
-                 "block: every request's newest token completes a block (1 step in 64); steady: none does; "
-                 "amortized = (63 steady + 1 block) / 64; speedup = dense / amortized; sas GB/s at the amortized time.")
+    lines.append("The new step (fused front / select / attend, the server's `DecodeStep`); times are ms for all layers of "
+                 "one step (front / select / attend: that launch alone over all layers, steady step). block: every "
+                 "request's newest token completes a block (1 step in 64); steady: none does; amortized = (63 steady + "
+                 "1 block) / 64; speedup = dense / amortized; x old = the old step's amortized ms / the new one's.")
+    vrows = []
+    for r in record["rows"]:
+        for b, vs in r.get("variants", {}).items():
+            for name, v in vs.items():
+                if "error" in v:
+                    vrows.append([name, r["context"], r["batch"], int(b), f"failed: {v['error'][:60]}", "-", "-", "-"])
+                else:
+                    vrows.append([name, r["context"], r["batch"], int(b), v["steady_ms"], v["ms"], v["amortized_ms"],
+                                  v["speedup"]])
+    if vrows:
+        lines += ["", "## Every variant (the tournament)", "",
+                  md_table(["variant", "context", "batch", "budget", "steady ms", "block ms", "amortized ms",
+                            "speedup"], vrows)]
+    chosen = record.get("chosen_settings")
+    if chosen:
+        lines += ["", "## Chosen settings (`chosen-settings.json`, the format of `sas_backend/backend/gpu_settings.json`)",
+                  "", "```json", json.dumps(chosen, indent=2), "```"]
     lines += branch_markdown(record)
     if record.get("profile"):
         lines += ["", profile_markdown(record["profile"])]
@@ -799,7 +944,7 @@ def plot(record: dict, path: pathlib.Path) -> bool:
         if "dense_roofline_ms" in rs[0]:
             ax.plot(x, [r["dense_roofline_ms"] for r in rs], "k:", label="dense roofline")
         for i, b in enumerate(record["budgets"]):
-            ax.plot(x, [r["sas"][str(b)]["amortized_ms"] for r in rs], "s-", color=f"C{i}",
+            ax.plot(x, [r["sas"][str(b)].get("amortized_ms", float("nan")) for r in rs], "s-", color=f"C{i}",
                     label=f"sas budget {b} (amortized)")
             if "roofline_ms" in rs[0]["sas"][str(b)]:
                 ax.plot(x, [r["sas"][str(b)]["roofline_ms"] for r in rs], ":", color=f"C{i}")
@@ -843,7 +988,10 @@ def main(argv=None) -> int:
         args.contexts, args.budgets, mode = [8192, 32768], [2048], "quick"
     if args.dry_run:
         geo, name, mode = TINY, "tiny (dry run)", "dry run"
-        args.contexts, args.batches, args.budgets, args.reps = [1024], [1, 2], [256], 2
+        if not torch.cuda.is_available():  # the fused kernels in Triton's interpreter (before they are imported)
+            os.environ["TRITON_INTERPRET"] = "1"
+        # one point, one call per timing: the interpreter runs the fused kernels one program at a time
+        args.contexts, args.batches, args.budgets, args.reps = [1024], [1], [256], 1
     elif not torch.cuda.is_available():
         print("bench_decode_step: needs a CUDA GPU (FlashInfer, compiled Triton, CUDA graphs); "
               "--dry-run rehearses the plumbing on CPU.")
@@ -864,7 +1012,8 @@ def main(argv=None) -> int:
         for bs in args.batches:
             row = run_point(geo, ctx, bs, args.budgets, args, checks)
             rows.append(row)
-            sas = "  ".join(f"b{b} {s['amortized_ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items())
+            sas = "  ".join(f"b{b} {s['amortized_ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items()
+                            if "error" not in s)
             print(f"[step] ctx {ctx:7d} bs {bs}: dense {row['dense_ms']:.3f} ms  {sas}", flush=True)
     profile_rec = None
     if args.profile:
@@ -878,6 +1027,11 @@ def main(argv=None) -> int:
         "weights_floor_ms": round(geo.params * 2 / args.peak_gbs / 1e6, 3) if args.peak_gbs else None,
         "environment": env, "checks": checks, "rows": rows, "wall_s": round(time.time() - t0, 1),
     }
+    device = env.get("device") or ""
+    key = next((k for k in PEAK_GBS if k in device), device or "default")
+    record["chosen_settings"] = chosen_settings(record, key)
+    if record["chosen_settings"]:
+        (out / "chosen-settings.json").write_text(json.dumps(record["chosen_settings"], indent=2) + "\n")
     (out / "decode-step.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / "decode-step.md").write_text(markdown(record))
     drew = plot(record, out / "decode-step.png")

@@ -138,9 +138,10 @@ def tier_steps(tier: str, quick: bool) -> list:
         step_args = ["--quick"] if quick else []
         sizes = ["4096", "8192"] if quick else ["4096", "8192", "16384", "32768"]
         return [
-            Step("decode-step", ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", *step_args], 2.0,
+            # old step vs the new one and its variants (the tournament), then chosen-settings.json
+            Step("decode-step", ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", *step_args], 4.0,
                  ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", "--dry-run"],
-                 produces=("decode-step.json", "decode-step.png")),
+                 produces=("decode-step.json", "decode-step.png", "chosen-settings.json")),
             Step("topk-sweep", ["{py}", "bench/bench_topk.py", "--sweep", "--json", "{work}/topk-sweep.json"], 1.0,
                  ["{py}", "bench/bench_topk.py", "--sweep", "--dry-run", "--json", "{work}/topk-sweep.json"],
                  produces=("topk-sweep.json",)),

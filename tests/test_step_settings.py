@@ -1,0 +1,70 @@
+"""The decode step's settings: launch flags and SAS_* variables win, "auto" reads the GPU settings table on
+CUDA (the longest device key that the device name contains, else "default"), CPU has its own defaults, and
+the table the GPU benchmark writes (`bench/gpu/bench_decode_step.chosen_settings`) is one the backend reads."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from sas_backend.backend.step_settings import TABLE, resolve, table_entry
+from sas_backend.config import SASConfig, SASConfigError
+
+
+def _cfg(**kw):
+    return SASConfig(gate_path="unused", budget=2048, **kw).validate()
+
+
+TABLE_H = {"measured": True, "devices": {
+    "default": {"kernels": "triton", "attention": "triton", "summary_dtype": "fp32", "dense_below": 0},
+    "H200": {"kernels": "triton", "attention": "flashinfer", "summary_dtype": "bf16", "select_chunk": 256,
+             "target_programs": 528, "dense_below": 4096}}}
+
+
+def test_shipped_table_parses_and_says_whether_it_was_measured():
+    table = json.loads(TABLE.read_text())
+    entry, source = table_entry("NVIDIA H100 80GB HBM3", table)
+    assert entry == table["devices"]["default"] and "default" in source
+    assert ("not yet measured" in source) == (not table["measured"])
+
+
+def test_auto_follows_the_table_on_cuda_and_flags_win():
+    s = resolve(_cfg(), torch.device("cuda"), "NVIDIA H200", TABLE_H)
+    assert (s.kernels, s.attention, s.summary_dtype, s.select_chunk, s.target_programs, s.dense_below) == \
+        ("triton", "flashinfer", torch.bfloat16, 256, 528, 4096)
+    s = resolve(_cfg(attention="triton", summary_dtype="fp32", dense_below=100), "cuda", "NVIDIA H200", TABLE_H)
+    assert (s.attention, s.summary_dtype, s.dense_below) == ("triton", torch.float32, 100)
+    assert resolve(_cfg(), "cuda", "NVIDIA H100", TABLE_H).attention == "triton"  # no H100 key: the default
+
+
+def test_cpu_defaults_and_refusals():
+    s = resolve(_cfg(), torch.device("cpu"), "", TABLE_H)
+    assert (s.kernels, s.attention, s.summary_dtype) == ("torch", "torch", torch.float32)
+    s = resolve(_cfg(kernels="triton"), "cpu", "", TABLE_H)
+    assert (s.kernels, s.attention) == ("triton", "triton")
+    with pytest.raises(SASConfigError, match="needs a CUDA device"):
+        resolve(_cfg(attention="flashinfer"), "cpu", "")
+    with pytest.raises(SASConfigError, match="must be one of"):
+        _cfg(kernels="cuda")
+    with pytest.raises(SASConfigError, match="selector runs with --sas-kernels torch"):
+        SASConfig(selector="quest", budget=2048, kernels="triton").validate()
+    # training-free selectors on CUDA: the table's fused kernels are the gate's, they run per op
+    assert resolve(SASConfig(selector="quest", budget=2048).validate(), "cuda", "H200", TABLE_H).kernels == "torch"
+
+
+def test_the_benchmarks_chosen_settings_are_a_table_the_backend_reads():
+    sys.path.insert(0, "bench/gpu")
+    import bench_decode_step as bds
+
+    rows = []
+    for ctx, dense in ((8192, 1.0), (65536, 4.0)):
+        variants = {v.name: {"amortized_ms": 2.0 if ctx == 8192 else 1.0, "speedup": dense / 1.0} for v in bds.VARIANTS}
+        variants[bds.VARIANTS[2].name] = {"amortized_ms": 0.5, "speedup": dense / 0.5}  # bf16 summaries win
+        rows.append({"context": ctx, "batch": 1, "dense_ms": dense, "variants": {"2048": variants}})
+    record = {"budgets": [1024, 2048, 4096], "rows": rows, "mode": "full", "environment": {"device": "NVIDIA H200"}}
+    chosen = bds.chosen_settings(record, "H200")
+    assert chosen["measured"] is True
+    assert chosen["devices"]["H200"]["summary_dtype"] == "bf16" and chosen["devices"]["H200"]["dense_below"] == 0
+    s = resolve(_cfg(), "cuda", "NVIDIA H200", chosen)
+    assert s.summary_dtype == torch.bfloat16 and s.kernels == "triton"
