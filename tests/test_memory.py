@@ -246,7 +246,7 @@ def test_decode_step_workspace_figure_matches_the_step_object(on_cuda):
     """The reservation for the fused kernels' workspace equals what `DecodeStep` allocates (on `meta`)."""
     from sas_backend.backend.decode_step import FUSED_MAX_ROWS, DecodeStep
     from sas_backend.backend.memory import decode_step_workspace_bytes
-    from sas_backend.ops.decode_step import CPU_TARGET_PROGRAMS, GPU_TARGET_PROGRAMS, StepGeometry
+    from sas_backend.ops.decode_step import CPU_TARGET_PROGRAMS, GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS, StepGeometry
     from sas_backend.selection import SelectionRule, make_selector
 
     h, g, d, dg, k, b, max_reqs, ctx = 8, 4, 128, 128, 32, 64, 300, 256 * 1024
@@ -254,6 +254,9 @@ def test_decode_step_workspace_figure_matches_the_step_object(on_cuda):
     step = DecodeStep(make_selector("gate", SelectionRule(k, b)), StepGeometry(h, g, d, d, dg, k, b), req_to_token,
                       "meta", torch.bfloat16, torch.bfloat16, 0.1, kernels="triton", attention="triton",
                       target_programs=GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS)
+    if on_cuda:  # the workspace on `meta` standing in for CUDA: the GPU's front units
+        step.fused_ws.__init__(step.geo, FUSED_MAX_ROWS, step.max_blocks, "meta", target_programs=GPU_TARGET_PROGRAMS,
+                               qchunk=GPU_QCHUNK, kchunk=GPU_KCHUNK)
     assert step.fused_ws.max_bs == FUSED_MAX_ROWS
     got = decode_step_workspace_bytes(h, g, d, dg, k, b, max_reqs, ctx, on_cuda)
     assert got == step.device_nbytes

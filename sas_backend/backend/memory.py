@@ -139,11 +139,13 @@ def decode_step_workspace_bytes(num_kv_heads: int, group_size: int, head_dim: in
     """Device bytes of the fused decode step's workspace (`backend.decode_step.DecodeStep.fused_ws`), sized as the
     backend sizes it (built on `meta`: nothing is allocated)."""
     from sas_backend.backend.decode_step import FUSED_MAX_ROWS
-    from sas_backend.ops.decode_step import CPU_TARGET_PROGRAMS, GPU_TARGET_PROGRAMS, DecodeStepWorkspace, StepGeometry
+    from sas_backend.ops.decode_step import (CPU_TARGET_PROGRAMS, GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS,
+                                             DecodeStepWorkspace, StepGeometry)
 
     geo = StepGeometry(num_kv_heads, group_size, head_dim, head_dim, max(gate_dim, 2), top_k, block_size)
     ws = DecodeStepWorkspace(geo, min(max_reqs + 1, FUSED_MAX_ROWS), context_len // block_size, "meta", chunk=chunk,
-                             target_programs=target_programs or (GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS))
+                             target_programs=target_programs or (GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS),
+                             qchunk=GPU_QCHUNK if on_cuda else None, kchunk=GPU_KCHUNK if on_cuda else None)
     return ws.nbytes
 
 

@@ -26,8 +26,8 @@ import torch
 # paths still run; `DecodeStepWorkspace(target_programs=...)` overrides both.
 GPU_TARGET_PROGRAMS = 264
 CPU_TARGET_PROGRAMS = 4
-_QCHUNK = 16  # w_q rows per RoPE half per front unit (16 KB of fp32 at Dg 128), as ops.gate.triton's split
-_KCHUNK = 8  # head dims per RoPE half per summary unit (24 KB of fp32 w_k at D = Dg = 128)
+GPU_QCHUNK = 16  # w_q rows per RoPE half per front unit (16 KB of fp32 at Dg 128), as ops.gate.triton's split
+GPU_KCHUNK = 8  # head dims per RoPE half per summary unit (24 KB of fp32 w_k at D = Dg = 128)
 
 
 def _interpreting() -> bool:
@@ -87,10 +87,10 @@ class DecodeStepWorkspace:
         half_d = geo.head_dim // 2
         # On CPU (the interpreter runs one program at a time, each op costing far more than its bytes) the front
         # is cut coarsely: one unit per query head and one summary unit; the tests pass the GPU's sizes.
-        self.qchunk = min(qchunk or (_QCHUNK if cuda else half_d), _pow2(half_d))
+        self.qchunk = min(qchunk or (GPU_QCHUNK if cuda else half_d), _pow2(half_d))
         self.uq_per_head = -(-half_d // self.qchunk)
         self.uq = geo.group * self.uq_per_head
-        self.kchunk = min(kchunk or (_KCHUNK if cuda else half_d), _pow2(half_d))
+        self.kchunk = min(kchunk or (GPU_KCHUNK if cuda else half_d), _pow2(half_d))
         self.uk = -(-half_d // self.kchunk)
         k = geo.top_k
         self.chunk = int(chunk or max(64, 4 * _pow2(max(k, 1))))

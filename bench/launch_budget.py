@@ -1,0 +1,162 @@
+"""The fused decode step's launch budget on paper: per kernel and shape, its grid, the bytes it reads, the
+serial work of its longest program and the time expected, written before a GPU measures it.
+
+    python bench/launch_budget.py            # prints the tables (docs/launch-budget.md is this output)
+    python bench/launch_budget.py --check    # exit 1 if docs/launch-budget.md differs from what it prints
+
+Grids come from `sas_backend.ops.decode_step.DecodeStepWorkspace` itself (the sizes the server runs), so the
+paper follows the code. The cost model, calibrated on the first H200 run (bench/results/gpu-2026-11-27):
+
+- a kernel costs at least FLOOR_US: a CUDA-graph kernel node costs ~2 us even when it does nothing (measured),
+  plus about a microsecond for a wave of short programs;
+- the launch streams its DRAM bytes at DEVICE_GBS at most (dense FlashInfer paged decode ran at 3.3-4.6 TB/s of
+  4.8 from 32K on; 3 TB/s for these smaller, scattered reads);
+- one program streams at PROGRAM_GBS: the old gate-query kernel read 256 KB of fp32 weights per program in
+  10.7 us (24 GB/s) with 4 serial loads in flight; the same per-program rate is assumed for every program here;
+  a program that finishes a row (the last to arrive) adds the partials it reads, at the same rate;
+- the radix select of a merge costs MERGE_PASS_US per pass over each 1024 survivors (4 passes at most).
+
+Time = max(FLOOR_US, bytes / DEVICE_GBS, longest program's bytes / PROGRAM_GBS + its merge) per kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "launch-budget.md"
+
+FLOOR_US = 3.0
+DEVICE_GBS = 3000.0
+PROGRAM_GBS = 24.0
+MERGE_PASS_US = 0.6
+# Qwen3-4B attention: 36 layers, 32 q / 8 kv heads, d 128, gate dim 128, block 64, bf16 K/V, fp32 gate weights.
+LAYERS, H_KV, G, D, DG, B = 36, 8, 4, 128, 128, 64
+CONTEXTS = (8192, 32768, 65536, 131072, 262144)
+BATCHES = (1, 8)
+BUDGET = 2048
+GRAPH_WIDTH = 262144 // B  # a server for 256K contexts: captured steps score over the pool's whole width
+# Dense FlashInfer per layer on the H200 (2026-11-27, us): 8K, 32K, 128K, 256K at batch 1 and 8; 64K interpolated.
+DENSE_US = {(8192, 1): 18.0, (32768, 1): 40.8, (65536, 1): 70.0, (131072, 1): 128.1, (262144, 1): 243.6,
+            (8192, 8): 69.7, (32768, 8): 244.7, (65536, 8): 480.0, (131072, 8): 941.7, (262144, 8): 1875.0}
+
+
+def _us(nbytes: float, gbs: float) -> float:
+    return nbytes / gbs / 1e3
+
+
+def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4):
+    """[(kernel, grid, DRAM bytes, longest program's serial work, expected us)] of one sparse layer, steady
+    step (the front's block-step extra as its own row)."""
+    import torch
+
+    from sas_backend.ops.decode_step import (GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS, DecodeStepWorkspace,
+                                             StepGeometry)
+
+    k = BUDGET // B
+    # Built on `meta` (nothing allocated) with the sizes a CUDA device gets.
+    ws = DecodeStepWorkspace(StepGeometry(H_KV, G, D, D, DG, k, B), max(bs, 1), GRAPH_WIDTH, torch.device("meta"),
+                             target_programs=GPU_TARGET_PROGRAMS, qchunk=GPU_QCHUNK, kchunk=GPU_KCHUNK)
+    rows = []
+    # front, steady: UQ units of the gate query per (row, kv head); the UK summary programs exit at once.
+    wq = H_KV * G * D * DG * weight_bytes
+    unit = 2 * ws.qchunk * DG * weight_bytes + 2 * ws.qchunk * 2 * 4  # w rows of both halves + q and cos/sin
+    finish = ws.uq * DG * 4
+    t = max(FLOOR_US, _us(wq + bs * H_KV * G * D * 2, DEVICE_GBS), _us(unit + finish, PROGRAM_GBS))
+    rows.append(("front (steady)", (bs, H_KV, ws.uq + ws.uk), wq, f"{unit // 1024} KB + finish {finish // 1024} KB",
+                 t))
+    # front, block step: + UK programs pooling 64 tokens x 8 dims per half, their w_k rows, and one finish.
+    wk = H_KV * 3 * D * DG * weight_bytes
+    kunit = 2 * B * ws.kchunk * 2 + 2 * B * ws.kchunk * 4 + 6 * ws.kchunk * DG * weight_bytes
+    t_block = max(t, _us(wq + wk, DEVICE_GBS), _us(kunit + ws.uk * DG * 4, PROGRAM_GBS))
+    rows.append(("front (block step)", (bs, H_KV, ws.uq + ws.uk), wq + wk, f"{kunit // 1024} KB + finish", t_block))
+    # select: NC chunk programs per (row, kv head); the active ones score `chunk` blocks' summaries.
+    cand = (ctx - 1) // B
+    active = max(1, -(-cand // ws.chunk))
+    nc = ws.select_chunks(GRAPH_WIDTH)
+    summ = bs * H_KV * cand * DG * summary_bytes + bs * cand * 8
+    prog = min(cand, ws.chunk) * (DG * summary_bytes + 8)
+    survivors = active * ws.slots
+    merge = 0.0 if active == 1 else _us(survivors * 8 * 5, PROGRAM_GBS) + 4 * MERGE_PASS_US * max(1, survivors / 1024)
+    t = max(FLOOR_US, _us(summ, DEVICE_GBS), _us(prog, PROGRAM_GBS) + merge)
+    rows.append(("select", (bs, H_KV, nc), summ,
+                 f"{min(cand, ws.chunk)} blocks ({prog // 1024} KB)" + (f" + merge of {survivors}" if merge else ""), t))
+    # attend: splits of the K + 1 blocks; each program reads its blocks' K and V, the last merges the splits.
+    splits = ws.attend_splits(bs)
+    per = -(-(k + 1) // splits)
+    kv = bs * H_KV * (min(k, cand) + 1) * B * D * 2 * 2
+    prog = per * B * D * 2 * 2
+    merge_b = 0 if splits == 1 else splits * G * D * 4 + splits * 2 * G * 4
+    t = max(FLOOR_US, _us(kv, DEVICE_GBS), _us(prog + merge_b, PROGRAM_GBS))
+    rows.append(("attend", (bs, H_KV, splits), kv, f"{per} blocks ({prog // 1024} KB) + merge {merge_b // 1024} KB", t))
+    return rows
+
+
+def markdown() -> str:
+    out = [
+        "# Launch budget of the fused decode step (on paper, before a GPU measures it)", "",
+        "Generated by `python bench/launch_budget.py` (the model and its calibration are in its docstring; CI checks",
+        "this file against it). Qwen3-4B attention (36 layers, 32 q / 8 kv heads, d 128, gate dim 128, block 64, bf16",
+        f"K/V, fp32 gate weights and summaries), budget {BUDGET} (K = {BUDGET // B}), captured steps of a server",
+        f"for 256K contexts (select grid over {GRAPH_WIDTH} blocks; inactive chunks exit at once). Per sparse layer.",
+        "The next GPU run (`bench/gpu/run.py session`, decode-step's breakdown) checks each figure; the target is",
+        "each kernel within 2x of its row.", "",
+    ]
+    summary = []
+    for bs in BATCHES:
+        for ctx in CONTEXTS:
+            rows = kernel_rows(ctx, bs)
+            out += [f"## context {ctx // 1024}K, batch {bs}", "",
+                    "| kernel | grid | DRAM bytes | longest program | expected us |", "| --- | --- | ---: | --- | ---: |"]
+            out += [f"| {n} | {g} | {b / 2**20:.2f} MiB | {w} | {t:.1f} |" for n, g, b, w, t in rows]
+            steady = rows[0][4] + rows[2][4] + rows[3][4]
+            block = rows[1][4] + rows[2][4] + rows[3][4]
+            amortized = (63 * steady + block) / 64
+            bf16 = kernel_rows(ctx, bs, summary_bytes=2, weight_bytes=2)
+            steady16 = bf16[0][4] + bf16[2][4] + bf16[3][4]
+            dense = DENSE_US[ctx, bs]
+            out += ["", f"Steady {steady:.1f} us, block step {block:.1f} us ({block / steady:.2f}x), amortized "
+                        f"{amortized:.1f} us; with bf16 summaries and gate weights steady {steady16:.1f} us. Dense "
+                        f"FlashInfer {dense:.1f} us (measured 2026-11-27): expected {dense / amortized:.1f}x.", ""]
+            summary.append([ctx, bs, steady, block, steady16, dense, dense / amortized])
+    head = ["| context | batch | steady us | block us | steady us, bf16 | dense us | expected x dense |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    table = [f"| {c // 1024}K | {b} | {s:.1f} | {k:.1f} | {s16:.1f} | {d:.1f} | {x:.1f} |"
+             for c, b, s, k, s16, d, x in summary]
+    by = {(c, b): (st, bl, x) for c, b, st, bl, _, _, x in summary}
+
+    def verdict(ok):
+        return "expected met" if ok else "expected MISSED"
+
+    goals = [
+        ("steady step at most 15 us a layer at batch 1, any context", max(by[c, 1][0] for c in CONTEXTS), 15, "us"),
+        ("steady step at most 25 us a layer at batch 8", max(by[c, 8][0] for c in CONTEXTS), 25, "us"),
+        ("block step within 1.3x of the steady step", max(by[k][1] / by[k][0] for k in by), 1.3, "x"),
+    ]
+    speed = [(8192, 1, 1.2), (65536, 1, 4.5), (262144, 1, 16.0), (32768, 8, 8.0)]
+    targets = ["", "Against the issue's targets (the model's expectation, not a measurement):", ""]
+    targets += [f"- {name}: {got:.2f} {unit} ({verdict(got <= bound)})" for name, got, bound, unit in goals]
+    targets += [f"- at least {want}x dense at {c // 1024}K, batch {b}: {by[c, b][2]:.1f}x ({verdict(by[c, b][2] >= want)})"
+                for c, b, want in speed]
+    targets.append("")
+    return "\n".join(out[:9] + ["## Summary", ""] + head + table + targets + out[9:]).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help=f"compare with {DOC.relative_to(REPO)}")
+    args = ap.parse_args(argv)
+    text = markdown()
+    if args.check:
+        if not DOC.exists() or DOC.read_text() != text:
+            print(f"{DOC.relative_to(REPO)} is not what bench/launch_budget.py prints: regenerate it", file=sys.stderr)
+            return 1
+        return 0
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
