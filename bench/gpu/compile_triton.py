@@ -118,6 +118,7 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
     width_spec = product(bs=SPEC_BATCH, h_kv=SPEC_KV_HEADS, m=SPEC_WIDTHS)
     sg = SPEC_GEOMETRY
     ks = [b // BLOCK for b in BUDGETS]
+    full = grid == "full"
     out = {
         # split: the serving launch (partials + finish); unsplit: the one-launch kernel the benchmark times beside it
         "gate_query": product(d=HEAD_DIMS, dg=GATE_DIMS, g=GROUPS, dtype=DTYPES, split=(True, False))
@@ -135,15 +136,18 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
         "topk": product(k=ks, m=WIDTHS)
         + [dict(k=sg["k"], sink=f[0], local=f[1], **s) for s in width_spec for f in SPEC_FORCED],
         "gather": product(k=ks, m=WIDTHS) + [dict(k=sg["k"], **s) for s in width_spec],
-        # The fused decode step (ops/decode_step): every group and dim in bf16, the dtypes at the spec geometry.
-        "decode_front": product(d=HEAD_DIMS, dg=GATE_DIMS, g=GROUPS, dtype=("bf16",), weights=("fp32",),
-                                summaries=("fp32",))
+        # The fused decode step (ops/decode_step): every group and dim in bf16, the dtypes at the spec geometry
+        # (the CI grid: G 1 and 4, which are every constexpr variant G makes, and fewer widths and budgets).
+        "decode_front": product(d=HEAD_DIMS, dg=GATE_DIMS, g=GROUPS if full else (1, 4), dtype=("bf16",),
+                                weights=("fp32",), summaries=("fp32",))
         + product(d=(sg["d"],), dg=(sg["dg"],), g=(sg["g"],), dtype=DTYPES, weights=("fp32", "bf16"),
                   summaries=("fp32", "bf16")),
-        "decode_select": product(dg=GATE_DIMS, k=ks, m=(1, 65, 2047, 4095), anchors=(0,))
-        + [dict(dg=sg["dg"], k=sg["k"], anchors=4, sink=1, local=1, bs=1, h_kv=8, m=w) for w in SPEC_WIDTHS],
-        "decode_attend": product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES, k=(sg["k"],))
-        + [dict(d=sg["d"], g=sg["g"], dtype=sg["dtype"], k=k, **s) for s in spec for k in ks],
+        "decode_select": product(dg=GATE_DIMS, k=ks if full else (sg["k"],), m=(1, 65, 2047, 4095), anchors=(0,))
+        + [dict(dg=sg["dg"], k=sg["k"], anchors=4, sink=1, local=1, bs=1, h_kv=8, m=w)
+           for w in (SPEC_WIDTHS if full else SPEC_WIDTHS[-1:])],
+        "decode_attend": product(d=HEAD_DIMS, g=GROUPS if full else (1, 4), dtype=DTYPES, k=(sg["k"],))
+        + [dict(d=sg["d"], g=sg["g"], dtype=sg["dtype"], k=k, **s) for s in (spec if full else spec[:2])
+           for k in (ks if full else (sg["k"],))],
         "gated_attention": [p for p in product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES)
                             if grid == "full" or p["dtype"] in CI_HALF_TRAINING
                             or (p["dtype"] == "fp32" and all(p[k] == v for k, v in CI_FP32_TRAINING.items()))],
