@@ -159,6 +159,9 @@ class SASAttnBackend(AttentionBackend):
         if settings.dense_below:
             logger.info("sas: decode steps whose requests hold at most %d tokens in all attend densely "
                         "(--sas-dense-below)", settings.dense_below)
+        if cfg.force_sparse:
+            logger.info("sas: SAS_FORCE_SPARSE: eager CPU steps select and attend sparsely even where every block "
+                        "fits the budget (tests and debugging)")
         logger.info("sas: decode step kernels %s, attention %s, summaries %s (%s)", settings.kernels,
                     settings.attention, str(settings.summary_dtype).replace("torch.", ""), settings.source)
         logger.info(
