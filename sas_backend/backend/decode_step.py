@@ -190,6 +190,10 @@ class DecodeStep:
         if self._triton_attention(plan.bs):
             return fused.attend(self.fused_ws, q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,
                                 self.scaling)
+        if not plan.graph and not self.on_device and plan.max_blocks < selected.shape[-1]:
+            # Eager CPU: no row has more than max_blocks candidates, so the columns past it are all -1; the padded
+            # SDPA then reads (max_blocks + 1) blocks a row, not K + 1 (a covering budget's rows stay short).
+            selected = selected[..., : plan.max_blocks]
         return self.sparse_decode.run(q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens)
 
     def update_summaries(self, plan: DecodePlan, gate, k_buffer, summaries, model_table, gate_table) -> None:

@@ -91,9 +91,11 @@ def shipped_gate() -> pathlib.Path:
 
 @pytest.fixture(scope="package")
 def sas_full_server(model_dir, shipped_gate):
-    """sas with the shipped gate and a budget above the context length: every block is selected."""
+    """sas with the shipped gate and a budget above the context length: every block is selected. On CPU with
+    SAS_FORCE_SPARSE=1, so the covering-budget tests run the selection and the sparse attention (an eager CPU
+    step would otherwise take the wrapped dense decode, which is exactly what selection would attend)."""
     args = ["--sas-gate", shipped_gate, "--sas-budget", "8192", "--enable-cache-report"]
-    with Server(model_dir, backend="sas", extra_args=args) as s:
+    with Server(model_dir, backend="sas", extra_args=args, env={"SAS_FORCE_SPARSE": "1"}) as s:
         yield s
 
 

@@ -67,6 +67,8 @@ def test_sas_info_reports_config_and_gate(sas_full_server, shipped_gate):
     assert (info["config"]["sink_blocks"], info["config"]["local_blocks"]) == (1, 1)
     assert "sas: gate selector, 30 sparse layers" in sas_full_server.log_text()
     assert "summary pool" in sas_full_server.log_text()
+    if not ON_GPU:  # the covering-budget comparisons above ran the sparse path, not the wrapped dense decode
+        assert "sas: SAS_FORCE_SPARSE" in sas_full_server.log_text()
     if not ON_GPU:  # which prefill attention runs is logged
         assert "sas: CPU extend attention by sas (ops/extend)" in sas_full_server.log_text()
 
