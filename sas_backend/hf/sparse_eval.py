@@ -28,6 +28,8 @@ ATTN_NAME = "sas_sparse_eval"
 # scores (seeded by layer), "dense" attends everything.
 SERVER_SELECTORS = ("gate", "quest", "sink-local")
 SELECTORS = SERVER_SELECTORS + ("oracle", "random", "dense")
+# What block summaries can be stored in (`SparseEvalSpec.summary_dtype`), by the names the CLIs take.
+SUMMARY_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclasses.dataclass
@@ -41,6 +43,9 @@ class SparseEvalSpec:
     sink_blocks / local_blocks: forced blocks inside K (sink-local: sink default 1, local = K - sink).
     anchors: optional `{layer: [H_kv, R]}` block indices forced for every sparse query (inside K, after the
     sink and local blocks; -1 = none), e.g. `prompt_anchors`' blocks the prompt's last queries attended most.
+    summary_dtype: what block summaries are stored in between summarizing and scoring (the "gate" and "quest"
+    selectors, the ones with summaries): torch.float32 (default: as computed) or torch.bfloat16 (rounded to bf16
+    as a bf16 summary pool stores them, read back as fp32 for the score).
     """
 
     top_k: int
@@ -52,8 +57,11 @@ class SparseEvalSpec:
     sparse_from: int = 0
     first_sparse_layer: int = 0
     anchors: Optional[Dict[int, torch.Tensor]] = None
+    summary_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
+        if self.summary_dtype not in SUMMARY_DTYPES.values():
+            raise ValueError(f"summary_dtype must be torch.float32 or torch.bfloat16, got {self.summary_dtype!r}")
         if self.selector not in SELECTORS:
             raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
         if self.selector == "gate" and not self.gates:
@@ -79,6 +87,20 @@ def select_for_queries(spec: SparseEvalSpec, layer_idx: int, q_post, k_post, pos
     `[H_kv, G, P, T]` scaled q.k of these queries (oracle only). The T keys are viewed as SGLang's
     paged cache with page m = block m (slot = position), so the server's selectors run unchanged.
     """
+    selector, scores, n_cand = _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_table,
+                                             logits)
+    return selector.pick(scores, n_cand)
+
+
+def block_scores(spec: SparseEvalSpec, layer_idx: int, q_post, k_post, positions, model_table, gate_table,
+                 logits=None) -> torch.Tensor:
+    """The scores `[P, H_kv, max(T // b, 1)]` fp32 that `select_for_queries` picks from (same arguments; prompt
+    anchors, when the spec has them, already forced; `pick` ignores the columns past each query's candidates)."""
+    return _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_table, logits)[1]
+
+
+def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_table, logits):
+    """(selector, scores, candidates per query) for `select_for_queries` and `block_scores`."""
     b = spec.block_size
     t, h_kv, _ = k_post.shape
     n_blocks = t // b
@@ -87,19 +109,21 @@ def select_for_queries(spec: SparseEvalSpec, layer_idx: int, q_post, k_post, pos
     name = spec.selector if spec.selector in SERVER_SELECTORS else "gate"
     selector = make_selector(name, SelectionRule(spec.top_k, b, spec.sink_blocks, spec.local_blocks))
     if spec.selector == "oracle":
-        return selector.pick(oracle_scores(logits, positions, b, m), n_cand)
+        return selector, oracle_scores(logits, positions, b, m), n_cand
     if spec.selector == "random":
         g = torch.Generator().manual_seed(1000 + layer_idx)
-        return selector.pick(torch.rand(positions.numel(), h_kv, m, generator=g).to(q_post.device), n_cand)
+        return selector, torch.rand(positions.numel(), h_kv, m, generator=g).to(q_post.device), n_cand
     gate = spec.gates[layer_idx] if spec.selector == "gate" else None
     pages = torch.arange(n_blocks, device=q_post.device)
     summaries = selector.summarize(gate, k_post, pages, pages * b, model_table, gate_table)  # [NB, H_kv, S]
+    if spec.summary_dtype != torch.float32:  # stored in the pool's dtype, read back as fp32 for the score
+        summaries = summaries.to(spec.summary_dtype).float()
     block_table = (torch.arange(m + 1, device=q_post.device) * b).expand(positions.numel(), -1)
     gate_rows = gate_table[positions] if gate_table is not None else None
     scores = selector.scores(gate, q_post, model_table[positions], gate_rows, summaries, block_table, n_cand, m)
     if spec.anchors is not None and layer_idx in spec.anchors:
         scores = force_anchors(scores, spec.anchors[layer_idx].expand(positions.numel(), -1, -1), n_cand)
-    return selector.pick(scores, n_cand)
+    return selector, scores, n_cand
 
 
 def oracle_scores(logits: torch.Tensor, positions: torch.Tensor, block_size: int, width: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
     python -m sas_backend.training.eval_ppl --model DIR --data PATH [PATH ...] [--window 4096]
         [--last 512] [--budgets 256 512 1024] [--gate NAME=DIR ...]
         [--baselines oracle quest sink-local random] [--block-size 64] [--max-windows N]
-        [--json OUT.json] [--no-progress] [--reuse EARLIER.json --no-recall]
+        [--json OUT.json] [--no-progress] [--reuse EARLIER.json --no-recall] [--summary-dtype {fp32,bf16}]
 
 Each held-out row has window + 1 tokens: the model reads the first `window`; the queries at the
 last `last` positions (window-last .. window-1) are sparse and each predicts the next token,
@@ -17,7 +17,9 @@ server's selection component): dense; every `--gate` checkpoint; and the `--base
 block), `random`. Held-out rows come from the same deterministic document split as training
 (`data.split_documents`). `--reuse` takes what an earlier run on the same windows already measured (its
 baselines, and gate variants with the same weights and forced blocks), so a new gate is measured alone and
-still compared side by side in one results file.
+still compared side by side in one results file. `--summary-dtype bf16` keeps the block summaries of the
+selectors that have them (the gates, `quest`) in bf16 between summarizing and scoring, as a bf16 summary pool
+stores them; the dtype is recorded, and `--reuse` takes those selectors only from a run with the same one.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from sas_backend.hf.sparse_eval import SELECTORS  # noqa: E402
+from sas_backend.hf.sparse_eval import SELECTORS, SUMMARY_DTYPES  # noqa: E402
 from sas_backend.provenance import git_state
 
 # The training-free selectors and evaluation references: every selector but the gate and dense.
 BASELINES = tuple(s for s in SELECTORS if s not in ("gate", "dense"))
+# The baselines whose numbers depend on --summary-dtype (they score stored block summaries), besides the gates.
+SUMMARY_BASELINES = ("quest",)
 # --reuse: how far a window's dense NLL may differ from the earlier run's (CPU kernels differ across machines in
 # the last bits; another window or model differs by percents)
 REUSE_TOLERANCE = 1e-5
@@ -84,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "them: every --baselines selector it holds, and every gate variant whose weights (sha256), "
                         "forced blocks and anchors it measured; each window's dense NLL must match that file's "
                         f"(relative {REUSE_TOLERANCE:g}) or the run stops; needs --no-recall")
+    p.add_argument("--summary-dtype", choices=tuple(SUMMARY_DTYPES), default="fp32",
+                   help="what the block summaries of the gates and quest are stored in between summarizing and "
+                        "scoring: fp32 (default) or bf16 (rounded to bf16 as a bf16 summary pool stores them, read "
+                        "back as fp32 for the score); recorded in the results")
     p.add_argument("--resume", action="store_true",
                    help="with --json: continue from JSON's .partial.json, which a run writes after every measurement "
                         "and removes when done (a killed long run keeps what it measured); refused if it was "
@@ -198,10 +206,12 @@ def gate_variants(gate_paths: Dict[str, str], records: Dict[str, dict], forced: 
 
 def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windows: int, window: int, last: int,
                block_size: int, budgets: List[int], variants: dict, gate_sha256: Dict[str, str],
-               baselines: List[str]) -> Dict[str, Dict[int, str]]:
+               baselines: List[str], summary_dtype: str = "fp32") -> Dict[str, Dict[int, str]]:
     """What `--reuse` takes from `ref` (an earlier run's JSON): `{selector: {budget: ref selector}}` for every
     baseline `ref` measured under the same name, and every gate variant `(gate, sink, local, anchors)` of
-    `variants` whose gate weights (sha256) and forced settings `ref` measured, at each budget it has.
+    `variants` whose gate weights (sha256) and forced settings `ref` measured, at each budget it has; the gates and
+    the `SUMMARY_BASELINES` only when `ref`'s block summaries were stored in `summary_dtype` too (a file without
+    the field: fp32).
     SystemExit when `ref` was made on other windows (data, split, window, scored tail, block size, fewer
     windows); the dense NLLs per window are compared as the run goes (`check_reused_dense`)."""
     ours = {"data": data_record, "split": split, "window": window, "last": last, "block_size": block_size}
@@ -215,9 +225,10 @@ def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windo
     for name, v in ref.get("gate_variants", {}).items():
         sha = ref.get("gate_sha256", {}).get(v["gate"])
         by_weights[(sha, v["sink_blocks"], v["local_blocks"], v.get("prompt_anchors", 0))] = name
+    same_summaries = ref.get("summary_dtype", "fp32") == summary_dtype
     sources = {name: by_weights[(gate_sha256[g], s_, l_, a_)] for name, (g, s_, l_, a_) in variants.items()
-               if (gate_sha256[g], s_, l_, a_) in by_weights}
-    sources.update({name: name for name in baselines})
+               if (gate_sha256[g], s_, l_, a_) in by_weights and same_summaries}
+    sources.update({name: name for name in baselines if same_summaries or name not in SUMMARY_BASELINES})
     plan = {}
     for name, src in sources.items():
         got = {bud: src for bud in budgets if str(bud) in measured.get(src, {})}
@@ -449,20 +460,24 @@ def main(argv: Optional[list] = None) -> int:
         ref, reuse_sha = json.loads(raw), hashlib.sha256(raw).hexdigest()
         reused = reuse_plan(ref, args.reuse, data_record={**data.record(), "recall": recall_rows}, split=args.split,
                             windows=int(rows.shape[0]), window=args.window, last=args.last, block_size=b,
-                            budgets=args.budgets, variants=variants, gate_sha256=gate_sha256, baselines=baselines)
+                            budgets=args.budgets, variants=variants, gate_sha256=gate_sha256, baselines=baselines,
+                            summary_dtype=args.summary_dtype)
         print(f"[eval_ppl] --reuse {args.reuse}: " + (", ".join(
             f"{n} (as {sorted(set(m.values()))[0]}, budgets {sorted(m)})" for n, m in reused.items()) or "nothing fits"),
             flush=True)
     dense_rel_diff = []  # per window, with --reuse
     print(f"[eval_ppl] {rows.shape[0]} {args.split} windows of {args.window} tokens (+1 target), last {args.last} "
-          f"scored; block {b}; " + ", ".join(f"budget {bud} -> top_k {k}" for bud, k in top_k.items()), flush=True)
+          f"scored; block {b}; " + ", ".join(f"budget {bud} -> top_k {k}" for bud, k in top_k.items())
+          + f"; block summaries {args.summary_dtype}", flush=True)
+    summary_dtype = SUMMARY_DTYPES[args.summary_dtype]
 
     # What the measurements depend on: a partial file made for anything else is refused.
     key = {"model": args.model, "data": data.record(), "recall_rows": recall_rows, "split": args.split,
            "windows": int(rows.shape[0]), "window": args.window, "last": args.last, "block_size": b,
            "budgets": args.budgets, "gate_sha256": gate_sha256,
            "variants": {v: list(x) for v, x in variants.items()}, "selectors": selectors, "recall": not args.no_recall,
-           **({"reuse": reuse_sha} if reuse_sha else {})}
+           **({"reuse": reuse_sha} if reuse_sha else {}),
+           **({"summary_dtype": args.summary_dtype} if args.summary_dtype != "fp32" else {})}
     progress = Progress(partial_path(args.json) if args.json else None, key, selectors, args.budgets, not args.no_recall)
     if args.resume:
         if not args.json:
@@ -506,9 +521,10 @@ def main(argv: Optional[list] = None) -> int:
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector="gate", gates=gates[gate],
                                           sink_blocks=sink, local_blocks=local, sparse_from=sparse_from,
                                           anchors={lid: a[:, :n_anchors] for lid, a in anchors.items()}
-                                          if n_anchors else None)
+                                          if n_anchors else None, summary_dtype=summary_dtype)
                 else:
-                    spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from)
+                    spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from,
+                                          summary_dtype=summary_dtype)
                 rec = None if recall is None else recall[name][bud]
                 per_window[name][bud].append(window_nll(model, ids, args.last, spec, cache, recall=rec))
                 progress.save()
@@ -546,6 +562,7 @@ def main(argv: Optional[list] = None) -> int:
             "scored_tokens": n_tok,
             "block_size": b,
             "budgets": [{"budget": bud, "top_k": top_k[bud]} for bud in args.budgets],
+            "summary_dtype": args.summary_dtype,
             "gates": gate_paths,
             "gate_sha256": gate_sha256,
             "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_, **({"prompt_anchors": a_} if a_ else {})}
@@ -593,6 +610,8 @@ def markdown_report(out: dict) -> str:
         *([f"- recall windows: {data['recall']['facts']} facts spliced before the scored tail of each window and "
            "restated in it (`sas_backend.training.recall`)"] if data.get("recall") else []),
         f"- budget B -> K = B // {out['block_size']} previous blocks + the query's own (the serving rule)",
+        "- block summaries (gates, quest): " + ("bf16 (rounded to bf16 as a bf16 summary pool stores them, scored "
+                                               "in fp32)" if out.get("summary_dtype") == "bf16" else "fp32"),
         "- gates: " + (", ".join(f"{v} = `{g['gate']}` (sink {g['sink_blocks']}, local {g['local_blocks']}"
                                  + (f", prompt anchors {g['prompt_anchors']}" if g.get("prompt_anchors") else "") + ")"
                                  for v, g in out.get("gate_variants", {}).items()) or "none"),
