@@ -1,7 +1,7 @@
 """The GPU decode path on CPU inside a real server: `--sas-kernels triton` runs the fused front / select /
 attend Triton kernels (in Triton's interpreter, TRITON_INTERPRET=1) instead of the torch path, and decodes
 exactly as the torch path does: the same greedy tokens, logprobs within 2e-3, at a budget below the context
-(4 of ~31 blocks), with a block completed during the decode. The reference is `sas_sparse_server` (same gate,
+(4 of ~15 blocks), with a block completed during the decode. The reference is `sas_sparse_server` (same gate,
 budget, forced blocks and fp32), whose decode the oracle test checks."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from sas_backend.server_harness import ON_GPU, Server, complete
 
-PROMPT_LEN = 2044  # the decode step at seq_len 2048 completes block 31: a block step is among those compared
-NEW_TOKENS = 5  # decode steps at seq_len 2045..2048
+PROMPT_LEN = 1020  # the decode step at seq_len 1024 completes block 15: a block step is among those compared
+NEW_TOKENS = 5  # decode steps at seq_len 1021..1024
 LOGPROB_TOL = 2e-3
 
 
