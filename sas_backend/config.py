@@ -21,10 +21,11 @@ class SASConfigError(ValueError):
 #: Who runs extend attention on CPU (SASConfig.cpu_extend).
 CPU_EXTENDS = ("sas", "torch_native")
 
-#: Values of the decode-step settings (SASConfig.kernels, .attention, .summary_dtype).
+#: Values of the decode-step settings (SASConfig.kernels, .attention, .summary_dtype, .gate_dtype).
 KERNELS = ("auto", "triton", "torch")
 ATTENTIONS = ("auto", "triton", "flashinfer")
 SUMMARY_DTYPES = ("auto", "fp32", "bf16")
+GATE_DTYPES = SUMMARY_DTYPES
 
 #: Budget when neither the launch nor the gate's record names one (and for training-free selectors).
 DEFAULT_BUDGET = 2048
@@ -63,8 +64,9 @@ class SASConfig:
         selecting; 0: never (the default). Below a few tens of thousands of tokens a step is bound by
         its kernel launches, not its bytes, and dense attention is faster. Under CUDA graphs both
         branches are captured (conditional IF nodes, CUDA 12.4+); without them graph steps stay sparse.
-    kernels / attention / summary_dtype: how the decode step runs (`backend.decode_step`) and what the
-        summary pool holds; "auto" resolves per device (`backend.step_settings.resolve`).
+    kernels / attention / summary_dtype / gate_dtype: how the decode step runs (`backend.decode_step`), what
+        the summary pool holds and what the fused front reads the gate weights in; "auto" resolves per device
+        (`backend.step_settings.resolve`).
     force_sparse: 1: eager CPU steps select even when every candidate fits the budget (where dense attention
         is exactly the result), so tests run the sparse path itself; tests/debug only.
     debug_dir: if set, each decode step appends selection statistics there (slow; tests only).
@@ -119,6 +121,10 @@ class SASConfig:
     summary_dtype: str = _setting(
         "auto", "SAS_SUMMARY_DTYPE", "--sas-summary-dtype",
         "Block summary pool dtype: fp32, bf16 (half the pool) or auto (CUDA: the settings table; CPU: fp32).")
+    gate_dtype: str = _setting(
+        "auto", "SAS_GATE_DTYPE", "--sas-gate-dtype",
+        "Gate weights as the fused front kernel reads them: fp32, bf16 (a bf16 copy: half the front's weight bytes; "
+        "--sas-kernels triton only) or auto (CUDA: the settings table; CPU: fp32).")
     force_sparse: int = _setting(0, "SAS_FORCE_SPARSE")
     debug_dir: Optional[str] = _setting(None, "SAS_DEBUG_DIR")
     cpu_extend: str = _setting("sas", "SAS_CPU_EXTEND")
@@ -210,7 +216,8 @@ class SASConfig:
                 "python -m sas_backend.gate.convert), or choose a training-free "
                 "selector with --sas-selector quest or --sas-selector sink-local"
             )
-        for name, allowed in (("kernels", KERNELS), ("attention", ATTENTIONS), ("summary_dtype", SUMMARY_DTYPES)):
+        for name, allowed in (("kernels", KERNELS), ("attention", ATTENTIONS), ("summary_dtype", SUMMARY_DTYPES),
+                              ("gate_dtype", GATE_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise SASConfigError(f"--sas-{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
                                      f"got {getattr(self, name)!r}")

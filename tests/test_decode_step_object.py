@@ -200,3 +200,58 @@ def test_triton_attention_equals_flashinfer_attention():
         assert torch.equal(outs["triton"][lid][1], outs["flashinfer"][lid][1])
         torch.testing.assert_close(outs["triton"][lid][0].float(), outs["flashinfer"][lid][0].float(),
                                    rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_gate_copies_are_what_the_front_reads():
+    """gate_dtype bf16: the fused front reads `attach_gates`' bf16 copies (counted in device_nbytes), exactly as an
+    fp32 step over gates rounded to bf16; every other path keeps the fp32 gate; unattached gates are refused."""
+    world = World(3, 1, 1, seed=11)
+    inp, q = world.batch([64, 257, 9, 130, 200], [0, 1, 2, 3, 4])
+    bf16 = world.step("triton", "triton", gate_dtype=torch.bfloat16)
+    plan = _plan(bf16, world, inp)
+    with pytest.raises(RuntimeError, match="attach_gates"):
+        world.run(bf16, plan, q)
+    before = bf16.device_nbytes
+    bf16.attach_gates(world.gates)
+    per_gate = sum(t.numel() * 2 for t in bf16.front_weights(world.gates[0]))
+    assert bf16.device_nbytes == before + LAYERS * per_gate
+    assert all(t.dtype == torch.bfloat16 for t in bf16.front_weights(world.gates[1]))
+    assert world.gates[0].attngate_linear_q.weight.dtype == torch.float32  # the gate itself is untouched
+    summ_bf16 = [s.clone() for s in world.summaries]
+    got = world.run(bf16, plan, q, summ_bf16)
+
+    rounded = World(3, 1, 1, seed=11)  # the same world, its gates rounded to bf16 and back
+    for gate in rounded.gates:
+        for t in gate.parameters():
+            t.copy_(t.to(torch.bfloat16).float())
+    fp32 = rounded.step("triton", "triton")
+    inp2, q2 = rounded.batch([64, 257, 9, 130, 200], [0, 1, 2, 3, 4])
+    assert torch.equal(q, q2)
+    summ_ref = [s.clone() for s in rounded.summaries]  # summarized by the unrounded gates, as the world's
+    ref = rounded.run(fp32, _plan(fp32, rounded, inp2), q2, summ_ref)
+    for lid in range(LAYERS):
+        assert torch.equal(got[lid][1], ref[lid][1]), lid
+        torch.testing.assert_close(got[lid][0], ref[lid][0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(summ_bf16[lid], summ_ref[lid], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="kernels='triton'"):
+        world.step("torch", "torch", gate_dtype=torch.bfloat16)
+
+
+def test_launch_options_warps_change_no_result_and_pdl_is_refused_by_the_interpreter():
+    from sas_backend.ops.decode_step import LaunchOptions, _interpreting
+
+    world = World(3, 1, 1, seed=5)
+    inp, q = world.batch([64, 257, 9, 130, 200], [0, 1, 2, 3, 4])
+    outs = []
+    for launch in (LaunchOptions(), LaunchOptions(front_warps=2, select_warps=8, attend_warps=8)):
+        step = world.step("triton", "triton", launch=launch)
+        outs.append(world.run(step, _plan(step, world, inp), q, [s.clone() for s in world.summaries]))
+    for lid in range(LAYERS):
+        assert torch.equal(outs[0][lid][1], outs[1][lid][1])
+        torch.testing.assert_close(outs[0][lid][0], outs[1][lid][0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="select_warps"):
+        LaunchOptions(select_warps=3).check()
+    if _interpreting():
+        step = world.step("triton", "triton", launch=LaunchOptions(pdl=True))
+        with pytest.raises(ValueError, match="PDL"):
+            world.run(step, _plan(step, world, inp), q)

@@ -10,6 +10,7 @@ import torch
 
 from sas_backend.backend.step_settings import TABLE, resolve, table_entry
 from sas_backend.config import SASConfig, SASConfigError
+from sas_backend.ops.decode_step import LaunchOptions
 
 
 def _cfg(**kw):
@@ -18,8 +19,9 @@ def _cfg(**kw):
 
 TABLE_H = {"measured": True, "devices": {
     "default": {"kernels": "triton", "attention": "triton", "summary_dtype": "fp32", "dense_below": 0},
-    "H200": {"kernels": "triton", "attention": "flashinfer", "summary_dtype": "bf16", "select_chunk": 256,
-             "target_programs": 528, "dense_below": 4096}}}
+    "H200": {"kernels": "triton", "attention": "flashinfer", "summary_dtype": "bf16", "gate_dtype": "bf16",
+             "select_chunk": 256, "target_programs": 528, "dense_below": 4096,
+             "launch": {"pdl": True, "attend_warps": 8}}}}
 
 
 def test_shipped_table_parses_and_says_whether_it_was_measured():
@@ -36,6 +38,24 @@ def test_auto_follows_the_table_on_cuda_and_flags_win():
     s = resolve(_cfg(attention="triton", summary_dtype="fp32", dense_below=100), "cuda", "NVIDIA H200", TABLE_H)
     assert (s.attention, s.summary_dtype, s.dense_below) == ("triton", torch.float32, 100)
     assert resolve(_cfg(), "cuda", "NVIDIA H100", TABLE_H).attention == "triton"  # no H100 key: the default
+
+
+def test_gate_dtype_and_launch_options_come_from_the_table_on_cuda_only():
+    s = resolve(_cfg(), "cuda", "NVIDIA H200", TABLE_H)
+    assert s.gate_dtype == torch.bfloat16 and s.launch == LaunchOptions(pdl=True, attend_warps=8)
+    d = resolve(_cfg(), "cuda", "NVIDIA H100", TABLE_H)  # the default entry names neither
+    assert d.gate_dtype == torch.float32 and d.launch == LaunchOptions()
+    assert resolve(_cfg(gate_dtype="fp32"), "cuda", "NVIDIA H200", TABLE_H).gate_dtype == torch.float32
+    c = resolve(_cfg(), "cpu", "", TABLE_H)
+    assert c.gate_dtype == torch.float32 and c.launch == LaunchOptions()
+    # The table's bf16 gate is the fused front's: the per-op path reads fp32, and asking for bf16 there is refused.
+    assert resolve(_cfg(kernels="torch"), "cuda", "NVIDIA H200", TABLE_H).gate_dtype == torch.float32
+    with pytest.raises(SASConfigError, match="--sas-kernels triton"):
+        resolve(_cfg(kernels="torch", gate_dtype="bf16"), "cuda", "NVIDIA H200", TABLE_H)
+    with pytest.raises(SASConfigError, match="must be one of"):
+        _cfg(gate_dtype="fp16")
+    with pytest.raises(ValueError, match="attend_warps"):
+        resolve(_cfg(), "cuda", "H200", {"devices": {"default": {"launch": {"attend_warps": 3}}}})
 
 
 def test_cpu_defaults_and_refusals():
@@ -68,3 +88,9 @@ def test_the_benchmarks_chosen_settings_are_a_table_the_backend_reads():
     assert chosen["devices"]["H200"]["summary_dtype"] == "bf16" and chosen["devices"]["H200"]["dense_below"] == 0
     s = resolve(_cfg(), "cuda", "NVIDIA H200", chosen)
     assert s.summary_dtype == torch.bfloat16 and s.kernels == "triton"
+    # Every variant's entry is one the backend resolves (its launch options and gate dtype included).
+    for v in bds.VARIANTS:
+        entry = {**v.settings(), "dense_below": 0}
+        s = resolve(_cfg(), "cuda", "NVIDIA H200", {"devices": {"default": entry}})
+        assert s.launch == v.launch_options() and str(s.gate_dtype).endswith(v.gate_dtype.replace("bf", "bfloat")
+                                                                               .replace("fp", "float")), v

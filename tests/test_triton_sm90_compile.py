@@ -102,11 +102,16 @@ def test_every_geometry_was_compiled(records):
         # Phase 2 of Top-K (rows wider than one chunk) and the single-chunk path both compiled.
         chunk = [r for r in rec["variants"] if r["kernel"] == "ops.topk._chunk_select_kernel"]
         assert {r["constexprs"]["DIRECT"] for r in chunk} == {True, False}, version
+        # The fused step's launch variants (bench_decode_step.VARIANTS): PDL on and off for each kernel, 8 warps.
+        for kernel in ("_front_kernel", "_select_kernel", "_attend_kernel"):
+            fused = [r for r in rec["variants"] if r["kernel"] == f"ops.decode_step.{kernel}"]
+            assert {r["constexprs"]["PDL"] for r in fused} == {True, False}, (version, kernel)
+        assert {r["num_warps"] for r in rec["variants"] if r["kernel"] == "ops.decode_step._attend_kernel"} >= {4, 8}
 
 
 def _row(kind="serving", **kw):
     row = dict(kernel="k", kind=kind, geometry="g", error=None, shared=1024, static_smem=0, registers=40,
-               spill_stores=0, spill_loads=0)
+               spill_stores=0, spill_loads=0, constexprs={}, griddepcontrol=0)
     return {**row, **kw}
 
 
@@ -122,6 +127,11 @@ def test_checks_fail_on_errors_smem_spills_and_uncovered_kernels():
     assert len(failures) == 1 and "spill" in failures[0]
     failures, notes = ct.check([_row(kind="training", spill_loads=8)], clean)
     assert (failures == []) == (not ct.TRAINING_SPILLS_FAIL) and len(failures) + len(notes) == 1
+    # PDL: the grid dependency control must be in the PTX exactly when the variant asks for it
+    assert ct.check([_row(constexprs=dict(PDL=True), griddepcontrol=2), _row(constexprs=dict(PDL=False))], clean)[0] == []
+    for bad in (_row(constexprs=dict(PDL=True)), _row(constexprs=dict(PDL=False), griddepcontrol=1)):
+        failures, _ = ct.check([bad], clean)
+        assert len(failures) == 1 and "griddepcontrol" in failures[0]
     failures, _ = ct.check([], dict(uncovered=["sas_backend.ops.x.triton._new_kernel"]))
     assert failures == ["not compiled by any recorded launch: sas_backend.ops.x.triton._new_kernel"]
 

@@ -184,33 +184,49 @@ class LayerStack:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way to run the served decode step (`sas_backend.backend.decode_step.DecodeStep`'s settings)."""
+    """One way to run the served decode step (`sas_backend.backend.decode_step.DecodeStep`'s settings).
+
+    launch: `ops.decode_step.LaunchOptions`' fields (pdl, front_warps, select_warps, attend_warps) as a sorted
+    tuple of (name, value) pairs (hashable; empty: the defaults)."""
 
     name: str
     kernels: str = "triton"
     attention: str = "triton"
     summary_dtype: str = "fp32"
+    gate_dtype: str = "fp32"
     target_programs: int | None = None
     chunk: int | None = None
+    launch: tuple = ()
+
+    def launch_options(self):
+        from sas_backend.ops.decode_step import LaunchOptions
+
+        return LaunchOptions(**dict(self.launch)).check()
 
     def settings(self) -> dict:
         """The chosen-settings table's entry for this variant (`sas_backend/backend/gpu_settings.json`)."""
         return {"kernels": self.kernels, "attention": self.attention, "summary_dtype": self.summary_dtype,
-                "select_chunk": self.chunk, "target_programs": self.target_programs}
+                "gate_dtype": self.gate_dtype, "select_chunk": self.chunk, "target_programs": self.target_programs,
+                "launch": dict(self.launch) or None}
 
 
 # The old step (per-op kernels + FlashInfer: the first GPU run's) and the new one's variants the measurement
-# decides between: attention path, summary dtype, split sizes (programs per launch at batch 1), select chunk.
+# decides between: attention path, summary and gate-weight dtypes, split sizes (programs per launch at batch 1),
+# select chunk, PDL, per-launch warps.
 OLD = Variant("old: per-op kernels + flashinfer", kernels="torch", attention="flashinfer")
 NEW = Variant("new: fused, triton attend")
 VARIANTS = (
     NEW,
     Variant("new: fused, flashinfer attention", attention="flashinfer"),
     Variant("new: fused, bf16 summaries", summary_dtype="bf16"),
+    Variant("new: fused, bf16 summaries + bf16 gate weights", summary_dtype="bf16", gate_dtype="bf16"),
     Variant("new: fused, 132 programs", target_programs=132),
     Variant("new: fused, 528 programs", target_programs=528),
     Variant("new: fused, select chunk 64", chunk=64),
     Variant("new: fused, select chunk 256", chunk=256),
+    Variant("new: fused, PDL", launch=(("pdl", True),)),
+    Variant("new: fused, select 8 warps", launch=(("select_warps", 8),)),
+    Variant("new: fused, attend 8 warps", launch=(("attend_warps", 8),)),
 )
 
 
@@ -228,9 +244,10 @@ class ServedStep(LayerStack):
 
         geo = w.geo
         cuda = w.device.type == "cuda"
-        if not cuda:  # the dry run: the interpreter for the fused kernels, torch for the rest
+        if not cuda:  # the dry run: the interpreter for the fused kernels (no PDL there), torch for the rest
             variant = dataclasses.replace(variant, attention="torch" if variant.attention == "flashinfer"
-                                          else variant.attention)
+                                          else variant.attention, launch=tuple(kv for kv in variant.launch
+                                                                               if kv[0] != "pdl"))
         self.w, self.top_k, self.variant = w, budget // BLOCK, variant
         self.seq_lens = (w.seq_lens if block_step else w.seq_lens_steady).clone()
         self.positions = self.seq_lens - 1
@@ -241,7 +258,9 @@ class ServedStep(LayerStack):
             StepGeometry(geo.kv_heads, geo.group, geo.head_dim, geo.head_dim, geo.gate_dim, self.top_k, BLOCK),
             w.req_to_token, w.device, torch.bfloat16, w.k.dtype, w.scale, kernels=variant.kernels,
             attention=variant.attention, chunk=variant.chunk, target_programs=variant.target_programs,
+            launch=variant.launch_options(), gate_dtype=torch.bfloat16 if variant.gate_dtype == "bf16" else torch.float32,
         )
+        self.step_obj.attach_gates(w.gates)
         self.graphs = graphs
         if graphs:
             self.step_obj.init_graph_state(w.bs, geo.head_dim, geo.gate_dim)
@@ -267,11 +286,11 @@ class ServedStep(LayerStack):
     def front(self, layer):
         from sas_backend.ops import decode_step as fused
 
-        w, st, gate = self.w, self.plan.step, self.w.gates[layer]
-        return fused.front(self.step_obj.fused_ws, w.q, st.model_cos_sin, st.gate_cos_sin,
-                           gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, w.kv(layer)[0], w.model_table,
-                           w.gate_table, gate.attngate_linear_k.weight, gate.attngate_knorm.weight,
-                           w.summaries_of(layer, self.dtype), st.block_table, st.seq_lens)
+        w, st = self.w, self.plan.step
+        w_q, q_norm, w_k, k_norm = self.step_obj.front_weights(w.gates[layer])
+        return fused.front(self.step_obj.fused_ws, w.q, st.model_cos_sin, st.gate_cos_sin, w_q, q_norm,
+                           w.kv(layer)[0], w.model_table, w.gate_table, w_k, k_norm, w.summaries_of(layer, self.dtype),
+                           st.block_table, st.seq_lens)
 
     def select(self, layer):
         from sas_backend.ops import decode_step as fused
@@ -751,7 +770,8 @@ def distinct_sets(geo: Geometry, ctx: int, bs: int, mem_fraction: float) -> int:
 def time_variant(w: World, budget: int, variant: Variant, args, breakdown: bool = False) -> dict:
     """Block, steady and amortized ms of one served-step variant; with `breakdown`, each fused launch alone."""
     st = ServedStep(w, budget, args.graphs, block_step=True, variant=variant)
-    res = {"ms": time_ms(st.step, args.graphs, args.reps), "breakdown_ms": {}}
+    # The settings as run (a CPU dry run drops what the interpreter cannot run: FlashInfer, PDL).
+    res = {"ms": time_ms(st.step, args.graphs, args.reps), "breakdown_ms": {}, "settings": st.variant.settings()}
     if breakdown and st.plan.fused:
         res["breakdown_ms"]["front_block"] = time_ms(st.op_over_layers("front"), args.graphs, args.reps)
     del st
@@ -839,10 +859,11 @@ def chosen_settings(record: dict, device_key: str) -> dict:
     if not complete:
         return {}
     best = max(complete, key=complete.get)
-    variant = next(v for v in VARIANTS if v.name == best)
+    as_run = record["rows"][0]["variants"][budget][best].get("settings")
+    settings = as_run or next(v for v in VARIANTS if v.name == best).settings()
     slower = [r["context"] * r["batch"] for r in record["rows"]
               if r["variants"][budget][best]["amortized_ms"] > r["dense_ms"]]
-    entry = {**variant.settings(), "dense_below": max(slower, default=0)}
+    entry = {**settings, "dense_below": max(slower, default=0)}
     measured = record["mode"] != "dry run"
     return {"measured": measured, "source": f"bench/gpu/bench_decode_step.py on {record['environment'].get('device')}, "
                                         f"budget {budget}, variant {best!r} (geometric-mean speedup "

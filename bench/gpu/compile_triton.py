@@ -156,6 +156,15 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
                             if grid == "full" or p["dtype"] in CI_HALF_TRAINING
                             or (p["dtype"] == "fp32" and all(p[k] == v for k, v in CI_FP32_TRAINING.items()))],
     }
+    # The launch variants the GPU measurement decides (ops.decode_step.LaunchOptions), at the spec geometry in
+    # both grids: PDL (grid dependency control compiled in) and 8 warps for select and attend (the benchmark's
+    # VARIANTS; the front at 2 warps spilled 8 bytes at 255 registers, so it is not a variant).
+    spec_front = dict(d=sg["d"], dg=sg["dg"], g=sg["g"], dtype="bf16", weights="bf16", summaries="bf16")
+    spec_select = dict(dg=sg["dg"], k=sg["k"], anchors=4, sink=1, local=1, bs=1, h_kv=8, m=4096)
+    spec_attend = dict(d=sg["d"], g=sg["g"], dtype="bf16", k=sg["k"])
+    out["decode_front"].append(dict(spec_front, pdl=True))
+    for op, base in (("decode_select", spec_select), ("decode_attend", spec_attend)):
+        out[op] += [dict(base, pdl=True), dict(base, warps=8)]
     # BASE's runtime ints where a case leaves them out, in a fixed key order for the labels.
     return {op: [{**{k: BASE[k] for k in RUNTIME_KEYS[op]}, **p} for p in ps] for op, ps in out.items()}
 
@@ -226,8 +235,10 @@ def launch(op: str, p: dict) -> None:
         d, dg, g = p.get("d", 128), p.get("dg", 128), p.get("g", 4)
         k = p.get("k", 32)
         geo = fused.StepGeometry(h_kv, g, d, d, dg, k, BLOCK)
+        warps = {f"{op[len('decode_'):]}_warps": p["warps"]} if "warps" in p else {}
         # The GPU's split sizes: the CPU default would size the attend splits for the interpreter.
-        ws = fused.DecodeStepWorkspace(geo, bs, m, "cpu", target_programs=fused.GPU_TARGET_PROGRAMS)
+        ws = fused.DecodeStepWorkspace(geo, bs, m, "cpu", target_programs=fused.GPU_TARGET_PROGRAMS,
+                                       launch=fused.LaunchOptions(pdl=p.get("pdl", False), **warps))
         dt = _dt(p.get("dtype", "bf16"))
         k_buffer = torch.empty(pages * BLOCK, h_kv, d, dtype=dt)
         summaries = torch.empty(pages + 1, h_kv, dg, dtype=_dt(p.get("summaries", "fp32")))
@@ -351,7 +362,9 @@ def compile_variant(v: dict) -> dict:
             k = triton.compile(ASTSource(v["fn"], v["signature"], v["constexprs"], v["attrs"]), target=_target(),
                                options=vars(v["options"]))
         md = k.metadata
-        res.update(num_warps=md.num_warps, num_stages=md.num_stages, shared=md.shared)
+        res.update(num_warps=md.num_warps, num_stages=md.num_stages, shared=md.shared,
+                   # programmatic dependent launch: the grid dependency control instructions in the PTX
+                   griddepcontrol=k.asm["ptx"].count("griddepcontrol."))
     except Exception as e:  # noqa: BLE001 - any failure to compile is the finding
         res["error"] = f"{type(e).__name__}: {e}"[:4000]
     text = log.getvalue()
@@ -497,6 +510,9 @@ def check(rows: list, cov: dict) -> tuple[list, list]:
             failures.append(f"shared memory {smem} B > {SMEM_LIMIT} B: {tag}")
         elif smem > 0.95 * SMEM_LIMIT:
             notes.append(f"shared memory {smem} B, within 5% of the {SMEM_LIMIT} B limit: {tag}")
+        pdl = row["constexprs"].get("PDL")
+        if pdl is not None and bool(row.get("griddepcontrol")) != bool(pdl):
+            failures.append(f"PDL={pdl} but {row.get('griddepcontrol', 0)} griddepcontrol instructions in the PTX: {tag}")
         if row["spill_stores"] or row["spill_loads"]:
             msg = f"register spill ({row['spill_stores']} B stores, {row['spill_loads']} B loads, " \
                   f"{row['registers']} registers): {tag}"

@@ -139,7 +139,7 @@ def tier_steps(tier: str, quick: bool) -> list:
         sizes = ["4096", "8192"] if quick else ["4096", "8192", "16384", "32768"]
         return [
             # old step vs the new one and its variants (the tournament), then chosen-settings.json
-            Step("decode-step", ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", *step_args], 4.0,
+            Step("decode-step", ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", *step_args], 4.5,
                  ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", "--dry-run"],
                  produces=("decode-step.json", "decode-step.png", "chosen-settings.json")),
             Step("topk-sweep", ["{py}", "bench/bench_topk.py", "--sweep", "--json", "{work}/topk-sweep.json"], 1.0,

@@ -1,6 +1,7 @@
 """The sparse decode step as ONE object: what the server runs, the GPU benchmark times and the tests drive.
 
     step = DecodeStep(selector, geometry, req_to_token, ...)      # once per server (buffers owned)
+    step.attach_gates(gates)                                       # the fused front's copies of the gate weights
     step.init_graph_state(max_bs)                                  # CUDA graphs: persistent step buffers
     plan = step.plan(positions, seq_lens, req_pool_indices, seq_lens_cpu, model_table, gate_table, graph_bs)
     step.fill(plan, model_table, gate_table)                       # captured: the step's device state
@@ -46,13 +47,15 @@ class DecodeStep:
     see the module doc; dense_below: `--sas-dense-below`; force_sparse: eager CPU steps select even where
     dense attention is exactly what selection would attend (tests: the sparse path itself is checked);
     workspace: a float workspace FlashInfer may share; chunk / target_programs: the fused launches' split
-    sizes (`ops.decode_step.DecodeStepWorkspace`; None: the defaults).
+    sizes (`ops.decode_step.DecodeStepWorkspace`; None: the defaults); launch: their `LaunchOptions` (PDL,
+    warps); gate_dtype: what the fused front reads the gate weights in (bf16: copies made by `attach_gates`).
     """
 
     def __init__(self, selector, geometry: fused.StepGeometry, req_to_token: torch.Tensor, device, q_dtype,
                  kv_dtype, scaling: float, kernels: str = "torch", attention: str = "torch", dense_below: int = 0,
                  force_sparse: bool = False, workspace: Optional[torch.Tensor] = None, chunk: Optional[int] = None,
-                 target_programs: Optional[int] = None):
+                 target_programs: Optional[int] = None, launch: Optional[fused.LaunchOptions] = None,
+                 gate_dtype: torch.dtype = torch.float32):
         if kernels not in KERNELS or attention not in ATTENTIONS:
             raise ValueError(f"kernels must be one of {KERNELS}, attention one of {ATTENTIONS}")
         self.device = torch.device(device)
@@ -72,11 +75,16 @@ class DecodeStep:
         self.kernels, self.attention = kernels, attention
         self.dense_below = int(dense_below)
         self.force_sparse = bool(force_sparse)
+        if gate_dtype not in (torch.float32, torch.bfloat16) or (gate_dtype != torch.float32 and kernels != "triton"):
+            raise ValueError(f"gate_dtype {gate_dtype} needs kernels='triton' (only the fused front reads a copy)")
+        self.gate_dtype = gate_dtype
+        self._front_weights: dict = {}  # id(gate) -> (w_q, q_norm, w_k, k_norm) in gate_dtype
         max_reqs = req_to_token.shape[0]
         self.fused_ws = None
         if kernels == "triton" or attention == "triton":
             self.fused_ws = fused.DecodeStepWorkspace(geometry, min(max_reqs, FUSED_MAX_ROWS), self.max_blocks,
-                                                      self.device, chunk=chunk, target_programs=target_programs)
+                                                      self.device, chunk=chunk, target_programs=target_programs,
+                                                      launch=launch)
         # The per-op attention: every step when attention is not "triton", else batches past the workspace.
         self.sparse_decode = make_sparse_decode(
             self.device, geometry.num_kv_heads, geometry.group, geometry.head_dim, self.top_k, self.block_size,
@@ -87,9 +95,33 @@ class DecodeStep:
 
     @property
     def device_nbytes(self) -> int:
-        """Device bytes this object holds (the fused workspace; FlashInfer's buffers are counted by
-        `backend.memory` under their own names)."""
-        return self.fused_ws.nbytes if self.fused_ws is not None else 0
+        """Device bytes this object holds (the fused workspace and the front's gate-weight copies; FlashInfer's
+        buffers are counted by `backend.memory` under their own names)."""
+        ws = self.fused_ws.nbytes if self.fused_ws is not None else 0
+        return ws + sum(t.numel() * t.element_size() for ts in self._front_weights.values() for t in ts)
+
+    def attach_gates(self, gates) -> None:
+        """Once, before any step: the gate weights the fused front reads. fp32 reads the gates' own tensors;
+        bf16 keeps a bf16 copy of each (the front's largest read, the query projection, halves; every other
+        path still reads the fp32 gate). gates: the sparse layers' `AttnGate`s (an iterable or a dict's values)."""
+        if self.kernels != "triton" or self.gate_dtype == torch.float32:
+            return
+        for gate in (gates.values() if isinstance(gates, dict) else gates):
+            self._front_weights[id(gate)] = tuple(
+                t.detach().to(self.gate_dtype).contiguous()
+                for t in (gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, gate.attngate_linear_k.weight,
+                          gate.attngate_knorm.weight))
+
+    def front_weights(self, gate) -> tuple:
+        """(w_q, q_norm, w_k, k_norm) of a gate as the fused front reads them."""
+        if self.gate_dtype == torch.float32:
+            return (gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, gate.attngate_linear_k.weight,
+                    gate.attngate_knorm.weight)
+        try:
+            return self._front_weights[id(gate)]
+        except KeyError:
+            raise RuntimeError("sas: the decode step's bf16 gate copies are made by attach_gates(), before the first "
+                               "step (never inside a captured graph); this gate was not attached") from None
 
     # ------------------------------------------------------------------ plan (host)
     def init_graph_state(self, max_bs: int, model_dim: int, gate_dim: int) -> None:
@@ -174,10 +206,9 @@ class DecodeStep:
         rule = self.selector.rule
         if plan.fused:
             ws = self.fused_ws
-            gq = fused.front(ws, q, step.model_cos_sin, step.gate_cos_sin, gate.attngate_linear_q.weight,
-                             gate.attngate_qnorm.weight, k_buffer, model_table, gate_table,
-                             gate.attngate_linear_k.weight, gate.attngate_knorm.weight, summaries, step.block_table,
-                             step.seq_lens)
+            w_q, q_norm, w_k, k_norm = self.front_weights(gate)
+            gq = fused.front(ws, q, step.model_cos_sin, step.gate_cos_sin, w_q, q_norm, k_buffer, model_table,
+                             gate_table, w_k, k_norm, summaries, step.block_table, step.seq_lens)
             selected = fused.select(ws, gq, summaries, step.block_table, step.num_candidates, plan.max_blocks,
                                     rule.sink_blocks, rule.local_blocks, anchors, step.req_pool_indices)
         else:

@@ -2,8 +2,9 @@
 
 `gpu_settings.json` (beside this file) maps a device name (a substring of `torch.cuda.get_device_name()`,
 e.g. "H200") or "default" to the settings the decode-step tournament chose (`bench/gpu/run.py session`
-writes `chosen-settings.json` in this format): kernels, attention path, summary dtype, select chunk,
-programs per launch at batch 1, `--sas-dense-below`. Adopting a new measurement is a data change: copy the
+writes `chosen-settings.json` in this format): kernels, attention path, summary dtype, the dtype the fused front
+reads the gate weights in, select chunk, programs per launch at batch 1, PDL and per-launch warps (`launch`:
+`ops.decode_step.LaunchOptions`' fields), `--sas-dense-below`. Adopting a new measurement is a data change: copy the
 file here. `"measured": false` says the values are still the pre-measurement expectation.
 
 Launch flags and `SAS_*` variables win over the table; on CPU the table is not read.
@@ -18,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from sas_backend.ops.decode_step import LaunchOptions
+
 TABLE = pathlib.Path(__file__).with_name("gpu_settings.json")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -25,9 +28,10 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
     """Resolved decode-step settings of one server. kernels: "triton" | "torch"; attention: "triton" |
-    "flashinfer" | "torch"; summary_dtype: torch dtype of the summary pool; select_chunk, target_programs:
-    the fused launches' split sizes (None: `ops.decode_step` defaults); dense_below: tokens;
-    source: where they came from (for the log and /sas/info)."""
+    "flashinfer" | "torch"; summary_dtype: torch dtype of the summary pool; gate_dtype: what the fused front
+    reads the gate weights in; select_chunk, target_programs: the fused launches' split sizes (None:
+    `ops.decode_step` defaults); launch: their `LaunchOptions` (PDL, warps); dense_below: tokens; source: where
+    they came from (for the log and /sas/info)."""
 
     kernels: str
     attention: str
@@ -36,6 +40,8 @@ class StepSettings:
     target_programs: Optional[int]
     dense_below: int
     source: str
+    gate_dtype: torch.dtype = torch.float32
+    launch: LaunchOptions = LaunchOptions()
 
 
 def table_entry(device_name: str, table: Optional[dict] = None) -> tuple[dict, str]:
@@ -69,9 +75,18 @@ def resolve(cfg, device: torch.device, device_name: str = "", table: Optional[di
         raise SASConfigError("--sas-attention flashinfer needs a CUDA device; on CPU use triton (under "
                              "TRITON_INTERPRET=1) or leave it to auto")
     dtype = cfg.summary_dtype if cfg.summary_dtype != "auto" else (entry.get("summary_dtype", "fp32") if cuda else "fp32")
+    gate_dtype = cfg.gate_dtype if cfg.gate_dtype != "auto" else (entry.get("gate_dtype", "fp32") if cuda else "fp32")
+    if gate_dtype == "bf16" and kernels != "triton":
+        if cfg.gate_dtype == "bf16":
+            from sas_backend.config import SASConfigError
+
+            raise SASConfigError("--sas-gate-dtype bf16 is what the fused front kernel reads (--sas-kernels triton); "
+                                 f"the decode step here runs the {kernels} path, which reads the gate in fp32")
+        gate_dtype = "fp32"  # the table's choice is for the fused front
     dense_below = cfg.dense_below if cfg.dense_below else int(entry.get("dense_below", 0) or 0)
+    launch = LaunchOptions(**(entry.get("launch") or {})).check() if cuda else LaunchOptions()
     return StepSettings(kernels, attention, _DTYPES[dtype], entry.get("select_chunk"), entry.get("target_programs"),
-                        dense_below, source)
+                        dense_below, source, _DTYPES[gate_dtype], launch)
 
 
 def device_name(device) -> str:

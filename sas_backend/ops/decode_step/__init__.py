@@ -63,6 +63,38 @@ class StepGeometry:
         return self
 
 
+_WARPS = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """How the three launches are issued, the variants a GPU measurement decides between.
+
+    pdl: programmatic dependent launch (sm_90+, CUDA only): each kernel starts before its predecessor ends and
+    waits for it in-kernel, so launch latency overlaps the previous launch's tail (`triton.py`'s docstring);
+    front_warps / select_warps / attend_warps: num_warps of each launch (None: the launch's own default, 4, or 8
+    for the wide select tiles and fp32 K/V attention)."""
+
+    pdl: bool = False
+    front_warps: Optional[int] = None
+    select_warps: Optional[int] = None
+    attend_warps: Optional[int] = None
+
+    def check(self) -> "LaunchOptions":
+        for name in ("front_warps", "select_warps", "attend_warps"):
+            w = getattr(self, name)
+            if w is not None and w not in _WARPS:
+                raise ValueError(f"{name} must be one of {_WARPS} or None, got {w!r}")
+        return self
+
+    def kwargs(self, warps: Optional[int], default_warps: int) -> dict:
+        """The launch's keyword arguments: the PDL constexpr, num_warps, and Triton's launch_pdl option."""
+        if self.pdl and _interpreting():
+            raise ValueError("PDL (LaunchOptions.pdl) needs a CUDA sm_90+ device; Triton's interpreter has no grid "
+                             "dependency control")
+        return dict(PDL=self.pdl, num_warps=warps or default_warps, **({"launch_pdl": True} if self.pdl else {}))
+
+
 class DecodeStepWorkspace:
     """The three kernels' buffers for at most `max_bs` rows and `max_blocks` candidate blocks per row.
 
@@ -74,12 +106,19 @@ class DecodeStepWorkspace:
       per (row, kv head), each keeping min(K, chunk) survivors;
     - attend: `attend_splits(bs)` splits of the K + 1 blocks, about `target_programs` programs at batch 1,
       one split (no partials) once bs * H_kv alone fills the device.
+    launch: `LaunchOptions` (PDL, warps) of the three launches.
     """
 
     def __init__(self, geometry: StepGeometry, max_bs: int, max_blocks: int, device, chunk: Optional[int] = None,
-                 target_programs: Optional[int] = None, qchunk: Optional[int] = None, kchunk: Optional[int] = None):
+                 target_programs: Optional[int] = None, qchunk: Optional[int] = None, kchunk: Optional[int] = None,
+                 launch: Optional[LaunchOptions] = None):
         self.geo = geo = geometry.check()
         self.device = torch.device(device)
+        self.launch = (launch or LaunchOptions()).check()
+        if self.launch.pdl and self.device.type == "cuda" and torch.cuda.is_available() \
+                and torch.cuda.get_device_capability(self.device) < (9, 0):
+            raise ValueError(f"PDL needs sm_90+; {torch.cuda.get_device_name(self.device)} is sm_"
+                             + "".join(map(str, torch.cuda.get_device_capability(self.device))))
         self.max_bs = int(max_bs)
         self.max_blocks = int(max_blocks)
         cuda = self.device.type == "cuda"
@@ -192,7 +231,7 @@ def front(
         summaries.stride(0), summaries.stride(1), block_table.stride(0),
         h_kv, geo.group, ws.uq, ws.uq_per_head, ws.uk, GATE_NORM_EPS,
         HALF_D=d // 2, HALF_DG=dg // 2, QCHUNK=ws.qchunk, KCHUNK=ws.kchunk, BLOCK_HDG=_pow2(dg // 2),
-        BLOCK_SIZE=geo.block_size,
+        BLOCK_SIZE=geo.block_size, **ws.launch.kwargs(ws.launch.front_warps, 4),
     )
     return gq
 
@@ -251,7 +290,7 @@ def select(
         dg**-0.5,
         DG=dg, BLOCK_DG=_pow2(dg), DG_TILE=min(32, _pow2(dg)), BLOCK_SIZE=geo.block_size, CHUNK=ws.chunk,
         SLOT_TILE=max(16, _pow2(ws.slots)), MERGE_TILE=merge_tile, K_TILE=max(16, _pow2(k)),
-        num_warps=8 if ws.chunk >= 512 or merge_tile >= 2048 else 4,
+        **ws.launch.kwargs(ws.launch.select_warps, 8 if ws.chunk >= 512 or merge_tile >= 2048 else 4),
     )
     return out
 
@@ -303,9 +342,9 @@ def attend(
         BLOCK_D=max(16, _pow2(d)), BLOCK_DV=ws.block_dv, SPLITS_P=max(2, _pow2(splits)),
         IEEE=q.dtype == torch.float32,
         DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
-        num_warps=8 if wide else 4,
+        **ws.launch.kwargs(ws.launch.attend_warps, 8 if wide else 4),
     )
     return out
 
 
-__all__ = ["DecodeStepWorkspace", "StepGeometry", "attend", "front", "select"]
+__all__ = ["DecodeStepWorkspace", "LaunchOptions", "StepGeometry", "attend", "front", "select"]

@@ -21,6 +21,11 @@ atomic counter per row, reset by that program), so no second launch merges:
   `block_table[r, m] + o`), the G query heads of the kv group as one `tl.dot` tile (padded to 16 rows),
   online softmax; the last split to arrive merges the splits' (max, sum, acc) -> out.
 
+With PDL (programmatic dependent launch, sm_90+; `LaunchOptions.pdl`) each kernel is launched before its
+predecessor ends: it first waits for it (`gdc_wait` returns once the predecessor grid has completed and its
+writes are visible), then lets its own successor launch (`gdc_launch_dependents`), so a launch's start-up
+overlaps the previous launch's tail. Without PDL both are compiled out.
+
 Unit, chunk and split counts depend on the geometry and the plan, never on a row's length, so a CUDA-graph
 replay runs the same grid whatever the context. The counters must be zero before the first launch
 (`DecodeStepWorkspace` allocates them zeroed); each launch leaves them zero.
@@ -30,12 +35,21 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from sas_backend.ops.gate.naive import GATE_NORM_EPS
 from sas_backend.ops.gate.triton import _norm_rope_store, _project_rows
 from sas_backend.ops.topk.triton import _INT32_MIN, _pad, chunk_topk, merge_topk, score_keys
 
 _ = GATE_NORM_EPS  # re-exported for the launchers
+
+
+@triton.jit
+def _after_predecessor(PDL: tl.constexpr):
+    """PDL: wait for the previous launch to complete, then let the next one start launching."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -67,8 +81,9 @@ def _front_kernel(
     stride_sp, stride_sh, stride_bt,
     H_KV, G, UQ, UQ_PER_HEAD, UK, eps,
     HALF_D: tl.constexpr, HALF_DG: tl.constexpr, QCHUNK: tl.constexpr, KCHUNK: tl.constexpr,
-    BLOCK_HDG: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_HDG: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
 ):
+    _after_predecessor(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     u = tl.program_id(2)
@@ -167,8 +182,9 @@ def _select_kernel(
     stride_gqn, stride_gqh, stride_sp, stride_sh, stride_bt, stride_ab, stride_ah, stride_ob, stride_oh,
     H_KV, M, K, SLOTS, NC, ROWS_GIVEN: tl.constexpr, sink_blocks, local_blocks, R, inv_sqrt_dg,
     DG: tl.constexpr, BLOCK_DG: tl.constexpr, DG_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
-    SLOT_TILE: tl.constexpr, MERGE_TILE: tl.constexpr, K_TILE: tl.constexpr,
+    SLOT_TILE: tl.constexpr, MERGE_TILE: tl.constexpr, K_TILE: tl.constexpr, PDL: tl.constexpr,
 ):
+    _after_predecessor(PDL)
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -219,8 +235,9 @@ def _attend_kernel(
     H_KV, G, K, SPLITS, BPS, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOK: tl.constexpr, TOK_TILE: tl.constexpr, GP: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_P: tl.constexpr, IEEE: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    _after_predecessor(PDL)
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
