@@ -3,9 +3,9 @@ materialized torch reference and dense causal SDPA (flash), on one sequence per 
 
     python bench/bench_gated_attention.py [--sizes 4096 8192 16384 32768] [--budget 2048]
 
-Setup: Hq=32, Hkv=8, D=128, bf16, block 64. The gates select K = budget // block - 1 previous
-blocks per query (threshold = the K-th largest valid log-gate of the row), so with its own block
-each query attends about `budget` tokens. Gate scores are shared along the sequence plus per-token
+Setup: Hq=32, Hkv=8, D=128, bf16, block 64. The gates select K = budget // block previous
+blocks per query (threshold = the K-th largest valid log-gate of the row; the serving rule), so with
+its own block each query attends about `budget` + 64 tokens. Gate scores are shared along the sequence plus per-token
 noise, so neighbouring queries mostly agree (as trained gates do) and tile skipping can work.
 Peak memory is the extra over the inputs, for one forward+backward. Needs a CUDA GPU.
 """
@@ -36,7 +36,7 @@ def make_inputs(seqlen: int, budget: int, dev: str = "cuda", seed: int = 0):
     scores = scores + 0.5 * torch.randn(H_KV, seqlen, nb, device=dev, generator=g)
     log_g = torch.log_softmax(scores.masked_fill(~valid, float("-inf")), -1)
     log_g = log_g.masked_fill(~valid, 0.0)  # ignored by the op; keep it finite
-    n_sel = budget // BLOCK - 1
+    n_sel = budget // BLOCK  # K = budget / b previous blocks, as served
     ranked = log_g.masked_fill(~valid, float("-inf")).topk(min(n_sel, nb), dim=-1).values
     threshold = ranked[..., -1]  # the K-th largest: rows with fewer valid blocks take all (-inf)
     del ranked, scores
@@ -143,7 +143,7 @@ def main(argv=None):
         return 0
     free = torch.cuda.mem_get_info()[0]
     print(f"# {torch.cuda.get_device_name()}  Hq={H_Q} Hkv={H_KV} D={D} bf16 block={BLOCK} "
-          f"budget={args.budget} (K={args.budget // BLOCK - 1} previous blocks); fwd+bwd, one sequence")
+          f"budget={args.budget} (K={args.budget // BLOCK} previous blocks); fwd+bwd, one sequence")
     print(f"{'T':>6} {'attended':>8} | {'kernel ms':>9} {'naive ms':>9} {'dense ms':>9} | "
           f"{'naive/ker':>9} {'ker/dense':>9} | {'ker MiB':>9} {'naive MiB':>9} {'dense MiB':>9}")
     rows = []

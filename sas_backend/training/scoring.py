@@ -216,7 +216,7 @@ def score_gate(
     query_start: the queries are the in-sequence positions >= query_start of every sequence
     (packed, Tq = sum(max(0, len - query_start))); 0: every token (Tq = T).
     log_g `[Hkv, Tq, NB]` and threshold `[Hkv, Tq]` are packed over the queries.
-    cu_seqlens: `[N+1]`; top_k: K previous blocks per query (budget // block_size - 1);
+    cu_seqlens: `[N+1]`; top_k: K previous blocks per query (budget // block_size, the serving rule);
     gate_table: the gate's `[max_pos, Dg]` RoPE table (positions are in-sequence).
     sink_blocks/local_blocks: forced blocks inside K (module docstring), sink + local < top_k.
     Runs in fp32 whatever the autocast state (the gate was designed for fp32 scoring).
