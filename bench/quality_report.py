@@ -1,7 +1,9 @@
-"""The quality tables of docs/quality.md, regenerated from committed `eval_ppl` results.
+"""A quality report (per selector and budget, with the acceptance lines) from committed `eval_ppl` results.
+docs/quality.md's report is written by `bench/readme_tables.py`, which calls `report()` here and is the one
+script that writes (`--write`) and checks (CI) every generated table of the README and docs.
 
     .venv/bin/python bench/quality_report.py bench/results/<study>/quality-essays-X.json \
-        bench/results/<study>/quality-code-X.json --gate shipped+s1l1 [--readme docs/quality.md]
+        bench/results/<study>/quality-code-X.json --gate shipped+s1l1 [--readme FILE]
 
 For each results file: perplexity change vs dense per selector and budget, attention-mass recall,
 whether its text is in-domain (a held-out split of a training corpus) or out-of-domain (a corpus no
