@@ -90,6 +90,15 @@ def _decode_batch(seq_lens):
     )
 
 
+def test_a_decode_batch_without_host_lengths_is_refused_not_synced():
+    """No `seq_lens_cpu`: copying the device lengths over would be a device-to-host sync every step; refused."""
+    be = _backend()
+    fb = _decode_batch([24, 17, 9])
+    fb.seq_lens_cpu = None
+    with pytest.raises(RuntimeError, match="no seq_lens_cpu"):
+        be.init_forward_metadata(fb)
+
+
 @pytest.mark.parametrize("seq_lens,completes", [([24, 17, 9], True), ([25, 17, 9], False), ([64, 128], True)])
 def test_eager_decode_step_copies_nothing_blocking(seq_lens, completes):
     """A whole eager decode step (plan + every layer), with and without a row whose newest token

@@ -164,9 +164,33 @@ def test_hook_shrinks_the_budget_for_sas_only(sas_env, caplog):
     assert no_graph == budget
 
 
-def test_hook_leaves_the_budget_when_the_config_is_broken(sas_env, monkeypatch):
+def test_hook_refuses_the_launch_when_it_cannot_size_the_pool(sas_env, monkeypatch):
+    """An unshrunk pool would start and run out of device memory later: the reason, and no server."""
     monkeypatch.setenv("SAS_GATE", "/nonexistent")
-    assert reserve_sas_memory(lambda o, p: 123456789, _owner(sas_env), 0) == 123456789
+    with pytest.raises(RuntimeError, match=r"cannot size the KV pool.*nonexistent.*refusing to start"):
+        reserve_sas_memory(lambda o, p: 123456789, _owner(sas_env), 0)
+    # Other backends are never sized, whatever the sas settings say.
+    assert reserve_sas_memory(lambda o, p: 123456789, _owner(sas_env, backend="flashinfer"), 0) == 123456789
+
+
+def test_dp_attention_is_sized_for_the_attention_tp_group(sas_env, monkeypatch):
+    """Before SGLang publishes its parallel state, the attention-TP width comes from the flags as SGLang derives
+    it: under DP attention each rank holds tp/dp times more kv heads than plain TP would say."""
+    from sas_backend.backend.memory import attention_tp_size_from_args, memory_for_sglang
+
+    def unpublished():
+        raise RuntimeError("parallel state not published")
+
+    monkeypatch.setattr("sas_backend.backend.factory.attention_tp", unpublished)
+    ns = types.SimpleNamespace
+    assert attention_tp_size_from_args(ns(tp_size=8)) == 8
+    assert attention_tp_size_from_args(ns(tp_size=8, dp_size=4, enable_dp_attention=True)) == 2
+    assert attention_tp_size_from_args(ns(tp_size=8, dp_size=4, enable_dp_attention=False)) == 8
+    assert attention_tp_size_from_args(ns(tp_size=8, dp_size=2, enable_dp_attention=True, attn_cp_size=2)) == 2
+    # SmolLM2's 3 kv heads: tp 3 shards them 1 a rank; tp 3 with dp 3 attention keeps all 3 on each rank.
+    plain, kv_plain = memory_for_sglang(_owner(sas_env, tp_size=3))
+    dp, kv_dp = memory_for_sglang(_owner(sas_env, tp_size=3, dp_size=3, enable_dp_attention=True))
+    assert kv_dp == 3 * kv_plain and dp.summary_bytes_per_page == 3 * plain.summary_bytes_per_page
 
 
 def test_hook_target_exists_in_this_sglang():

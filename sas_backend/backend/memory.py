@@ -90,6 +90,8 @@ def sas_memory(
     summary_bytes: int = 4,
     flashinfer_attention: bool = True,
     decode_step_bytes: int = 0,
+    front_gate_bytes: int = 0,
+    anchor_scratch_bytes: int = 0,
 ) -> SASMemory:
     """The sas backend's allocation on one rank (see the module doc for each term).
 
@@ -105,7 +107,9 @@ def sas_memory(
     summary_bytes: bytes per summary element (4 fp32, 2 bf16: `--sas-summary-dtype`).
     flashinfer_attention: the FlashInfer sparse decode exists (CUDA with `--sas-attention flashinfer`, or
     batches larger than the fused path serves); decode_step_bytes: the fused kernels' workspace
-    (`decode_step_workspace_bytes`).
+    (`decode_step_workspace_bytes`); front_gate_bytes: bytes per element of the fused front's copy of the gate
+    weights (2 under `--sas-gate-dtype bf16`; 0: it reads the gate itself); anchor_scratch_bytes: the prompt
+    anchors' scratch at extend (`ops.anchors.anchor_scratch_bytes`, one layer at a time).
     """
     from sas_backend.ops.gather import row_capacity
     from sas_backend.ops.sparse_decode.flashinfer import WORKSPACE_BYTES, WRAPPER_INT_WORKSPACE_BYTES
@@ -115,12 +119,16 @@ def sas_memory(
     if head_dim and gate_dim:
         per_layer = num_kv_heads * group_size * head_dim * gate_dim + num_kv_heads * 3 * head_dim * gate_dim + 2 * gate_dim
         fixed["gate weights"] = num_sparse_layers * per_layer * 4
+        if front_gate_bytes:
+            fixed["gate weights (front copy)"] = num_sparse_layers * per_layer * front_gate_bytes
     if rope_positions and gate_dim:
         fixed["gate rope table"] = rope_positions * gate_dim * 4
     if rope_positions and model_rope_copied:
         fixed["model rope table (fp32 copy)"] = rope_positions * head_dim * 4
     if prompt_anchors:
         fixed["prompt anchors"] = num_sparse_layers * (max_reqs + 1) * num_kv_heads * prompt_anchors * 4
+        if anchor_scratch_bytes:
+            fixed["prompt anchor scratch"] = anchor_scratch_bytes
     if decode_step_bytes:
         fixed["decode step workspace"] = decode_step_bytes
     if on_cuda and flashinfer_attention:
@@ -229,6 +237,16 @@ def _graph_batch_size_count(server_args) -> int:
     return 4 + max_bs // 8
 
 
+def attention_tp_size_from_args(server_args) -> int:
+    """The attention-TP width SGLang derives from the launch flags (`runtime_context.derive_attention_widths`):
+    tp_size / (dp_size under --enable-dp-attention) / attn_cp_size. Under DP attention each rank holds more kv
+    heads than tp_size alone says, so the plain TP size would under-reserve."""
+    tp = int(getattr(server_args, "tp_size", None) or 1)
+    dp = int(getattr(server_args, "dp_size", None) or 1) if getattr(server_args, "enable_dp_attention", False) else 1
+    cp = int(getattr(server_args, "attn_cp_size", None) or 1)
+    return max(1, tp // max(dp, 1) // max(cp, 1))
+
+
 def memory_for_sglang(owner) -> tuple:
     """(SASMemory, KV bytes per token) for the object whose `_profile_available_bytes` runs:
     0.5.15 a ModelRunner, 0.5.21 a KVCacheConfigurator. Both carry `server_args`,
@@ -244,8 +262,8 @@ def memory_for_sglang(owner) -> tuple:
         from sas_backend.backend.factory import attention_tp
 
         tp_size = attention_tp()[1]
-    except Exception:  # parallel state not published yet: the plain TP size is the upper bound
-        tp_size = getattr(server_args, "tp_size", None) or 1
+    except Exception:  # parallel state not published yet: derived from the flags as SGLang derives it
+        tp_size = attention_tp_size_from_args(server_args)
     kv_heads = max(1, geo.num_kv_heads // tp_size)
     kv_elem = torch.empty(0, dtype=owner.kv_cache_dtype).element_size()
     kv_bytes_per_token = 2 * kv_heads * geo.head_dim * geo.num_layers * kv_elem
@@ -257,6 +275,7 @@ def memory_for_sglang(owner) -> tuple:
     max_reqs = getattr(server_args, "max_running_requests", None) or SGLANG_MAX_REQS_ESTIMATE_CAP
     from sas_backend.backend.decode_step import FUSED_MAX_ROWS
     from sas_backend.backend.step_settings import device_name, resolve
+    from sas_backend.ops.anchors import anchor_scratch_bytes
 
     settings = resolve(cfg, owner.device, device_name(owner.device))
     context_len = rope_table_positions(server_args, owner.model_config, geo.max_position_embeddings)
@@ -284,6 +303,11 @@ def memory_for_sglang(owner) -> tuple:
         summary_bytes=torch.empty(0, dtype=settings.summary_dtype).element_size(),
         flashinfer_attention=settings.attention != "triton" or max_reqs + 1 > FUSED_MAX_ROWS,
         decode_step_bytes=fused_bytes,
+        anchor_scratch_bytes=anchor_scratch_bytes(kv_heads, geo.group_size, geo.head_dim, kv_elem, cfg.block_size,
+                                                  context_len) if cfg.prompt_anchors else 0,
+        # DecodeStep.attach_gates' copies for the fused front (--sas-gate-dtype bf16)
+        front_gate_bytes=torch.empty(0, dtype=settings.gate_dtype).element_size()
+        if settings.kernels == "triton" and settings.gate_dtype != torch.float32 else 0,
     )
     return mem, kv_bytes_per_token
 
@@ -296,9 +320,10 @@ def reserve_sas_memory(original, owner, *args, **kwargs) -> int:
         return available
     try:
         mem, kv_bytes_per_token = memory_for_sglang(owner)
-    except Exception as e:  # the factory reports a bad config; never block startup from here
-        logger.warning("sas: could not compute the memory to reserve (%s); KV pool not shrunk", e)
-        return available
+    except Exception as e:
+        # An unshrunk pool would start and then run out of device memory under load: refuse the launch instead.
+        raise RuntimeError(f"sas: cannot size the KV pool beside the sas backend's own memory ({type(e).__name__}: "
+                           f"{e}); refusing to start rather than risk running out of device memory later") from e
     max_total = getattr(server_args, "max_total_tokens", None)
     budget = kv_budget_with_sas(available, kv_bytes_per_token, mem, max_total)
     # The pool SGLang will build from this budget, which the log reports the reservation for.

@@ -30,7 +30,7 @@ from sas_backend.backend.kv_write import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
 from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
-from sas_backend.ops.anchors import last_query_block_mass, top_anchors
+from sas_backend.ops.anchors import extend_anchors
 from sas_backend.ops.extend import paged_extend_attention
 from sas_backend.backend.step_settings import StepSettings, device_name, resolve
 from sas_backend.ops.decode_step import StepGeometry
@@ -127,7 +127,7 @@ class SASAttnBackend(AttentionBackend):
                 lid: torch.full((max_reqs, num_kv_heads, self.anchor_count), -1, dtype=torch.int32, device=self.device)
                 for lid in sorted(gates)
             }
-        self._extend_last = None  # (batch rows, flat q index, seq len) of the extend's last tokens, for anchors
+        self._extend_last = None  # (req rows, flat q indices, seq lens, longest) of the extend's last tokens, for anchors
         v_dim = self.token_to_kv_pool.get_value_buffer(min(gates)).shape[-1]
         geometry = StepGeometry(num_kv_heads, num_q_heads // num_kv_heads, head_dim, v_dim,
                                 max(gate_rope_table.shape[-1], 2), self.top_k, self.block_size)
@@ -140,8 +140,10 @@ class SASAttnBackend(AttentionBackend):
             # The wrapped FlashInfer backend's float workspace: used in stream order, never at the
             # same time as ours, so one buffer serves both (backend/memory.py counts it so).
             workspace=getattr(inner, "workspace_buffer", None),
-            chunk=settings.select_chunk, target_programs=settings.target_programs,
+            chunk=settings.select_chunk, target_programs=settings.target_programs, launch=settings.launch,
+            gate_dtype=settings.gate_dtype,
         )
+        self.step.attach_gates(gates)
         self.selector = selector
         # Set by the factory: the live RoPE tables (SGLang may replace its cos_sin_cache; see
         # backend/rope_tables.py). None keeps the tables given above (tests, tools).
@@ -162,8 +164,9 @@ class SASAttnBackend(AttentionBackend):
         if cfg.force_sparse:
             logger.info("sas: SAS_FORCE_SPARSE: eager CPU steps select and attend sparsely even where every block "
                         "fits the budget (tests and debugging)")
-        logger.info("sas: decode step kernels %s, attention %s, summaries %s (%s)", settings.kernels,
-                    settings.attention, str(settings.summary_dtype).replace("torch.", ""), settings.source)
+        logger.info("sas: decode step kernels %s, attention %s, summaries %s, front gate weights %s, launches %s (%s)",
+                    settings.kernels, settings.attention, str(settings.summary_dtype).replace("torch.", ""),
+                    str(settings.gate_dtype).replace("torch.", ""), settings.launch, settings.source)
         logger.info(
             "sas: %s selector, %d sparse layers from layer %d, budget %d tokens (K=%d blocks of %d), "
             "sink %d, local %d, prompt anchors %d; summary pool %d pages x %d kv heads x %d dims = %.1f MiB",
@@ -251,8 +254,11 @@ class SASAttnBackend(AttentionBackend):
     def _host_seq_lens(fb) -> torch.Tensor:
         """int64 host sequence lengths of the batch (SGLang's CPU mirror)."""
         seq_lens_cpu = fb.seq_lens_cpu
-        if seq_lens_cpu is None:  # only without a CPU mirror (never on the paths we serve)
-            seq_lens_cpu = fb.seq_lens.cpu()
+        if seq_lens_cpu is None:
+            # Copying fb.seq_lens over would be a silent device-to-host sync every step (and illegal in capture).
+            raise RuntimeError("sas: this forward batch has no seq_lens_cpu (SGLang's host mirror of the sequence "
+                               "lengths), which the sas backend plans every decode step from; the SGLang path that "
+                               "built it is not one the backend supports")
         return seq_lens_cpu.to(torch.int64)
 
     def _plan_decode(self, fb, graph_bs) -> DecodePlan:
@@ -287,27 +293,31 @@ class SASAttnBackend(AttentionBackend):
         return pages, starts
 
     def _plan_anchors(self, fb):
-        """[(batch row, flat index of its last new token, seq len)] when prompt anchors are on: each request's
-        last token in this extend (the last chunk's is the prompt's last, and wins), else None."""
+        """When prompt anchors are on, each request's last token in this extend (the last chunk's is the prompt's
+        last, and wins): (req pool rows `[n]`, flat q indices `[n]`, seq lens `[n]`) on the device, staged pinned
+        once per extend, and the longest seq len as a host int; else None."""
         if self.anchors is None or fb.extend_seq_lens_cpu is None or fb.seq_lens_cpu is None:
             return None
-        out, end = [], 0
+        batch, last, lens, end = [], [], [], 0
         for i, (e, s) in enumerate(zip(list(fb.extend_seq_lens_cpu), fb.seq_lens_cpu.tolist())):
             end += int(e)
             if int(e) > 0:
-                out.append((i, end - 1, int(s)))
-        return out or None
+                batch.append(i)
+                last.append(end - 1)
+                lens.append(int(s))
+        if not batch:
+            return None
+        rows = fb.req_pool_indices.long()[self._to_device(batch)]
+        return rows, self._to_device(last), self._to_device(lens), max(lens)
 
     def _set_anchors(self, q, layer, forward_batch) -> None:
-        """Write each extended request's prompt anchors for this layer (see `_plan_anchors`)."""
-        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        pool = self.anchors[layer.layer_id]
-        for i, last, seq_len in self._extend_last:
-            row = forward_batch.req_pool_indices[i].long()
-            slots = self.req_to_token_pool.req_to_token[row, :seq_len].long()
-            mass = last_query_block_mass(q3[last], k_buffer[slots], layer.scaling, self.block_size)
-            pool[row] = top_anchors(mass, (seq_len - 1) // self.block_size, self.anchor_count)
+        """Write the prompt anchors of every request of the extend for this layer, in one batched pass
+        (`ops.anchors.extend_anchors`: bounded scratch, reserved by backend/memory.py)."""
+        rows, last, lens, longest = self._extend_last
+        q_last = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[last]
+        self.anchors[layer.layer_id][rows] = extend_anchors(
+            q_last, self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.req_to_token_pool.req_to_token, rows,
+            lens, longest, layer.scaling, self.block_size, self.anchor_count)
 
     def _plan_own_extend(self, fb):
         """(req rows, prefix lens, extend lens) as host ints when this batch's extend is ours, else None:
