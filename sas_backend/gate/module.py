@@ -14,6 +14,7 @@ training integration and the tests all call the same functions through this modu
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -86,6 +87,18 @@ class AttnGate(nn.Module):
         """Block summaries `[N, H_kv, Dg]` fp32 from max|min|mean pooled pre-RoPE keys `[N, H_kv, 3D]`
         (`ops.summary.naive.pool_block_keys`); block_cos_sin as in `summarize`."""
         return summarize_pooled(pooled, self.attngate_linear_k.weight, self.attngate_knorm.weight, block_cos_sin)
+
+    def read_as(self, dtype: torch.dtype) -> "AttnGate":
+        """This gate with every parameter rounded to `dtype` and read back in its own dtype (fp32): the weights
+        an fp32-computing kernel sees when it loads a `dtype` copy of them. A copy; `self` itself for its own
+        dtype."""
+        if all(p.dtype == dtype for p in self.parameters()):
+            return self
+        out = copy.deepcopy(self)
+        with torch.no_grad():
+            for p in out.parameters():
+                p.copy_(p.to(dtype).to(p.dtype))
+        return out
 
 
 def gates_from_tensors(layers: dict, layer_ids, *, gate_dim: int, device=None) -> dict:

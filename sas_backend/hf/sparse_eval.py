@@ -30,6 +30,8 @@ SERVER_SELECTORS = ("gate", "quest", "sink-local")
 SELECTORS = SERVER_SELECTORS + ("oracle", "random", "dense")
 # What block summaries can be stored in (`SparseEvalSpec.summary_dtype`), by the names the CLIs take.
 SUMMARY_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# What the gate's weights can be read from (`SparseEvalSpec.gate_dtype`): the same two.
+GATE_DTYPES = SUMMARY_DTYPES
 
 
 @dataclasses.dataclass
@@ -46,6 +48,10 @@ class SparseEvalSpec:
     summary_dtype: what block summaries are stored in between summarizing and scoring (the "gate" and "quest"
     selectors, the ones with summaries): torch.float32 (default: as computed) or torch.bfloat16 (rounded to bf16
     as a bf16 summary pool stores them, read back as fp32 for the score).
+    gate_dtype: what the gate selector reads the gate's weights from (all of its parameters: the query and key
+    projections and both RMSNorm weights): torch.float32 (default: the weights as loaded) or torch.bfloat16
+    (rounded to bf16 and read back as fp32, as an fp32-computing kernel reading a bf16 copy of them sees them;
+    `AttnGate.read_as`). The other selectors have no gate.
     """
 
     top_k: int
@@ -58,10 +64,12 @@ class SparseEvalSpec:
     first_sparse_layer: int = 0
     anchors: Optional[Dict[int, torch.Tensor]] = None
     summary_dtype: torch.dtype = torch.float32
+    gate_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        if self.summary_dtype not in SUMMARY_DTYPES.values():
-            raise ValueError(f"summary_dtype must be torch.float32 or torch.bfloat16, got {self.summary_dtype!r}")
+        for field, allowed in (("summary_dtype", SUMMARY_DTYPES), ("gate_dtype", GATE_DTYPES)):
+            if getattr(self, field) not in allowed.values():
+                raise ValueError(f"{field} must be torch.float32 or torch.bfloat16, got {getattr(self, field)!r}")
         if self.selector not in SELECTORS:
             raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
         if self.selector == "gate" and not self.gates:
@@ -113,7 +121,7 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
     if spec.selector == "random":
         g = torch.Generator().manual_seed(1000 + layer_idx)
         return selector, torch.rand(positions.numel(), h_kv, m, generator=g).to(q_post.device), n_cand
-    gate = spec.gates[layer_idx] if spec.selector == "gate" else None
+    gate = spec.gates[layer_idx].read_as(spec.gate_dtype) if spec.selector == "gate" else None
     pages = torch.arange(n_blocks, device=q_post.device)
     summaries = selector.summarize(gate, k_post, pages, pages * b, model_table, gate_table)  # [NB, H_kv, S]
     if spec.summary_dtype != torch.float32:  # stored in the pool's dtype, read back as fp32 for the score

@@ -4,6 +4,7 @@
         [--last 512] [--budgets 256 512 1024] [--gate NAME=DIR ...]
         [--baselines oracle quest sink-local random] [--block-size 64] [--max-windows N]
         [--json OUT.json] [--no-progress] [--reuse EARLIER.json --no-recall] [--summary-dtype {fp32,bf16}]
+        [--gate-dtype {fp32,bf16}]
 
 Each held-out row has window + 1 tokens: the model reads the first `window`; the queries at the
 last `last` positions (window-last .. window-1) are sparse and each predicts the next token,
@@ -20,6 +21,9 @@ baselines, and gate variants with the same weights and forced blocks), so a new 
 still compared side by side in one results file. `--summary-dtype bf16` keeps the block summaries of the
 selectors that have them (the gates, `quest`) in bf16 between summarizing and scoring, as a bf16 summary pool
 stores them; the dtype is recorded, and `--reuse` takes those selectors only from a run with the same one.
+`--gate-dtype bf16` reads the gates' weights (all their parameters) rounded to bf16, computing in fp32 as before,
+as a kernel reading a bf16 copy of the weights does; recorded too, and `--reuse` takes gates only from a run with
+the same one (the baselines have no gate weights).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from sas_backend.hf.sparse_eval import SELECTORS, SUMMARY_DTYPES  # noqa: E402
+from sas_backend.hf.sparse_eval import GATE_DTYPES, SELECTORS, SUMMARY_DTYPES  # noqa: E402
 from sas_backend.provenance import git_state
 
 # The training-free selectors and evaluation references: every selector but the gate and dense.
@@ -92,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the block summaries of the gates and quest are stored in between summarizing and "
                         "scoring: fp32 (default) or bf16 (rounded to bf16 as a bf16 summary pool stores them, read "
                         "back as fp32 for the score); recorded in the results")
+    p.add_argument("--gate-dtype", choices=tuple(GATE_DTYPES), default="fp32",
+                   help="what the gates' weights (projections and RMSNorm weights) are read from: fp32 (default) or "
+                        "bf16 (rounded to bf16 and read back as fp32, as a kernel computing in fp32 from a bf16 "
+                        "copy of the weights sees them); recorded in the results")
     p.add_argument("--resume", action="store_true",
                    help="with --json: continue from JSON's .partial.json, which a run writes after every measurement "
                         "and removes when done (a killed long run keeps what it measured); refused if it was "
@@ -206,12 +214,13 @@ def gate_variants(gate_paths: Dict[str, str], records: Dict[str, dict], forced: 
 
 def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windows: int, window: int, last: int,
                block_size: int, budgets: List[int], variants: dict, gate_sha256: Dict[str, str],
-               baselines: List[str], summary_dtype: str = "fp32") -> Dict[str, Dict[int, str]]:
+               baselines: List[str], summary_dtype: str = "fp32",
+               gate_dtype: str = "fp32") -> Dict[str, Dict[int, str]]:
     """What `--reuse` takes from `ref` (an earlier run's JSON): `{selector: {budget: ref selector}}` for every
     baseline `ref` measured under the same name, and every gate variant `(gate, sink, local, anchors)` of
     `variants` whose gate weights (sha256) and forced settings `ref` measured, at each budget it has; the gates and
-    the `SUMMARY_BASELINES` only when `ref`'s block summaries were stored in `summary_dtype` too (a file without
-    the field: fp32).
+    the `SUMMARY_BASELINES` only when `ref`'s block summaries were stored in `summary_dtype` too, and the gates
+    only when `ref` read their weights in `gate_dtype` too (a file without either field: fp32).
     SystemExit when `ref` was made on other windows (data, split, window, scored tail, block size, fewer
     windows); the dense NLLs per window are compared as the run goes (`check_reused_dense`)."""
     ours = {"data": data_record, "split": split, "window": window, "last": last, "block_size": block_size}
@@ -226,8 +235,9 @@ def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windo
         sha = ref.get("gate_sha256", {}).get(v["gate"])
         by_weights[(sha, v["sink_blocks"], v["local_blocks"], v.get("prompt_anchors", 0))] = name
     same_summaries = ref.get("summary_dtype", "fp32") == summary_dtype
+    same_gate_weights = ref.get("gate_dtype", "fp32") == gate_dtype
     sources = {name: by_weights[(gate_sha256[g], s_, l_, a_)] for name, (g, s_, l_, a_) in variants.items()
-               if (gate_sha256[g], s_, l_, a_) in by_weights and same_summaries}
+               if (gate_sha256[g], s_, l_, a_) in by_weights and same_summaries and same_gate_weights}
     sources.update({name: name for name in baselines if same_summaries or name not in SUMMARY_BASELINES})
     plan = {}
     for name, src in sources.items():
@@ -461,15 +471,16 @@ def main(argv: Optional[list] = None) -> int:
         reused = reuse_plan(ref, args.reuse, data_record={**data.record(), "recall": recall_rows}, split=args.split,
                             windows=int(rows.shape[0]), window=args.window, last=args.last, block_size=b,
                             budgets=args.budgets, variants=variants, gate_sha256=gate_sha256, baselines=baselines,
-                            summary_dtype=args.summary_dtype)
+                            summary_dtype=args.summary_dtype, gate_dtype=args.gate_dtype)
         print(f"[eval_ppl] --reuse {args.reuse}: " + (", ".join(
             f"{n} (as {sorted(set(m.values()))[0]}, budgets {sorted(m)})" for n, m in reused.items()) or "nothing fits"),
             flush=True)
     dense_rel_diff = []  # per window, with --reuse
     print(f"[eval_ppl] {rows.shape[0]} {args.split} windows of {args.window} tokens (+1 target), last {args.last} "
           f"scored; block {b}; " + ", ".join(f"budget {bud} -> top_k {k}" for bud, k in top_k.items())
-          + f"; block summaries {args.summary_dtype}", flush=True)
-    summary_dtype = SUMMARY_DTYPES[args.summary_dtype]
+          + f"; block summaries {args.summary_dtype}"
+          + (f"; gate weights {args.gate_dtype}" if gate_paths else ""), flush=True)
+    summary_dtype, gate_dtype = SUMMARY_DTYPES[args.summary_dtype], GATE_DTYPES[args.gate_dtype]
 
     # What the measurements depend on: a partial file made for anything else is refused.
     key = {"model": args.model, "data": data.record(), "recall_rows": recall_rows, "split": args.split,
@@ -477,7 +488,8 @@ def main(argv: Optional[list] = None) -> int:
            "budgets": args.budgets, "gate_sha256": gate_sha256,
            "variants": {v: list(x) for v, x in variants.items()}, "selectors": selectors, "recall": not args.no_recall,
            **({"reuse": reuse_sha} if reuse_sha else {}),
-           **({"summary_dtype": args.summary_dtype} if args.summary_dtype != "fp32" else {})}
+           **({"summary_dtype": args.summary_dtype} if args.summary_dtype != "fp32" else {}),
+           **({"gate_dtype": args.gate_dtype} if args.gate_dtype != "fp32" else {})}
     progress = Progress(partial_path(args.json) if args.json else None, key, selectors, args.budgets, not args.no_recall)
     if args.resume:
         if not args.json:
@@ -521,7 +533,8 @@ def main(argv: Optional[list] = None) -> int:
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector="gate", gates=gates[gate],
                                           sink_blocks=sink, local_blocks=local, sparse_from=sparse_from,
                                           anchors={lid: a[:, :n_anchors] for lid, a in anchors.items()}
-                                          if n_anchors else None, summary_dtype=summary_dtype)
+                                          if n_anchors else None, summary_dtype=summary_dtype,
+                                          gate_dtype=gate_dtype)
                 else:
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from,
                                           summary_dtype=summary_dtype)
@@ -563,6 +576,7 @@ def main(argv: Optional[list] = None) -> int:
             "block_size": b,
             "budgets": [{"budget": bud, "top_k": top_k[bud]} for bud in args.budgets],
             "summary_dtype": args.summary_dtype,
+            "gate_dtype": args.gate_dtype,
             "gates": gate_paths,
             "gate_sha256": gate_sha256,
             "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_, **({"prompt_anchors": a_} if a_ else {})}
@@ -612,6 +626,8 @@ def markdown_report(out: dict) -> str:
         f"- budget B -> K = B // {out['block_size']} previous blocks + the query's own (the serving rule)",
         "- block summaries (gates, quest): " + ("bf16 (rounded to bf16 as a bf16 summary pool stores them, scored "
                                                "in fp32)" if out.get("summary_dtype") == "bf16" else "fp32"),
+        "- gate weights: " + ("bf16 (rounded to bf16 as a bf16 copy of the weights holds them, computed in fp32)"
+                              if out.get("gate_dtype") == "bf16" else "fp32"),
         "- gates: " + (", ".join(f"{v} = `{g['gate']}` (sink {g['sink_blocks']}, local {g['local_blocks']}"
                                  + (f", prompt anchors {g['prompt_anchors']}" if g.get("prompt_anchors") else "") + ")"
                                  for v, g in out.get("gate_variants", {}).items()) or "none"),

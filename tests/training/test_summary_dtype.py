@@ -135,19 +135,30 @@ def test_window_nll_under_each_summary_dtype(selector):
         assert bf16 == pytest.approx(default, rel=0.05)
 
 
-@pytest.mark.skipif(not have_real_assets(), reason="needs models/SmolLM2-135M-Instruct (tokenizer) and "
-                    "models/text/essays: run serve/prepare_model.py and serve/prepare_text.py")
-def test_eval_ppl_records_the_summary_dtype_and_reuses_only_like_with_like(tmp_path):
+needs_real_assets = pytest.mark.skipif(
+    not have_real_assets(), reason="needs models/SmolLM2-135M-Instruct (tokenizer) and models/text/essays: run "
+    "serve/prepare_model.py and serve/prepare_text.py")
+
+
+def tiny_eval_ppl_argv(tmp_path) -> list:
+    """eval_ppl arguments for a quick run: the tiny Llama saved with SmolLM2's tokenizer, an initialized gate `g`
+    (variant g+s0l0), quest and sink-local, one window of 128 tokens (32 scored), budgets 32 and 64."""
     from sas_backend.gate.checkpoint import init_gate_checkpoint
-    from sas_backend.training import eval_ppl
 
     model_dir = save_tiny_model_dir(str(tmp_path / "model"))
     gate_dir = str(tmp_path / "gate")
     init_gate_checkpoint(gate_dir, model_dir=model_dir, seed=0, gate_dim=32, block_size=16)
     essays = sorted(os.path.join(ESSAYS_DIR, n) for n in os.listdir(ESSAYS_DIR) if n.endswith(".txt"))[:8]
-    argv = ["--model", model_dir, "--data", *essays, "--split", "train", "--window", "128", "--last", "32",
+    return ["--model", model_dir, "--data", *essays, "--split", "train", "--window", "128", "--last", "32",
             "--block-size", "16", "--budgets", "32", "64", "--gate", f"g={gate_dir}", "--gate-forced", "0,0",
             "--baselines", "quest", "sink-local", "--max-windows", "1", "--no-recall", "--no-progress"]
+
+
+@needs_real_assets
+def test_eval_ppl_records_the_summary_dtype_and_reuses_only_like_with_like(tmp_path):
+    from sas_backend.training import eval_ppl
+
+    argv = tiny_eval_ppl_argv(tmp_path)
     fp32_js, bf16_js, reuse_js = (str(tmp_path / n) for n in ("fp32.json", "bf16.json", "reuse.json"))
     assert eval_ppl.main(argv + ["--json", fp32_js]) == 0
     assert eval_ppl.main(argv + ["--summary-dtype", "bf16", "--json", bf16_js]) == 0
