@@ -152,9 +152,11 @@ def test_hook_shrinks_the_budget_for_sas_only(sas_env, caplog):
     mem = sas_memory(num_sparse_layers=30, num_kv_heads=3, gate_dim=128, block_size=64, top_k=8,
                      max_reqs=64, on_cuda=True, num_graph_batch_sizes=4, group_size=3, head_dim=64, shared_workspace=True,
                      rope_positions=8448, flashinfer_attention=False, decode_step_bytes=fused_bytes,
-                     summary_bytes=2)  # the settings table's bf16 summary pool on CUDA
+                     summary_bytes=2,  # the settings table's bf16 summary pool on CUDA
+                     front_gate_bytes=2)  # and its bf16 gate copies for the fused front
     assert fused_bytes > 0 and "kv indices" not in mem.fixed
     assert mem.fixed["gate rope table"] == 8448 * 128 * 4 and "model rope table (fp32 copy)" not in mem.fixed
+    assert mem.fixed["gate weights (front copy)"] == mem.fixed["gate weights"] // 2  # bf16 beside the fp32 gate
     assert budget == kv_budget_with_sas(available, cell, mem) < available
     assert "sas: reserving" in caplog.text and "KV budget 4.000 ->" in caplog.text
 
