@@ -8,7 +8,9 @@ SGLang calls `register()` in the launcher and in every scheduler process. It
 - makes SGLang size the KV pool with room for the memory sas allocates beside it
   (backend/memory.py);
 - serves the SAS configuration, gate identity and pool state at GET /sas/info (the schedulers
-  add their KV pages and summary rows to SGLang's internal-state reply: pool_state.py).
+  add their KV pages and summary rows to SGLang's internal-state reply: pool_state.py);
+- gives SGLang's dense `torch_native` backend the speculative verify step it lacks (dense_verify.py), so
+  that `--speculative-algorithm NGRAM --attention-backend torch_native` runs on CPU (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def register() -> None:
     )
     _register_memory_hook(HookRegistry, HookType)
     _register_pool_state_hook(HookRegistry, HookType)
+    from sas_backend import dense_verify
+
+    dense_verify.register(HookRegistry, HookType)
     if multiprocessing.current_process().name == "MainProcess":
         _add_info_route()
 
