@@ -259,11 +259,12 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
         # the tournament's variants at the middle budget, and the settings table it chose (dry run: unmeasured)
         names = {n for r in steps["decode-step"]["results"]["decode-step"]["rows"] for vs in r["variants"].values()
                  for n in vs}
-        assert len(names) == 8, names
+        assert len(names) == 12, names  # bench_decode_step.VARIANTS (11) and the old step
         chosen = steps["decode-step"]["results"]["decode-step"]["chosen_settings"]
         assert chosen["measured"] is False and "default" in chosen["devices"]
-        assert set(chosen["devices"]["default"]) == {"kernels", "attention", "summary_dtype", "select_chunk",
-                                                     "target_programs", "dense_below"}
+        assert set(chosen["devices"]["default"]) == {"kernels", "attention", "summary_dtype", "gate_dtype",
+                                                     "select_chunk", "target_programs", "launch", "dense_below"}
+        assert not (chosen["devices"]["default"]["launch"] or {}).get("pdl")  # as run: the interpreter has no PDL
         # the IF-node branch timing (dense or sparse chosen per replay), at the middle budget
         branch = [s["branch"] for r in steps["decode-step"]["results"]["decode-step"]["rows"] for s in r["sas"].values()
                   if "branch" in s]
