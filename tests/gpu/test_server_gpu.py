@@ -18,8 +18,9 @@ import shlex
 
 import pytest
 
+from tests.server.compare import BF16_GPU, assert_same_decodes, generate
 from tests.server.conftest import essay_ids, model_dir, shipped_gate, tokenizer  # noqa: F401 (fixtures)
-from sas_backend.server_harness import Server, complete, generated_tokens
+from sas_backend.server_harness import Server
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +47,7 @@ def prompts(request):
 
 @pytest.fixture(scope="module")
 def serve(request, prompts):
-    """serve(backend, *args) -> (completions, server log); each configuration runs once."""
+    """serve(backend, *args) -> (decodes, server log); each configuration runs once."""
     model = GPU_MODEL or request.getfixturevalue("model_dir")
     gate = GPU_GATE or request.getfixturevalue("shipped_gate")
 
@@ -56,24 +57,15 @@ def serve(request, prompts):
         if backend == "sas":
             extra += ["--sas-gate", str(gate)]
         with Server(model, backend=backend, extra_args=extra) as s:
-            outs = [
-                complete(s.url, p, max_tokens=NEW_TOKENS, logprobs=2, return_token_ids=True)["choices"][0]
-                for p in prompts
-            ]
-            return outs, s.log_text()
+            return [generate(s.url, p, NEW_TOKENS) for p in prompts], s.log_text()
 
     return run
 
 
 def _assert_same_greedy(ref, other, what):
-    """Identical greedy tokens, up to the first near-tie of the reference (different kernels)."""
-    for n, (a, b) in enumerate(zip(ref, other)):
-        for i, (x, y) in enumerate(zip(generated_tokens(a), generated_tokens(b))):
-            if x != y:
-                top2 = sorted(a["logprobs"]["top_logprobs"][i].values())[-2:]
-                assert top2[1] - top2[0] < 0.05, f"{what}, prompt {n}: token {i} differs, margin {top2}"
-                break
-        assert len(generated_tokens(b)) == NEW_TOKENS
+    """Every prompt's decode: all NEW_TOKENS tokens, the same tokens with logprobs within compare.BF16_GPU, up to
+    a reported near tie (at most BF16_GPU.max_near_ties over the prompts); see tests/server/compare.py."""
+    assert_same_decodes(ref, other, BF16_GPU, what, n=NEW_TOKENS)
 
 
 def test_sparse_graph_decode_equals_eager(serve):

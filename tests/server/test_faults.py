@@ -3,11 +3,14 @@
 One `sas` server (the shipped gate, copied, at a 256-token budget; prefill chunks of 256 tokens):
 - a client disconnects while its long prompt is being prefilled chunk by chunk;
 - a request is aborted through SGLang's abort API after its prefill and before its first decode
-  step (it waits behind another request's chunked prefill, which the scheduler runs first);
+  step (it waits behind another request's chunked prefill, which the scheduler runs first); the request
+  batched with it decodes as it does alone;
 - the gate file is replaced on disk while serving: the loaded gate goes on being used, /sas/info
-  still names it, and nothing is re-read (a server started on the new file does decode differently).
-After each: a probe request decodes as before, and once idle every page is free or cached and every
-summary row reclaimable (`/sas/info` pool state), with SGLang's idle leak check silent.
+  still names it, and nothing is re-read (a server on the new file's gate gives the same prefill token
+  and decode steps that differ by far more than the tolerance).
+After each: a probe request decodes as before (every token and logprob, bit for bit), and once idle every
+page is free or cached and every summary row reclaimable (`/sas/info` pool state), with SGLang's idle leak
+check silent. Comparisons: tests/server/compare.py.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import time
 import pytest
 import requests
 
-from sas_backend.server_harness import ON_GPU, Server, complete
+from sas_backend.server_harness import ON_GPU, Server
 from sas_backend.soak.run import flush_cache, pool_state, wait_idle
+from tests.server.compare import EXACT, KERNELS, assert_same_decodes, decode_from_response, generate
 
 BUDGET = 256
 CHUNK = 256
@@ -32,6 +36,11 @@ LONG_PROMPT = 6000  # 24 prefill chunks: seconds of chunked prefill on a CPU
 ABORT_LONG_PROMPT = 3000
 SPARSE_PROMPT = 1500
 NEW_TOKENS = 12
+# The new gate's decode of the probe differs from the loaded gate's by more than this somewhere before their
+# tokens part (a replacement that changed nothing would make the replacement test vacuous): the oracle's bound
+# between sparse and dense. Measured 2026-12-01 (CPU, fp32): the first decode step moved 0.129, the second chose
+# another token; the prefill's token equal, its logprob bit for bit.
+FAULT_MOVE = 2e-2
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +61,9 @@ def fault_server(model_dir, gate_copy):
 
 @pytest.fixture(scope="module")
 def probe(essay_ids, fault_server):
-    """A sparse request's greedy tokens before any fault."""
+    """A sparse request's greedy decode (tokens and logprobs) before any fault."""
     prompt = essay_ids[20000:20000 + SPARSE_PROMPT]
-    return prompt, complete(fault_server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
+    return prompt, generate(fault_server.url, prompt, NEW_TOKENS)
 
 
 def _log_from(server, offset: int) -> str:
@@ -71,11 +80,11 @@ def _wait_for(server, offset: int, pattern: str, timeout: float = 300.0) -> re.M
     raise AssertionError(f"no {pattern!r} in the server log within {timeout}s:\n{server.log_tail()}")
 
 
-def _assert_whole(server, probe):
-    """The probe decodes as before; idle, nothing held, no leak warning; after a flush every page is free."""
+def _assert_whole(server, probe, fault: str):
+    """The probe decodes as before, bit for bit (the same server, the same ops: a fault must change nothing of a
+    later request); idle, nothing held, no leak warning; after a flush every page is free."""
     prompt, ref = probe
-    out = complete(server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
-    assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert_same_decodes(ref, generate(server.url, prompt, NEW_TOKENS), EXACT, f"probe after {fault}", n=NEW_TOKENS)
     state = wait_idle(server.url, timeout=120)
     assert state["idle"] and state["kv_pages"]["in_use"] == 0, state
     assert state["summary_rows"]["held"] == 0 and state["summary_rows"]["one_per_page"], state
@@ -104,13 +113,13 @@ def test_client_disconnect_during_chunked_prefill(essay_ids, fault_server, probe
     chunks = _chunk_lines(_log_from(fault_server, offset))
     assert chunks < LONG_PROMPT // CHUNK, f"the prefill ran to its end ({chunks} chunks): no abort mid-prefill"
     assert state["kv_pages"]["in_use"] == 0, state
-    _assert_whole(fault_server, probe)
+    _assert_whole(fault_server, probe, "a disconnect mid-prefill")
 
 
 def test_abort_between_prefill_and_first_decode(essay_ids, fault_server, probe):
     """B (short) and A (long) arrive as one batch request: B is prefilled together with A's first
     chunk, and A's other chunks run before any decode step (the scheduler runs prefill first), so
-    B waits there, prefilled, when its abort arrives."""
+    B waits there, prefilled, when its abort arrives. A, in the same batch, decodes as it does alone."""
     flush_cache(fault_server.url)
     offset = len(fault_server.log_text())
     result = {}
@@ -118,7 +127,8 @@ def test_abort_between_prefill_and_first_decode(essay_ids, fault_server, probe):
         "input_ids": [essay_ids[50000:50100], essay_ids[60000:60000 + ABORT_LONG_PROMPT]],
         "rid": ["sas-abort-b", "sas-long-a"],
         "sampling_params": [{"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True},
-                            {"max_new_tokens": 4, "temperature": 0.0}],
+                            {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}],
+        "return_logprob": True, "top_logprobs_num": 2,
     }
     t = threading.Thread(target=lambda: result.update(
         out=requests.post(f"{fault_server.url}/generate", json=body, timeout=600).json()))
@@ -135,7 +145,11 @@ def test_abort_between_prefill_and_first_decode(essay_ids, fault_server, probe):
     # of a running request (it marks the request and finishes it when that step's result comes back).
     assert meta_b["completion_tokens"] <= 2, meta_b
     assert meta_a["completion_tokens"] == 4, meta_a
-    _assert_whole(fault_server, probe)
+    # What must not change: A, batched with B and its abort, decodes as it does alone (its prompt now a radix
+    # hit; the same kernels, but batched with B's prefill: fp32 rounding, so compare.KERNELS, not EXACT).
+    alone = generate(fault_server.url, body["input_ids"][1], 4)
+    assert_same_decodes(alone, decode_from_response(result["out"][1]), KERNELS, "A beside B's abort vs A alone", n=4)
+    _assert_whole(fault_server, probe, "an abort before the first decode step")
 
 
 def test_gate_file_replaced_while_serving(essay_ids, fault_server, probe, gate_copy, seed_gate, sas_sparse_server,
@@ -152,17 +166,23 @@ def test_gate_file_replaced_while_serving(essay_ids, fault_server, probe, gate_c
     assert info["pool"][0]["gate_sha256"] == original  # and the one the scheduler loaded
     flush_cache(fault_server.url)  # the prefill recomputes every summary with the loaded gate
     prompt, ref = probe
-    again = complete(fault_server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
-    assert again["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
-    assert again["choices"][0]["logprobs"]["token_logprobs"] == ref["choices"][0]["logprobs"]["token_logprobs"]
-    _assert_whole(fault_server, probe)
+    again = generate(fault_server.url, prompt, NEW_TOKENS)
+    assert_same_decodes(ref, again, EXACT, "probe after the gate file was replaced (cache flushed)", n=NEW_TOKENS)
+    _assert_whole(fault_server, probe, "the gate file's replacement")
 
     # The replacement would have mattered: a server started on the new file's gate decodes differently.
-    # The suite's sparse server is one (the seeded gate at the same budget and forced blocks; it saves a
-    # server start, a minute of CI).
+    # The suite's sparse server is one (the seeded gate at the same budget and forced blocks, the same dtype; it
+    # saves a server start, a minute of CI); it differs from the fault server in its prefill chunks only.
     sparse_info = requests.get(f"{sas_sparse_server.url}/sas/info", timeout=60).json()
     assert sparse_info["gate"]["sha256"] == replaced
-    for key in ("budget", "sink_blocks", "local_blocks", "block_size"):
+    for key in ("budget", "sink_blocks", "local_blocks", "block_size", "selector"):
         assert sparse_info["config"][key] == info["config"][key], (key, sparse_info["config"], info["config"])
-    other = complete(sas_sparse_server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
-    assert other["choices"][0]["logprobs"]["token_logprobs"] != ref["choices"][0]["logprobs"]["token_logprobs"]
+    other = generate(sas_sparse_server.url, prompt, NEW_TOKENS)
+    # What must not change with the gate: the prefill's token (the prefill is dense; the gate plays no part).
+    assert_same_decodes(ref.head(1), other.head(1), KERNELS, "prefill token, loaded vs new gate", n=1)
+    # What changes: the decode steps (sparse: the new gate selects other blocks). Up to their first differing
+    # token (if any), some step's logprob moves by far more than the tolerance: FAULT_MOVE (measured: see there).
+    steps = next((i for i in range(1, NEW_TOKENS) if other.token_ids[i] != ref.token_ids[i]), NEW_TOKENS)
+    moved = max([abs(other.logprobs[i] - ref.logprobs[i]) for i in range(1, steps)], default=0.0)
+    print(f"new gate vs loaded gate: decode steps equal in token 1..{steps - 1}, max |dlogprob| {moved:.3g}")
+    assert steps < NEW_TOKENS or moved > max(FAULT_MOVE, KERNELS.logprob), (steps, moved)

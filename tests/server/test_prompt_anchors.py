@@ -1,17 +1,17 @@
 """--sas-prompt-anchors through a real server: each request's anchors are the blocks its last prompt token
-attended most, forced into every decode step's selection, and the decode equals the transformers oracle
-run with the same anchors (`hf.sparse_eval.prompt_anchors`); under `--tp-size 3` each rank anchors its own kv head as
-tp1 does."""
+attended most, forced into every decode step's selection, and the anchors, selections and decode equal those of
+the independent oracle (tests/server/oracle.py, which states the anchor rule itself); under `--tp-size 3` each rank
+anchors its own kv head as tp1 does."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 
-from sas_backend.server_harness import ON_GPU, Server, complete, cpu_threads_bind
-from tests.server.oracle import oracle_check
+from sas_backend.server_harness import ON_GPU, Server, cpu_threads_bind
+from tests.server.compare import FP32, assert_same_decodes, generate
+from tests.server.oracle import Rule, oracle_check, run_oracle
 
 PROMPT_LEN = 2500
 NEW_TOKENS = 6
@@ -36,29 +36,29 @@ def anchored_run(model_dir, seed_gate, essay_ids, tmp_path_factory):
     args = _anchored_args(seed_gate)
     prompt = essay_ids[9000 : 9000 + PROMPT_LEN]
     with Server(model_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(debug)}) as server:
-        out = complete(server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)["choices"][0]
+        out = generate(server.url, prompt, NEW_TOKENS)
         log = server.log_text()
     records = [json.loads(line) for f in sorted(debug.glob("*.jsonl")) for line in f.open()]
     return prompt, out, records, log
 
 
-def _reference_anchors(model_dir, prompt):
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    from sas_backend.hf.sparse_eval import prompt_anchors
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return prompt_anchors(model, prompt, cache, ANCHORS, window=1, block_size=BLOCK)
+def _rule(seed_gate) -> Rule:
+    return Rule(budget=BUDGET, sparse_from=PROMPT_LEN, gate=seed_gate, sink_blocks=1, local_blocks=1,
+                prompt_anchors=ANCHORS, block_size=BLOCK)
 
 
-def test_anchors_are_the_last_prompt_tokens_blocks_and_are_always_selected(anchored_run, model_dir):
-    prompt, _, records, log = anchored_run
+@pytest.fixture(scope="module")
+def anchored_oracle(anchored_run, model_dir, seed_gate):
+    """The oracle over the anchored run's prompt and tokens (its anchors, selections and logprobs)."""
+    prompt, out, _, _ = anchored_run
+    return run_oracle(model_dir, _rule(seed_gate), prompt, out.token_ids)
+
+
+def test_anchors_are_the_last_prompt_tokens_blocks_and_are_always_selected(anchored_run, anchored_oracle):
+    _, _, records, log = anchored_run
     assert "prompt anchors 2" in log  # the server says what it forces
     assert len(records) >= NEW_TOKENS - 1
-    want = _reference_anchors(model_dir, prompt)[0].tolist()  # layer 0, [H_kv, R]
+    want = anchored_oracle.anchors[0]  # layer 0, [H_kv][R]
     n_prompt_cand = (PROMPT_LEN - 1) // BLOCK
     for rec in records:
         anchors = rec["anchors"][0]
@@ -70,17 +70,9 @@ def test_anchors_are_the_last_prompt_tokens_blocks_and_are_always_selected(ancho
             assert head_selected[0] == 0 and rec["num_candidates"][0] - 1 in head_selected  # sink and local kept
 
 
-def test_anchored_decode_matches_the_oracle_with_the_same_anchors(anchored_run, model_dir, seed_gate):
-    from sas_backend.gate.checkpoint import load_gate_checkpoint
-    from sas_backend.gate.module import gates_from_tensors
-    from sas_backend.hf.sparse_eval import SparseEvalSpec
-
+def test_anchored_decode_matches_the_oracle_with_the_same_anchors(anchored_run, anchored_oracle, model_dir, seed_gate):
     prompt, out, records, _ = anchored_run
-    gate_cfg, layers = load_gate_checkpoint(seed_gate)
-    gates = gates_from_tensors(layers, range(gate_cfg.num_hidden_layers), gate_dim=gate_cfg.gate_dim)
-    spec = SparseEvalSpec(top_k=BUDGET // BLOCK, block_size=BLOCK, gates=gates, sparse_from=PROMPT_LEN,
-                          sink_blocks=1, local_blocks=1, anchors=_reference_anchors(model_dir, prompt))
-    oracle_check(prompt, out, records, model_dir, spec, PROMPT_LEN)
+    oracle_check(prompt, out, records, model_dir, _rule(seed_gate), NEW_TOKENS, oracle=anchored_oracle)
 
 
 @pytest.mark.skipif(ON_GPU, reason="one GPU here: the multi-GPU tier would run --tp on several GPUs")
@@ -93,10 +85,8 @@ def test_tp3_ranks_anchor_their_own_kv_head_as_tp1_does(anchored_run, model_dir,
     args = [*_anchored_args(seed_gate), "--tp-size", "3"]
     env = {"SAS_DEBUG_DIR": str(tmp_path), "SGLANG_CPU_OMP_THREADS_BIND": cpu_threads_bind(3)}
     with Server(model_dir, backend="sas", extra_args=args, env=env) as server:
-        out = complete(server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)["choices"][0]
-    assert out["token_ids"] == ref["token_ids"] and len(out["token_ids"]) == NEW_TOKENS
-    worst = max(abs(a - b) for a, b in zip(ref["logprobs"]["token_logprobs"], out["logprobs"]["token_logprobs"]))
-    assert worst < 2e-3, worst
+        out = generate(server.url, prompt, NEW_TOKENS)
+    assert_same_decodes(ref, out, FP32, "anchored tp3 vs tp1", n=NEW_TOKENS)
     by_heads = _records(tmp_path)
     assert sorted(by_heads) == [(0,), (1,), (2,)]
     for (head,), steps in by_heads.items():

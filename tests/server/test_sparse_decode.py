@@ -1,10 +1,10 @@
 """At a small budget the server's decode is really sparse and matches an independent oracle.
 
-The oracle is the default model in transformers (fp32), with SAS sparse attention applied to
-the decode positions from the same gate checkpoint (`sas_backend.hf.sparse_eval`): it recomputes
-K/V in transformers' own forward and selects with the selection component on the whole sequence
-viewed as pages, independently of the server's paging, radix cache, per-step plans, summary pool
-and KV cache.
+The oracle (tests/server/oracle.py) is the default model in transformers (fp32), with the decode positions'
+attention replaced by attention over the blocks DESIGN.md's selection rule picks, the rule (gate query, block
+summaries, scores, forced blocks, Top-K, ties) written out in the oracle from the same gate checkpoint's tensors:
+it imports nothing of sas_backend, recomputes K/V in transformers' own forward, and is independent of the
+server's selection ops as well as its paging, radix cache, per-step plans, summary pool and KV cache.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import json
 import pytest
 import requests
 
-from sas_backend.server_harness import ON_GPU, complete
-from tests.server.oracle import oracle_check
+from tests.server.compare import generate
+from tests.server.oracle import Rule, oracle_check
 
 PROMPT_LEN = 2500
 NEW_TOKENS = 6
@@ -28,8 +28,7 @@ def sparse_run(essay_ids, sas_sparse_server, sparse_debug_dir):
     for f in sparse_debug_dir.glob("*.jsonl"):
         f.unlink()
     prompt = essay_ids[5000 : 5000 + PROMPT_LEN]
-    out = complete(sas_sparse_server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
-    out = out["choices"][0]
+    out = generate(sas_sparse_server.url, prompt, NEW_TOKENS)
     records = [json.loads(line) for f in sorted(sparse_debug_dir.glob("*.jsonl")) for line in f.open()]
     return prompt, out, records
 
@@ -51,18 +50,9 @@ def test_selection_is_sparse(sparse_run):
 
 
 def test_decode_logits_match_independent_oracle(sparse_run, model_dir, seed_gate):
-    from sas_backend.gate.checkpoint import load_gate_checkpoint
-    from sas_backend.gate.module import gates_from_tensors
-    from sas_backend.hf.sparse_eval import SparseEvalSpec
-
     prompt, out, records = sparse_run
-    assert len(out["token_ids"]) == NEW_TOKENS
-    gate_cfg, layers = load_gate_checkpoint(seed_gate)
-    gates = gates_from_tensors(layers, range(gate_cfg.num_hidden_layers), gate_dim=gate_cfg.gate_dim)
-    spec = SparseEvalSpec(
-        top_k=BUDGET // BLOCK, block_size=BLOCK, gates=gates, sparse_from=PROMPT_LEN, sink_blocks=1, local_blocks=1
-    )
-    oracle_check(prompt, out, records, model_dir, spec, PROMPT_LEN)
+    rule = Rule(budget=BUDGET, sparse_from=PROMPT_LEN, gate=seed_gate, sink_blocks=1, local_blocks=1, block_size=BLOCK)
+    oracle_check(prompt, out, records, model_dir, rule, NEW_TOKENS)
 
 
 def test_answers_coherently_with_small_budget(essay_ids, tokenizer, sas_sparse_server):

@@ -14,7 +14,8 @@ import json
 
 import pytest
 
-from sas_backend.server_harness import ON_GPU, Server, complete, cpu_threads_bind
+from sas_backend.server_harness import ON_GPU, Server, cpu_threads_bind
+from tests.server.compare import FP32, assert_same_decodes, generate
 from tests.server.test_sparse_decode import BLOCK, BUDGET, NEW_TOKENS
 
 TP = 3
@@ -41,7 +42,7 @@ def tp_runs(essay_ids, model_dir, seed_gate, sas_sparse_server, sparse_debug_dir
     prompt = essay_ids[5000 : 5000 + PROMPT_LEN]
     for f in sparse_debug_dir.glob("*.jsonl"):
         f.unlink()
-    ref = complete(sas_sparse_server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
+    ref = generate(sas_sparse_server.url, prompt, NEW_TOKENS)
     ref_records = _records(sparse_debug_dir)
 
     tp_dir = tmp_path_factory.mktemp("sas-debug-tp")
@@ -51,16 +52,13 @@ def tp_runs(essay_ids, model_dir, seed_gate, sas_sparse_server, sparse_debug_dir
     ]
     env = {"SAS_DEBUG_DIR": str(tp_dir), "SGLANG_CPU_OMP_THREADS_BIND": cpu_threads_bind(TP)}
     with Server(model_dir, backend="sas", extra_args=args, env=env) as s:
-        out = complete(s.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
-    return ref["choices"][0], ref_records, out["choices"][0], _records(tp_dir)
+        out = generate(s.url, prompt, NEW_TOKENS)
+    return ref, ref_records, out, _records(tp_dir)
 
 
 def test_tp3_greedy_tokens_and_logprobs_equal_tp1(tp_runs):
     ref, _, out, _ = tp_runs
-    assert out["token_ids"] == ref["token_ids"] and len(out["token_ids"]) == NEW_TOKENS
-    lp_ref, lp_tp = ref["logprobs"]["token_logprobs"], out["logprobs"]["token_logprobs"]
-    worst = max(abs(a - b) for a, b in zip(lp_ref, lp_tp))
-    assert worst < 2e-3, (lp_ref, lp_tp)
+    assert_same_decodes(ref, out, FP32, "tp3 vs tp1", n=NEW_TOKENS)
 
 
 def test_each_rank_selects_for_its_own_kv_head_as_tp1_does(tp_runs):

@@ -1,5 +1,5 @@
 """`--sas-selector quest` and `--sas-selector sink-local`: a model served sparse with no trained gate,
-each checked against the transformers oracle (`sas_backend.hf.sparse_eval` with the same selector)
+each checked against the independent oracle (tests/server/oracle.py, which states each selector's rule itself)
 exactly as the gate is in test_sparse_decode.py."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 
 import requests
 
-from sas_backend.server_harness import ON_GPU, Server, complete
-from tests.server.oracle import oracle_check
+from sas_backend.server_harness import ON_GPU, Server
+from tests.server.compare import generate
+from tests.server.oracle import Rule, oracle_check
 
 BLOCK = 64
 PROMPT_LEN = 1300  # 20 complete blocks, K = 4 of them
@@ -21,14 +22,12 @@ BUDGET = 256
 
 @pytest.mark.parametrize("selector", ["quest", "sink-local"])
 def test_training_free_selector_matches_oracle(selector, model_dir, essay_ids, tmp_path):
-    from sas_backend.hf.sparse_eval import SparseEvalSpec
-
     args = ["--sas-selector", selector, "--sas-budget", str(BUDGET), "--dtype", "bfloat16" if ON_GPU else "float32"]
     if ON_GPU:
         args.append("--disable-cuda-graph")  # the selection log reads the host each step
     prompt = essay_ids[9000 : 9000 + PROMPT_LEN]
     with Server(model_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(tmp_path)}) as server:
-        out = complete(server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)["choices"][0]
+        out = generate(server.url, prompt, NEW_TOKENS)
         info = requests.get(f"{server.url}/sas/info", timeout=60).json()
     records = [json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.open()]
     assert len(records) >= NEW_TOKENS - 1
@@ -41,5 +40,5 @@ def test_training_free_selector_matches_oracle(selector, model_dir, essay_ids, t
             if selector == "sink-local":  # block 0 and the K-1 blocks before the current one
                 assert chosen == [0] + list(range(n_cand - k + 1, n_cand))
     assert info["config"]["selector"] == selector and "gate" not in info
-    spec = SparseEvalSpec(top_k=k, block_size=BLOCK, selector=selector, sparse_from=PROMPT_LEN)
-    oracle_check(prompt, out, records, model_dir, spec, PROMPT_LEN)
+    rule = Rule(budget=BUDGET, sparse_from=PROMPT_LEN, selector=selector, block_size=BLOCK)
+    oracle_check(prompt, out, records, model_dir, rule, NEW_TOKENS)

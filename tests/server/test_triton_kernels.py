@@ -1,6 +1,6 @@
 """The GPU decode path on CPU inside a real server: `--sas-kernels triton` runs the fused front / select /
 attend Triton kernels (in Triton's interpreter, TRITON_INTERPRET=1) instead of the torch path, and decodes
-exactly as the torch path does: the same greedy tokens, logprobs within 2e-3, at a budget below the context
+exactly as the torch path does: the same greedy tokens, logprobs within compare.FP32, at a budget below the context
 (4 of ~15 blocks), with a block completed during the decode. The reference is `sas_sparse_server` (same gate,
 budget, forced blocks and fp32), whose decode the oracle test checks."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from sas_backend.server_harness import ON_GPU, Server, complete
+from sas_backend.server_harness import ON_GPU, Server
+from tests.server.compare import FP32, assert_same_decodes, generate
 
 PROMPT_LEN = 1020  # the decode step at seq_len 1024 completes block 15: a block step is among those compared
 NEW_TOKENS = 5  # decode steps at seq_len 1021..1024
-LOGPROB_TOL = 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +29,6 @@ def test_triton_kernels_decode_as_the_torch_path(essay_ids, triton_server, sas_s
     log = triton_server.log_text()
     assert "decode step kernels triton, attention triton" in log, log[-3000:]
     prompt = essay_ids[9000: 9000 + PROMPT_LEN]
-    got = complete(triton_server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
-    want = complete(sas_sparse_server.url, prompt, max_tokens=NEW_TOKENS, logprobs=1, return_token_ids=True)
-    got, want = got["choices"][0], want["choices"][0]
-    assert len(got["token_ids"]) == len(want["token_ids"]) == NEW_TOKENS
-    assert got["token_ids"] == want["token_ids"]
-    diffs = [abs(a - b) for a, b in zip(got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"])]
-    assert len(diffs) == NEW_TOKENS and max(diffs) < LOGPROB_TOL, diffs
+    got = generate(triton_server.url, prompt, NEW_TOKENS)
+    want = generate(sas_sparse_server.url, prompt, NEW_TOKENS)
+    assert_same_decodes(want, got, FP32, "triton kernels (interpreter) vs torch path", n=NEW_TOKENS)
