@@ -1,7 +1,7 @@
 """CPU decode throughput, dense vs sas, against the byte roofline: one command, one machine, one run.
 
-    .venv/bin/python bench/bench_cpu_decode.py            # full run: contexts 1K 4K 7.5K, batch 1 and 8, budgets 512 1024
-    .venv/bin/python bench/bench_cpu_decode.py --quick    # rehearsal: 1K context, batch 1, budget 512, 16 tokens
+    .venv/bin/python bench/bench_cpu_decode.py          # full run: contexts 1K 4K 7.5K, batch 1 and 8, budgets 512 1024
+    .venv/bin/python bench/bench_cpu_decode.py --quick  # rehearsal: 1K context, batch 1, budget 512, 16 tokens
 
 Servers (real `python -m sglang.launch_server`, via sas_backend/server_harness.py), one at a time: a dense
 one (`--attention-backend torch_native`), then one `sas` server per budget (the budget is a launch
@@ -289,7 +289,8 @@ def plot(rows: list[dict], budgets: list[int], batches: list[int], path: pathlib
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--gate", default=None, help="gate checkpoint (default: the one serve/serve.sh serves the model with)")
+    ap.add_argument("--gate", default=None,
+                    help="gate checkpoint (default: the one serve/serve.sh serves the model with)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 7680])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024])
@@ -369,7 +370,9 @@ def main(argv=None) -> int:
         "rehearsal": args.quick, "date": date, "machine": mach, "git": git_state(),
         # Records name files relative to the repository, never this machine's paths.
         "command": " ".join(shlex.quote(a) for a in ["python", "bench/bench_cpu_decode.py", *sys.argv[1:]]),
-        "model": repo_relative(model), "gate": repo_relative(gate), "prompts": "shared prefix" if args.shared_prefix else "disjoint", "geometry": geo, "server_flags": [str(f) for f in flags],
+        "model": repo_relative(model), "gate": repo_relative(gate),
+        "prompts": "shared prefix" if args.shared_prefix else "disjoint", "geometry": geo,
+        "server_flags": [str(f) for f in flags],
         "new_tokens": args.new_tokens, "skip": args.skip, "wall_s": round(time.time() - started, 1), "rows": rows,
     }
     (out / f"{tag}.json").write_text(json.dumps(record, indent=2))
@@ -386,7 +389,8 @@ def main(argv=None) -> int:
     print()
     print(markdown(rows, args.budgets))
     print()
-    loads = [m["foreign_cores"] for r in rows for m in [r["dense"], *r["sas"].values()] if m["foreign_cores"] is not None]
+    loads = [m["foreign_cores"] for r in rows for m in [r["dense"], *r["sas"].values()]
+             if m["foreign_cores"] is not None]
     if loads and max(loads) > 0.2:
         print(f"[bench] warning: other jobs used up to {max(loads):.2f} of {os.cpu_count()} cores during "
               "a measurement; rerun on a quiet machine for numbers to publish")

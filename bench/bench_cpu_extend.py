@@ -116,19 +116,22 @@ def main(argv=None) -> int:
     date = datetime.date.today().isoformat()
     stem = pathlib.Path(args.out) / f"cpu-extend-{date}{'-quick' if args.quick else ''}"
     stem.parent.mkdir(parents=True, exist_ok=True)
-    table = ["| context | case | torch_native ms/layer | sas ms/layer | speedup | model s (torch_native / sas) | max abs diff |",
+    table = ["| context | case | torch_native ms/layer | sas ms/layer | speedup "
+             "| model s (torch_native / sas) | max abs diff |",
              "|---:|---|---:|---:|---:|---:|---:|"]
     table += [f"| {r['context']} | {r['case']} | {r['native_s'] * 1e3:.1f} | {r['sas_s'] * 1e3:.1f} | "
               f"{r['speedup']:.2f}x | {r['model_native_s']:.1f} / {r['model_sas_s']:.1f} | {r['max_abs_diff']:.1e} |"
               for r in rows]
     record = {"rows": rows, "geometry": {"h_q": h_q, "h_kv": h_kv, "head_dim": d, "layers": args.layers},
-              "method": DEFAULT_METHOD, "chunk": args.chunk, "hit": args.hit, "repeats": args.repeats, "rehearsal": args.quick, "date": date,
+              "method": DEFAULT_METHOD, "chunk": args.chunk, "hit": args.hit, "repeats": args.repeats,
+              "rehearsal": args.quick, "date": date,
               "machine": machine(), "git": git_state(),
               "command": "python bench/bench_cpu_extend.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     md = [f"# CPU extend attention, {date}", "", "`" + record["command"] + "`", "",
-          f"One layer, H_q {h_q} / H_kv {h_kv} / D {d}, fp32, best of {args.repeats}, sas method {DEFAULT_METHOD!r}; machine: "
-          f"{record['machine']['cpu']}, {record['machine']['torch_threads']} threads, torch {record['machine']['torch']}.",
+          f"One layer, H_q {h_q} / H_kv {h_kv} / D {d}, fp32, best of {args.repeats}, "
+          f"sas method {DEFAULT_METHOD!r}; machine: {record['machine']['cpu']}, "
+          f"{record['machine']['torch_threads']} threads, torch {record['machine']['torch']}.",
           "", *table, ""]
     stem.with_suffix(".md").write_text("\n".join(md))
     print("\n".join(table))

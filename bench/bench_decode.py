@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     max_ctx = max(args.contexts) + args.new_tokens + 64
     common = ["--page-size", "64", "--context-length", str(max_ctx)]
     if not on_gpu:
-        per_point = max_ctx + (max(args.batch) - 1) * (args.new_tokens + 128) if args.shared_prefix else max_ctx * max(args.batch)
+        per_point = (max_ctx + (max(args.batch) - 1) * (args.new_tokens + 128) if args.shared_prefix
+                     else max_ctx * max(args.batch))
         common += ["--max-total-tokens", str(max(16384, per_point + 4096))]
     backends = {
         "dense": ("flashinfer" if on_gpu else "torch_native", common),
@@ -121,7 +122,8 @@ def main(argv=None) -> int:
             measure(server.url, 256, 1, 4, vocab, seed=0)  # warm-up
             for ctx in args.contexts:
                 for bs in args.batch:
-                    ms = measure(server.url, ctx, bs, args.new_tokens, vocab, seed=ctx, shared_prefix=args.shared_prefix)
+                    ms = measure(server.url, ctx, bs, args.new_tokens, vocab, seed=ctx,
+                                 shared_prefix=args.shared_prefix)
                     results.setdefault((ctx, bs), {})[name] = ms
                     print(f"[bench] {name:5s} context {ctx:7d} batch {bs:3d}: {ms:8.2f} ms/token", flush=True)
 

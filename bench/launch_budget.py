@@ -82,7 +82,8 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     merge = 0.0 if active == 1 else _us(survivors * 8 * 5, PROGRAM_GBS) + 4 * MERGE_PASS_US * max(1, survivors / 1024)
     t = max(FLOOR_US, _us(summ, DEVICE_GBS), _us(prog, PROGRAM_GBS) + merge)
     rows.append(("select", (bs, H_KV, nc), summ,
-                 f"{min(cand, ws.chunk)} blocks ({prog // 1024} KB)" + (f" + merge of {survivors}" if merge else ""), t))
+                 f"{min(cand, ws.chunk)} blocks ({prog // 1024} KB)" + (f" + merge of {survivors}" if merge else ""),
+                 t))
     # attend: splits of the K + 1 blocks; each program reads its blocks' K and V, the last merges the splits.
     splits = ws.attend_splits(bs)
     per = -(-(k + 1) // splits)
@@ -109,7 +110,8 @@ def markdown() -> str:
         for ctx in CONTEXTS:
             rows = kernel_rows(ctx, bs)
             out += [f"## context {ctx // 1024}K, batch {bs}", "",
-                    "| kernel | grid | DRAM bytes | longest program | expected us |", "| --- | --- | ---: | --- | ---: |"]
+                    "| kernel | grid | DRAM bytes | longest program | expected us |",
+                    "| --- | --- | ---: | --- | ---: |"]
             out += [f"| {n} | {g} | {b / 2**20:.2f} MiB | {w} | {t:.1f} |" for n, g, b, w, t in rows]
             steady = rows[0][4] + rows[2][4] + rows[3][4]
             block = rows[1][4] + rows[2][4] + rows[3][4]
@@ -138,7 +140,8 @@ def markdown() -> str:
     speed = [(8192, 1, 1.2), (65536, 1, 4.5), (262144, 1, 16.0), (32768, 8, 8.0)]
     targets = ["", "Against the issue's targets (the model's expectation, not a measurement):", ""]
     targets += [f"- {name}: {got:.2f} {unit} ({verdict(got <= bound)})" for name, got, bound, unit in goals]
-    targets += [f"- at least {want}x dense at {c // 1024}K, batch {b}: {by[c, b][2]:.1f}x ({verdict(by[c, b][2] >= want)})"
+    targets += [f"- at least {want}x dense at {c // 1024}K, batch {b}: "
+                f"{by[c, b][2]:.1f}x ({verdict(by[c, b][2] >= want)})"
                 for c, b, want in speed]
     targets.append("")
     return "\n".join(out[:9] + ["## Summary", ""] + head + table + targets + out[9:]).rstrip() + "\n"

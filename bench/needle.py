@@ -79,7 +79,8 @@ def server_configs(args) -> list[tuple[str, str, list]]:
     anchored = args.prompt_anchors is not None
     for sel in args.selectors:
         for b in args.budgets:
-            extra = ["--sas-selector", sel, "--sas-budget", str(b)] + (["--sas-gate", args.gate] if sel == "gate" else [])
+            extra = (["--sas-selector", sel, "--sas-budget", str(b)]
+                     + (["--sas-gate", args.gate] if sel == "gate" else []))
             anchors = ""
             if anchored and sel != "sink-local":
                 extra, anchors = extra + ["--sas-prompt-anchors", str(args.prompt_anchors)], f"+a{args.prompt_anchors}"
@@ -95,7 +96,8 @@ def server_configs(args) -> list[tuple[str, str, list]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--gate", default=None, help="gate checkpoint (default: the one serve/serve.sh serves the model with)")
+    ap.add_argument("--gate", default=None,
+                    help="gate checkpoint (default: the one serve/serve.sh serves the model with)")
     ap.add_argument("--context", type=int, default=3072, help="haystack tokens")
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
@@ -181,20 +183,24 @@ def main(argv=None) -> int:
     lines = [head, "|" + "---|" * (len(cases) + 2)]
     for row in rows:
         hits = [a["recalled"] for a in row["answers"]]
-        lines.append(f"| {row['server']} | " + " | ".join("yes" if h else "no" for h in hits) + f" | {sum(hits)}/{len(hits)} |")
+        lines.append(f"| {row['server']} | " + " | ".join("yes" if h else "no" for h in hits)
+                     + f" | {sum(hits)}/{len(hits)} |")
     table = "\n".join(lines)
     record = {
         "what": "needle in a haystack through the real server (OpenAI chat API, greedy)", "rehearsal": args.quick,
-        "date": date, "commit": git_state()["commit"], "model": repo_relative(args.model), "gate": repo_relative(args.gate),
+        "date": date, "commit": git_state()["commit"], "model": repo_relative(args.model),
+        "gate": repo_relative(args.gate),
         "context_tokens": args.context, "server_flags": common, "rows": rows,
         "cases": [{k: v for k, v in c.items() if k != "prompt"} for c in cases],
         "needle": NEEDLE, "question": QUESTION, "wall_s": round(time.time() - started, 1),
-        "command": " ".join(shlex.quote(a) for a in ["python", "bench/needle.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(shlex.quote(a)
+                            for a in ["python", "bench/needle.py", *(sys.argv[1:] if argv is None else argv)]),
         "table_markdown": table,
     }
     (out / f"{tag}.json").write_text(json.dumps(record, indent=2))
     partial.unlink(missing_ok=True)
-    (out / f"{tag}.md").write_text(f"# Needle in a haystack, {date}\n\n{record['command']} (commit {record['commit']})\n\n{table}\n")
+    (out / f"{tag}.md").write_text(f"# Needle in a haystack, {date}\n\n"
+                                   f"{record['command']} (commit {record['commit']})\n\n{table}\n")
     print(table)
     print(f"[needle] wrote {out / (tag + '.json')} and {out / (tag + '.md')}")
     return 0

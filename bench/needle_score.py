@@ -93,7 +93,8 @@ def prefill(model, p_ids):
 @torch.no_grad()
 def passphrase_nll(model, p_ids, a_ids, code: slice, spec=None, selected=None, prefilled=None):
     """(summed NLL of the passphrase tokens, its first token is the argmax, every one of its tokens is the argmax)
-    for the prompt followed by the answer (the last: greedy decoding would write the passphrase); `spec` (SparseEvalSpec, sparse_from = len(prompt)) makes the answer's queries sparse.
+    for the prompt followed by the answer (the last: greedy decoding would write the passphrase); `spec`
+    (SparseEvalSpec, sparse_from = len(prompt)) makes the answer's queries sparse.
     selected: optional dict filled with `{layer: [P, H_kv, K]}` block indices the answer's queries chose.
     prefilled: `prefill(model, p_ids)`; the answer then runs on its cache (cropped back afterwards)."""
     from sas_backend.hf.sparse_eval import sparse_eval

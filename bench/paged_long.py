@@ -105,7 +105,8 @@ def idle_state(url: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--gate", default=None, help="gate checkpoint (default: the one serve/serve.sh serves the model with)")
+    ap.add_argument("--gate", default=None,
+                    help="gate checkpoint (default: the one serve/serve.sh serves the model with)")
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--context", type=int, default=32040, help="query tokens (radix and chunked cases; not a "
                     "multiple of 64, so the last chunk ends mid-page)")
@@ -120,12 +121,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.budget, args.context, args.prefix, args.chunk, args.reference_chunk, args.new_tokens = 512, 3000, 1536, 320, 2048, 8
+        args.budget, args.context, args.prefix = 512, 3000, 1536
+        args.chunk, args.reference_chunk, args.new_tokens = 320, 2048, 8
         args.pressure_tokens = 600
     if args.chunk % PAGE or args.reference_chunk % PAGE:
         ap.error(f"--chunk and --reference-chunk must be multiples of the {PAGE}-token page (SGLang requires it)")
     if args.context % PAGE == 0:
-        ap.error(f"--context {args.context} is a multiple of {PAGE}: the query's last chunk would end on a page boundary")
+        ap.error(f"--context {args.context} is a multiple of {PAGE}: "
+                 "the query's last chunk would end on a page boundary")
     pool = args.context + args.new_tokens + 4 * PAGE  # server B: the chunked query fits, the pressure outputs do not
     # Two prompts of lp tokens: admitted together while 2 lp + lt (the second's whole max_tokens) + ~0.7 lt
     # (the first's reserve) + a page fit the pool; pressed once 2 (lp + lt) does not.
@@ -258,11 +261,13 @@ def main(argv=None) -> int:
     checks = {
         "radix: prefix served from the cache": steps["radix"]["cached_tokens"] >= steps["radix"]["expected_cached"],
         "radix: equal to the flushed run": steps["radix"]["equal"],
-        "chunked: more chunks than the reference, the last ending mid-page": steps["chunked"]["last_chunk_ends_mid_page"]
-        and steps["chunked"]["chunks"] > steps["chunked"]["reference_chunks"],
+        "chunked: more chunks than the reference, the last ending mid-page":
+            steps["chunked"]["last_chunk_ends_mid_page"]
+            and steps["chunked"]["chunks"] > steps["chunked"]["reference_chunks"],
         "chunked: equal to the reference chunking": steps["chunked"]["equal"],
         "pressure: requests were retracted": steps["pressure"]["retracted_requests"] > 0,
-        "pressure: every request decoded all its tokens": all(len(r["token_ids"]) == lt for r in steps["pressure"]["runs"]),
+        "pressure: every request decoded all its tokens":
+            all(len(r["token_ids"]) == lt for r in steps["pressure"]["runs"]),
         "pressure: each equal to its solo run (a resumed one: before it, and after it to its prompt + tokens so far "
         "prefilled)": steps["pressure"]["equal"],
         "every case: idle after, every page free after a flush": all(
@@ -279,7 +284,8 @@ def main(argv=None) -> int:
               f"retracted, resumed after {p['resumed_at']} tokens; per request max |dlogprob| vs its solo run "
               + ", ".join(f"{x['max_abs_logprob_diff']:.2e}" + (
                   f" (before the resume {x['before_resume']['max_abs_logprob_diff']:.2e}, after it vs its prompt + "
-                  f"tokens so far prefilled {x['after_resume']['max_abs_logprob_diff']:.2e})" if x.get("resumed_at") else "")
+                  f"tokens so far prefilled {x['after_resume']['max_abs_logprob_diff']:.2e})"
+                  if x.get("resumed_at") else "")
                   for x in p["per_request"]))
     record = {
         "what": "the paged-summary path at long context: radix, chunked prefill mid-page, pool pressure",
@@ -287,7 +293,8 @@ def main(argv=None) -> int:
         "command": " ".join(shlex.quote(a) for a in ["python", "bench/paged_long.py",
                                                      *(sys.argv[1:] if argv is None else argv)]),
         "model": repo_relative(args.model), "gate": repo_relative(args.gate), "sizes": sizes, "tol": args.tol,
-        "server_a_flags": portable_argv(a_flags), "server_b_flags": portable_argv(b_flags), "checks": checks, "detail": detail,
+        "server_a_flags": portable_argv(a_flags), "server_b_flags": portable_argv(b_flags), "checks": checks,
+        "detail": detail,
         "steps": {k: ({kk: vv for kk, vv in v.items() if kk not in ("runs", "cached", "fresh", "run")}
                       if isinstance(v, dict) else v) for k, v in steps.items()},
         "wall_s_this_run": round(time.time() - started, 1),

@@ -142,7 +142,8 @@ def main() -> int:
             pair = [run_point(name, ctx, bs, args.budget, args.steps) for name in ("dense", "sas")]
             rows.extend(pair)
             d, s = pair
-            line = f"ctx {ctx:5d} bs {bs}: ops/layer dense {d['aten_ops_per_layer']:5.1f} sas {s['aten_ops_per_layer']:5.1f}"
+            line = (f"ctx {ctx:5d} bs {bs}: ops/layer dense {d['aten_ops_per_layer']:5.1f} "
+                    f"sas {s['aten_ops_per_layer']:5.1f}")
             if args.steps:
                 dm, sm = d["ms_per_step_all_layers"], s["ms_per_step_all_layers"]
                 line += f" | ms/step dense {dm:8.2f} sas {sm:8.2f} | dense/sas {dm / sm:.2f}x"

@@ -11,7 +11,8 @@ training set touches), and the acceptance for the `--gate` selector, checked fro
 restated): it beats sink-local, quest and random at every budget; at budget 512 its change is at most
 half of sink-local's and at most twice the oracle's; and, when the file has the same gate served with
 and without forced blocks (NAME+s1l1 and NAME+s0l0), what dropping them costs at 512. `--readme`
-replaces the text between `<!-- quality-report:begin -->` and `<!-- quality-report:end -->` in that file (links relative to it); without it the Markdown is printed.
+replaces the text between `<!-- quality-report:begin -->` and `<!-- quality-report:end -->` in that file (links
+relative to it); without it the Markdown is printed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 import os
 import pathlib
 import sys
-from typing import Dict, List
+from typing import List
 
 from sas_backend.corpus import OUT_OF_DOMAIN  # corpora no training set touches (no torch import)
 
@@ -96,8 +97,9 @@ def section(path: str, gate: str, base: pathlib.Path = pathlib.Path(".")) -> str
     has_recall = bool(res.get("recall_per_layer"))
     sources = ", ".join(res["data"].get("sources", []))
     lines = [
-        f"**{sources}** ({domain(res)}): {res['windows']} windows of {res['window']} tokens, last {res['last']} scored, "
-        f"dense perplexity {res['dense']:.3f}; commit `{res.get('git', {}).get('commit', res.get('commit', '?'))[:7]}`, "
+        f"**{sources}** ({domain(res)}): {res['windows']} windows of {res['window']} tokens, "
+        f"last {res['last']} scored, dense perplexity {res['dense']:.3f}; "
+        f"commit `{res.get('git', {}).get('commit', res.get('commit', '?'))[:7]}`, "
         f"{res['seconds'] / 60:.0f} min; record [`{pathlib.Path(path).name}`]({_link(pathlib.Path(path), base)}) "
         "(command inside, plots beside it).",
         "",

@@ -149,7 +149,8 @@ def speed_table(rel: Sequence[str], page: pathlib.Path, roofline: bool = False) 
     recs = [record(r) for r in rel]
     sas_budgets = list(recs[0]["rows"][0]["sas"])
     head = "| context | batch | dense tok/s | " + " | ".join(
-        f"sas, budget {b}" + (" | roofline" if roofline else "") for b in sas_budgets) + " | others' load, dense / sas |"
+        f"sas, budget {b}" + (" | roofline" if roofline else "") for b in sas_budgets
+    ) + " | others' load, dense / sas |"
     lines = [head, "| ---: | ---: | ---: | " + "---: | " * (len(sas_budgets) * (1 + roofline)) + "---: |"]
     for rec in recs:
         for row in rec["rows"]:
@@ -200,9 +201,12 @@ QWEN_PROSE = {8192: "2026-11-26-qwen-long/quality-handbook-L8192.json",
               32000: "2026-11-26-qwen-long/quality-handbook-L32000.json"}
 QWEN_ANCHORS_PPL = "2026-11-28-prompt-anchors/quality-code-L16384-anchors.json"
 QWEN_NEEDLE = {  # context -> (the gate alone, the gate with 4 prompt anchors)
-    8192: ("2026-11-26-qwen-long/needle-2026-11-26-qwen-8k.json", "2026-11-28-prompt-anchors/needle-2026-11-28-qwen-8k-anchors.json"),
-    16384: ("2026-11-26-qwen-long/needle-2026-11-26-qwen-16k.json", "2026-11-28-prompt-anchors/needle-2026-11-28-qwen-16k-anchors.json"),
-    32000: ("2026-11-26-qwen-long/needle-2026-11-27-qwen-32k.json", "2026-11-28-prompt-anchors/needle-2026-11-28-qwen-32k-anchors.json"),
+    8192: ("2026-11-26-qwen-long/needle-2026-11-26-qwen-8k.json",
+           "2026-11-28-prompt-anchors/needle-2026-11-28-qwen-8k-anchors.json"),
+    16384: ("2026-11-26-qwen-long/needle-2026-11-26-qwen-16k.json",
+            "2026-11-28-prompt-anchors/needle-2026-11-28-qwen-16k-anchors.json"),
+    32000: ("2026-11-26-qwen-long/needle-2026-11-27-qwen-32k.json",
+            "2026-11-28-prompt-anchors/needle-2026-11-28-qwen-32k-anchors.json"),
 }
 SOAK = ("2026-11-26-soak/soak-1000-sas.json", "2026-11-26-soak/soak-1000-torch_native.json")
 CPU_EXTEND = "2026-11-26-cpu-extend/cpu-extend-2026-11-26.json"
@@ -242,7 +246,8 @@ def block_evidence(page: pathlib.Path) -> str:
     smol = [record(SMOL_PROSE), record(SMOL_CODE)]
     code = [record(QWEN_CODE[L]) for L in sorted(QWEN_CODE)]
     prose = {L: record(QWEN_PROSE[L]) for L in sorted(QWEN_PROSE)}
-    best = [f"{plural(prose[L]['windows'], 'window')} at {L}" for L in prose if best_at_every_budget(prose[L], "gate+s1l1")]
+    best = [f"{plural(prose[L]['windows'], 'window')} at {L}" for L in prose
+            if best_at_every_budget(prose[L], "gate+s1l1")]
     return (
         "- **Small evidence.** Everything ran on a 2-core CPU with two small models. A quality number is a perplexity "
         f"change over the last {smol[0]['last']} tokens of each of a few text windows, and each table names how many: "
@@ -271,7 +276,8 @@ def block_smollm2_quality(page: pathlib.Path) -> str:
     for res in (prose, code):  # the row named "gate (shipped)" must be the shipped file's weights
         assert gate_note(res, "free", SMOL_GATE) is None, "the SmolLM2 quality record's gate is not the shipped file"
     b = " / ".join(map(str, budgets(prose)))
-    rows = [("oracle (true attention mass: the ceiling)", "oracle"), ("**gate (shipped)**, sink 1 + local 1", "free+s1l1"),
+    rows = [("oracle (true attention mass: the ceiling)", "oracle"),
+            ("**gate (shipped)**, sink 1 + local 1", "free+s1l1"),
             ("gate (shipped), no forced blocks", "free+s0l0"), ("sink-local", "sink-local"), ("quest", "quest")]
     lines = [f"| selector | prose ({', '.join(prose['data']['sources'])}, {windows(prose)}), B = {b} "
              f"| code ({', '.join(code['data']['sources'])}, {windows(code)}), B = {b} |", "|---|---|---|"]
@@ -321,8 +327,9 @@ def _qwen_table(files: Dict[int, str], page: pathlib.Path, label: str) -> List[s
             odd.setdefault(note, []).append(L)
     if odd:
         notes.append("The gate weights run at " + "; ".join(
-            f"{' and '.join(map(str, Ls))}: {note}" for note, Ls in odd.items()) + ", the fp32 training output the "
-            "shipped fp16 file was rounded from ([side by side](" + link("2026-11-26-qwen-gate/README.md", page) + ")).")
+            f"{' and '.join(map(str, Ls))}: {note}" for note, Ls in odd.items())
+            + ", the fp32 training output the shipped fp16 file was rounded from ([side by side]("
+            + link("2026-11-26-qwen-gate/README.md", page) + ")).")
     return lines + [""] + [" ".join(notes)]
 
 
@@ -333,8 +340,8 @@ def block_qwen_quality(page: pathlib.Path) -> str:
     drift = max(abs(change(anchors, "gate+s1l1", b) - change(base, "gate+s1l1", b)) for b in budgets(anchors))
     lines[-1] += (f" The serve default adds 4 prompt anchors; with them the gate is {cells(anchors, 'gate+s1l1+a4')} "
               f"at L = {anchors['window']} ({windows(anchors)}, the same window; its plain-gate row there differs "
-              f"from the one above by up to {drift:.1f} points: near-tie flips; [record]({link(QWEN_ANCHORS_PPL, page)})); "
-              "not measured at the other lengths.")
+              f"from the one above by up to {drift:.1f} points: near-tie flips; "
+              f"[record]({link(QWEN_ANCHORS_PPL, page)})); not measured at the other lengths.")
     return "\n".join(lines)
 
 

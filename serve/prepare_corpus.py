@@ -35,7 +35,9 @@ import sys
 import tempfile
 
 from sas_backend import corpus
-from sas_backend.training.doc_text import TextDoc, dedupe, drop_license_paragraphs, html_text, is_boilerplate_path, pod_text
+from sas_backend.training.doc_text import (
+    TextDoc, dedupe, drop_license_paragraphs, html_text, is_boilerplate_path, pod_text,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prepare_model import DEFAULT_CACHE, PrepareError  # noqa: E402
@@ -61,7 +63,8 @@ class DebSource:
 SOURCES = (
     DebSource("python3.11-doc", "3.11.2-6+deb12u8", "50eb63e7f636c4281e9ce1b8f10386f1def42159eddce34fc1f41c46261df71b",
               "docs", ("usr/share/doc/python3.11/html/_sources/*.rst.txt",), "text", ("*/whatsnew/*",)),
-    DebSource("postgresql-doc-15", "15.18-0+deb12u1", "3c598277a463c44d672daa2c335deb8d8252e1852fb025fd4578ea2d9a1b90f0",
+    DebSource("postgresql-doc-15", "15.18-0+deb12u1",
+              "3c598277a463c44d672daa2c335deb8d8252e1852fb025fd4578ea2d9a1b90f0",
               "docs", ("usr/share/doc/postgresql-doc-15/html/*.html",), "html", ("*/release-*.html",)),
     DebSource("perl-doc", "5.36.0-7+deb12u3", "e9e3564ff5ade27de0585835f2acad769bcc545c0a0045a9f55d5401f27f7591",
               "docs", ("usr/share/perl/5.36.0/pod/*.pod",), "pod", ("*delta.pod", "*/perlhist.pod")),
@@ -107,8 +110,9 @@ def fetch_deb(src: DebSource, cache_dir: str) -> str:
                            capture_output=True, text=True)
         if r.returncode != 0 or not os.path.exists(path):
             raise PrepareError(f"apt-get download {src.package}={src.version} failed (exit {r.returncode}): "
-                               f"{(r.stderr or r.stdout).strip()[-400:]}\nOn a Debian 12 machine with network access run "
-                               f"`apt-get update` first; elsewhere fetch {src.deb_name} from a Debian mirror into {debs}")
+                               f"{(r.stderr or r.stdout).strip()[-400:]}\nOn a Debian 12 machine with network "
+                               f"access run `apt-get update` first; elsewhere fetch {src.deb_name} from a Debian "
+                               f"mirror into {debs}")
     got = sha256_file(path)
     if got != src.sha256:
         raise PrepareError(f"{path}: sha256 {got}, expected {src.sha256} (a different build of the package?)")

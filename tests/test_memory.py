@@ -150,7 +150,8 @@ def test_hook_shrinks_the_budget_for_sas_only(sas_env, caplog):
 
     fused_bytes = decode_step_workspace_bytes(3, 3, 64, 128, 8, 64, 64, 8448, True)
     mem = sas_memory(num_sparse_layers=30, num_kv_heads=3, gate_dim=128, block_size=64, top_k=8,
-                     max_reqs=64, on_cuda=True, num_graph_batch_sizes=4, group_size=3, head_dim=64, shared_workspace=True,
+                     max_reqs=64, on_cuda=True, num_graph_batch_sizes=4, group_size=3, head_dim=64,
+                     shared_workspace=True,
                      rope_positions=8448, flashinfer_attention=False, decode_step_bytes=fused_bytes,
                      summary_bytes=2,  # the settings table's bf16 summary pool on CUDA
                      front_gate_bytes=2)  # and its bf16 gate copies for the fused front
@@ -273,7 +274,9 @@ def test_decode_step_workspace_figure_matches_the_step_object(on_cuda):
     """The reservation for the fused kernels' workspace equals what `DecodeStep` allocates (on `meta`)."""
     from sas_backend.backend.decode_step import FUSED_MAX_ROWS, DecodeStep
     from sas_backend.backend.memory import decode_step_workspace_bytes
-    from sas_backend.ops.decode_step import CPU_TARGET_PROGRAMS, GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS, StepGeometry
+    from sas_backend.ops.decode_step import (
+        CPU_TARGET_PROGRAMS, GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS, StepGeometry,
+    )
     from sas_backend.selection import SelectionRule, make_selector
 
     h, g, d, dg, k, b, max_reqs, ctx = 8, 4, 128, 128, 32, 64, 300, 256 * 1024

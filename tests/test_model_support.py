@@ -50,7 +50,8 @@ def test_unsupported_models_are_refused(cfg, needle):
 
 
 def test_unsupported_architecture_message_names_what_serving_supports():
-    with pytest.raises(SASUnsupportedModel, match=r"serving supports: LlamaForCausalLM \(Llama\), .*Qwen3MoeForCausalLM"):
+    with pytest.raises(SASUnsupportedModel,
+                       match=r"serving supports: LlamaForCausalLM \(Llama\), .*Qwen3MoeForCausalLM"):
         check_model_supported(_cfg("GPT2LMHeadModel"))
 
 
@@ -98,7 +99,8 @@ geo = ModelGeometry(num_layers=1, num_q_heads=1, num_kv_heads=1, head_dim=TINY_D
 tables = RopeTables(find_model_rotary(model, TINY_D), TINY_DG, geo, "cpu")
 before = (tables.max_pos, tables.version)
 rope._ensure_cos_sin_cache_length(3 * TINY_MAX_POS)
-out["grown"] = (before, tables.max_pos, tables.version, tables.model.clone(), rope.cos_sin_cache.clone(), tables.gate.clone())
+out["grown"] = (before, tables.max_pos, tables.version, tables.model.clone(), rope.cos_sin_cache.clone(),
+                tables.gate.clone())
 torch.save(out, OUT)
 """
 

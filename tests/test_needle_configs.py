@@ -11,7 +11,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 
 def _args(**kw):
-    base = dict(gate="g", gate_forced=None, serve_default=False, selectors=["gate"], budgets=[1024], prompt_anchors=None)
+    base = dict(gate="g", gate_forced=None, serve_default=False, selectors=["gate"], budgets=[1024],
+                prompt_anchors=None)
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -11,15 +11,20 @@ sys.path.insert(0, str(REPO / "bench"))
 from paged_long import compare, resumed_lengths  # noqa: E402
 
 # SGLang 0.5.21's lines around a retraction (server B of the --quick rehearsal, 2 prompts of 1077 tokens)
-LOG = """\
-[t] Prefill batch, #new-seq: 1, #new-token: 320, #cached-token: 0, token usage: 0.20, #running-req: 0, #queue-req: 1, #pending-token: 757, cpu graph: False
-[t] Prefill batch, #new-seq: 1, #new-token: 320, #cached-token: 0, token usage: 0.29, #running-req: 0, #queue-req: 1, #pending-token: 437, cpu graph: False
-[t] Decode batch, #running-req: 2, #token: 3200, token usage: 0.98, cpu graph: False
-[t] KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 576, #new_token_ratio: 0.0088 -> 0.9035
-[t] Decode batch, #running-req: 1, #token: 1664, token usage: 0.51, cpu graph: False, #queue-req: 1
-[t] Prefill batch, #new-seq: 1, #new-token: 320, #cached-token: 1024, token usage: 0.49, #running-req: 0, #queue-req: 0, #pending-token: 256, cpu graph: False
-[t] Prefill batch, #new-seq: 1, #new-token: 256, #cached-token: 0, token usage: 0.51, #running-req: 0, #queue-req: 0, #pending-token: 0, cpu graph: False
-"""
+LOG = (
+    "[t] Prefill batch, #new-seq: 1, #new-token: 320, #cached-token: 0, token usage: 0.20, #running-req: 0, "
+    "#queue-req: 1, #pending-token: 757, cpu graph: False\n"
+    "[t] Prefill batch, #new-seq: 1, #new-token: 320, #cached-token: 0, token usage: 0.29, #running-req: 0, "
+    "#queue-req: 1, #pending-token: 437, cpu graph: False\n"
+    "[t] Decode batch, #running-req: 2, #token: 3200, token usage: 0.98, cpu graph: False\n"
+    "[t] KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 576, "
+    "#new_token_ratio: 0.0088 -> 0.9035\n"
+    "[t] Decode batch, #running-req: 1, #token: 1664, token usage: 0.51, cpu graph: False, #queue-req: 1\n"
+    "[t] Prefill batch, #new-seq: 1, #new-token: 320, #cached-token: 1024, token usage: 0.49, #running-req: 0, "
+    "#queue-req: 0, #pending-token: 256, cpu graph: False\n"
+    "[t] Prefill batch, #new-seq: 1, #new-token: 256, #cached-token: 0, token usage: 0.51, #running-req: 0, "
+    "#queue-req: 0, #pending-token: 0, cpu graph: False\n"
+)
 
 
 def test_resume_point_is_read_from_the_first_prefill_after_the_retraction():

@@ -128,7 +128,8 @@ def test_checks_fail_on_errors_smem_spills_and_uncovered_kernels():
     failures, notes = ct.check([_row(kind="training", spill_loads=8)], clean)
     assert (failures == []) == (not ct.TRAINING_SPILLS_FAIL) and len(failures) + len(notes) == 1
     # PDL: the grid dependency control must be in the PTX exactly when the variant asks for it
-    assert ct.check([_row(constexprs=dict(PDL=True), griddepcontrol=2), _row(constexprs=dict(PDL=False))], clean)[0] == []
+    assert ct.check([_row(constexprs=dict(PDL=True), griddepcontrol=2), _row(constexprs=dict(PDL=False))],
+                    clean)[0] == []
     for bad in (_row(constexprs=dict(PDL=True)), _row(constexprs=dict(PDL=False), griddepcontrol=1)):
         failures, _ = ct.check([bad], clean)
         assert len(failures) == 1 and "griddepcontrol" in failures[0]

@@ -258,7 +258,8 @@ class ServedStep(LayerStack):
             StepGeometry(geo.kv_heads, geo.group, geo.head_dim, geo.head_dim, geo.gate_dim, self.top_k, BLOCK),
             w.req_to_token, w.device, torch.bfloat16, w.k.dtype, w.scale, kernels=variant.kernels,
             attention=variant.attention, chunk=variant.chunk, target_programs=variant.target_programs,
-            launch=variant.launch_options(), gate_dtype=torch.bfloat16 if variant.gate_dtype == "bf16" else torch.float32,
+            launch=variant.launch_options(),
+            gate_dtype=torch.bfloat16 if variant.gate_dtype == "bf16" else torch.float32,
         )
         self.step_obj.attach_gates(w.gates)
         self.graphs = graphs
@@ -588,7 +589,8 @@ def profile_markdown(p: dict) -> str:
         r = p.get(mode)
         if r and r.get("top"):
             lines += ["", f"Top kernels ({mode}):", "",
-                      md_table(["kernel", "count", "total us"], [[t["name"], t["count"], t["total_us"]] for t in r["top"]])]
+                      md_table(["kernel", "count", "total us"],
+                               [[t["name"], t["count"], t["total_us"]] for t in r["top"]])]
             break
     return "\n".join(lines)
 
@@ -639,7 +641,8 @@ def check_point(w: World, budget: int, graphs: bool, branches: bool = False) -> 
     wk, kn = gate.attngate_linear_k.weight, gate.attngate_knorm.weight
     before = w.summaries[0].clone()
     # --- the per-op kernels (the old step; still the extend path's and the training-free selectors')
-    got = update_summaries(w.k[0], before.clone(), w.block_table, w.seq_lens, BLOCK, w.model_table, w.gate_table, wk, kn)
+    got = update_summaries(w.k[0], before.clone(), w.block_table, w.seq_lens, BLOCK, w.model_table, w.gate_table,
+                           wk, kn)
     ref = summary_ref(w.k[0], before.clone(), w.block_table, w.seq_lens, BLOCK, w.model_table, w.gate_table, wk, kn)
     record("summary_update", _err(got, ref), 1e-3)
     n = min(512, w.max_blocks)
@@ -889,7 +892,8 @@ def markdown(record: dict) -> str:
     for r in record["rows"]:
         for b, s in r["sas"].items():
             if "error" in s:
-                rows.append([r["context"], r["batch"], int(b), r["dense_ms"], f"failed: {s['error'][:60]}"] + ["-"] * 13)
+                rows.append([r["context"], r["batch"], int(b), r["dense_ms"], f"failed: {s['error'][:60]}"]
+                            + ["-"] * 13)
                 continue
             bd = s["breakdown_ms"]
             rows.append([r["context"], r["batch"], int(b), r["dense_ms"], s["steady_ms"], s["ms"], s["amortized_ms"],
@@ -898,8 +902,9 @@ def markdown(record: dict) -> str:
                          *[bd.get(k, "-") for k in ("front", "front_block", "select", "attend")]])
     lines.append(md_table(head, rows))
     lines.append("")
-    lines.append("The new step (fused front / select / attend, the server's `DecodeStep`); times are ms for all layers of "
-                 "one step (front / select / attend: that launch alone over all layers, steady step). block: every "
+    lines.append("The new step (fused front / select / attend, the server's `DecodeStep`); times are ms for all "
+                 "layers of one step (front / select / attend: that launch alone over all layers, steady step). "
+                 "block: every "
                  "request's newest token completes a block (1 step in 64); steady: none does; amortized = (63 steady + "
                  "1 block) / 64; speedup = dense / amortized; x old = the old step's amortized ms / the new one's.")
     vrows = []
@@ -917,7 +922,8 @@ def markdown(record: dict) -> str:
                             "speedup"], vrows)]
     chosen = record.get("chosen_settings")
     if chosen:
-        lines += ["", "## Chosen settings (`chosen-settings.json`, the format of `sas_backend/backend/gpu_settings.json`)",
+        lines += ["", "## Chosen settings (`chosen-settings.json`, "
+                  "the format of `sas_backend/backend/gpu_settings.json`)",
                   "", "```json", json.dumps(chosen, indent=2), "```"]
     lines += branch_markdown(record)
     if record.get("profile"):
@@ -936,8 +942,9 @@ def branch_markdown(record: dict) -> list:
             if "unsupported" in br or "error" in br:
                 notes.add(br.get("unsupported") or f"failed: {br['error']}")
                 continue
-            rows.append([r["context"], r["batch"], int(b), r["dense_ms"], br["dense_ms"], br["dense_ms"] / r["dense_ms"],
-                         s["steady_ms"], br["sparse_ms"], br["sparse_ms"] / s["steady_ms"]])
+            rows.append([r["context"], r["batch"], int(b), r["dense_ms"], br["dense_ms"],
+                         br["dense_ms"] / r["dense_ms"], s["steady_ms"], br["sparse_ms"],
+                         br["sparse_ms"] / s["steady_ms"]])
     if not rows and not notes:
         return []
     out = ["", "## Dense or sparse per replay: both branches in one graph (IF nodes), steady step", ""]

@@ -9,7 +9,8 @@ a local wheel folder (`--find-links`) and an existing site archive (`--restage`)
     # tier 1 (.whl/fi): the two FlashInfer wheels + the same AOT archive
     python bench/gpu/build_kit.py --out .whl/fi --flashinfer-only --find-links ../shared/gpu-kit --aot
     # from PyPI instead (~0.75 GB download), diffed against a kit
-    python bench/gpu/build_kit.py --out .whl/site --keep build/kit-stage --import-check --aot --compare ../shared/gpu-kit
+    python bench/gpu/build_kit.py --out .whl/site --keep build/kit-stage --import-check --aot \
+        --compare ../shared/gpu-kit
 
 Each run updates bench/gpu/kit-record.json (this kit's files, sha256s and the payload per tier:
 the repository's tracked files + the kit directory, >= HEADROOM_MIB free under the device tool's 64 MiB);
@@ -72,9 +73,10 @@ FIXED_MTIME = 1700000000  # archive members' mtime (reproducible archives)
 # (diffusion serving) or sglang.srt.grpc (the gRPC server, a 7 MiB compiled module). The model
 # registry imports every file in sglang/srt/models at startup, and those import most of
 # transformers' model folders (156 of them); the keep-lists below were tried and FAILED the import
-# check (see PRUNE_MODELS), so both model folders travel whole. The FlashInfer attention modules (fa2 decode/prefill, JIT fallback)
-# include no CUTLASS header (their ninja dependency lists), so CUTLASS's headers go too: a JIT
-# build of FA3/GEMM/MoE modules would then fail on the host (the tiers load none).
+# check (see PRUNE_MODELS), so both model folders travel whole. The FlashInfer attention modules
+# (fa2 decode/prefill, JIT fallback) include no CUTLASS header (their ninja dependency lists), so
+# CUTLASS's headers go too: a JIT build of FA3/GEMM/MoE modules would then fail on the host (the
+# tiers load none).
 SGLANG_MODELS_KEEP = ["__init__.py", "registry.py", "utils.py", "llama.py", "qwen2.py", "qwen3.py", "transformers.py"]
 TRANSFORMERS_MODELS_KEEP = ["__init__.py", "auto", "llama", "qwen2", "qwen3", "gpt2"]
 PRUNE_MODELS = {"sglang": [{"dir": "sglang/srt/models", "keep": SGLANG_MODELS_KEEP}],
@@ -92,7 +94,8 @@ SLIM = {
     # broke the import check (transformers' AutoProcessor imports model folders beyond these), and the
     # kit fits without it.
     "flashinfer_python": {"remove": ["flashinfer/data/cutlass"]},
-    "xgrammar": {"remove": ["xgrammar/*.a", "xgrammar/*/*.a", "xgrammar/*/*/*.a"], "strip": ["xgrammar/*.so", "xgrammar/*/*.so"]},
+    "xgrammar": {"remove": ["xgrammar/*.a", "xgrammar/*/*.a", "xgrammar/*/*/*.a"],
+                 "strip": ["xgrammar/*.so", "xgrammar/*/*.so"]},
     "tokenizers": {"remove": [], "strip": ["tokenizers/*.so"]},  # -0.2 MiB; the shared kit did the same
 }
 PORTABLE_SHEBANG = "#!/usr/bin/env python3"
@@ -292,7 +295,8 @@ def pack(stage: pathlib.Path, archive: pathlib.Path, preset: int = 9) -> dict:
         return ti
 
     tmp = archive.with_suffix(".tmp")
-    with lzma.open(tmp, "wb", preset=preset) as xz, tarfile.open(fileobj=xz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    with (lzma.open(tmp, "wb", preset=preset) as xz,
+          tarfile.open(fileobj=xz, mode="w", format=tarfile.PAX_FORMAT) as tar):
         tar.add(stage, arcname=".", recursive=False, filter=norm)
         for p in sorted(stage.rglob("*")):
             if p.is_symlink():  # a carried link arrives as a link: refuse to pack one
@@ -621,9 +625,11 @@ def update_kit_record(kit_dir: pathlib.Path, command: str, record_path: pathlib.
         a = manifest["archive"]
         entry["site"] = {"files": a.get("files"), "unpacked_mib": round(a.get("unpacked_bytes", 0) / MIB, 1),
                          "restaged_from": manifest.get("restaged_from"),
-                         "slimmed_mib": {k: round(v["bytes_saved"] / MIB, 1) for k, v in manifest.get("slimmed", {}).items()}}
+                         "slimmed_mib": {k: round(v["bytes_saved"] / MIB, 1)
+                                         for k, v in manifest.get("slimmed", {}).items()}}
     if manifest.get("aot"):
-        entry["aot"] = {"uris": len(manifest["aot"].get("uris", [])), "archive": manifest["aot"].get("archive", {}).get("name")}
+        entry["aot"] = {"uris": len(manifest["aot"].get("uris", [])),
+                        "archive": manifest["aot"].get("archive", {}).get("name")}
     kind = "site" if "tier2" in tiers else "fi"
     prev = rec.get("kits", {}).get(kind, {})
     site_name = next((k for k in files if k.startswith("sglang-") and k.endswith(".tar.xz")), None)
@@ -753,9 +759,10 @@ def main(argv=None) -> int:
             import_rec = run_import_check(pathlib.Path(args.keep), wheel, pathlib.Path(args.aot_cache))
             manifest["import_check"] = import_rec
             kit.write_json(out / kit.MANIFEST_FILE, manifest)
+            failure_note = ("" if import_rec["ok"]
+                            else ": " + str(import_rec["failures"] + (import_rec["lost_against_full"] or [])))
             print(f"[kit] import check ({import_rec['modules_ok']}/{import_rec['modules']} modules, archs "
-                  f"{import_rec['archs']}): {'ok' if import_rec['ok'] else 'FAILED'}"
-                  f"{'' if import_rec['ok'] else ': ' + str(import_rec['failures'] + (import_rec['lost_against_full'] or []))}"
+                  f"{import_rec['archs']}): {'ok' if import_rec['ok'] else 'FAILED'}{failure_note}"
                   f"; transformers models imported {import_rec['transformers_models_imported']}; "
                   f"details in {pathlib.Path(args.keep) / 'import-check.json'}")
             status = 0 if import_rec["ok"] else 1
@@ -768,8 +775,8 @@ def main(argv=None) -> int:
         rec = add_aot(out, wheel, pathlib.Path(args.aot_cache), args.jobs, args.xz_preset, shown,
                       status_only=args.aot_status)
         for r in rec["modules"]:
-            print(f"[aot] {r['uri']}: " + (f"{r['bytes'] / 2**20:.2f} MiB, {r.get('build_seconds')} s, needs {r['needed']}"
-                                           if r.get("bytes") else "not built yet"))
+            print(f"[aot] {r['uri']}: " + (f"{r['bytes'] / 2**20:.2f} MiB, {r.get('build_seconds')} s, "
+                                           f"needs {r['needed']}" if r.get("bytes") else "not built yet"))
         if rec["archive"]:
             print(f"[aot] {rec['archive']['name']}: {rec['archive']['bytes'] / 2**20:.2f} MiB")
     pay = payload(out)
@@ -786,7 +793,8 @@ def main(argv=None) -> int:
             kit.find_kit(pathlib.Path(args.compare))["site_archive"] if args.compare else None)
         rec = update_kit_record(out, shown, pathlib.Path(args.record), before, import_rec)
         for t, p in rec["payload_mib"].items():
-            print(f"[kit] {t} ({p['carry']}): repo {p['repo_tracked_mib']} + kit {p['kit_mib']} = {p['total_mib']} MiB, "
+            print(f"[kit] {t} ({p['carry']}): repo {p['repo_tracked_mib']} + kit {p['kit_mib']} = "
+                  f"{p['total_mib']} MiB, "
                   f"headroom {p['headroom_mib']} MiB{'' if p['headroom_ok'] else f' < {HEADROOM_MIB} MiB: TOO BIG'}")
         print(f"[kit] recorded in {portable(args.record)}")
     return status

@@ -144,14 +144,16 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
                          + product(d=(sg["d"],), dg=(sg["dg"],), g=(sg["g"],), dtype=DTYPES, weights=("fp32", "bf16"),
                                    summaries=("fp32", "bf16"))) if full else
         [dict(d=sg["d"], dg=sg["dg"], g=g, dtype="bf16", weights=w, summaries=w) for g in (1, sg["g"])
-         for w in ("fp32", "bf16")] + [dict(d=64, dg=sg["dg"], g=sg["g"], dtype="fp32", weights="fp32", summaries="fp32")],
+         for w in ("fp32", "bf16")]
+        + [dict(d=64, dg=sg["dg"], g=sg["g"], dtype="fp32", weights="fp32", summaries="fp32")],
         "decode_select": (product(dg=GATE_DIMS, k=ks, m=(1, 65, 2047, 4095), anchors=(0,))
                           + [dict(dg=sg["dg"], k=sg["k"], anchors=4, sink=1, local=1, bs=1, h_kv=8, m=w)
                              for w in SPEC_WIDTHS]) if full else
         [dict(dg=sg["dg"], k=sg["k"], anchors=a, sink=1, local=1, bs=1, h_kv=8, m=m) for a, m in ((0, 65), (4, 4096))],
         "decode_attend": (product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES, k=(sg["k"],))
                           + [dict(d=sg["d"], g=sg["g"], dtype=sg["dtype"], k=k, **s) for s in spec for k in ks])
-        if full else [dict(d=d, g=sg["g"], dtype=dt, k=sg["k"]) for d, dt in ((128, "bf16"), (128, "fp32"), (64, "fp16"))],
+        if full else [dict(d=d, g=sg["g"], dtype=dt, k=sg["k"])
+                      for d, dt in ((128, "bf16"), (128, "fp32"), (64, "fp16"))],
         "gated_attention": [p for p in product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES)
                             if grid == "full" or p["dtype"] in CI_HALF_TRAINING
                             or (p["dtype"] == "fp32" and all(p[k] == v for k, v in CI_FP32_TRAINING.items()))],
@@ -483,7 +485,8 @@ def variant_row(v: dict, r: dict) -> dict:
     declared = {p.name for p in params if p.is_constexpr}
     named = {params[k[0]].name: c for k, c in v["constexprs"].items()}
     return dict(
-        kernel=_short(_kernel_id(fn)), kernel_id=_kernel_id(fn), kind="training" if _is_training(fn) else "serving", op=v["op"],
+        kernel=_short(_kernel_id(fn)), kernel_id=_kernel_id(fn), kind="training" if _is_training(fn) else "serving",
+        op=v["op"],
         geometry=_geometry(v["cases"]), cases=v["cases"],
         constexprs={k: c if isinstance(c, (int, float, str, bool)) else repr(c) for k, c in named.items()
                     if k in declared},
@@ -503,7 +506,8 @@ def check(rows: list, cov: dict) -> tuple[list, list]:
         tag = f"{row['kernel']} [{row['geometry']}]"
         if row["error"]:
             lines = [x.strip() for x in row["error"].splitlines() if x.strip()]
-            failures.append(f"compile error: {tag}: {lines[0][:200]}{' ... ' + lines[-1][:300] if len(lines) > 1 else ''}")
+            failures.append(f"compile error: {tag}: {lines[0][:200]}"
+                            f"{' ... ' + lines[-1][:300] if len(lines) > 1 else ''}")
             continue
         smem = row["shared"] + row["static_smem"]
         if smem > SMEM_LIMIT:
@@ -512,7 +516,8 @@ def check(rows: list, cov: dict) -> tuple[list, list]:
             notes.append(f"shared memory {smem} B, within 5% of the {SMEM_LIMIT} B limit: {tag}")
         pdl = row["constexprs"].get("PDL")
         if pdl is not None and bool(row.get("griddepcontrol")) != bool(pdl):
-            failures.append(f"PDL={pdl} but {row.get('griddepcontrol', 0)} griddepcontrol instructions in the PTX: {tag}")
+            failures.append(f"PDL={pdl} but {row.get('griddepcontrol', 0)} griddepcontrol instructions in the PTX: "
+                            f"{tag}")
         if row["spill_stores"] or row["spill_loads"]:
             msg = f"register spill ({row['spill_stores']} B stores, {row['spill_loads']} B loads, " \
                   f"{row['registers']} registers): {tag}"

@@ -124,8 +124,10 @@ except BaseException as e:
     out["transformers"]["error"] = f"{type(e).__name__}: {e}"[:300]
 mods = sorted(sys.modules)
 out["top_level"] = sorted({m.split(".")[0] for m in mods})
-out["transformers_models"] = sorted({m.split(".")[2] for m in mods if m.startswith("transformers.models.") and m.count(".") >= 2})
-out["sglang_subpackages"] = sorted({".".join(m.split(".")[:3]) for m in mods if m.startswith("sglang.") and m.count(".") >= 2})
+out["transformers_models"] = sorted({m.split(".")[2] for m in mods
+                                     if m.startswith("transformers.models.") and m.count(".") >= 2})
+out["sglang_subpackages"] = sorted({".".join(m.split(".")[:3]) for m in mods
+                                    if m.startswith("sglang.") and m.count(".") >= 2})
 out["files_from_overlay"] = sorted({(getattr(sys.modules[m], "__file__", None) or "")
                                     for m in mods if m.split(".")[0] in sys.argv[3].split(",")})
 print("IMPORTCHECK " + json.dumps(out))
@@ -155,7 +157,8 @@ def check(site: pathlib.Path, extra_paths=(), timeout: int = 600) -> dict:
     with tempfile.TemporaryDirectory(prefix="sas-importcheck-") as tmp:
         overlay = pathlib.Path(tmp) / "overlay"
         linked = make_overlay(site, overlay)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), *map(str, extra_paths), str(REPO)]), SGLANG_USE_CPU_ENGINE="0",
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(overlay), *map(str, extra_paths), str(REPO)]),
+                   SGLANG_USE_CPU_ENGINE="0",
                    TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1",
                    FLASHINFER_WORKSPACE_BASE=str(pathlib.Path(tmp) / "fi"))
         cuda_home = kit.find_cuda_home()["cuda_home"]

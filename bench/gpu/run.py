@@ -266,10 +266,12 @@ def probe_imports(modules, env) -> dict:
 
 TIER_MODULES = {
     "tier0": (["sas_backend", "sas_backend.ops.sparse_decode"], ["flashinfer"], []),
-    "tier1": (["sas_backend", "sas_backend.ops.gate", "sas_backend.ops.sparse_decode", "sas_backend.training.ops.gated_attention"],
+    "tier1": (["sas_backend", "sas_backend.ops.gate", "sas_backend.ops.sparse_decode",
+               "sas_backend.training.ops.gated_attention"],
               ["flashinfer"], []),
     "tier2": (["sas_backend", "sas_backend.server_harness"],
-              ["flashinfer", "sglang", "sas_backend.plugin", "sglang.srt.layers.attention.flashinfer_backend", "sas_backend.backend.sas_attention"],
+              ["flashinfer", "sglang", "sas_backend.plugin", "sglang.srt.layers.attention.flashinfer_backend",
+               "sas_backend.backend.sas_attention"],
               ["sgl_kernel"]),
 }
 TIER_MODULES["session"] = tuple(sorted({m for t in ("tier1", "tier2") for m in TIER_MODULES[t][i]}) for i in range(3))
@@ -412,7 +414,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kit", default=None, help="the kit directory (default: .whl/site for tiers 0 and 2, .whl/fi "
                     "for tier 1, else .whl/)")
     ap.add_argument("--site", default=None, help="install target (default /tmp/site; dry run: a scratch dir)")
-    ap.add_argument("--no-install", action="store_true", help="reuse --site as it is (a second command in the same lease)")
+    ap.add_argument("--no-install", action="store_true",
+                    help="reuse --site as it is (a second command in the same lease)")
     ap.add_argument("--work", default=None, help="scratch for models and step outputs (default /tmp/sas-gpu[-dry])")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "out" / "gpu"))
     ap.add_argument("--aot-record", default=AOT_RECORD, help="the record of the kit's pre-built FlashInfer modules")
@@ -491,7 +494,8 @@ def main(argv=None) -> int:
         srec["command"] = shown(argv)
         left = deadline - time.time()
         if not fits(left, step.minutes):
-            srec.update(rc=None, seconds=0, skipped=f"expected {step.minutes} min, {left / 60:.1f} min left in --budget-min")
+            srec.update(rc=None, seconds=0,
+                        skipped=f"expected {step.minutes} min, {left / 60:.1f} min left in --budget-min")
             rec["steps"].append(srec)
             save()
             continue

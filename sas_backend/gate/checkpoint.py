@@ -183,7 +183,8 @@ def _load_canonical(d: str) -> tuple[GateConfig, LayerTensors]:
     cfg_path = os.path.join(d, CONFIG_FILE)
     w_path = os.path.join(d, WEIGHTS_FILE)
     if not os.path.isfile(cfg_path):
-        raise GateCheckpointError(f"{cfg_path}: no such file (a canonical gate checkpoint needs it next to {WEIGHTS_FILE})")
+        raise GateCheckpointError(
+            f"{cfg_path}: no such file (a canonical gate checkpoint needs it next to {WEIGHTS_FILE})")
     config = GateConfig.load_json(cfg_path)
     tensors = unflatten(_load_safetensors(w_path), w_path)
     check_tensors(config, tensors, w_path)
@@ -386,7 +387,8 @@ def shard_for_tp(tensors: LayerTensors, tp_rank: int, tp_size: int) -> LayerTens
             if name in ("attngate_linear_q.weight", "attngate_linear_k.weight"):
                 if t.shape[0] != num_kv:
                     raise GateCheckpointError(
-                        f"shard_for_tp: layer {layer} {name} has {t.shape[0]} kv heads, layer {min(tensors)} has {num_kv}"
+                        f"shard_for_tp: layer {layer} {name} has {t.shape[0]} kv heads, "
+                        f"layer {min(tensors)} has {num_kv}"
                     )
                 out[layer][name] = t.narrow(0, start, count).contiguous()
             else:

@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, required=True, help="seed of the torch.Generator driving the init")
     p.add_argument("--gate-dim", type=int, default=128, help="gate dim Dg (default 128)")
     p.add_argument("--block-size", type=int, default=64, help="block size in tokens (default 64)")
-    p.add_argument("--dtype", choices=sorted(SUPPORTED_DTYPES), default="float32", help="stored dtype (default float32)")
+    p.add_argument("--dtype", choices=sorted(SUPPORTED_DTYPES), default="float32",
+                   help="stored dtype (default float32)")
     args = p.parse_args(argv)
     try:
         init_gate_checkpoint(args.dst, model_dir=args.model, seed=args.seed, gate_dim=args.gate_dim,

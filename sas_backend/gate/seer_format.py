@@ -121,7 +121,8 @@ def load_seer_checkpoint(directory: str) -> tuple[GateConfig, LayerTensors]:
     pth_path = os.path.join(directory, SEER_WEIGHTS)
     for p in (cfg_path, pth_path):
         if not os.path.isfile(p):
-            raise GateCheckpointError(f"{p}: no such file (SeerAttention-R layout needs {SEER_CONFIG} + {SEER_WEIGHTS})")
+            raise GateCheckpointError(
+                f"{p}: no such file (SeerAttention-R layout needs {SEER_CONFIG} + {SEER_WEIGHTS})")
     try:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)

@@ -145,7 +145,8 @@ def _sparse_rows_mask(selected, positions, t: int, b: int) -> torch.Tensor:
     """`[H_kv, P, T]` bool: key j allowed for query p (selected block, or own block up to p)."""
     p_cnt, h_kv, _ = selected.shape
     key_block = torch.arange(t, device=selected.device) // b  # [T]
-    own = (key_block[None, :] == (positions // b)[:, None]) & (torch.arange(t, device=selected.device)[None, :] <= positions[:, None])
+    own = ((key_block[None, :] == (positions // b)[:, None])
+           & (torch.arange(t, device=selected.device)[None, :] <= positions[:, None]))
     n_blocks = (t + b - 1) // b
     chosen = torch.zeros(p_cnt, h_kv, n_blocks + 1, dtype=torch.bool, device=selected.device)
     chosen.scatter_(-1, torch.where(selected >= 0, selected.long(), n_blocks), True)
@@ -162,7 +163,8 @@ def causal_sdpa(query, key, value, scale: float):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
     # SDPA's is_causal aligns top-left; these queries sit at the end of the keys
-    allowed = torch.arange(l_k, device=query.device)[None, :] <= torch.arange(l_k - l_q, l_k, device=query.device)[:, None]
+    allowed = (torch.arange(l_k, device=query.device)[None, :]
+               <= torch.arange(l_k - l_q, l_k, device=query.device)[:, None])
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
@@ -226,7 +228,8 @@ def _add_recall(recall: dict, layer: int, logits, selected, positions, block_siz
     capture], both over every (query, kv head): block attention mass as `oracle_scores` defines it."""
     width = max(logits.shape[-1] // block_size, 1)
     mass = oracle_scores(logits, positions, block_size, width)  # [P, H_kv, M]
-    cand = torch.arange(width, device=mass.device)[None, :] < torch.div(positions, block_size, rounding_mode="floor")[:, None]
+    cand = (torch.arange(width, device=mass.device)[None, :]
+            < torch.div(positions, block_size, rounding_mode="floor")[:, None])
     mass = mass * cand[:, None, :]
     k = selected.shape[-1]
     captured = (mass.gather(-1, selected.long().clamp_min(0)) * (selected >= 0)).sum()
@@ -292,14 +295,16 @@ def _anchor_attention(module, query, key, value, attention_mask, scaling, dropou
 
 
 @torch.no_grad()
-def prompt_anchors(model, ids, cache, num_blocks: int, window: int = 1, block_size: int = 64) -> Dict[int, torch.Tensor]:
+def prompt_anchors(model, ids, cache, num_blocks: int, window: int = 1,
+                   block_size: int = 64) -> Dict[int, torch.Tensor]:
     """Per layer and kv head, the `num_blocks` complete blocks the prompt's last `window` queries attend most:
     `{layer: [H_kv, num_blocks]}` int64 (fewer candidates: -1 padded), for `SparseEvalSpec.anchors`; with
     window 1, what the server's `--sas-prompt-anchors` picks (`ops.anchors`).
 
     ids: the prompt `[n]` (list or tensor); cache: its dense transformers cache (all n tokens), left exactly as
-    given (the last `window` tokens are recomputed to get their queries, then their K/V restored). A block's mass is the dense softmax summed over its
-    keys, max over the kv group's query heads (as the oracle ranks), summed over the window's queries; the
+    given (the last `window` tokens are recomputed to get their queries, then their K/V restored). A block's
+    mass is the dense softmax summed over its keys, max over the kv group's query heads (as the oracle ranks),
+    summed over the window's queries; the
     candidates are the complete blocks before the last prompt token's block.
     """
     from transformers import AttentionInterface

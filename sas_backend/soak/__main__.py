@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="sas",
                    help="attention backend (sas; or a dense one, e.g. torch_native, to compare the same soak)")
     p.add_argument("--gate", default=None, help="gate checkpoint (default: the shipped one for the default model)")
-    p.add_argument("--budget", type=int, default=1024, help="--sas-budget (1024: prompts past 16 blocks decode sparsely)")
+    p.add_argument("--budget", type=int, default=1024,
+                   help="--sas-budget (1024: prompts past 16 blocks decode sparsely)")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--duration-min", type=float, default=20.0, help="arrivals spread over this many minutes")
     p.add_argument("--context-len", type=int, default=4096, help="--context-length of the server (the limit)")
@@ -72,11 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SGLang's admission reserve for future tokens (low: admit more, so decode runs the pool "
                         "dry and requests are retracted; SGLang's default is 1.0)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rss-bound-mib", type=float, default=256.0, help="fail if the server's RSS grows more than this after the first quarter of the arrivals "
+    p.add_argument("--rss-bound-mib", type=float, default=256.0,
+                   help="fail if the server's RSS grows more than this after the first quarter of the arrivals "
                         "(warm-up: first-touch allocations)")
     p.add_argument("--rss-baseline", default=None, metavar="SOAK_JSON",
                    help="soak.json of a dense backend on the same workload: the bound becomes its growth after "
-                        "warm-up plus --rss-bound-mib (SGLang's CPU scheduler grows by itself; see docs/verification.md)")
+                        "warm-up plus --rss-bound-mib (SGLang's CPU scheduler grows by itself; "
+                        "see docs/verification.md)")
     p.add_argument("--out", required=True, help="directory for soak.json and server.log")
     p.add_argument("--server-arg", action="append", default=[], help="one more launch argument (repeatable)")
     return p
@@ -103,7 +106,8 @@ def main(argv=None) -> int:
                     "growth_after_warmup": base["rss_bytes"]["growth_after_warmup"]}
     workload = make_workload(spec, ids[: len(ids) - sum(PROBE_LENGTHS)])
     probes = probe_prompts(ids, args.context_len)
-    sas_args = ["--sas-gate", gate, "--sas-budget", str(args.budget)] if args.backend == "sas" else ["--page-size", "64"]
+    sas_args = (["--sas-gate", gate, "--sas-budget", str(args.budget)] if args.backend == "sas"
+                else ["--page-size", "64"])
     server_args = [*sas_args, "--context-length", str(args.context_len),
                    "--schedule-conservativeness", str(args.schedule_conservativeness), *args.server_arg]
     out = pathlib.Path(args.out)
@@ -119,7 +123,8 @@ def main(argv=None) -> int:
 
     started = time.time()
     # --max-total-tokens after the harness's own (argparse keeps the last)
-    with Server(args.model, backend=args.backend, extra_args=server_args + ["--max-total-tokens", str(args.max_total_tokens)]) as server:
+    with Server(args.model, backend=args.backend,
+                extra_args=server_args + ["--max-total-tokens", str(args.max_total_tokens)]) as server:
         report = soak(server, workload, probes, progress=progress)
         (out / "server.log").write_text(portable_log(server.log_text()))
     bound = int(args.rss_bound_mib * 2**20) + (max(0, baseline["growth_after_warmup"]) if baseline else 0)
@@ -131,14 +136,15 @@ def main(argv=None) -> int:
     from sas_backend import __version__
 
     report = {
-        "what": f"soak through a real {args.backend} server: Poisson arrivals, streams cut by the client, over-limit requests, "
-                "shared prefixes, a small KV pool",
+        "what": f"soak through a real {args.backend} server: Poisson arrivals, streams cut by the client, "
+                "over-limit requests, shared prefixes, a small KV pool",
         "date": datetime.date.today().isoformat(),
         "command": "python -m sas_backend.soak " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "versions": {"sas_backend": __version__, "sglang": sglang.__version__, "torch": torch.__version__},
         "spec": spec.__dict__,
-        "server_args": [portable_path(a) for a in launch_flags(server_args + ["--max-total-tokens", str(args.max_total_tokens)])],
+        "server_args": [portable_path(a)
+                        for a in launch_flags(server_args + ["--max-total-tokens", str(args.max_total_tokens)])],
         "rss_bound_bytes": bound, "rss_baseline": baseline, "total_wall_s": time.time() - started,
         "failures": bad, **report,
     }

@@ -192,7 +192,8 @@ def summarize(workload: Sequence[SoakRequest], outcomes: Sequence[Outcome]) -> d
         "shared_prefix_requests": sum(r.shared_prefix >= 0 for r in workload),
         "latency_s": {
             "ttft_stream": percentiles([o.ttft_s for o in ok if o.ttft_s is not None]),
-            "e2e_complete": percentiles([o.e2e_s for o, r in zip(outcomes, workload) if o.result == "ok" and not r.stream]),
+            "e2e_complete": percentiles([o.e2e_s for o, r in zip(outcomes, workload)
+                                         if o.result == "ok" and not r.stream]),
             "e2e_stream": percentiles([o.e2e_s for o, r in zip(outcomes, workload) if o.result == "ok" and r.stream]),
         },
         "unexpected": [{"index": o.index, "kind": o.kind, "status": o.status, "error": o.error}

@@ -52,7 +52,8 @@ class WorkloadSpec:
 
     def __post_init__(self):
         if self.context_len < 2 * MIN_PROMPT + self.max_new_tokens:
-            raise ValueError(f"context_len {self.context_len} leaves no room for prompts and {self.max_new_tokens} new tokens")
+            raise ValueError(f"context_len {self.context_len} leaves no room for prompts and "
+                             f"{self.max_new_tokens} new tokens")
         if self.prefix_len + MIN_PROMPT + self.max_new_tokens > self.context_len:
             raise ValueError(f"prefix_len {self.prefix_len} does not fit the context limit {self.context_len}")
 

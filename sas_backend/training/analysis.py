@@ -160,8 +160,8 @@ def main(argv: Optional[list] = None) -> int:
     gates = {name: g for name, (g, _) in loaded.items()}
     gate_sha256 = {name: weights_sha256(path) for name, path in gate_paths.items()}
     variants = gate_variants(gate_paths, {name: rec for name, (_, rec) in loaded.items()}, forced)
-    too_many = [f"{v} at budget {bud}" for v, (_, s, l, a) in variants.items() for bud in args.budgets
-                if s + l + a > bud // b]
+    too_many = [f"{v} at budget {bud}" for v, (_, s, local, a) in variants.items() for bud in args.budgets
+                if s + local + a > bud // b]
     if too_many:
         raise SystemExit(f"error: forced blocks exceed K for {', '.join(too_many)}")
     selectors = list(variants) + baselines

@@ -17,9 +17,9 @@ many times.
 
 Several caches (e.g. prose, prose with recall rows, code) are one pool of rows; they must share
 model, seq len, tail, block size and target. Every row is loaded into memory (fp16; ~47 MB a
-4096-token row of SmolLM2-135M at tail 1024, so 145 rows take ~7 GB). Output: the canonical checkpoint (config `training` =
-the record: caches and their data, steps, losses, held-out KL and top-k coverage beside the oracle's, the ceiling),
-`train_state.pt` for `--resume`
+4096-token row of SmolLM2-135M at tail 1024, so 145 rows take ~7 GB). Output: the canonical checkpoint
+(config `training` = the record: caches and their data, steps, losses, held-out KL and top-k coverage beside
+the oracle's, the ceiling), `train_state.pt` for `--resume`
 (batches are a pure function of seed and step) and `train_log.jsonl`.
 """
 
@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "that miss the most weigh most) instead of the mean missed mass")
     p.add_argument("--layers", type=int, nargs="+", default=None,
                    help="train only these layers' gates (the others are kept from --init-gate); default all")
-    p.add_argument("--val-cache", nargs="*", default=[], help="held-out feature caches: their KL is logged, never trained on")
+    p.add_argument("--val-cache", nargs="*", default=[],
+                   help="held-out feature caches: their KL is logged, never trained on")
     p.add_argument("--eval-every", type=int, default=50, help="held-out KL every N steps (and at the end)")
     p.add_argument("--save-every", type=int, default=100, help="state + checkpoint every N steps (0: end only)")
     p.add_argument("--resume", action="store_true", help=f"continue from --out/{STATE_FILE}")

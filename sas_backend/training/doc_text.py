@@ -186,7 +186,8 @@ def _norm(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
-def dedupe(docs: Sequence[TextDoc], *, repeat_threshold: int = 3, min_chars: int = 40) -> Tuple[List[TextDoc], Dict[str, int]]:
+def dedupe(docs: Sequence[TextDoc], *, repeat_threshold: int = 3,
+           min_chars: int = 40) -> Tuple[List[TextDoc], Dict[str, int]]:
     """Documents with duplicates removed, and counts of what went.
 
     - A document whose whole (whitespace-normalized) text equals an earlier one's is dropped.

@@ -53,7 +53,8 @@ REUSE_TOLERANCE = 1e-5
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sas_backend.training.eval_ppl",
-                                description="Held-out perplexity under SAS sparse attention: dense vs gates vs baselines.")
+                                description="Held-out perplexity under SAS sparse attention: "
+                                            "dense vs gates vs baselines.")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--data", required=True, nargs="+", help="same sources as training (files, dirs, @essays, @stdlib)")
     p.add_argument("--window", type=int, default=4096, help="context tokens per window")
@@ -134,7 +135,8 @@ class Progress:
         with open(self.path, encoding="utf-8") as f:
             old = json.load(f)
         if old.get("key") != self.key:
-            diff = sorted(k for k in set(self.key) | set(old.get("key", {})) if old.get("key", {}).get(k) != self.key.get(k))
+            diff = sorted(k for k in set(self.key) | set(old.get("key", {}))
+                          if old.get("key", {}).get(k) != self.key.get(k))
             raise SystemExit(f"error: {self.path} was made for another run (differs in {', '.join(diff)}); "
                              "remove it or run without --resume")
         self.dense = old["dense"]
@@ -204,11 +206,11 @@ def gate_variants(gate_paths: Dict[str, str], records: Dict[str, dict], forced: 
         base = {n: (n, records[n].get("sink_blocks", 0), records[n].get("local_blocks", 0),
                     records[n].get("prompt_anchors", 0)) for n in gate_paths}
     else:
-        base = {f"{n}+s{s}l{l}": (n, s, l, 0) for n in gate_paths for s, l in forced}
+        base = {f"{n}+s{s}l{local}": (n, s, local, 0) for n in gate_paths for s, local in forced}
     out = dict(base)
-    for name, (g, s, l, _) in base.items():
+    for name, (g, s, local, _) in base.items():
         for r in anchors or []:
-            out[f"{name}+a{r}"] = (g, s, l, r)
+            out[f"{name}+a{r}"] = (g, s, local, r)
     return out
 
 
@@ -452,8 +454,8 @@ def main(argv: Optional[list] = None) -> int:
         raise SystemExit("error: --prompt-anchors counts must be >= 1")
     variants = gate_variants(gate_paths, {name: rec for name, (_, rec) in loaded.items()}, forced, args.prompt_anchors)
     sparse_from = args.window - args.last
-    too_many = [f"{v} at budget {bud}" for v, (_, s, l, a) in variants.items() for bud in args.budgets
-                if s + l + a > bud // b]
+    too_many = [f"{v} at budget {bud}" for v, (_, s, local, a) in variants.items() for bud in args.budgets
+                if s + local + a > bud // b]
     if too_many:
         raise SystemExit(f"error: forced blocks exceed K for {', '.join(too_many)}")
 
@@ -473,7 +475,8 @@ def main(argv: Optional[list] = None) -> int:
                             budgets=args.budgets, variants=variants, gate_sha256=gate_sha256, baselines=baselines,
                             summary_dtype=args.summary_dtype, gate_dtype=args.gate_dtype)
         print(f"[eval_ppl] --reuse {args.reuse}: " + (", ".join(
-            f"{n} (as {sorted(set(m.values()))[0]}, budgets {sorted(m)})" for n, m in reused.items()) or "nothing fits"),
+            f"{n} (as {sorted(set(m.values()))[0]}, budgets {sorted(m)})" for n, m in reused.items())
+            or "nothing fits"),
             flush=True)
     dense_rel_diff = []  # per window, with --reuse
     print(f"[eval_ppl] {rows.shape[0]} {args.split} windows of {args.window} tokens (+1 target), last {args.last} "
@@ -490,7 +493,8 @@ def main(argv: Optional[list] = None) -> int:
            **({"reuse": reuse_sha} if reuse_sha else {}),
            **({"summary_dtype": args.summary_dtype} if args.summary_dtype != "fp32" else {}),
            **({"gate_dtype": args.gate_dtype} if args.gate_dtype != "fp32" else {})}
-    progress = Progress(partial_path(args.json) if args.json else None, key, selectors, args.budgets, not args.no_recall)
+    progress = Progress(partial_path(args.json) if args.json else None, key, selectors, args.budgets,
+                        not args.no_recall)
     if args.resume:
         if not args.json:
             raise SystemExit("error: --resume needs --json (the partial file sits beside it)")
@@ -561,7 +565,8 @@ def main(argv: Optional[list] = None) -> int:
         print(f"[eval_ppl] {line}")
     plots = []
     if args.plot:
-        title = f"{os.path.basename(os.path.normpath(args.model))}, {' '.join(args.data)}, {rows.shape[0]} windows of {args.window}, last {args.last}"
+        title = (f"{os.path.basename(os.path.normpath(args.model))}, {' '.join(args.data)}, "
+                 f"{rows.shape[0]} windows of {args.window}, last {args.last}")
         plots = plot(results, dense, recall, args.budgets, args.plot, title)
         print(f"[eval_ppl] wrote {', '.join(plots)}")
     if args.json:
@@ -579,7 +584,8 @@ def main(argv: Optional[list] = None) -> int:
             "gate_dtype": args.gate_dtype,
             "gates": gate_paths,
             "gate_sha256": gate_sha256,
-            "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_, **({"prompt_anchors": a_} if a_ else {})}
+            "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_,
+                                  **({"prompt_anchors": a_} if a_ else {})}
                               for v, (g, s_, l_, a_) in variants.items()},
             "dense": dense,
             "results": {s: {str(bud): v for bud, v in per.items()} for s, per in results.items()},
@@ -590,7 +596,8 @@ def main(argv: Optional[list] = None) -> int:
                 for s, per in recall.items()},
             "checks": checks,
             "reused": None if ref is None else {
-                "file": args.reuse, "sha256": reuse_sha, "dense_max_relative_difference": max(dense_rel_diff, default=0.0),
+                "file": args.reuse, "sha256": reuse_sha,
+                "dense_max_relative_difference": max(dense_rel_diff, default=0.0),
                 "measurements": {n: {str(bud): src for bud, src in m.items()} for n, m in reused.items()}},
             "plots": [os.path.relpath(p_) for p_ in plots],
             "table_markdown": table,

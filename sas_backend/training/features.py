@@ -242,7 +242,8 @@ def load_feature_cache(cache_dir: str, max_rows: Optional[int] = None, lazy: boo
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        raise FeatureCacheError(f"{cache_dir}: no {MANIFEST} (build it with python -m sas_backend.training.features)") from None
+        raise FeatureCacheError(
+            f"{cache_dir}: no {MANIFEST} (build it with python -m sas_backend.training.features)") from None
     except (OSError, json.JSONDecodeError) as e:
         raise FeatureCacheError(f"{path}: cannot read: {e}") from None
     if manifest.get("format_version") != FORMAT_VERSION:
@@ -281,7 +282,8 @@ def load_feature_cache(cache_dir: str, max_rows: Optional[int] = None, lazy: boo
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sas_backend.training.features",
-                                description="Cache a frozen model's dense per-layer features for fast gate distillation.")
+                                description="Cache a frozen model's dense per-layer features "
+                                            "for fast gate distillation.")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--data", required=True, nargs="+", help="same sources as training (files, dirs, @essays, @stdlib)")
     p.add_argument("--out", required=True, help="cache directory (manifest + one file per row; resumable)")
@@ -292,15 +294,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distill target: block attention mass (the oracle's quantity) or SeerAttention-R's max")
     p.add_argument("--split", choices=("train", "heldout", "all"), default="train",
                    help="heldout: a validation cache for distill_cached --val-cache (never trained on)")
-    p.add_argument("--heldout-fraction", type=float, default=None, help="must match training and evaluation (default 0.2)")
+    p.add_argument("--heldout-fraction", type=float, default=None,
+                   help="must match training and evaluation (default 0.2)")
     p.add_argument("--seed", type=int, default=0, help="document order of the packed rows (and recall facts)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="use only about this many tokens of each source (as train --max-tokens: balances @essays and @stdlib)")
+                   help="use only about this many tokens of each source "
+                        "(as train --max-tokens: balances @essays and @stdlib)")
     p.add_argument("--max-rows", type=int, default=None, help="cache only the first N rows")
     p.add_argument("--shard", default="0/1", metavar="I/N",
                    help="write only the rows r with r %% N == I (run N processes on one cache directory)")
     p.add_argument("--recall-rows", type=float, default=0.0, metavar="FRACTION",
-                   help="make this share of the rows recall rows (sas_backend.training.recall), facts restated in the tail")
+                   help="make this share of the rows recall rows (sas_backend.training.recall), "
+                        "facts restated in the tail")
     p.add_argument("--recall-facts", type=int, default=4, help="facts per recall row")
     p.add_argument("--recall-min-distance", type=int, default=0, metavar="TOKENS",
                    help="place every fact at least this many tokens before the tail (default 0: anywhere before it)")

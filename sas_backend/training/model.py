@@ -60,8 +60,9 @@ class GateTrainSpec:
     block_size b; budget B tokens of previous blocks per query, so K = B // b previous blocks are
     selected besides the query's own (the serving rule: a gate trained at B is served with
     `--sas-budget B` and sees the same K); objective "lm" (SAS) or "distill"; scope (lm only)
-    "sparse" (the Top-K blocks by log g) or "full" (every previous block, soft-gated; see SCOPES); kernel "auto" (Triton on CUDA, torch
-    reference on CPU), "triton" or "naive"; query_chunk: queries scored at a time (memory bound).
+    "sparse" (the Top-K blocks by log g) or "full" (every previous block, soft-gated; see SCOPES); kernel
+    "auto" (Triton on CUDA, torch reference on CPU), "triton" or "naive"; query_chunk: queries scored at a
+    time (memory bound).
     train_last: None trains every position of a row; N trains only the last N positions: the
     first L - N run dense without gradient (as after a dense prefill, the serving regime) and
     their K/V are the keys of the N gated queries. Far cheaper per trained query at long L

@@ -237,7 +237,8 @@ def score_gate(
                          f"k has {t}, cu_seqlens ends at {bounds[-1][1] if bounds else 0}")
     longest = max((e - s for s, e in bounds), default=0)
     if longest > gate_table.shape[0]:
-        raise ValueError(f"a sequence of {longest} tokens exceeds the gate RoPE table ({gate_table.shape[0]} positions)")
+        raise ValueError(f"a sequence of {longest} tokens exceeds the gate RoPE table "
+                         f"({gate_table.shape[0]} positions)")
     nb = num_blocks_for(bounds, block_size)
     q_pre, k_pre = q_pre.detach(), k_pre.detach()  # frozen backbone: scores train the gate only
     with torch.autocast(q_pre.device.type, enabled=False):

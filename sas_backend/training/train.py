@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (checkpoint, state, log)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per packed training row")
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--budget", type=int, default=512, help="tokens of previous blocks per query: K = budget // block (as --sas-budget serves it)")
+    p.add_argument("--budget", type=int, default=512,
+                   help="tokens of previous blocks per query: K = budget // block (as --sas-budget serves it)")
     p.add_argument("--objective", choices=("lm", "distill"), default="lm",
                    help="lm: SAS next-token loss through the gated attention; distill: SeerAttention-R KL")
     p.add_argument("--scope", choices=("sparse", "full"), default="sparse",
@@ -100,10 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gated attention: Triton kernel (CUDA) or torch reference; auto picks by device")
     p.add_argument("--gate-dim", type=int, default=128)
     p.add_argument("--init-gate", default=None, metavar="DIR",
-                   help="start from this gate checkpoint (must fit the model and --block-size) instead of the seeded init")
+                   help="start from this gate checkpoint (must fit the model and --block-size) "
+                        "instead of the seeded init")
     p.add_argument("--heldout-fraction", type=float, default=None,
-                   help="share of each source's text held out as whole documents (by name hash), never trained on (default 0.2)")
-    p.add_argument("--max-tokens", type=int, default=None, help="use only about this many training tokens of each source")
+                   help="share of each source's text held out as whole documents (by name hash), "
+                        "never trained on (default 0.2)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="use only about this many training tokens of each source")
     p.add_argument("--max-rows", type=int, default=None, help="use only the first N packed rows (smoke tests)")
     p.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute each decoder layer in backward (lm objective; saves activation memory)")
@@ -391,7 +395,8 @@ def main(argv: Optional[list] = None) -> int:
     init_record = {"seed": args.seed, "method": "init_gate_state(seed) (sas_backend.gate.checkpoint)"}
     if args.init_gate:
         init_tensors, init_record = load_init_gate(args.init_gate, geometry, args.block_size)
-        gate_config = dataclasses.replace(gate_config, gate_dim=int(init_tensors[0]["attngate_linear_q.weight"].shape[-1]))
+        gate_config = dataclasses.replace(gate_config,
+                                          gate_dim=int(init_tensors[0]["attngate_linear_q.weight"].shape[-1]))
     args.init_record = init_record
     attach_gates(model, spec, init_tensors, max_pos=max(args.seq_len, geometry.max_position_embeddings or 0))
     kernel = model.model.layers[0].self_attn._sas_train.kernel
@@ -461,7 +466,8 @@ def main(argv: Optional[list] = None) -> int:
         dt = time.time() - t0
         if rank == 0:
             rec = {"step": step + 1, "loss": loss_val, "lr": lr_used,
-                   "grad_norm": float(grad_norm), "seconds": round(dt, 3), "tokens_per_s": round(tokens_per_step / dt, 1)}
+                   "grad_norm": float(grad_norm), "seconds": round(dt, 3),
+                   "tokens_per_s": round(tokens_per_step / dt, 1)}
             with open(log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(rec) + "\n")
             if bar is not None:  # refresh=False: update() redraws, at the bar's own pace
@@ -474,7 +480,8 @@ def main(argv: Optional[list] = None) -> int:
         done = step + 1
         if rank == 0 and ((args.save_every and done % args.save_every == 0) or done == end):
             save_state(state_path, done, model, optimizer, scheduler, args, losses)
-            rec = training_record(args, argv, data, int(rows.shape[0]), spec, kernel, done, losses, world, time.time() - t_start)
+            rec = training_record(args, argv, data, int(rows.shape[0]), spec, kernel, done, losses, world,
+                                  time.time() - t_start)
             write_checkpoint(args.out, gate_config, model, rec)
         _barrier(world)
     if bar is not None:

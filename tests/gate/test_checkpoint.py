@@ -145,7 +145,8 @@ def test_save_refuses_wrong_shapes_and_nonfinite(tmp_path):
     config, tensors = _init()
     bad = {k: dict(v) for k, v in tensors.items()}
     bad[1]["attngate_linear_k.weight"] = torch.zeros(3, 40, GATE_DIM)
-    with pytest.raises(GateCheckpointError, match=r"layer 1 attngate_linear_k.weight has shape \[3, 40, 32\], expected \[3, 48, 32\]"):
+    with pytest.raises(GateCheckpointError,
+                       match=r"layer 1 attngate_linear_k.weight has shape \[3, 40, 32\], expected \[3, 48, 32\]"):
         save_gate_checkpoint(tmp_path / "g", config, bad)
     assert not (tmp_path / "g" / "gate.safetensors").exists()
     bad = {k: dict(v) for k, v in tensors.items()}
@@ -323,7 +324,8 @@ def test_validate_for_model_names_each_mismatch(tmp_path):
                            block_size=BLOCK)
     msg = str(e.value)
     assert msg.startswith(f"gate checkpoint {tmp_path / 'g'} (base model tiny-qwen3) was made for ")
-    assert "was made for 3 layers / 3 kv heads / head dim 16; the served model has 30 layers / 2 kv heads / head dim 64" in msg
+    assert ("was made for 3 layers / 3 kv heads / head dim 16; "
+            "the served model has 30 layers / 2 kv heads / head dim 64") in msg
 
     with pytest.raises(GateCheckpointError, match=r"was made for block size 16; the served model has block size 64"):
         validate_for_model(config, tensors, num_layers=3, num_q_heads=6, num_kv_heads=3, head_dim=16, block_size=64)
@@ -388,7 +390,8 @@ def test_default_gate_picks_only_a_fitting_checkpoint(tmp_path):
 
     default_gate = _load_default_gate()
     config, tensors = _init()
-    save_gate_checkpoint(tmp_path / "a-distill", dataclasses.replace(config, training={"objective": "distill"}), tensors)
+    save_gate_checkpoint(tmp_path / "a-distill", dataclasses.replace(config, training={"objective": "distill"}),
+                         tensors)
     save_gate_checkpoint(tmp_path / "b-sas", dataclasses.replace(config, training={"objective": "lm"}), tensors)
     root = pathlib.Path(tmp_path)
     assert default_gate.shipped_gate(GEOM, BLOCK, root) == root / "b-sas"  # SAS-trained first

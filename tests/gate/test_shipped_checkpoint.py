@@ -3,8 +3,6 @@ training record, and are what the default serve command picks."""
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -45,7 +43,8 @@ def test_shipped_sas_gate_loads_and_records_its_training():
     while "training" in node.get("init", {}):
         node = node["init"]["training"]
         stages.append(node["objective"])
-    assert stages == ["distill", "distill", "distill", "lm", "distill", "lm", "distill"] and node["init"]["seed"] == 0, stages
+    assert (stages == ["distill", "distill", "distill", "lm", "distill", "lm", "distill"]
+            and node["init"]["seed"] == 0), stages
     assert not any(part.startswith("/") for part in rec["command"].split()), "the record names a machine path"
 
 

@@ -20,7 +20,8 @@ def _world(lens, b, h_kv, d, dtype, seed=0):
     used = 0
     for r, n in enumerate(lens):
         for m in range((n + b - 1) // b):
-            p = int(order[used]); used += 1
+            p = int(order[used])
+            used += 1
             r2t[r, m * b : (m + 1) * b] = torch.arange(p * b, p * b + b, dtype=torch.int32)
     k = torch.randn(n_pages * b, h_kv, d, generator=g).to(dtype)
     v = torch.randn(n_pages * b, h_kv, d, generator=g).to(dtype)

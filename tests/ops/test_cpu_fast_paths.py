@@ -24,7 +24,7 @@ from sas_backend.ops.topk.naive import select_blocks
 # More forced blocks than K is refused by the config, so those combinations are not drawn.
 @pytest.mark.parametrize(
     "k,sink,local",
-    [(k, s, l) for k in (1, 3, 8, 40) for s, l in ((0, 0), (1, 0), (1, 2), (0, 3)) if s + l <= k],
+    [(k, s, local) for k in (1, 3, 8, 40) for s, local in ((0, 0), (1, 0), (1, 2), (0, 3)) if s + local <= k],
 )
 def test_topk_cpu_equals_reference(k, sink, local):
     g = torch.Generator().manual_seed(k * 10 + sink + local)
@@ -161,7 +161,8 @@ def test_entry_points_pick_the_cpu_paths_off_cuda(paged_case):
     indptr = kv_indptr_for(seq, 2, b, h_kv)
     buf = torch.full((int(indptr[-1]) + 5,), -7, dtype=torch.int32)
     ops.gather.gather_kv_indices(sel, table, seq, b, indptr, buf)
-    assert torch.equal(buf[: int(indptr[-1])], build_kv_indices(sel, table, seq, b, indptr, torch.zeros_like(buf))[: int(indptr[-1])])
+    assert torch.equal(buf[: int(indptr[-1])],
+                       build_kv_indices(sel, table, seq, b, indptr, torch.zeros_like(buf))[: int(indptr[-1])])
     assert torch.equal(buf[int(indptr[-1]) :], torch.full((5,), -7, dtype=torch.int32))  # the rest untouched
     k_buf = torch.randn(case.slots, h_kv, d, generator=g)
     w_k, k_norm = torch.randn(h_kv, 3 * d, dg, generator=g), torch.rand(dg, generator=g) + 0.5

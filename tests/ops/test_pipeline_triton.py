@@ -91,7 +91,7 @@ def test_pipeline_dense_when_few_candidates(paged_case):
     # At most K complete blocks per request: the sparse result equals dense decode attention.
     lens = [1, 4, 9, 17]
     case, q, k_buf, v_buf, (_, tri) = _run(paged_case, 3, k=4, lens=lens)
-    h_kv, g = k_buf.shape[1], q.shape[1] // k_buf.shape[1]
+    g = q.shape[1] // k_buf.shape[1]
     for r, n in enumerate(lens):
         slots = case.req_to_token[int(case.req_pool_indices[r]), :n].long()
         ks = k_buf[slots].transpose(0, 1).repeat_interleave(g, 0)  # [H_q, n, D]

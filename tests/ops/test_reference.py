@@ -91,7 +91,8 @@ def _paged_world(lens, b=4, h_kv=2, d=8, pages=32, seed=0):
     used = 0
     for r, n in enumerate(lens):
         for m in range((n + b - 1) // b):
-            page = int(order[used]); used += 1
+            page = int(order[used])
+            used += 1
             r2t[r, m * b : (m + 1) * b] = torch.arange(page * b, page * b + b, dtype=torch.int32)
     k_buf = torch.randn(pages * b, h_kv, d, generator=g)
     v_buf = torch.randn(pages * b, h_kv, d, generator=g)

@@ -31,7 +31,8 @@ def test_sources_text_jsonl_and_directories(tmp_path):
     recs = [{"text": "one two"}, {"messages": [{"role": "user", "content": "hi"}]}]
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     docs = read_documents([str(tmp_path / "d"), str(tmp_path / "c.jsonl")], _Tok())
-    assert [d.name for d in docs] == ["d/a.txt", "d/sub/b.py", f"{tmp_path.name}/c.jsonl:1", f"{tmp_path.name}/c.jsonl:2"]
+    assert [d.name for d in docs] == ["d/a.txt", "d/sub/b.py",
+                                      f"{tmp_path.name}/c.jsonl:1", f"{tmp_path.name}/c.jsonl:2"]
     assert docs[3].text == "<user>hi\n"
     with pytest.raises(DataError, match="no such file"):
         read_documents([str(tmp_path / "missing")])
@@ -76,7 +77,8 @@ def test_docs_corpus_reads_the_prepared_tree_with_stable_names(tmp_path, monkeyp
     (tmp_path / "handbook" / "book").mkdir(parents=True)
     (tmp_path / "handbook" / "book" / "c.html.txt").write_text("delta")
     docs = read_documents(["@docs", "@handbook"])
-    assert [(d.name, d.source) for d in docs] == [("docs/pkg/b.pod.txt", "@docs"), ("docs/pkg/html/a.html.txt", "@docs"),
+    assert [(d.name, d.source) for d in docs] == [("docs/pkg/b.pod.txt", "@docs"),
+                                                ("docs/pkg/html/a.html.txt", "@docs"),
                                                 ("handbook/book/c.html.txt", "@handbook")]
     assert "@handbook" in data.OUT_OF_DOMAIN and "@docs" not in data.OUT_OF_DOMAIN
 

@@ -146,7 +146,8 @@ def _ref(gate_dtype=None, summary_dtype=None):
     """A results file's fields that `reuse_plan` reads: one gate variant, quest and sink-local, two budgets."""
     per = {"32": [1.0], "64": [2.0]}
     return {"data": {"d": 1}, "split": "train", "window": 128, "last": 32, "block_size": 16, "windows": 1,
-            "gate_sha256": {"g": "abc"}, "gate_variants": {"g+s0l0": {"gate": "g", "sink_blocks": 0, "local_blocks": 0}},
+            "gate_sha256": {"g": "abc"},
+            "gate_variants": {"g+s0l0": {"gate": "g", "sink_blocks": 0, "local_blocks": 0}},
             "nll_per_window": {"g+s0l0": per, "quest": per, "sink-local": per},
             **({"gate_dtype": gate_dtype} if gate_dtype else {}),
             **({"summary_dtype": summary_dtype} if summary_dtype else {})}

@@ -81,7 +81,8 @@ def test_query_chunking_does_not_change_results_or_grads():
     for chunk in (5, 4096):
         gate.zero_grad()
         sc = score_gate(gate, q, k, cu, B, top_k=2, gate_table=table, query_chunk=chunk)
-        (sc.log_g.masked_fill(~torch.isfinite(sc.log_g), 0) * torch.linspace(-1, 1, sc.log_g.numel()).view_as(sc.log_g)).sum().backward()
+        (sc.log_g.masked_fill(~torch.isfinite(sc.log_g), 0)
+         * torch.linspace(-1, 1, sc.log_g.numel()).view_as(sc.log_g)).sum().backward()
         res.append((sc.log_g.detach(), sc.threshold, [p.grad.clone() for p in gate.parameters()]))
     torch.testing.assert_close(res[0][0], res[1][0])
     torch.testing.assert_close(res[0][1], res[1][1])

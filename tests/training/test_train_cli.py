@@ -71,7 +71,8 @@ def test_checkpoint_loads_and_fits_the_model(trained, setup):
     validate_for_model(config, tensors, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
                        rope_theta=10000.0)
     rec = config.training
-    assert rec["objective"] == "lm" and rec["budget"] == 64 and rec["block_size"] == 16 and rec["top_k"] == 4  # K = B // b
+    assert rec["objective"] == "lm" and rec["budget"] == 64 and rec["block_size"] == 16
+    assert rec["top_k"] == 4  # K = B // b
     assert rec["steps"] == STEPS and rec["seq_len"] == 256 and rec["lr"] == 1e-2
     # named relative to the repository, never by this machine's absolute path
     assert rec["data"]["sources"] == [os.path.relpath(e, REPO) for e in essays] and rec["data"]["tokens"] > 0
@@ -250,7 +251,8 @@ def test_eval_ppl_reuses_an_earlier_runs_measurements_on_the_same_windows(traine
                                                  "sink-local": {"32": "sink-local", "64": "sink-local"},
                                                  "oracle": {"32": "oracle", "64": "oracle"}}
     assert reusing["reused"]["dense_max_relative_difference"] <= eval_ppl.REUSE_TOLERANCE
-    assert "not measured again: again+s1l1 (there sas+s1l1), sink-local, oracle" in open(str(root / "reusing.md")).read()
+    assert ("not measured again: again+s1l1 (there sas+s1l1), sink-local, oracle"
+            in open(str(root / "reusing.md")).read())
     monkeypatch.setattr(eval_ppl, "window_nll", real)
     tampered = json.load(open(early_js))
     tampered["dense_nll_per_window"][1] *= 1.001

@@ -136,10 +136,14 @@ def _front_kernel(
             mean2 = tl.sum(y2, axis=0) / BLOCK_SIZE
             p1 = tl.zeros([BLOCK_HDG], tl.float32)
             p2 = tl.zeros([BLOCK_HDG], tl.float32)
-            p1, p2 = _seg_dot(tl.max(y1, axis=0), p1, p2, w_h, 0 * HALF_D + i, ik, stride_wkr, stride_wkc, HALF_DG, BLOCK_HDG)
-            p1, p2 = _seg_dot(tl.max(y2, axis=0), p1, p2, w_h, 1 * HALF_D + i, ik, stride_wkr, stride_wkc, HALF_DG, BLOCK_HDG)
-            p1, p2 = _seg_dot(tl.min(y1, axis=0), p1, p2, w_h, 2 * HALF_D + i, ik, stride_wkr, stride_wkc, HALF_DG, BLOCK_HDG)
-            p1, p2 = _seg_dot(tl.min(y2, axis=0), p1, p2, w_h, 3 * HALF_D + i, ik, stride_wkr, stride_wkc, HALF_DG, BLOCK_HDG)
+            p1, p2 = _seg_dot(tl.max(y1, axis=0), p1, p2, w_h, 0 * HALF_D + i, ik, stride_wkr, stride_wkc,
+                              HALF_DG, BLOCK_HDG)
+            p1, p2 = _seg_dot(tl.max(y2, axis=0), p1, p2, w_h, 1 * HALF_D + i, ik, stride_wkr, stride_wkc,
+                              HALF_DG, BLOCK_HDG)
+            p1, p2 = _seg_dot(tl.min(y1, axis=0), p1, p2, w_h, 2 * HALF_D + i, ik, stride_wkr, stride_wkc,
+                              HALF_DG, BLOCK_HDG)
+            p1, p2 = _seg_dot(tl.min(y2, axis=0), p1, p2, w_h, 3 * HALF_D + i, ik, stride_wkr, stride_wkc,
+                              HALF_DG, BLOCK_HDG)
             p1, p2 = _seg_dot(mean1, p1, p2, w_h, 4 * HALF_D + i, ik, stride_wkr, stride_wkc, HALF_DG, BLOCK_HDG)
             p1, p2 = _seg_dot(mean2, p1, p2, w_h, 5 * HALF_D + i, ik, stride_wkr, stride_wkc, HALF_DG, BLOCK_HDG)
             ws = wsk_ptr + (row_h * UK + uk) * (2 * HALF_DG)
@@ -233,7 +237,8 @@ def _attend_kernel(
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_selb, stride_selh, stride_bt,
     stride_on, stride_oh,
     H_KV, G, K, SPLITS, BPS, scale,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOK: tl.constexpr, TOK_TILE: tl.constexpr, GP: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOK: tl.constexpr, TOK_TILE: tl.constexpr,
+    GP: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_P: tl.constexpr, IEEE: tl.constexpr,
     DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):

@@ -2,8 +2,9 @@
 
 `gate_query_post_rope(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin, out=None, workspace=None)` runs the
 Triton kernels (`ops.gate.triton`, the split launch) for CUDA tensors and the batched torch path (`ops.gate.cpu`)
-otherwise; `ops.gate.naive` is the plain statement and the tests' oracle. The Triton module is imported on first CUDA use only, so CPU callers never import
-Triton (and the test suite can set TRITON_INTERPRET before any kernel module loads).
+otherwise; `ops.gate.naive` is the plain statement and the tests' oracle. The Triton module is imported on
+first CUDA use only, so CPU callers never import Triton (and the test suite can set TRITON_INTERPRET before any
+kernel module loads).
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def quest_scores(
     kmin, kmax = bounds[pages].float().split(d, dim=-1)  # [bs, M, H_kv, D] each
     q = q_post.float().view(bs, h_kv, h_q // h_kv, d)
     # max(q*lo, q*hi) = q*hi where q > 0, else q*lo: two contractions, no [.., M, D] product.
-    bound = torch.einsum("rhgd,rmhd->rhgm", q.clamp_min(0), kmax) + torch.einsum("rhgd,rmhd->rhgm", q.clamp_max(0), kmin)
+    bound = (torch.einsum("rhgd,rmhd->rhgm", q.clamp_min(0), kmax)
+             + torch.einsum("rhgd,rmhd->rhgm", q.clamp_max(0), kmin))
     scores = bound.amax(dim=2)
     valid = torch.arange(max_blocks, device=q_post.device) < num_candidates[:, None]
     return scores.masked_fill(~valid[:, None, :], float("-inf"))

@@ -42,7 +42,8 @@ def summary_update_decode_masked(
 ) -> torch.Tensor:
     """Same effect on every page a request owns as `summary_update_decode`; fixed shapes.
 
-    Inputs as `naive.summary_update_decode` (block_table `[bs, >= cur + 1]`). Returns summaries_out `[num_pages, H_kv, Dg]`.
+    Inputs as `naive.summary_update_decode` (block_table `[bs, >= cur + 1]`).
+    Returns summaries_out `[num_pages, H_kv, Dg]`.
     """
     done, pages, starts = completed_blocks(block_table, seq_lens, block_size)
     summ = summarize_pages(k_buffer, pages, starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size)

@@ -46,7 +46,7 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, LOG_G, THR, O, LSE,
+    Q, K, V, LOG_G, THR, OUT, LSE,
     CU, TILE_SEQ, TILE_START,
     scale, D,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh,
@@ -110,20 +110,20 @@ def _fwd_kernel(
             m_i = m_new
 
     out = acc / l_i[:, None]
-    tl.store(O + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(OUT + tok[:, None] * s_ot + qh[:, None] * s_oh + offs_d[None, :],
+             out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + qh * s_lh + tok, m_i + tl.log(l_i), mask=row_ok)
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, T, D, s_ot, s_oh, s_dt, s_dh, s_lh,
+def _delta_kernel(OUT, DO, DELTA, T, D, s_ot, s_oh, s_dt, s_dh, s_lh,
                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     # delta[qh, t] = sum_d dO * O: the softmax-backward row term
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     qh = tl.program_id(1).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (t < T)[:, None] & (offs_d < D)[None, :]
-    o = tl.load(O + t[:, None] * s_ot + qh * s_oh + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.load(OUT + t[:, None] * s_ot + qh * s_oh + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + t[:, None] * s_dt + qh * s_dh + offs_d[None, :], mask=mask, other=0.0)
     tl.store(DELTA + qh * s_lh + t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=t < T)
 
