@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import shlex
 import subprocess
@@ -42,7 +43,8 @@ def model_dir(name_or_path: str) -> pathlib.Path:
     if (path / "config.json").is_file():
         return path
     script = [sys.executable, str(REPO / "serve" / "prepare_model.py"), "--model", name_or_path]
-    out = pathlib.Path(subprocess.run(script + ["--print-out"], check=True, capture_output=True, text=True).stdout.strip())
+    printed = subprocess.run(script + ["--print-out"], check=True, capture_output=True, text=True).stdout
+    out = pathlib.Path(printed.strip())
     if not (out / "config.json").is_file():
         subprocess.run(script, check=True)
     return out
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
         context=args.context, budget=args.budget, tp=args.tp, cpu_bind=cpu_bind,
         comparison=compare(ref, run), runs=[{k: v for k, v in r.items() if k != "selections"} for r in (ref, run)],
         command="bench/tp_check.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        git=git_state(), date=datetime.date.today().isoformat(), machine=f"{cores} CPU cores",
+        git=git_state(), date=datetime.date.today().isoformat(), machine=f"{os.cpu_count()} CPU cores",
     )
     out = pathlib.Path(args.out or REPO / "bench" / "results" / f"{datetime.date.today().isoformat()}-tensor-parallel")
     out.mkdir(parents=True, exist_ok=True)
@@ -143,7 +145,8 @@ def main(argv=None) -> int:
              f"- ranks' kv heads cover all heads: {c['ranks_cover_all_heads']}", "",
              "| rank's kv heads | decode steps | selection equal to tp1's |", "| --- | --- | --- |"]
     lines += [f"| {h} | {r['steps']} | {r['equal_to_tp1']} |" for h, r in c["ranks"].items()]
-    lines += ["", f"Command: `{result['command']}` ({result['date']}, {result['machine']}, commit {result['git']['commit'][:10]})", ""]
+    lines += ["", f"Command: `{result['command']}` ({result['date']}, {result['machine']}, "
+                  f"commit {result['git']['commit'][:10]})", ""]
     (out / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
     ok = c["tokens_equal"] and c["max_abs_logprob_diff"] < 2e-3 and c["ranks_cover_all_heads"]

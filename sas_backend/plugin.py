@@ -10,7 +10,9 @@ SGLang calls `register()` in the launcher and in every scheduler process. It
 - serves the SAS configuration, gate identity and pool state at GET /sas/info (the schedulers
   add their KV pages and summary rows to SGLang's internal-state reply: pool_state.py);
 - gives SGLang's dense `torch_native` backend the speculative verify step it lacks (dense_verify.py), so
-  that `--speculative-algorithm NGRAM --attention-backend torch_native` runs on CPU (docs/speculative.md).
+  that `--speculative-algorithm NGRAM --attention-backend torch_native` runs on CPU (docs/speculative.md);
+- refuses the speculative launches sas cannot verify (tree drafts) and turns NGRAM's drafts into chains for a
+  sas target (speculative.py).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def register() -> None:
     from sas_backend import dense_verify
 
     dense_verify.register(HookRegistry, HookType)
+    from sas_backend import speculative
+
+    speculative.register(HookRegistry, HookType)  # NGRAM drafts as chains, for a sas target only
     if multiprocessing.current_process().name == "MainProcess":
         _add_info_route()
 
@@ -147,12 +152,11 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
             f"the SAS block size {cfg.block_size}; got --page-size {args.page_size}. "
             f"Drop --page-size (sas sets it) or pass --page-size {cfg.block_size}."
         )
-    for attr, what in (
-        ("speculative_algorithm", "speculative decoding"),
-        ("enable_hierarchical_cache", "the hierarchical (host) KV cache"),
-    ):
-        if getattr(args, attr, None):
-            raise SASConfigError(f"the sas backend does not support {what} yet; drop that flag")
+    if getattr(args, "enable_hierarchical_cache", None):
+        raise SASConfigError("the sas backend does not support the hierarchical (host) KV cache yet; drop that flag")
+    from sas_backend.speculative import check_launch
+
+    check_launch(args, on_cuda=_launch_on_cuda(args))
     if cfg.prompt_anchors and getattr(args, "enable_mixed_chunk", False):
         # a mixed batch extends running requests by their decode token: their anchors would follow it
         raise SASConfigError(
@@ -166,6 +170,16 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
                 f"--{attr.replace('_', '-')} {other} cannot be combined with --attention-backend sas "
                 "(sas runs dense prefill itself)"
             )
+
+
+def _launch_on_cuda(args) -> bool:
+    """Whether this launch serves on CUDA (--device, else what torch sees)."""
+    device = getattr(args, "device", None)
+    if device:
+        return str(device).startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _trained_forced_blocks(cfg) -> "tuple[int, int] | None":

@@ -10,185 +10,14 @@ The graph here is `tests.cpu_graph.CpuGraph` (kernels and addresses kept, Python
 the real backend on SGLang's real CPU pools and torch-native dense backend.
 """
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from sas_backend.backend.sas_attention import SASAttnBackend
-from sas_backend.config import SASConfig
-from sas_backend.gate.module import AttnGate
-from sas_backend.ops.rope import apply_rope, rope_cos_sin_table
+from tests.backend_rig import (
+    B, D, DG, H_KV, H_Q, LAYERS, MAX_BS, MAX_CTX, Rig, Static, capture, decode_fb, decode_layers, spy_selection,
+)
 from tests.cpu_graph import CpuGraph, GraphCaptureError
-
-sglang = pytest.importorskip("sglang")
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
-from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
-
-B, H_Q, H_KV, D, DG, LAYERS = 8, 6, 2, 16, 16, 2
-MAX_BS, MAX_REQS, MAX_CTX, PAGES = 4, 8, 256, 160
-
-
-class Rig:
-    """A SAS backend over real SGLang CPU pools, with requests placed on random pages."""
-
-    def __init__(self, budget, sink=0, local=0, seed=0, dense_below=0, inner=None, anchors=0):
-        self.g = torch.Generator().manual_seed(seed)
-        self.req_pool = ReqToTokenPool(MAX_REQS, MAX_CTX, "cpu", False)
-        self.kv_pool = MHATokenToKVPool(PAGES * B, B, torch.float32, H_KV, D, LAYERS, "cpu", False)
-        runner = SimpleNamespace(
-            device="cpu", req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
-            dtype=torch.float32, model=None, page_size=B,
-        )
-        cfg = SASConfig(gate_path="unused", budget=budget * B, block_size=B, sink_blocks=sink, local_blocks=local,
-                        dense_below=dense_below, prompt_anchors=anchors)
-        gates = {}
-        for lid in range(LAYERS):
-            gate = AttnGate(H_KV, H_Q // H_KV, D, DG)
-            gate.reset_parameters(self.g)
-            gates[lid] = gate.requires_grad_(False)
-        self.layers = [RadixAttention(H_Q, D, D**-0.5, H_KV, lid) for lid in range(LAYERS)]
-        self.backend = SASAttnBackend(
-            runner, inner(runner) if inner else TorchNativeAttnBackend(runner), cfg, gates,
-            rope_cos_sin_table(D, MAX_CTX + 8, 10000.0), rope_cos_sin_table(DG, MAX_CTX + 8, 10000.0),
-            num_kv_heads=H_KV, num_q_heads=H_Q, head_dim=D,
-        )
-        self.free_pages = list(torch.randperm(PAGES - 1, generator=self.g).add(1).tolist())  # page 0: padding
-        self.lens = {}
-
-    def add_request(self, req, prompt_len):
-        """A request whose first prompt_len tokens are cached, with summaries of its complete blocks."""
-        self.lens[req] = prompt_len
-        for m in range(-(-(prompt_len + 2 * B) // B)):  # the prompt and room to decode
-            self.req_pool.req_to_token[req, m * B : (m + 1) * B] = self.free_pages.pop() * B + torch.arange(B)
-        slots = self.req_pool.req_to_token[req, :prompt_len].long()
-        cos_sin = self.backend.model_rope_table[:prompt_len]
-        for lid in range(LAYERS):
-            self.kv_pool.k_buffer[lid][slots] = apply_rope(torch.randn(prompt_len, H_KV, D, generator=self.g), cos_sin)
-            self.kv_pool.v_buffer[lid][slots] = torch.randn(prompt_len, H_KV, D, generator=self.g)
-            n_blocks = prompt_len // B
-            if self.backend.anchors is not None:  # as an extend would leave them: blocks of the prompt, -1 padded
-                picks = torch.randperm(max((prompt_len - 1) // B, 1), generator=self.g)[: self.backend.anchor_count]
-                row = torch.full((H_KV, self.backend.anchor_count), -1, dtype=torch.int32)
-                row[:, : picks.numel()] = picks.to(torch.int32) if (prompt_len - 1) // B else -1
-                self.backend.anchors[lid][req] = row
-            if n_blocks:
-                pages = self.req_pool.req_to_token[req, : n_blocks * B : B].long() // B
-                starts = torch.arange(n_blocks) * B
-                gate = self.backend.gates[lid]
-                self.backend.summaries[lid][pages] = self.backend.selector.summarize(
-                    gate, self.kv_pool.k_buffer[lid], pages, starts, self.backend.model_rope_table,
-                    self.backend.gate_rope_table,
-                )
-
-    def step_inputs(self, reqs):
-        """Decode inputs of one step: the new token of each request (its slot, position, q/k/v)."""
-        seq_lens = torch.tensor([self.lens[r] + 1 for r in reqs])
-        pos = seq_lens - 1
-        loc = torch.stack([self.req_pool.req_to_token[r, int(p)] for r, p in zip(reqs, pos)]).long()
-        cos_sin = self.backend.model_rope_table[pos]
-        qkv = [
-            (
-                apply_rope(torch.randn(len(reqs), H_Q, D, generator=self.g), cos_sin).reshape(len(reqs), -1),
-                apply_rope(torch.randn(len(reqs), H_KV, D, generator=self.g), cos_sin),
-                torch.randn(len(reqs), H_KV, D, generator=self.g),
-            )
-            for _ in range(LAYERS)
-        ]
-        return dict(reqs=torch.tensor(reqs), seq_lens=seq_lens, positions=pos, out_cache_loc=loc, qkv=qkv)
-
-    def advance(self, reqs):
-        for r in reqs:
-            self.lens[r] += 1
-
-    def snapshot(self):
-        return (
-            [t.clone() for t in self.kv_pool.k_buffer], [t.clone() for t in self.kv_pool.v_buffer],
-            {lid: t.clone() for lid, t in self.backend.summaries.summaries.items()},
-        )
-
-    def restore(self, snap):
-        k, v, s = snap
-        for lid in range(LAYERS):
-            self.kv_pool.k_buffer[lid].copy_(k[lid])
-            self.kv_pool.v_buffer[lid].copy_(v[lid])
-            self.backend.summaries.summaries[lid].copy_(s[lid])
-
-
-def _fb(seq_lens, positions, reqs, loc, batch_size):
-    return SimpleNamespace(
-        forward_mode=ForwardMode.DECODE, batch_size=batch_size, seq_lens=seq_lens, seq_lens_cpu=seq_lens.clone(),
-        positions=positions, req_pool_indices=reqs, out_cache_loc=loc, encoder_lens=None,
-    )
-
-
-def _layers(rig, fb, qkv):
-    return [
-        rig.backend.forward_decode(q, k, v, layer, fb) for layer, (q, k, v) in zip(rig.layers, qkv)
-    ]
-
-
-def _spy_selection(rig):
-    """Keep the first sparse layer's selection tensor of each forward (at capture: the one replay writes)."""
-    seen = []
-    select = rig.backend.selector.select
-
-    def spy(gate, *args):
-        out = select(gate, *args)
-        if gate is rig.backend.gates[0]:
-            seen.append(out)
-        return out
-
-    rig.backend.selector.select = spy
-    return seen
-
-
-class Static:
-    """The graph runner's static input buffers for one captured batch size."""
-
-    def __init__(self, bs, fill):
-        self.bs, self.fill = bs, fill
-        self.seq_lens = torch.full((bs,), fill, dtype=torch.int64)
-        self.positions = torch.zeros(bs, dtype=torch.int64)
-        self.reqs = torch.zeros(bs, dtype=torch.int64)
-        self.loc = torch.zeros(bs, dtype=torch.int64)
-        self.qkv = [
-            (torch.zeros(bs, H_Q * D), torch.zeros(bs, H_KV, D), torch.zeros(bs, H_KV, D)) for _ in range(LAYERS)
-        ]
-
-    def load(self, inp):
-        """In-place copies, padded rows as SGLang pads them."""
-        n = len(inp["reqs"])
-        for buf, val, pad in (
-            (self.seq_lens, inp["seq_lens"], self.fill), (self.positions, inp["positions"], 0),
-            (self.reqs, inp["reqs"], 0), (self.loc, inp["out_cache_loc"], 0),
-        ):
-            buf[:n] = val
-            buf[n:] = pad
-        for (q, k, v), (q1, k1, v1) in zip(self.qkv, inp["qkv"]):
-            q[:n], k[:n], v[:n] = q1, k1, v1
-            q[n:], k[n:], v[n:] = 0, 0, 0
-
-    def fb(self):
-        return _fb(self.seq_lens, self.positions, self.reqs, self.loc, self.bs)
-
-
-def _capture(rig, static):
-    be = rig.backend
-    be.init_cuda_graph_state(MAX_BS, MAX_BS)
-    fb = static.fb()
-    be.init_forward_metadata_out_graph(fb, in_capture=True)
-    for _ in range(2):  # warm-ups: eager runs on the same plan, as SGLang does
-        be.init_forward_metadata_in_graph(fb)
-        _layers(rig, fb, static.qkv)
-    graph = CpuGraph()
-    with graph.capture():
-        be.init_forward_metadata_in_graph(fb)
-        outs = _layers(rig, fb, static.qkv)
-    return graph, outs
-
+from sas_backend.ops.rope import rope_cos_sin_table
 
 # Steps after the capture: lengths cross block boundaries (B = 8), requests leave and join,
 # fewer live requests than the captured batch size (padded rows).
@@ -214,12 +43,12 @@ def test_captured_decode_replays_like_eager(budget, sink, local, anchors):
         if r != 4:
             rig.add_request(r, n)
     static = Static(MAX_BS, rig.backend.get_cuda_graph_seq_len_fill_value())
-    selections = _spy_selection(rig)
+    selections = spy_selection(rig)
     # Capture on a batch unlike every later one (other lengths, positions and requests).
     cap = rig.step_inputs([3, 1])
     snap = rig.snapshot()
     static.load(cap)
-    graph, graph_outs = _capture(rig, static)
+    graph, graph_outs = capture(rig, static)
     graph_sel = selections[-1]
     rig.restore(snap)
 
@@ -233,9 +62,9 @@ def test_captured_decode_replays_like_eager(budget, sink, local, anchors):
         after_graph = rig.snapshot()
         # A fresh eager step on the same batch from the same state.
         rig.restore(before)
-        fb = _fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], n)
+        fb = decode_fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], n)
         rig.backend.init_forward_metadata(fb)
-        want = _layers(rig, fb, inp["qkv"])
+        want = decode_layers(rig, fb, inp["qkv"])
         for lid in range(LAYERS):
             torch.testing.assert_close(got[lid], want[lid], atol=1e-5, rtol=1e-5, msg=f"step {step} layer {lid}")
         if not rig.backend._plan.dense:  # a dense eager step selects nothing to compare with
@@ -310,7 +139,7 @@ def test_dense_below_captures_both_branches_and_replays_the_host_choice(monkeypa
     cap = rig.step_inputs([3, 1])  # 131 + 16 tokens: a sparse step
     snap = rig.snapshot()
     static.load(cap)
-    graph, graph_outs = _capture(rig, static)
+    graph, graph_outs = capture(rig, static)
     assert be._branch is not None and be._branch.value is True  # the sparse branch chosen ...
     assert dense.calls == 3 * LAYERS  # ... yet the dense one ran in both warm-ups and was captured
     rig.restore(snap)
@@ -329,9 +158,9 @@ def test_dense_below_captures_both_branches_and_replays_the_host_choice(monkeypa
         assert dense.planned == planned + short  # the dense plan only for a step that takes the dense branch
         kinds.append(short)
         rig.restore(before)
-        fb = _fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], n)
+        fb = decode_fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], n)
         be.init_forward_metadata(fb)
-        want = _layers(rig, fb, inp["qkv"])
+        want = decode_layers(rig, fb, inp["qkv"])
         assert be._plan.dense is short
         for lid in range(LAYERS):
             torch.testing.assert_close(got[lid], want[lid], atol=1e-5, rtol=1e-5, msg=f"step {step} layer {lid}")
@@ -382,13 +211,13 @@ def test_rope_table_reallocation_is_followed_eagerly_and_refused_after_capture()
     rotary = _live_rope_tables(be, MAX_CTX + 8)
     rig.add_request(0, 20)
     inp = rig.step_inputs([0])
-    fb = _fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], 1)
+    fb = decode_fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], 1)
     rotary.cos_sin_cache = rope_cos_sin_table(D, MAX_CTX + 64, 10000.0)  # grown before capture
     be.init_forward_metadata(fb)
     assert be.model_rope_table.shape[0] == MAX_CTX + 64 and be.gate_rope_table.shape == (MAX_CTX + 64, DG)
     static = Static(MAX_BS, be.get_cuda_graph_seq_len_fill_value())
     static.load(inp)
-    graph, graph_outs = _capture(rig, static)
+    graph, graph_outs = capture(rig, static)
     captured = (be.model_rope_table.data_ptr(), be.gate_rope_table.data_ptr())
 
     # Same length (SGLang's dtype cast): refilled in place, the graphs keep working.

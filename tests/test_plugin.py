@@ -89,7 +89,10 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--sas-budget", "100"], "multiple of the block size 64"),
         (["--page-size", "16"], "--page-size 64"),
         (["--sas-sink-blocks", "20", "--sas-budget", "512"], "exceed"),
-        (["--speculative-algorithm", "EAGLE"], "speculative decoding"),
+        (["--speculative-algorithm", "EAGLE"], "on CPU use --speculative-algorithm NGRAM"),
+        (["--speculative-algorithm", "NGRAM"], "--speculative-ngram-max-bfs-breadth 1 (got 10"),
+        (["--speculative-algorithm", "DFLASH"], "not supported with the sas backend"),
+        (["--enable-hierarchical-cache"], "hierarchical"),
         (["--sas-prompt-anchors", "2", "--enable-mixed-chunk"], "--enable-mixed-chunk"),
         (["--sas-prompt-anchors", "31", "--sas-budget", "2048", "--sas-sink-blocks", "1", "--sas-local-blocks", "1"],
          "prompt anchor"),
@@ -99,6 +102,51 @@ def test_refusals_are_messages(parse, clean_env, gate, argv, needle):
     with pytest.raises(SystemExit) as e:
         parse("--attention-backend", "sas", "--sas-gate", gate, *argv)
     assert needle in str(e.value)
+
+
+def test_ngram_chain_launch_is_accepted(parse, clean_env, gate):
+    args = parse("--attention-backend", "sas", "--sas-gate", gate, "--speculative-algorithm", "NGRAM",
+                 "--speculative-ngram-max-bfs-breadth", "1")
+    assert args.speculative_algorithm == "NGRAM" and args.page_size == 64
+
+
+def test_draft_model_launch_on_cuda_needs_a_chain_and_gets_a_dense_draft_backend():
+    """What check_launch decides on a CUDA launch (this machine has none, so called directly)."""
+    from types import SimpleNamespace
+
+    from sas_backend.speculative import SpeculativeConfigError, check_launch
+
+    for topk in (None, 4):
+        with pytest.raises(SpeculativeConfigError, match="--speculative-eagle-topk 1"):
+            check_launch(SimpleNamespace(speculative_algorithm="EAGLE", speculative_eagle_topk=topk), on_cuda=True)
+    args = SimpleNamespace(speculative_algorithm="STANDALONE", speculative_eagle_topk=1,
+                           speculative_draft_attention_backend=None)
+    check_launch(args, on_cuda=True)
+    assert args.speculative_draft_attention_backend == "flashinfer"
+    args = SimpleNamespace(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
+                           speculative_draft_attention_backend="fa3")
+    check_launch(args, on_cuda=True)
+    assert args.speculative_draft_attention_backend == "fa3"  # the user's choice is kept
+
+
+def test_ngram_padded_drafts_become_chains():
+    """NGRAM's C++ builder pads a short match with token-0 children of the root (a tree even at breadth 1); the
+    hook's masks are chains, as numpy (what the worker returns) and as torch."""
+    import numpy as np
+
+    from sas_backend.speculative import chain_masks
+
+    n = 4
+    padded = np.zeros((n, n), dtype=np.uint8)  # root, d1, then two pads hung off the root
+    for i, parents in enumerate([[0], [0, 1], [0, 2], [0, 3]]):
+        padded[i, parents] = 1
+    mask = np.concatenate([padded.reshape(-1), np.tril(np.ones((n, n), np.uint8)).reshape(-1)])
+    out = chain_masks(mask, n)
+    assert out.dtype == mask.dtype and out.shape == mask.shape
+    assert (out.reshape(2, n, n) == np.tril(np.ones((n, n), np.uint8))).all()
+    t = chain_masks(torch.from_numpy(mask).bool(), n)
+    chain = torch.ones(n, n, dtype=torch.bool).tril()
+    assert t.dtype == torch.bool and torch.equal(t.view(2, n, n), chain.expand(2, n, n))
 
 
 def test_missing_gate_dir_is_refused(parse, clean_env, tmp_path):
@@ -126,7 +174,8 @@ def test_config_validation_rules():
         SASConfig(selector="gate").validate()
     # Who runs CPU extend attention: ours by default, SGLang's on request, nothing else.
     assert SASConfig(selector="quest").cpu_extend == "sas"
-    assert SASConfig.from_env({"SAS_SELECTOR": "quest", "SAS_CPU_EXTEND": "torch_native"}).validate().cpu_extend == "torch_native"
+    cfg = SASConfig.from_env({"SAS_SELECTOR": "quest", "SAS_CPU_EXTEND": "torch_native"}).validate()
+    assert cfg.cpu_extend == "torch_native"
     with pytest.raises(SASConfigError, match="SAS_CPU_EXTEND must be one of sas, torch_native"):
         SASConfig(selector="quest", cpu_extend="flash").validate()
 
@@ -281,7 +330,8 @@ def test_budget_and_forced_blocks_default_from_the_gate(parse, clean_env, tmp_pa
     pinned in the environment, so every scheduler process serves the same K."""
     gate = _gate_with_serving(tmp_path, {"budget": 1024, "sink_blocks": 1, "local_blocks": 2})
     parse("--attention-backend", "sas", "--sas-gate", gate)
-    assert (os.environ["SAS_BUDGET"], os.environ["SAS_SINK_BLOCKS"], os.environ["SAS_LOCAL_BLOCKS"]) == ("1024", "1", "2")
+    pinned = (os.environ["SAS_BUDGET"], os.environ["SAS_SINK_BLOCKS"], os.environ["SAS_LOCAL_BLOCKS"])
+    assert pinned == ("1024", "1", "2")
     cfg = SASConfig.for_serving()
     assert (cfg.budget, cfg.top_k, cfg.sink_blocks, cfg.local_blocks) == (1024, 16, 1, 2)
 

@@ -48,14 +48,15 @@ class DecodeStep:
     dense attention is exactly what selection would attend (tests: the sparse path itself is checked);
     workspace: a float workspace FlashInfer may share; chunk / target_programs: the fused launches' split
     sizes (`ops.decode_step.DecodeStepWorkspace`; None: the defaults); launch: their `LaunchOptions` (PDL,
-    warps); gate_dtype: what the fused front reads the gate weights in (bf16: copies made by `attach_gates`).
+    warps); gate_dtype: what the fused front reads the gate weights in (bf16: copies made by `attach_gates`);
+    rows_per_request: decode rows a request may bring to one step (n draft tokens of a speculative verify).
     """
 
     def __init__(self, selector, geometry: fused.StepGeometry, req_to_token: torch.Tensor, device, q_dtype,
                  kv_dtype, scaling: float, kernels: str = "torch", attention: str = "torch", dense_below: int = 0,
                  force_sparse: bool = False, workspace: Optional[torch.Tensor] = None, chunk: Optional[int] = None,
                  target_programs: Optional[int] = None, launch: Optional[fused.LaunchOptions] = None,
-                 gate_dtype: torch.dtype = torch.float32):
+                 gate_dtype: torch.dtype = torch.float32, rows_per_request: int = 1):
         if kernels not in KERNELS or attention not in ATTENTIONS:
             raise ValueError(f"kernels must be one of {KERNELS}, attention one of {ATTENTIONS}")
         self.device = torch.device(device)
@@ -79,17 +80,17 @@ class DecodeStep:
             raise ValueError(f"gate_dtype {gate_dtype} needs kernels='triton' (only the fused front reads a copy)")
         self.gate_dtype = gate_dtype
         self._front_weights: dict = {}  # id(gate) -> (w_q, q_norm, w_k, k_norm) in gate_dtype
-        max_reqs = req_to_token.shape[0]
+        max_rows = req_to_token.shape[0] * max(1, int(rows_per_request))  # most decode rows of a step
         self.fused_ws = None
         if kernels == "triton" or attention == "triton":
-            self.fused_ws = fused.DecodeStepWorkspace(geometry, min(max_reqs, FUSED_MAX_ROWS), self.max_blocks,
+            self.fused_ws = fused.DecodeStepWorkspace(geometry, min(max_rows, FUSED_MAX_ROWS), self.max_blocks,
                                                       self.device, chunk=chunk, target_programs=target_programs,
                                                       launch=launch)
         # The per-op attention: every step when attention is not "triton", else batches past the workspace.
         self.sparse_decode = make_sparse_decode(
             self.device, geometry.num_kv_heads, geometry.group, geometry.head_dim, self.top_k, self.block_size,
-            max_rows=max_reqs * geometry.num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype, workspace=workspace,
-        ) if attention != "triton" or max_reqs > FUSED_MAX_ROWS else None
+            max_rows=max_rows * geometry.num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype, workspace=workspace,
+        ) if attention != "triton" or max_rows > FUSED_MAX_ROWS else None
         self.buffers: Optional[StepBuffers] = None
         self.last_selected: Optional[torch.Tensor] = None  # the last run's selection (debug log, tests)
 
@@ -142,15 +143,17 @@ class DecodeStep:
                                    gate_table, self.block_size, max_blocks)
 
     def plan(self, positions, seq_lens, req_pool_indices, seq_lens_cpu: torch.Tensor, model_table, gate_table,
-             graph_bs: Optional[int] = None, branched: bool = False) -> DecodePlan:
+             graph_bs: Optional[int] = None, branched: bool = False, short: Optional[bool] = None) -> DecodePlan:
         """The frozen plan of one decode batch, from the host lengths (never a device-to-host copy).
 
         graph_bs: the captured batch size (capture and replay: fixed shapes, the state is filled in the
         graph by `fill`); branched: the captured step holds both a sparse and a dense branch
-        (`--sas-dense-below` with IF nodes), so `dense` names the branch this replay takes.
+        (`--sas-dense-below` with IF nodes), so `dense` names the branch this replay takes; short: the
+        `short_step` decision when the caller made it on other lengths (a verify step: its requests', not its
+        decode rows').
         """
         bs = seq_lens.shape[0]
-        short = self.short_step(seq_lens_cpu)
+        short = self.short_step(seq_lens_cpu) if short is None else short
         if graph_bs is not None:
             if self.buffers is None:
                 raise RuntimeError("sas: init_graph_state must run before a captured decode step")

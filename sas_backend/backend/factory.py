@@ -15,6 +15,7 @@ from sas_backend.backend.model_checks import (
 )
 from sas_backend.backend.rope_tables import RopeTables
 from sas_backend.backend.sas_attention import SASAttnBackend
+from sas_backend.backend.verify_rows import draft_tokens_from_args
 from sas_backend.config import SASConfig, SASConfigError
 from sas_backend.gate.checkpoint import load_gate_checkpoint, shard_for_tp, validate_for_geometry, weights_sha256
 from sas_backend.gate.module import gates_from_tensors
@@ -122,6 +123,10 @@ def check_gate_rope_formula(model_table: torch.Tensor, geometry: ModelGeometry, 
 
 def create_sas_backend(runner) -> SASAttnBackend:
     """Factory registered as attention backend "sas" (runs in each scheduler/TP process)."""
+    if getattr(runner, "is_draft_worker", False):
+        # The gate and summary pool are the target model's; the small draft model attends densely.
+        raise SASConfigError("the sas backend serves the target model only; the draft model needs a dense backend: "
+                             "--speculative-draft-attention-backend flashinfer (sas sets it when not given)")
     cfg = SASConfig.for_serving()
     device = torch.device(runner.device)
     page_size = runner.page_size or 1
@@ -197,6 +202,7 @@ def create_sas_backend(runner) -> SASAttnBackend:
         num_kv_heads=kv_local,
         num_q_heads=q_local,
         head_dim=geo.head_dim,
+        draft_tokens=draft_tokens_from_args(runner.server_args),
     )
     backend.rope_tables = rope  # the live tables, for a backend that follows table replacement
     backend.kv_head_offset = tp_rank * kv_local

@@ -92,6 +92,7 @@ def sas_memory(
     decode_step_bytes: int = 0,
     front_gate_bytes: int = 0,
     anchor_scratch_bytes: int = 0,
+    rows_per_request: int = 1,
 ) -> SASMemory:
     """The sas backend's allocation on one rank (see the module doc for each term).
 
@@ -109,7 +110,8 @@ def sas_memory(
     batches larger than the fused path serves); decode_step_bytes: the fused kernels' workspace
     (`decode_step_workspace_bytes`); front_gate_bytes: bytes per element of the fused front's copy of the gate
     weights (2 under `--sas-gate-dtype bf16`; 0: it reads the gate itself); anchor_scratch_bytes: the prompt
-    anchors' scratch at extend (`ops.anchors.anchor_scratch_bytes`, one layer at a time).
+    anchors' scratch at extend (`ops.anchors.anchor_scratch_bytes`, one layer at a time); rows_per_request: decode
+    rows a request brings to one step (n draft tokens under speculative decoding: a verify step).
     """
     from sas_backend.ops.gather import row_capacity
     from sas_backend.ops.sparse_decode.flashinfer import WORKSPACE_BYTES, WRAPPER_INT_WORKSPACE_BYTES
@@ -117,7 +119,8 @@ def sas_memory(
     per_page = num_sparse_layers * num_kv_heads * (gate_dim if summary_dim is None else summary_dim) * summary_bytes
     fixed = {"summary padding page": per_page}
     if head_dim and gate_dim:
-        per_layer = num_kv_heads * group_size * head_dim * gate_dim + num_kv_heads * 3 * head_dim * gate_dim + 2 * gate_dim
+        per_layer = (num_kv_heads * group_size * head_dim * gate_dim + num_kv_heads * 3 * head_dim * gate_dim
+                     + 2 * gate_dim)
         fixed["gate weights"] = num_sparse_layers * per_layer * 4
         if front_gate_bytes:
             fixed["gate weights (front copy)"] = num_sparse_layers * per_layer * front_gate_bytes
@@ -132,7 +135,7 @@ def sas_memory(
     if decode_step_bytes:
         fixed["decode step workspace"] = decode_step_bytes
     if on_cuda and flashinfer_attention:
-        rows = (max_reqs + 1) * num_kv_heads
+        rows = (max_reqs + 1) * rows_per_request * num_kv_heads
         fixed["kv indices"] = rows * row_capacity(top_k, block_size) * 4
         fixed["kv indptr"] = (rows + 1) * 4
         fixed["flashinfer last page len"] = rows * 4
@@ -143,7 +146,8 @@ def sas_memory(
 
 def decode_step_workspace_bytes(num_kv_heads: int, group_size: int, head_dim: int, gate_dim: int, top_k: int,
                                 block_size: int, max_reqs: int, context_len: int, on_cuda: bool,
-                                chunk: Optional[int] = None, target_programs: Optional[int] = None) -> int:
+                                chunk: Optional[int] = None, target_programs: Optional[int] = None,
+                                rows_per_request: int = 1) -> int:
     """Device bytes of the fused decode step's workspace (`backend.decode_step.DecodeStep.fused_ws`), sized as the
     backend sizes it (built on `meta`: nothing is allocated)."""
     from sas_backend.backend.decode_step import FUSED_MAX_ROWS
@@ -151,8 +155,9 @@ def decode_step_workspace_bytes(num_kv_heads: int, group_size: int, head_dim: in
                                              DecodeStepWorkspace, StepGeometry)
 
     geo = StepGeometry(num_kv_heads, group_size, head_dim, head_dim, max(gate_dim, 2), top_k, block_size)
-    ws = DecodeStepWorkspace(geo, min(max_reqs + 1, FUSED_MAX_ROWS), context_len // block_size, "meta", chunk=chunk,
-                             target_programs=target_programs or (GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS),
+    programs = target_programs or (GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS)
+    ws = DecodeStepWorkspace(geo, min((max_reqs + 1) * rows_per_request, FUSED_MAX_ROWS), context_len // block_size,
+                             "meta", chunk=chunk, target_programs=programs,
                              qchunk=GPU_QCHUNK if on_cuda else None, kchunk=GPU_KCHUNK if on_cuda else None)
     return ws.nbytes
 
@@ -196,7 +201,8 @@ def rope_table_positions(server_args, model_config, max_position_embeddings: Opt
     steps = int(getattr(server_args, "speculative_num_steps", None) or 0)
     draft = int(getattr(server_args, "speculative_num_draft_tokens", None) or 0)
     align = envs.SGLANG_ROPE_CACHE_ALIGN.get()
-    reserve = base + steps * draft * envs.SGLANG_SPEC_EXPANSION_SAFETY_FACTOR.get() + envs.SGLANG_ROPE_CACHE_SAFETY_MARGIN.get()
+    reserve = (base + steps * draft * envs.SGLANG_SPEC_EXPANSION_SAFETY_FACTOR.get()
+               + envs.SGLANG_ROPE_CACHE_SAFETY_MARGIN.get())
     reserve = (reserve + align - 1) // align * align
     return max(int(max_position_embeddings or 0), reserve)
 
@@ -270,7 +276,8 @@ def memory_for_sglang(owner) -> tuple:
     from sas_backend.selection import SelectionRule, make_selector
 
     gate_dim = load_gate_checkpoint(cfg.gate_path)[0].gate_dim if cfg.selector == "gate" else 0
-    summary_dim = make_selector(cfg.selector, SelectionRule(cfg.top_k, cfg.block_size)).summary_dim(geo.head_dim, gate_dim)
+    selector = make_selector(cfg.selector, SelectionRule(cfg.top_k, cfg.block_size))
+    summary_dim = selector.summary_dim(geo.head_dim, gate_dim)
     on_cuda = torch.device(owner.device).type == "cuda"
     max_reqs = getattr(server_args, "max_running_requests", None) or SGLANG_MAX_REQS_ESTIMATE_CAP
     from sas_backend.backend.decode_step import FUSED_MAX_ROWS
@@ -279,11 +286,14 @@ def memory_for_sglang(owner) -> tuple:
 
     settings = resolve(cfg, owner.device, device_name(owner.device))
     context_len = rope_table_positions(server_args, owner.model_config, geo.max_position_embeddings)
+    from sas_backend.backend.verify_rows import draft_tokens_from_args
+
+    rows_per_request = max(1, draft_tokens_from_args(server_args))  # a verify step: n decode rows a request
     fused_bytes = 0
     if settings.kernels == "triton" or settings.attention == "triton":
         fused_bytes = decode_step_workspace_bytes(kv_heads, geo.group_size, geo.head_dim, gate_dim, cfg.top_k,
                                                   cfg.block_size, max_reqs, context_len, on_cuda,
-                                                  settings.select_chunk, settings.target_programs)
+                                                  settings.select_chunk, settings.target_programs, rows_per_request)
     mem = sas_memory(
         num_sparse_layers=geo.num_layers - cfg.first_sparse_layer,
         num_kv_heads=kv_heads,
@@ -301,7 +311,8 @@ def memory_for_sglang(owner) -> tuple:
         model_rope_copied=model_rope_table_is_copied(on_cuda, getattr(owner.model_config, "dtype", torch.float32)),
         prompt_anchors=cfg.prompt_anchors or 0,
         summary_bytes=torch.empty(0, dtype=settings.summary_dtype).element_size(),
-        flashinfer_attention=settings.attention != "triton" or max_reqs + 1 > FUSED_MAX_ROWS,
+        flashinfer_attention=settings.attention != "triton" or (max_reqs + 1) * rows_per_request > FUSED_MAX_ROWS,
+        rows_per_request=rows_per_request,
         decode_step_bytes=fused_bytes,
         anchor_scratch_bytes=anchor_scratch_bytes(kv_heads, geo.group_size, geo.head_dim, kv_elem, cfg.block_size,
                                                   context_len) if cfg.prompt_anchors else 0,

@@ -28,6 +28,8 @@ from sas_backend.backend.decode_step import DecodeStep
 from sas_backend.backend.graph_branch import BranchFlags, captured_if, capturing, conditional_nodes_supported
 from sas_backend.backend.kv_write import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
+from sas_backend.backend import verify_rows
+from sas_backend.backend.verify_rows import check_chain, draft_tokens
 from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
 from sas_backend.ops.anchors import extend_anchors
@@ -65,7 +67,9 @@ class SASAttnBackend(AttentionBackend):
 
     gates: `{layer_id: AttnGate}` for every sparse layer (values None under a training-free
     selector, `cfg.selector`); layers not in it decode densely. settings: the decode step's resolved
-    settings (`backend.step_settings.resolve`; None: resolved here from cfg and the device).
+    settings (`backend.step_settings.resolve`; None: resolved here from cfg and the device). draft_tokens: n of
+    `--speculative-num-draft-tokens` when speculative decoding is on (a verify step decodes n rows a request;
+    0: off).
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class SASAttnBackend(AttentionBackend):
         num_q_heads: int,
         head_dim: int,
         settings: Optional[StepSettings] = None,
+        draft_tokens: int = 0,
     ):
         super().__init__()
         self.inner = inner
@@ -127,7 +132,8 @@ class SASAttnBackend(AttentionBackend):
                 lid: torch.full((max_reqs, num_kv_heads, self.anchor_count), -1, dtype=torch.int32, device=self.device)
                 for lid in sorted(gates)
             }
-        self._extend_last = None  # (req rows, flat q indices, seq lens, longest) of the extend's last tokens, for anchors
+        # (req rows, flat q indices, seq lens, longest) of the extend's last tokens, for anchors
+        self._extend_last = None
         v_dim = self.token_to_kv_pool.get_value_buffer(min(gates)).shape[-1]
         geometry = StepGeometry(num_kv_heads, num_q_heads // num_kv_heads, head_dim, v_dim,
                                 max(gate_rope_table.shape[-1], 2), self.top_k, self.block_size)
@@ -141,8 +147,10 @@ class SASAttnBackend(AttentionBackend):
             # same time as ours, so one buffer serves both (backend/memory.py counts it so).
             workspace=getattr(inner, "workspace_buffer", None),
             chunk=settings.select_chunk, target_programs=settings.target_programs, launch=settings.launch,
-            gate_dtype=settings.gate_dtype,
+            gate_dtype=settings.gate_dtype, rows_per_request=max(1, int(draft_tokens)),
         )
+        self.draft_tokens = int(draft_tokens)
+        self._verify_buffers = None  # captured verify steps: persistent decode-row lengths and req rows
         self.step.attach_gates(gates)
         self.selector = selector
         # Set by the factory: the live RoPE tables (SGLang may replace its cos_sin_cache; see
@@ -187,9 +195,11 @@ class SASAttnBackend(AttentionBackend):
         """Eager step (no CUDA graph): plan and step state from the live batch."""
         self._follow_rope_tables()
         mode = forward_batch.forward_mode
-        if mode.is_decode():
+        if mode.is_decode() or mode.is_target_verify():
+            if mode.is_target_verify() and not self.on_device:
+                check_chain(forward_batch, draft_tokens(forward_batch))
             self._plan = self._plan_decode(forward_batch, graph_bs=None)
-            self._extend_blocks = None
+            self._extend_blocks = self._extend_reqs = self._extend_last = None
             # The wrapped backend's decode metadata (on CUDA a full-KV plan) is read only by dense
             # layers: those below first_sparse_layer, or all of them in a dense step.
             if self.cfg.first_sparse_layer > 0 or self._plan.dense:
@@ -217,7 +227,10 @@ class SASAttnBackend(AttentionBackend):
         # The wrapped backend's graph buffers serve only dense layers and the dense branch: none without.
         if self._inner_in_graphs():
             self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
-        self.step.init_graph_state(max_bs, self.head_dim, self.gate_rope_table.shape[-1])
+        # A captured verify step has n decode rows a request: the step buffers hold max_num_tokens rows.
+        rows = max(max_bs, max_num_tokens if self.draft_tokens else max_bs)
+        self.step.init_graph_state(rows, self.head_dim, self.gate_rope_table.shape[-1])
+        self._verify_buffers = verify_rows.VerifyRowBuffers(rows, self.device) if self.draft_tokens else None
 
     def get_cuda_graph_seq_len_fill_value(self):
         # A padded row of length 1 attends one real slot (its current block): always well defined.
@@ -230,7 +243,7 @@ class SASAttnBackend(AttentionBackend):
         if self.cfg.first_sparse_layer > 0 or (self._branch is not None and (
                 in_capture or self.step.short_step(self._host_seq_lens(forward_batch)))):
             self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        if not forward_batch.forward_mode.is_decode():
+        if not (forward_batch.forward_mode.is_decode() or forward_batch.forward_mode.is_target_verify()):
             # The extend path plans on the host per batch (which blocks complete): it runs eagerly,
             # as under SGLang's default breakable prefill graphs, never inside a full prefill graph.
             raise NotImplementedError(
@@ -248,6 +261,9 @@ class SASAttnBackend(AttentionBackend):
         """Captured: recompute the step's device state into the persistent buffers."""
         if self._inner_in_graphs():
             self.inner.init_forward_metadata_in_graph(forward_batch)
+        if forward_batch.forward_mode.is_target_verify():  # the decode rows' lengths and req rows, captured
+            verify_rows.expand(forward_batch.seq_lens, forward_batch.req_pool_indices, draft_tokens(forward_batch),
+                               out=(self._plan.step.seq_lens, self._plan.step.req_pool_indices))
         self.step.fill(self._plan, self.model_rope_table, self.gate_rope_table)
 
     @staticmethod
@@ -262,14 +278,32 @@ class SASAttnBackend(AttentionBackend):
         return seq_lens_cpu.to(torch.int64)
 
     def _plan_decode(self, fb, graph_bs) -> DecodePlan:
-        """Host part of a decode step (outside any CUDA graph): the step object's frozen plan."""
-        plan = self.step.plan(fb.positions, fb.seq_lens, fb.req_pool_indices, self._host_seq_lens(fb),
-                              self.model_rope_table, self.gate_rope_table, graph_bs=graph_bs,
-                              branched=self._branch is not None)
+        """Host part of a decode or verify step (outside any CUDA graph): the step object's frozen plan. A verify
+        batch's n draft rows per request are planned as n decode rows at their own positions (verify_rows.py)."""
+        host = self._host_seq_lens(fb)
+        seq_lens, reqs, rows_host = fb.seq_lens, fb.req_pool_indices, host
+        if fb.forward_mode.is_target_verify():
+            n = draft_tokens(fb)
+            if fb.positions.shape[0] != fb.seq_lens.shape[0] * n:  # shapes only: no sync
+                raise RuntimeError(f"sas: a verify batch of {fb.seq_lens.shape[0]} requests has "
+                                   f"{fb.positions.shape[0]} draft rows, not {n} a request (ragged verify batches "
+                                   "are not supported)")
+            rows_host = verify_rows.expand_host(host, n)
+            if graph_bs is None:
+                seq_lens, reqs = verify_rows.expand(fb.seq_lens, fb.req_pool_indices, n)
+            else:  # filled inside the graph (init_forward_metadata_in_graph)
+                graph_bs *= n
+                if self._verify_buffers is None or self._verify_buffers.lens.shape[0] < graph_bs:
+                    raise RuntimeError(f"sas: a captured verify step of {graph_bs} rows exceeds the "
+                                       "init_cuda_graph_state buffers")
+                seq_lens, reqs = self._verify_buffers.view(graph_bs)
+        plan = self.step.plan(fb.positions, seq_lens, reqs, rows_host, self.model_rope_table, self.gate_rope_table,
+                              graph_bs=graph_bs, branched=self._branch is not None,
+                              short=self.step.short_step(host))
         if graph_bs is not None and self._branch is not None:
             # Both branches are captured; the sparse one reads this plan, the dense one the wrapped
             # backend's (planned in out_graph), and the flags pick one per replay.
-            self._branch.set(not self.step.short_step(self._host_seq_lens(fb)))
+            self._branch.set(not self.step.short_step(host))
         return plan
 
     def _plan_extend(self, fb):
@@ -362,6 +396,8 @@ class SASAttnBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if forward_batch.forward_mode.is_target_verify():
+            return self._verify(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if self._extend_reqs is not None and not kwargs and self._plain_causal(layer):
             out = self._own_extend(q, k, v, layer, forward_batch, save_kv_cache)
         else:
@@ -380,6 +416,18 @@ class SASAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if layer.layer_id not in self.gates:  # a dense layer (below first_sparse_layer)
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        return self._decode_rows(q, k, v, layer, forward_batch, save_kv_cache, self.inner.forward_decode, **kwargs)
+
+    def _verify(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """A speculative verify forward (TARGET_VERIFY): its bs * n draft rows decode as bs * n decode steps at
+        their own positions (verify_rows.py); dense layers and dense steps through the wrapped backend's verify."""
+        if layer.layer_id not in self.gates:
+            return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        return self._decode_rows(q, k, v, layer, forward_batch, save_kv_cache, self.inner.forward_extend, **kwargs)
+
+    def _decode_rows(self, q, k, v, layer, forward_batch, save_kv_cache, dense_forward, **kwargs):
+        """One sparse layer of a decode or verify step: K/V written, then the planned step (dense_forward: the
+        wrapped backend's attention of the same batch, for dense steps)."""
         gate = self.gates[layer.layer_id]  # None for the training-free selectors
         plan = self._plan
         lid = layer.layer_id
@@ -389,11 +437,12 @@ class SASAttnBackend(AttentionBackend):
         v_buffer = self.token_to_kv_pool.get_value_buffer(lid)
         summaries = self.summaries[lid]
         if plan.graph and self._branch is not None:
-            return self._branched_decode(q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer, **kwargs)
+            return self._branched_decode(q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer,
+                                         dense_forward, **kwargs)
         if plan.dense:
             # The summary of a block this token completed is still due (the next steps select from it).
             self.step.update_summaries(plan, gate, k_buffer, summaries, self.model_rope_table, self.gate_rope_table)
-            return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
+            return dense_forward(q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
         return self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer)
 
     def _sparse_attention(self, q, layer, gate, summaries, k_buffer, v_buffer, update=True) -> torch.Tensor:
@@ -407,7 +456,8 @@ class SASAttnBackend(AttentionBackend):
             self._debug_record(plan, self.step.last_selected)
         return out.reshape(plan.bs, layer.tp_q_head_num * layer.v_head_dim)
 
-    def _branched_decode(self, q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer, **kwargs):
+    def _branched_decode(self, q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer, dense_forward,
+                         **kwargs):
         """A captured step with --sas-dense-below: the sparse and the dense attention as two IF nodes
         (`backend/graph_branch.py`) writing one buffer; the flags set in out_graph pick one per replay."""
         plan = self._plan
@@ -417,7 +467,7 @@ class SASAttnBackend(AttentionBackend):
         out = q.new_empty(plan.bs, layer.tp_q_head_num * layer.v_head_dim)  # made before the bodies: read after
 
         def dense():
-            return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
+            return dense_forward(q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
 
         if capturing():
             with captured_if(self._branch.first):

@@ -74,7 +74,9 @@ def resolve(cfg, device: torch.device, device_name: str = "", table: Optional[di
 
         raise SASConfigError("--sas-attention flashinfer needs a CUDA device; on CPU use triton (under "
                              "TRITON_INTERPRET=1) or leave it to auto")
-    dtype = cfg.summary_dtype if cfg.summary_dtype != "auto" else (entry.get("summary_dtype", "fp32") if cuda else "fp32")
+    dtype = cfg.summary_dtype
+    if dtype == "auto":
+        dtype = entry.get("summary_dtype", "fp32") if cuda else "fp32"
     gate_dtype = cfg.gate_dtype if cfg.gate_dtype != "auto" else (entry.get("gate_dtype", "fp32") if cuda else "fp32")
     if gate_dtype == "bf16" and kernels != "triton":
         if cfg.gate_dtype == "bf16":

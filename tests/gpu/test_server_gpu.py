@@ -41,8 +41,8 @@ def prompts(request):
         rng = random.Random(0)
         head = [rng.randrange(100, 32000) for _ in range(640)]
         return [head + [rng.randrange(100, 32000) for _ in range(n - len(head))] for n in PROMPT_LENGTHS]
-    essay_ids = request.getfixturevalue("essay_ids")
-    return [essay_ids[2000 + 5 * n : 2000 + 5 * n + n] for n in PROMPT_LENGTHS]
+    ids = request.getfixturevalue("essay_ids")
+    return [ids[2000 + 5 * n : 2000 + 5 * n + n] for n in PROMPT_LENGTHS]
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +116,30 @@ def test_capture_memory_within_the_reservation(serve):
     assert reserved_gb > 0
     assert abs(pool_gap - reserved_gb) <= 0.05 + 0.02 * reserved_gb  # the pool shrank by R
     assert capture_gap >= -0.1  # sas used no more than R beside the pool (0.1 GB: in-graph scratch)
+
+
+def test_standalone_speculation_with_sparse_verify_equals_sas_without(serve, request, prompts):
+    """Speculative decoding on CUDA (issue 49): STANDALONE with the target model as its own draft (dense
+    FlashInfer for the draft, which sas sets), chain drafts of 4, CUDA graphs on (SGLang then captures the verify
+    step). Every verify row decodes as the sas decode step at its position: the greedy tokens are those of the
+    same sas server without speculation, within compare.BF16_GPU; and speculation happened (accepted drafts)."""
+    import requests
+
+    model = GPU_MODEL or request.getfixturevalue("model_dir")
+    gate = GPU_GATE or request.getfixturevalue("shipped_gate")
+    plain, _ = serve("sas", *SPARSE)
+    spec_args = ["--page-size", "64", *SERVER_FLAGS, *SPARSE, "--sas-gate", str(gate),
+                 "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(model),
+                 "--speculative-eagle-topk", "1", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4"]
+    with Server(model, backend="sas", extra_args=spec_args) as s:
+        spec = [generate(s.url, p, NEW_TOKENS) for p in prompts]
+        body = {"input_ids": prompts[-1], "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0,
+                                                               "ignore_eos": True}}
+        meta = requests.post(f"{s.url}/generate", json=body, timeout=600).json()["meta_info"]
+        log = s.log_text()
+    assert "Capture" in log and "Overriding draft attention backend to flashinfer" in log  # SGLang, draft runner
+    print(f"\nSTANDALONE on sas: accept length {meta.get('spec_accept_length')}, verify steps "
+          f"{meta.get('spec_verify_ct')}, drafts {meta.get('spec_num_correct_drafts')}/"
+          f"{meta.get('spec_num_proposed_drafts')}")
+    _assert_same_greedy(plain, spec, "sas + STANDALONE (graphs) vs sas")
+    assert meta.get("spec_verify_ct", 0) > 0 and meta.get("spec_num_correct_drafts", 0) > 0, meta

@@ -6,8 +6,8 @@ DESIGN.md's selection rule picks at that position. The rule is stated below, sho
 ("The selector (AttnGate)", "Selection semantics at decode"; the training-free selectors and prompt anchors,
 which DESIGN.md leaves open, from docs/design.md's "Selection semantics" and "Selectors"); nothing of sas_backend is
 imported (no selector, op, gate module or RoPE table of the code under test): the gate's tensors are read from
-its gate.safetensors with safetensors, the model is plain transformers, the rest is torch. A selection bug in sas_backend therefore
-shows up as a difference here instead of being shared.
+its gate.safetensors with safetensors, the model is plain transformers, the rest is torch. A selection bug in
+sas_backend therefore shows up as a difference here instead of being shared.
 
 The rule, per layer, request and kv head h, for the query at position p (block size b, budget B):
 - candidates: the n = p // b complete blocks before the query's own block; K = B // b of them are attended,

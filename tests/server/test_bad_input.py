@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
 import requests
 
 from sas_backend.server_harness import complete, launch_expect_failure

@@ -134,7 +134,8 @@ def test_abort_between_prefill_and_first_decode(essay_ids, fault_server, probe):
         out=requests.post(f"{fault_server.url}/generate", json=body, timeout=600).json()))
     t.start()
     _wait_for(fault_server, offset, r"Prefill batch, #new-seq: 2")  # B and A's first chunk, together
-    assert requests.post(f"{fault_server.url}/abort_request", json={"rid": "sas-abort-b"}, timeout=60).status_code == 200
+    aborted = requests.post(f"{fault_server.url}/abort_request", json={"rid": "sas-abort-b"}, timeout=60)
+    assert aborted.status_code == 200
     aborted_at = len(fault_server.log_text())
     t.join(600)
     meta_b, meta_a = (r["meta_info"] for r in result["out"])
