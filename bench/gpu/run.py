@@ -92,7 +92,7 @@ class Step:
 
 PYTEST = ["{py}", "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
 TIER1_TESTS = ["tests/ops", "tests/training/test_gated_attention.py", "tests/gpu/test_flashinfer_sparse_decode.py",
-               "tests/test_graph_branch.py"]
+               "tests/test_graph_branch.py", "tests/gpu/test_sas_training_gpu.py"]
 TIER2_TESTS = ["tests/gpu/test_server_gpu.py", "tests/gpu/test_decode_step_gpu.py"]
 TEST_MODEL, BENCH_MODEL = "{work}/models/qwen3-4b-4l", "{work}/models/qwen3-4b-shape"
 SERVER_TEST_FLAGS = "--chunked-prefill-size 1024 --grammar-backend none --cuda-graph-max-bs 8"
@@ -162,7 +162,7 @@ def tier_steps(tier: str, quick: bool) -> list:
                  ["{py}", "bench/gpu/make_model.py", "--out", "{work}/models/tiny", "--tiny", "--weights", "--check"]),
             Step("make-bench-model", ["{py}", "bench/gpu/make_model.py", "--out", BENCH_MODEL], 0.3,
                  ["{py}", "bench/gpu/make_model.py", "--out", "{work}/models/tiny-dummy", "--tiny", "--check"]),
-            Step("server-tests", [*PYTEST, "--junitxml", "{work}/server-tests.xml", *TIER2_TESTS], 6.0,
+            Step("server-tests", [*PYTEST, "--junitxml", "{work}/server-tests.xml", *TIER2_TESTS], 7.0,
                  [*PYTEST, "--collect-only", *TIER2_TESTS], env=model_env, needs=("make-test-model",)),
             Step("e2e-decode", e2e_argv(BENCH_MODEL, contexts), 5.0,
                  e2e_argv("{work}/models/tiny-dummy", contexts, dry=True), produces=("e2e",),
