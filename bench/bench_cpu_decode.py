@@ -260,7 +260,14 @@ def markdown(rows: list[dict], budgets: list[int]) -> str:
 
 
 def plot(rows: list[dict], budgets: list[int], batches: list[int], path: pathlib.Path, title: str) -> None:
-    import matplotlib
+    """The latency plot, when matplotlib is installed; else a message saying how to get it (the JSON and the
+    table are written already)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"[bench] no plot ({path.name}): matplotlib is not installed; pip install matplotlib, or in a clone "
+              "SAS_EXTRAS=bench bash serve/install.sh", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

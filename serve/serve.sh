@@ -86,7 +86,7 @@ cat <<MSG
 [serve] sas backend serving model "$name" ($model) at $url   (SAS config: $url/sas/info)
 [serve] try:
   curl -s $url/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{"model": "$name", "messages": [{"role": "user", "content": "Name three primes."}], "max_tokens": 32}'
+    -d '{"model": "$name", "messages": [{"role": "user", "content": "Name three primes."}], "max_tokens": 32, "temperature": 0}'
 [serve] Ctrl-C stops it.
 MSG
 wait $server
