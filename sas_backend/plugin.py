@@ -143,6 +143,10 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
         from sas_backend.info import sas_info
 
         sas_info()
+    if cfg.selector == "gate":
+        from sas_backend.gate.gate_file import open_gate
+
+        open_gate(cfg.gate_path).release_tensors()  # checked and hashed: the launcher needs no tensors
     if not page_size_given:
         args.page_size = cfg.block_size
         logger.info("sas: page size set to the SAS block size %d", cfg.block_size)
@@ -200,14 +204,15 @@ def _check_gate_fits(cfg: SASConfig, model_path) -> None:
     The scheduler checks again (it is the only check for the offline Engine API); this one
     spares the user the model load before the error.
     """
-    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_geometry
+    from sas_backend.gate.checkpoint import validate_for_geometry
+    from sas_backend.gate.gate_file import open_gate
     from sas_backend.geometry import ModelGeometry
 
     if cfg.selector != "gate":  # training-free selectors read no checkpoint
         return
     if not os.path.isdir(cfg.gate_path):
         raise SASConfigError(f"gate checkpoint directory {cfg.gate_path!r} does not exist")
-    gate_cfg, layers = load_gate_checkpoint(cfg.gate_path)  # GateCheckpointError is a ValueError
+    gate_cfg, layers = open_gate(cfg.gate_path).loaded()  # GateCheckpointError is a ValueError
     if model_path and os.path.isfile(os.path.join(model_path, "config.json")):
         validate_for_geometry(gate_cfg, layers, ModelGeometry.from_model_dir(model_path), block_size=cfg.block_size)
 

@@ -17,7 +17,8 @@ from sas_backend.backend.rope_tables import RopeTables
 from sas_backend.backend.sas_attention import SASAttnBackend
 from sas_backend.backend.verify_rows import draft_tokens_from_args
 from sas_backend.config import SASConfig, SASConfigError
-from sas_backend.gate.checkpoint import load_gate_checkpoint, shard_for_tp, validate_for_geometry, weights_sha256
+from sas_backend.gate.checkpoint import shard_for_tp, validate_for_geometry
+from sas_backend.gate.gate_file import open_gate
 from sas_backend.gate.module import gates_from_tensors
 from sas_backend.geometry import ModelGeometry, gate_rope_table
 
@@ -175,11 +176,13 @@ def create_sas_backend(runner) -> SASAttnBackend:
     gate_sha256 = None
     if cfg.selector == "gate":
         # Read once here and never again: /sas/info reports this hash, whatever the file holds later.
-        gate_sha256 = weights_sha256(cfg.gate_path)
-        gate_cfg, layers = load_gate_checkpoint(cfg.gate_path)
+        gate_file = open_gate(cfg.gate_path)  # this process's one read of the checkpoint (memory sizing shares it)
+        gate_sha256 = gate_file.sha256
+        gate_cfg, layers = gate_file.loaded()
         validate_for_geometry(gate_cfg, layers, geo, block_size=cfg.block_size)
         layers = shard_for_tp(layers, tp_rank, tp_size)
         gates = gates_from_tensors(layers, sparse_layers, gate_dim=gate_cfg.gate_dim, device=device)
+        gate_file.release_tensors()  # the gates hold their own copies
         gate_dim, source = gate_cfg.gate_dim, f"gate {cfg.gate_path} ({gate_cfg.base_model})"
         # The gate's table is built with the model's formula on Dg dims: checked against the model's first.
         check_gate_rope_formula(rotary.cos_sin_cache, geo)

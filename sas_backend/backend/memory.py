@@ -258,7 +258,7 @@ def memory_for_sglang(owner) -> tuple:
     0.5.15 a ModelRunner, 0.5.21 a KVCacheConfigurator. Both carry `server_args`,
     `model_config`, `kv_cache_dtype` and `device`."""
     from sas_backend.config import SASConfig
-    from sas_backend.gate.checkpoint import load_gate_checkpoint
+    from sas_backend.gate.gate_file import open_gate
     from sas_backend.geometry import ModelGeometry
 
     server_args = owner.server_args
@@ -275,7 +275,7 @@ def memory_for_sglang(owner) -> tuple:
     kv_bytes_per_token = 2 * kv_heads * geo.head_dim * geo.num_layers * kv_elem
     from sas_backend.selection import SelectionRule, make_selector
 
-    gate_dim = load_gate_checkpoint(cfg.gate_path)[0].gate_dim if cfg.selector == "gate" else 0
+    gate_dim = open_gate(cfg.gate_path).config.gate_dim if cfg.selector == "gate" else 0  # config.json alone
     selector = make_selector(cfg.selector, SelectionRule(cfg.top_k, cfg.block_size))
     summary_dim = selector.summary_dim(geo.head_dim, gate_dim)
     on_cuda = torch.device(owner.device).type == "cuda"

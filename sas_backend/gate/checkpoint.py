@@ -179,13 +179,14 @@ def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
         ) from e
 
 
-def _load_canonical(d: str) -> tuple[GateConfig, LayerTensors]:
+def _load_canonical(d: str, config: GateConfig | None = None) -> tuple[GateConfig, LayerTensors]:
+    """config: the checkpoint's config.json as already read (gate_file.GateFile), else read here."""
     cfg_path = os.path.join(d, CONFIG_FILE)
     w_path = os.path.join(d, WEIGHTS_FILE)
     if not os.path.isfile(cfg_path):
         raise GateCheckpointError(
             f"{cfg_path}: no such file (a canonical gate checkpoint needs it next to {WEIGHTS_FILE})")
-    config = GateConfig.load_json(cfg_path)
+    config = GateConfig.load_json(cfg_path) if config is None else config
     tensors = unflatten(_load_safetensors(w_path), w_path)
     check_tensors(config, tensors, w_path)
     stored = dtype_name(common_dtype(tensors, w_path))
@@ -214,19 +215,17 @@ def load_gate_checkpoint(path: str | os.PathLike) -> tuple[GateConfig, LayerTens
 def serve_defaults_of(path: str | os.PathLike) -> dict:
     """`GateConfig.serve_defaults()` of a checkpoint from its config.json alone (no tensors read:
     the server loads and checks the whole checkpoint later anyway). A SeerAttention-R checkpoint
-    records neither a serving nor a training budget: `{}`."""
-    d = _resolve_dir(path)
-    if detect_format(d) != CANONICAL:
-        return {}
-    return GateConfig.load_json(os.path.join(d, CONFIG_FILE)).serve_defaults()
+    records neither a serving nor a training budget: `{}`. Read once per process (`gate_file.open_gate`)."""
+    from sas_backend.gate.gate_file import open_gate
+
+    return open_gate(path).serve_defaults()
 
 
 def read_training_record(path: str | os.PathLike) -> dict:
     """The `training` record of a checkpoint from its config.json alone; `{}` for a SeerAttention-R one."""
-    d = _resolve_dir(path)
-    if detect_format(d) != CANONICAL:
-        return {}
-    return dict(GateConfig.load_json(os.path.join(d, CONFIG_FILE)).training or {})
+    from sas_backend.gate.gate_file import open_gate
+
+    return open_gate(path).training_record()
 
 
 # ---- fit to the served model ----------------------------------------------------------------
@@ -410,36 +409,20 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 def weights_sha256(path: str | os.PathLike) -> str:
     """sha256 of a checkpoint's weights file (`gate.safetensors` or `attn_gate_weights.pth`), without
-    loading it: which gate a result was measured with, when the caller has loaded it already."""
-    d = _resolve_dir(path)
-    return sha256_file(os.path.join(d, _WEIGHTS_OF[detect_format(d)]))
+    loading it: which gate a result was measured with, when the caller has loaded it already. Hashed once per
+    process (`gate_file.open_gate`)."""
+    from sas_backend.gate.gate_file import open_gate
+
+    return open_gate(path).sha256
 
 
 def checkpoint_identity(path: str | os.PathLike) -> dict:
     """What the server reports about its gate (/sas/info): format, weights file and its sha256,
-    base model, geometry and the training record. Loads (and so validates) the checkpoint."""
-    config, _ = load_gate_checkpoint(path)
-    d = _resolve_dir(path)
-    fmt = detect_format(d)
-    return {
-        "path": os.path.abspath(d),
-        "format": fmt,
-        "weights_file": _WEIGHTS_OF[fmt],
-        "sha256": weights_sha256(d),
-        "base_model": config.base_model,
-        "layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "gate_dim": config.gate_dim,
-        "block_size": config.block_size,
-        "torch_dtype": config.torch_dtype,
-        "training": config.training,
-        "serving": config.serve_defaults(),
-    }
+    base model, geometry and the training record. Loads (and so validates) the checkpoint, once per process
+    (`gate_file.GateFile.identity`)."""
+    from sas_backend.gate.gate_file import open_gate
 
-
-# ---- seeded init ----------------------------------------------------------------------------
+    return open_gate(path).identity()
 
 
 def _geometry_of(model_dir: Any, geometry: Any) -> ModelGeometry:

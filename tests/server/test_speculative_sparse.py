@@ -93,6 +93,12 @@ def test_ngram_sparse_verify_gives_the_tokens_of_sas_without_speculation(essay_i
                        "tokens_compared": report.tokens_compared, "max_logprob_diff": report.max_logprob_diff,
                        "near_ties": [vars(t) for t in report.near_ties], "speculation": stats,
                        "generate_s": {"sas_ngram": spec_s, "sas": ref_s}}, f, indent=1)
+    # A request whose rows all hold at most K candidate blocks: on CPU the verify step then attends densely through
+    # the wrapped torch_native backend's verify (sas_backend/dense_verify.py), the same tokens as sas's dense decode.
+    short = [prompts[0][:200]]
+    assert_same_decodes(decode_from_response(_generate(sas_sparse_server.url, short)[0]),
+                        decode_from_response(_generate(ngram_sas_server.url, short)[0]), FP32,
+                        "sas + NGRAM vs sas, 200-token prompt (dense verify steps)", n=NEW_TOKENS)
     assert "Traceback" not in log, log[-3000:]
     # Every step after the prefill was a verify step, and sparse: the selection log has K = 4 blocks per row
     # among more candidates, with up to DRAFT_TOKENS rows per request.
