@@ -44,6 +44,7 @@ HEAVY_MODULES = (
     "tests/test_gate_generalization_script.py",
     "tests/server/test_training_free_selectors.py",
     "tests/server/test_limits.py",
+    "tests/server/test_prompt_anchors.py",
     "tests/test_gpu_kit.py",
 )
 

@@ -10,6 +10,7 @@ definitions in tests/test_cpu_shim_speculative.py) and the plugin's verify step 
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -19,8 +20,15 @@ from sas_backend.server_harness import ON_GPU, Server
 from sas_backend.soak.run import flush_cache
 from tests.server.conftest import DENSE_ARGS, ESSAYS
 
-pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU path (shim ops, torch_native verify); a GPU check of the "
-                                "verify step belongs in tests/gpu (issue 49)")
+pytestmark = [
+    pytest.mark.skipif(ON_GPU, reason="the CPU path (shim ops, torch_native verify); a GPU check of the verify step "
+                       "is tests/gpu/test_server_gpu.py's speculation test"),
+    # Out of CI since 2026-12-01 (a server start and ~3 min; CI was over its 30 minutes): the sas server test
+    # tests/server/test_speculative_sparse.py runs the same shim ops and this verify step (its dense steps go through
+    # torch_native's verify), and tests/test_dense_verify.py checks the verify step row by row.
+    pytest.mark.skipif(os.environ.get("SAS_SPEC_DENSE") != "1",
+                       reason="NGRAM on torch_native: SAS_SPEC_DENSE=1 runs it (out of CI: see the module)"),
+]
 
 DRAFT_TOKENS = 4
 NGRAM_ARGS = [
