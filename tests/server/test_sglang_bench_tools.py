@@ -1,4 +1,4 @@
-"""SGLang's own benchmark scripts run with `--attention-backend sas` through `python -m sas_backend.bench`.
+"""SGLang's own benchmark scripts run with `--attention-backend sas` through `python -m sas_backend.sglang_bench`.
 
 Run directly, SGLang's scripts refuse `sas` (they parse arguments without loading plugins); the
 wrapper loads the plugins and hands over to the unchanged script. Each tool runs here on the CPU
@@ -28,7 +28,7 @@ import sys
 import pytest
 import requests
 
-from sas_backend import bench
+from sas_backend import sglang_bench as bench
 from sas_backend.server_harness import ON_GPU, cpu_env, free_port
 
 from .conftest import ESSAYS
@@ -40,9 +40,9 @@ TINY = ["--batch-size", "1", "--input-len", "128", "--output-len", "4"]
 
 
 def run_tool(args, cwd, timeout=420) -> str:
-    """`python -m sas_backend.bench ARGS` in its own session; returns stdout+stderr, asserting exit 0."""
+    """`python -m sas_backend.sglang_bench ARGS` in its own session; returns stdout+stderr, asserting exit 0."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sas_backend.bench", *map(str, args)], cwd=cwd, env=cpu_env(),
+        [sys.executable, "-m", "sas_backend.sglang_bench", *map(str, args)], cwd=cwd, env=cpu_env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
@@ -116,7 +116,7 @@ def test_spawned_children_load_the_plugin(tmp_path):
     "ValueError: Invalid attention backend: sas")."""
     code = (
         "import json, multiprocessing as mp\n"
-        "from sas_backend import bench\n"
+        "from sas_backend import sglang_bench as bench\n"
         "ctx = mp.get_context('spawn')\n"
         "without = ctx.Pool(1)\n"  # started now, before the hook; both children start side by side
         "bench.install_spawn_hook()\n"

@@ -1,4 +1,4 @@
-"""SGLang's own benchmark scripts with `--attention-backend sas`: `python -m sas_backend.bench TOOL ...`.
+"""SGLang's own benchmark scripts with `--attention-backend sas`: `python -m sas_backend.sglang_bench TOOL ...`.
 
 SGLang's benchmark scripts (`python -m sglang.benchmark.one_batch`, `...one_batch_server`,
 `...offline_throughput`, `...serving`, and their older `sglang.bench_*` names) parse their
@@ -18,8 +18,8 @@ entry whose unpickling loads them); processes those children start load them as 
 launch path does (its scheduler processes call `load_plugins()`). `serving` only talks HTTP to a
 running server; it is offered here for uniformity.
 
-`python -m sas_backend.bench` (or `--help`) lists the tools and the SGLang module each runs in the
-installed SGLang; `python -m sas_backend.bench TOOL --help` prints that script's own help (with
+`python -m sas_backend.sglang_bench` (or `--help`) lists the tools and the SGLang module each runs in the
+installed SGLang; `python -m sas_backend.sglang_bench TOOL --help` prints that script's own help (with
 the `--sas-*` flags, as the plugin adds them).
 """
 
@@ -158,11 +158,11 @@ def usage() -> str:
     import sglang
 
     lines = [
-        "usage: python -m sas_backend.bench TOOL [ARGS ...]",
+        "usage: python -m sas_backend.sglang_bench TOOL [ARGS ...]",
         "",
         "Runs one of SGLang's benchmark scripts unchanged, after loading SGLang's plugins, so that",
         "`--attention-backend sas` (and the --sas-* flags) are accepted. ARGS are the script's own;",
-        "`python -m sas_backend.bench TOOL --help` prints them.",
+        "`python -m sas_backend.sglang_bench TOOL --help` prints them.",
         "",
         f"Tools, and the SGLang module each runs in this SGLang ({sglang.__version__}):",
     ]
@@ -174,7 +174,7 @@ def usage() -> str:
     lines += [
         "",
         "Example (CPU):",
-        "  SGLANG_USE_CPU_ENGINE=1 TRITON_INTERPRET=1 python -m sas_backend.bench one_batch \\",
+        "  SGLANG_USE_CPU_ENGINE=1 TRITON_INTERPRET=1 python -m sas_backend.sglang_bench one_batch \\",
         "    --model-path MODEL --attention-backend sas --sas-gate GATE_DIR --device cpu \\",
         "    --max-total-tokens 16384 --batch-size 1 --input-len 128 --output-len 4",
     ]
@@ -200,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     load_plugins()
     install_spawn_hook()
-    print(f"[sas_backend.bench] SGLang plugins loaded; running python -m {module}", file=sys.stderr, flush=True)
+    print(f"[sas_backend.sglang_bench] SGLang plugins loaded; running python -m {module}", file=sys.stderr, flush=True)
     # As `python -m module ARGS`: run_module sets sys.argv[0] to the module's file and runs it as
     # __main__; its SystemExit (argparse errors, sys.exit) passes through unchanged.
     sys.argv = [sys.argv[0], *argv[1:]]
