@@ -228,7 +228,7 @@ class SASAttnBackend(AttentionBackend):
         if self._inner_in_graphs():
             self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
         # A captured verify step has n decode rows a request: the step buffers hold max_num_tokens rows.
-        rows = max(max_bs, max_num_tokens if self.draft_tokens else max_bs)
+        rows = max(max_bs, max_num_tokens) if self.draft_tokens else max_bs
         self.step.init_graph_state(rows, self.head_dim, self.gate_rope_table.shape[-1])
         self._verify_buffers = verify_rows.VerifyRowBuffers(rows, self.device) if self.draft_tokens else None
 
@@ -281,6 +281,7 @@ class SASAttnBackend(AttentionBackend):
         """Host part of a decode or verify step (outside any CUDA graph): the step object's frozen plan. A verify
         batch's n draft rows per request are planned as n decode rows at their own positions (verify_rows.py)."""
         host = self._host_seq_lens(fb)
+        short = self.step.short_step(host)  # on the requests' lengths, not a verify's decode rows'
         seq_lens, reqs, rows_host = fb.seq_lens, fb.req_pool_indices, host
         if fb.forward_mode.is_target_verify():
             n = draft_tokens(fb)
@@ -298,12 +299,11 @@ class SASAttnBackend(AttentionBackend):
                                        "init_cuda_graph_state buffers")
                 seq_lens, reqs = self._verify_buffers.view(graph_bs)
         plan = self.step.plan(fb.positions, seq_lens, reqs, rows_host, self.model_rope_table, self.gate_rope_table,
-                              graph_bs=graph_bs, branched=self._branch is not None,
-                              short=self.step.short_step(host))
+                              graph_bs=graph_bs, branched=self._branch is not None, short=short)
         if graph_bs is not None and self._branch is not None:
             # Both branches are captured; the sparse one reads this plan, the dense one the wrapped
             # backend's (planned in out_graph), and the flags pick one per replay.
-            self._branch.set(not self.step.short_step(host))
+            self._branch.set(not short)
         return plan
 
     def _plan_extend(self, fb):

@@ -17,6 +17,7 @@ from .speculative import (  # noqa: F401  (SGLang imports these from `sgl_kernel
     copy_all_layer_kv_cache_cpu,
     fill_accept_out_cache_loc_cpu,
     reconstruct_indices_from_tree_mask,
+    request_ranges,
     verify_tree_greedy_cpu,
 )
 
@@ -39,14 +40,8 @@ def assign_req_to_token_pool_cpu(
     not needed here (a batch size in this shim's first version, which read it as one: wrong for 0.5.21,
     whose only caller is speculative decoding).
     """
-    lens = (end_offset - start_offset).long()
-    pt = 0
-    for i, n in enumerate(lens.tolist()):
-        start = int(start_offset[i])
-        req_to_token[int(req_pool_indices[i]), start : start + n] = out_cache_loc[pt : pt + n].to(
-            req_to_token.dtype
-        )
-        pt += n
+    rows, cols = request_ranges(req_pool_indices, start_offset, end_offset)
+    req_to_token[rows, cols] = out_cache_loc[: rows.numel()].to(req_to_token.dtype)
 
 
 def __getattr__(name):

@@ -145,6 +145,19 @@ def verify_tree_greedy_cpu(
     predicts[where] = torch.tensor(list(pred_writes.values()), dtype=predicts.dtype, device=predicts.device)
 
 
+def request_ranges(req_pool_indices: torch.Tensor, start_offset: torch.Tensor, end_offset: torch.Tensor):
+    """(rows, cols) `[total]` int64: the req->token cells of each request's range [start, end), request after
+    request, i.e. output position o_i + j is cell (req_pool_indices[i], start_offset[i] + j). Shared by the two
+    inverse ops: `assign_extend_cache_locs_cpu` (gather) and `assign_req_to_token_pool_cpu` (scatter)."""
+    lens = (end_offset - start_offset).long()
+    total = int(lens.sum()) if lens.numel() else 0
+    first = torch.cumsum(lens, 0) - lens  # each range's first output index
+    out_pos = torch.arange(total, device=lens.device)
+    rows = req_pool_indices.long().repeat_interleave(lens)
+    cols = start_offset.long().repeat_interleave(lens) + out_pos - first.repeat_interleave(lens)
+    return rows, cols
+
+
 def assign_extend_cache_locs_cpu(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -162,15 +175,8 @@ def assign_extend_cache_locs_cpu(
     """
     if req_to_token.shape[1] != pool_len:
         raise ValueError(f"pool_len {pool_len} != req_to_token.shape[1] {req_to_token.shape[1]}")
-    lens = (end_offset - start_offset).long()
-    total = int(lens.sum()) if lens.numel() else 0
-    if total == 0:
-        return
-    first = torch.cumsum(lens, 0) - lens  # each range's first output index
-    out_pos = torch.arange(total, device=lens.device)
-    rows = req_pool_indices.long().repeat_interleave(lens)
-    cols = start_offset.long().repeat_interleave(lens) + out_pos - first.repeat_interleave(lens)
-    out_cache_loc[:total] = req_to_token[rows, cols].to(out_cache_loc.dtype)
+    rows, cols = request_ranges(req_pool_indices, start_offset, end_offset)
+    out_cache_loc[: rows.numel()] = req_to_token[rows, cols].to(out_cache_loc.dtype)
 
 
 def fill_accept_out_cache_loc_cpu(
