@@ -160,7 +160,8 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
         raise SASConfigError("the sas backend does not support the hierarchical (host) KV cache yet; drop that flag")
     from sas_backend.speculative import check_launch
 
-    check_launch(args, on_cuda=_launch_on_cuda(args))
+    if getattr(args, "speculative_algorithm", None):  # the CUDA query only where it decides something
+        check_launch(args, on_cuda=_launch_on_cuda(args))
     if cfg.prompt_anchors and getattr(args, "enable_mixed_chunk", False):
         # a mixed batch extends running requests by their decode token: their anchors would follow it
         raise SASConfigError(
