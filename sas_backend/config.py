@@ -143,7 +143,7 @@ class SASConfig:
             return self
         recorded = {}
         if self.selector == "gate" and self.gate_path and os.path.isdir(self.gate_path):
-            from sas_backend.gate.checkpoint import serve_defaults_of
+            from sas_backend.gate.gate_file import serve_defaults_of
 
             recorded = serve_defaults_of(self.gate_path)
         fill = {name: recorded.get(name, _FROM_GATE[name]) for name in unset}
@@ -155,7 +155,7 @@ class SASConfig:
         unresolved config (on a resolved one every value reads as "launch")."""
         recorded = {}
         if self.selector == "gate" and self.gate_path and os.path.isdir(self.gate_path):
-            from sas_backend.gate.checkpoint import serve_defaults_of
+            from sas_backend.gate.gate_file import serve_defaults_of
 
             recorded = serve_defaults_of(self.gate_path)
         return {name: "launch" if getattr(self, name) is not None else

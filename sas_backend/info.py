@@ -36,7 +36,7 @@ def _info_for(_env_key: tuple) -> dict:
         return {"sas_backend": __version__, "error": str(e)}
     if cfg.gate_path:
         try:
-            from sas_backend.gate.checkpoint import checkpoint_identity
+            from sas_backend.gate.gate_file import checkpoint_identity
 
             body["gate"] = checkpoint_identity(cfg.gate_path)
         except Exception as e:  # report, never break the route

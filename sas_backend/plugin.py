@@ -191,7 +191,7 @@ def _trained_forced_blocks(cfg) -> "tuple[int, int] | None":
     """(sink, local) blocks the gate was trained with forced (its training record), None if unrecorded."""
     if cfg.selector != "gate" or not cfg.gate_path:
         return None
-    from sas_backend.gate.checkpoint import read_training_record
+    from sas_backend.gate.gate_file import read_training_record
 
     rec = read_training_record(cfg.gate_path)
     if rec.get("sink_blocks") is None or rec.get("local_blocks") is None:

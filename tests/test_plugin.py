@@ -211,11 +211,11 @@ def test_settings_table_is_the_fields(parse):
 def test_sas_info_hashes_the_gate_once(clean_env, gate, monkeypatch):
     """/sas/info serves a body computed once per server, not a re-read and re-hash per request."""
     from sas_backend import info
-    from sas_backend.gate import checkpoint
+    from sas_backend.gate import gate_file
 
     calls = []
-    real = checkpoint.checkpoint_identity
-    monkeypatch.setattr(checkpoint, "checkpoint_identity", lambda p: calls.append(p) or real(p))
+    real = gate_file.checkpoint_identity
+    monkeypatch.setattr(gate_file, "checkpoint_identity", lambda p: calls.append(p) or real(p))
     info._info_for.cache_clear()
     clean_env.setenv("SAS_GATE", str(gate))
     first, second = info.sas_info(), info.sas_info()

@@ -44,7 +44,6 @@ __all__ = [
     "tp_kv_head_range",
     "shard_for_tp",
     "sha256_file",
-    "checkpoint_identity",
     "init_gate_state",
     "init_gate_checkpoint",
 ]
@@ -212,20 +211,8 @@ def load_gate_checkpoint(path: str | os.PathLike) -> tuple[GateConfig, LayerTens
     return load_seer_checkpoint(d)
 
 
-def serve_defaults_of(path: str | os.PathLike) -> dict:
-    """`GateConfig.serve_defaults()` of a checkpoint from its config.json alone (no tensors read:
-    the server loads and checks the whole checkpoint later anyway). A SeerAttention-R checkpoint
-    records neither a serving nor a training budget: `{}`. Read once per process (`gate_file.open_gate`)."""
-    from sas_backend.gate.gate_file import open_gate
-
-    return open_gate(path).serve_defaults()
 
 
-def read_training_record(path: str | os.PathLike) -> dict:
-    """The `training` record of a checkpoint from its config.json alone; `{}` for a SeerAttention-R one."""
-    from sas_backend.gate.gate_file import open_gate
-
-    return open_gate(path).training_record()
 
 
 # ---- fit to the served model ----------------------------------------------------------------
@@ -407,22 +394,8 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def weights_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a checkpoint's weights file (`gate.safetensors` or `attn_gate_weights.pth`), without
-    loading it: which gate a result was measured with, when the caller has loaded it already. Hashed once per
-    process (`gate_file.open_gate`)."""
-    from sas_backend.gate.gate_file import open_gate
-
-    return open_gate(path).sha256
 
 
-def checkpoint_identity(path: str | os.PathLike) -> dict:
-    """What the server reports about its gate (/sas/info): format, weights file and its sha256,
-    base model, geometry and the training record. Loads (and so validates) the checkpoint, once per process
-    (`gate_file.GateFile.identity`)."""
-    from sas_backend.gate.gate_file import open_gate
-
-    return open_gate(path).identity()
 
 
 def _geometry_of(model_dir: Any, geometry: Any) -> ModelGeometry:

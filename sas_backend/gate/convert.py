@@ -16,12 +16,12 @@ import sys
 
 from sas_backend.gate.checkpoint import (
     GateCheckpointError,
-    checkpoint_identity,
     detect_format,
     load_gate_checkpoint,
     save_gate_checkpoint,
 )
 from sas_backend.gate.config import SUPPORTED_DTYPES
+from sas_backend.gate.gate_file import checkpoint_identity
 
 
 def convert(src: str, dst: str, *, dtype: str | None = None, base_model: str | None = None,

@@ -8,6 +8,7 @@ returns one `GateFile` per checkpoint and process, whose parts are read on first
 
 The object is keyed by the directory and the files' size and modification time, so a checkpoint rewritten in place
 (a training run's output, a test) is a new object; a server, which reads its gate at startup, keeps what it read.
+The four functions at the end are the checkpoint's facts by path, each through `open_gate`.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class GateFile:
         return dict(self.config.training or {}) if self.format == CANONICAL else {}
 
     def identity(self) -> dict:
-        """What /sas/info reports about the gate (as `checkpoint.checkpoint_identity`): format, weights file, its
+        """What /sas/info reports about the gate (`checkpoint_identity` below): format, weights file, its
         sha256, base model, geometry, training and serving records. Validates the checkpoint (loads it once)."""
         config, _ = self.loaded()
         return {
@@ -113,3 +114,27 @@ def open_gate(path: str | os.PathLike) -> GateFile:
     fmt = detect_format(directory)
     stamps = (_stamp(os.path.join(directory, CONFIG_FILE)), _stamp(os.path.join(directory, _WEIGHTS_OF[fmt])))
     return _open(directory, stamps)
+
+
+def serve_defaults_of(path: str | os.PathLike) -> dict:
+    """`GateConfig.serve_defaults()` of a checkpoint from its config.json alone (no tensors read: the server loads
+    and checks the whole checkpoint later anyway). A SeerAttention-R checkpoint records neither a serving nor a
+    training budget: `{}`."""
+    return open_gate(path).serve_defaults()
+
+
+def read_training_record(path: str | os.PathLike) -> dict:
+    """The `training` record of a checkpoint from its config.json alone; `{}` for a SeerAttention-R one."""
+    return open_gate(path).training_record()
+
+
+def weights_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a checkpoint's weights file (`gate.safetensors` or `attn_gate_weights.pth`), hashed once per
+    process: which gate a result was measured with."""
+    return open_gate(path).sha256
+
+
+def checkpoint_identity(path: str | os.PathLike) -> dict:
+    """What the server reports about its gate (/sas/info): format, weights file and its sha256, base model,
+    geometry and the training record. Loads (and so validates) the checkpoint, once per process."""
+    return open_gate(path).identity()

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sas_backend.gate.checkpoint import GateCheckpointError, checkpoint_identity, init_gate_checkpoint
+from sas_backend.gate.checkpoint import GateCheckpointError, init_gate_checkpoint
+from sas_backend.gate.gate_file import checkpoint_identity
 from sas_backend.gate.config import SUPPORTED_DTYPES
 
 

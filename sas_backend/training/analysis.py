@@ -131,7 +131,7 @@ def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sas_backend.gate.checkpoint import weights_sha256
+    from sas_backend.gate.gate_file import weights_sha256
     from sas_backend.hf.sparse_eval import SparseEvalSpec, prompt_anchors
     from sas_backend.training.data import DEFAULT_HELDOUT_FRACTION, load_packed
     from sas_backend.training.train import progress_bar

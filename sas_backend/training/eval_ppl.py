@@ -447,7 +447,7 @@ def main(argv: Optional[list] = None) -> int:
     loaded = {name: load_gates(path, model, b, device) for name, path in gate_paths.items()}
     gates = {name: g for name, (g, _) in loaded.items()}
     # A path names different gates at different commits: the weights' sha256 says which one was measured.
-    from sas_backend.gate.checkpoint import weights_sha256
+    from sas_backend.gate.gate_file import weights_sha256
 
     gate_sha256 = {name: weights_sha256(path) for name, path in gate_paths.items()}
     if args.prompt_anchors and min(args.prompt_anchors) < 1:

@@ -299,7 +299,8 @@ def write_checkpoint(out: str, config, model, record: dict) -> None:
 
 def load_init_gate(path: str, geometry, block_size: int):
     """`(tensors, init record)` of the checkpoint a run starts from; SystemExit if it does not fit."""
-    from sas_backend.gate.checkpoint import checkpoint_identity, load_gate_checkpoint, validate_for_geometry
+    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_geometry
+    from sas_backend.gate.gate_file import checkpoint_identity
     from sas_backend.gate.errors import GateCheckpointError
 
     try:

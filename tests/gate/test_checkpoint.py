@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
+from sas_backend.gate.gate_file import checkpoint_identity
 from sas_backend.gate.checkpoint import (
     CANONICAL,
     SEERATTENTION_R,
     GateCheckpointError,
-    checkpoint_identity,
     detect_format,
     init_gate_checkpoint,
     init_gate_state,
@@ -568,7 +568,7 @@ def test_serving_record_gives_the_serve_defaults(tmp_path):
     loaded, _ = load_gate_checkpoint(tmp_path / "g")
     assert loaded.serving == config.serving
     assert loaded.serve_defaults() == {"budget": 4 * BLOCK, "sink_blocks": 1, "local_blocks": 2}
-    from sas_backend.gate.checkpoint import serve_defaults_of
+    from sas_backend.gate.gate_file import serve_defaults_of
 
     assert serve_defaults_of(tmp_path / "g") == loaded.serve_defaults()  # from config.json alone
 

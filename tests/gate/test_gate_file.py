@@ -46,13 +46,13 @@ def test_a_launch_reads_each_part_once(tmp_path, reads):
     reads.update(weights=0, config=0, hash=0)
     # What the launcher and a scheduler ask of it, in the order they ask.
     cfg = SASConfig(gate_path=str(path))
-    cfg.resolved(), cfg.origins(), checkpoint.read_training_record(path)  # serving and training records
+    cfg.resolved(), cfg.origins(), gate_file.read_training_record(path)  # serving and training records
     assert reads == {"weights": 0, "config": 1, "hash": 0}  # config.json alone so far
     assert gate_file.open_gate(path).config.gate_dim == 32  # memory sizing: config.json only
     assert reads["weights"] == 0
     config, tensors = gate_file.open_gate(path).loaded()  # the plugin's fit check
-    identity = checkpoint.checkpoint_identity(path)  # /sas/info
-    assert checkpoint.weights_sha256(path) == identity["sha256"]  # the factory's hash
+    identity = gate_file.checkpoint_identity(path)  # /sas/info
+    assert gate_file.weights_sha256(path) == identity["sha256"]  # the factory's hash
     again = gate_file.open_gate(path).loaded()  # the factory's load
     assert again[1] is tensors and reads == {"weights": 1, "config": 1, "hash": 1}, reads
     assert identity["layers"] == 3 and identity["gate_dim"] == 32
