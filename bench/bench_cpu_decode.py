@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_cpu_decode.py          # full run: contexts 1K 4K 7.5K, batch 1 and 8, budgets 512 1024
     .venv/bin/python bench/bench_cpu_decode.py --quick  # rehearsal: 1K context, batch 1, budget 512, 16 tokens
 
-Servers (real `python -m sglang.launch_server`, via sas_backend/server_harness.py), one at a time: a dense
+Servers (real `python -m sglang.launch_server`, via sas_backend/testing/server.py), one at a time: a dense
 one (`--attention-backend torch_native`), then one `sas` server per budget (the budget is a launch
 flag). All: same model, `--dtype float32`, `--page-size 64`, `--sleep-on-idle`.
 
@@ -48,7 +48,7 @@ import requests
 
 from sas_backend.corpus import default_essays_dir
 from sas_backend.provenance import git_state, repo_relative
-from sas_backend.server_harness import DEFAULT_MODEL, Server, default_gate
+from sas_backend.testing.server import DEFAULT_MODEL, Server, default_gate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -32,7 +32,7 @@ import time
 
 import requests
 
-from sas_backend.server_harness import DEFAULT_MODEL, Server
+from sas_backend.testing.server import DEFAULT_MODEL, Server
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -31,7 +31,7 @@ import requests
 from sas_backend.config import SASConfig
 from sas_backend.corpus import read_essays
 from sas_backend.provenance import git_state, repo_relative
-from sas_backend.server_harness import DEFAULT_MODEL, Server, default_gate
+from sas_backend.testing.server import DEFAULT_MODEL, Server, default_gate
 from sas_backend.training.eval_ppl import parse_forced
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -34,7 +34,7 @@ from needle import CODES, NEEDLE, PLACES, QUESTION, haystack_with_needle  # noqa
 
 from sas_backend.corpus import read_essays  # noqa: E402
 from sas_backend.provenance import git_state, repo_relative  # noqa: E402
-from sas_backend.server_harness import DEFAULT_MODEL, default_gate  # noqa: E402
+from sas_backend.testing.server import DEFAULT_MODEL, default_gate  # noqa: E402
 from sas_backend.training.eval_ppl import load_gates, parse_forced, parse_gates  # noqa: E402
 
 

@@ -49,7 +49,7 @@ import time
 
 from sas_backend.corpus import read_essays
 from sas_backend.provenance import git_state, portable_argv, repo_relative
-from sas_backend.server_harness import DEFAULT_MODEL, Server, default_gate
+from sas_backend.testing.server import DEFAULT_MODEL, Server, default_gate
 from sas_backend.soak.run import flush_cache, greedy, scan_log, wait_idle
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -53,6 +53,7 @@ def build(budget: int, max_ctx: int, max_reqs: int, backend: str):
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
+    from sas_backend.backend.rope_tables import FixedRopeTables
     from sas_backend.backend.sas_attention import SASAttnBackend
     from sas_backend.config import SASConfig
     from sas_backend.gate.checkpoint import load_gate_checkpoint
@@ -73,8 +74,9 @@ def build(budget: int, max_ctx: int, max_reqs: int, backend: str):
     gates = gates_from_tensors(tensors, range(LAYERS), gate_dim=gate_cfg.gate_dim, device="cpu")
     cfg = SASConfig(gate_path=str(GATE), budget=budget, block_size=B)
     sas = SASAttnBackend(
-        runner, inner, cfg, gates, rope_cos_sin_table(D, max_ctx, 100000.0),
-        rope_cos_sin_table(gate_cfg.gate_dim, max_ctx, 100000.0),
+        runner, inner, cfg, gates,
+        FixedRopeTables(rope_cos_sin_table(D, max_ctx, 100000.0),
+                        rope_cos_sin_table(gate_cfg.gate_dim, max_ctx, 100000.0)),
         num_kv_heads=H_KV, num_q_heads=H_Q, head_dim=D,
     )
     for lid in range(LAYERS):  # every page summarized (values do not matter for cost)

@@ -32,7 +32,7 @@ import requests
 
 from sas_backend.corpus import read_essays
 from sas_backend.provenance import git_state
-from sas_backend.server_harness import Server, cpu_threads_bind, default_gate
+from sas_backend.testing.server import Server, cpu_threads_bind, default_gate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -62,7 +62,8 @@ def register() -> None:
 
 
 def _register_memory_hook(registry, hook_type) -> None:
-    from sas_backend.backend.memory import profile_target, reserve_sas_memory
+    from sas_backend.backend.memory import reserve_sas_memory
+    from sas_backend.backend.sglang_compat import profile_target
 
     target = profile_target()
     if target is None:  # an SGLang we do not know: serve, but say the pool is not shrunk

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sas_backend.backend.rope_tables import FixedRopeTables
 from sas_backend.backend.sas_attention import SASAttnBackend
 from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
@@ -46,7 +47,8 @@ class Rig:
         self.layers = [RadixAttention(H_Q, D, D**-0.5, H_KV, lid) for lid in range(LAYERS)]
         self.backend = SASAttnBackend(
             runner, inner(runner) if inner else TorchNativeAttnBackend(runner), cfg, gates,
-            rope_cos_sin_table(D, MAX_CTX + 8, 10000.0), rope_cos_sin_table(DG, MAX_CTX + 8, 10000.0),
+            FixedRopeTables(rope_cos_sin_table(D, MAX_CTX + 8, 10000.0),
+                            rope_cos_sin_table(DG, MAX_CTX + 8, 10000.0)),
             num_kv_heads=H_KV, num_q_heads=H_Q, head_dim=D, draft_tokens=draft_tokens,
         )
         self.free_pages = list(torch.randperm(PAGES - 1, generator=self.g).add(1).tolist())  # page 0: padding

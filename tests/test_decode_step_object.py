@@ -21,7 +21,7 @@ from sas_backend.backend.decode_step import DecodeStep
 from sas_backend.gate.module import AttnGate
 from sas_backend.ops.decode_step import StepGeometry
 from sas_backend.ops.rope import apply_rope, rope_cos_sin_table
-from sas_backend.ops.summary.naive import summarize_pages
+from sas_backend.ops.summary.torch_path import summarize_pages
 from sas_backend.selection import SelectionRule, make_selector
 from tests.devices import DEVICE
 

@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from sas_backend.backend.rope_tables import FixedRopeTables
 from sas_backend.backend.sas_attention import SASAttnBackend
 from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
@@ -75,8 +76,9 @@ def _backend():
     cfg = SASConfig(gate_path="unused", budget=3 * B, block_size=B)
     gates = {lid: AttnGate(H_KV, H_Q // H_KV, D, DG).to(DEV).requires_grad_(False) for lid in range(LAYERS)}
     return SASAttnBackend(
-        runner, TorchNativeAttnBackend(runner), cfg, gates, rope_cos_sin_table(D, 300, 1e4).to(DEV),
-        rope_cos_sin_table(DG, 300, 1e4).to(DEV), num_kv_heads=H_KV, num_q_heads=H_Q, head_dim=D,
+        runner, TorchNativeAttnBackend(runner), cfg, gates,
+        FixedRopeTables(rope_cos_sin_table(D, 300, 1e4).to(DEV), rope_cos_sin_table(DG, 300, 1e4).to(DEV)),
+        num_kv_heads=H_KV, num_q_heads=H_Q, head_dim=D,
     )
 
 

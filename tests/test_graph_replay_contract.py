@@ -199,7 +199,7 @@ def _live_rope_tables(backend, max_pos):
     rotary = torch.nn.Module()
     rotary.cos_sin_cache = rope_cos_sin_table(D, max_pos, 10000.0)
     geo = ModelGeometry(num_layers=LAYERS, num_q_heads=H_Q, num_kv_heads=H_KV, head_dim=D, rope_theta=10000.0)
-    backend.rope_tables = RopeTables(rotary, DG, geo, "cpu")
+    backend.rope_tables = RopeTables(rotary, DG, geo, "cpu")  # in place of the rig's fixed tables
     return rotary
 
 

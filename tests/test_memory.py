@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 
+from sas_backend.backend.sglang_compat import profile_target
 from sas_backend.backend.memory import (
     SASMemory,
     kv_budget_with_sas,
-    profile_target,
     reserve_sas_memory,
     sas_memory,
 )
@@ -184,7 +184,7 @@ def test_dp_attention_is_sized_for_the_attention_tp_group(sas_env, monkeypatch):
     def unpublished():
         raise RuntimeError("parallel state not published")
 
-    monkeypatch.setattr("sas_backend.backend.factory.attention_tp", unpublished)
+    monkeypatch.setattr("sas_backend.backend.sglang_compat.attention_tp", unpublished)
     ns = types.SimpleNamespace
     assert attention_tp_size_from_args(ns(tp_size=8)) == 8
     assert attention_tp_size_from_args(ns(tp_size=8, dp_size=4, enable_dp_attention=True)) == 2

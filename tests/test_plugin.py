@@ -227,7 +227,7 @@ def test_sas_info_hashes_the_gate_once(clean_env, gate, monkeypatch):
 
 # ---------------------------------------------------------------- SGLang API contracts of the factory
 def test_releases_read_are_recorded():
-    from sas_backend.backend.factory import SGLANG_RELEASES_READ
+    from sas_backend.backend.sglang_compat import SGLANG_RELEASES_READ
 
     assert set(SGLANG_RELEASES_READ) == {"0.5.15", "0.5.21", "0.5.23"}
 
@@ -237,7 +237,7 @@ def test_attention_tp_comes_from_sglang_parallel_state():
     ModelRunner's tp_rank/tp_size are gone in 0.5.23 and are the wrong group under DP attention)."""
     from sglang.srt.runtime_context import get_parallel
 
-    from sas_backend.backend.factory import attention_cp_size, attention_tp
+    from sas_backend.backend.sglang_compat import attention_cp_size, attention_tp
 
     with get_parallel().override(attn_tp_rank=2, attn_tp_size=4, attn_cp_size=1):
         assert attention_tp() == (2, 4)
@@ -265,8 +265,8 @@ def test_factory_shards_the_gate_by_attention_tp_rank(clean_env, gate, monkeypat
     clean_env.setenv("TRITON_INTERPRET", "1")
     built = {}
 
-    def fake_backend(runner, inner, cfg, gates, model_rope, gate_rope, **kw):
-        built.update(gates=gates, model_rope=model_rope, gate_rope=gate_rope, **kw)
+    def fake_backend(runner, inner, cfg, gates, rope_tables, **kw):
+        built.update(gates=gates, rope_tables=rope_tables, **kw)
         return types.SimpleNamespace()
 
     monkeypatch.setattr(factory, "SASAttnBackend", fake_backend)
@@ -281,14 +281,16 @@ def test_factory_shards_the_gate_by_attention_tp_rank(clean_env, gate, monkeypat
     )
     with get_parallel().override(attn_tp_rank=rank, attn_tp_size=3, attn_cp_size=1):
         backend = factory.create_sas_backend(runner)
-    assert built["num_kv_heads"] == 1 and built["num_q_heads"] == 3
+    assert built["num_kv_heads"] == 1 and built["num_q_heads"] == 3 and built["kv_head_offset"] == rank
+    assert len(built["gate_sha256"]) == 64 and built["own_cpu_extend"]  # one-phase: all given to the constructor
     _, layers = load_gate_checkpoint(gate)
     for lid, g in built["gates"].items():
         full = layers[lid]["attngate_linear_q.weight"].float()
         torch.testing.assert_close(g.attngate_linear_q.weight, full[rank:rank + 1])
-    # The model's current table (upcast) and the gate's own, with the live object attached.
-    assert backend.rope_tables.model is built["model_rope"] and built["model_rope"].dtype == torch.float32
-    assert built["gate_rope"].shape == (8192, 128)
+    # The live tables: the model's current table (upcast) and the gate's own.
+    tables = built["rope_tables"]
+    assert tables.rotary is model.rotary_emb and tables.model.dtype == torch.float32
+    assert tables.gate.shape == (8192, 128) and isinstance(backend, types.SimpleNamespace)
 
 
 @pytest.mark.parametrize(
@@ -304,7 +306,7 @@ def test_factory_shards_the_gate_by_attention_tp_rank(clean_env, gate, monkeypat
     ],
 )
 def test_decode_cuda_graph_disabled_reads_every_spelling(parse, clean_env, argv, disabled):
-    from sas_backend.backend.factory import decode_cuda_graph_disabled
+    from sas_backend.backend.sglang_compat import decode_cuda_graph_disabled
 
     assert decode_cuda_graph_disabled(parse(*argv)) is disabled
 

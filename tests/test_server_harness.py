@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sas_backend.server_harness import server_cmd
+from sas_backend.testing.server import server_cmd
 
 
 def test_every_server_sleeps_when_idle_once():
@@ -17,7 +17,7 @@ def test_cpu_servers_outlast_long_context_forwards(monkeypatch):
     """SGLang's 300 s scheduler watchdog killed a CPU server mid-benchmark (a batch extending a cached
     32K prefix for 3 requests took longer): CPU servers get CPU_WATCHDOG_S unless the caller sets one;
     GPU servers keep SGLang's default."""
-    from sas_backend import server_harness
+    from sas_backend.testing import server as server_harness
 
     monkeypatch.setattr(server_harness, "ON_GPU", False)
     cmd = server_cmd("m", "sas", 1234)
@@ -33,7 +33,7 @@ def test_cpu_servers_run_fp32_unless_told(monkeypatch):
     """The models' configs say bf16, which an AVX2-only CPU multiplies ~100x slower than fp32 (the CI
     soak took 10 min instead of 2.5 on one): CPU servers get --dtype float32 unless the caller names a
     dtype; GPU servers keep the model's."""
-    from sas_backend import server_harness
+    from sas_backend.testing import server as server_harness
 
     monkeypatch.setattr(server_harness, "ON_GPU", False)
     cmd = server_cmd("m", "sas", 1234)
@@ -47,7 +47,7 @@ def test_cpu_servers_run_fp32_unless_told(monkeypatch):
 def test_cpu_threads_bind_splits_the_allowed_cores_over_ranks(monkeypatch):
     """Runs of the affinity's cores per rank (tests/run.sh pins each xdist worker to its own cores),
     round-robin when there are fewer cores than ranks, comma lists where a run has a gap."""
-    from sas_backend import server_harness
+    from sas_backend.testing import server as server_harness
 
     cases = [({0, 1}, 2, "0|1"), ({0, 1}, 3, "0|1|0"), ({0}, 3, "0|0|0"), (set(range(8)), 2, "0-3|4-7"),
              ({1, 3, 5, 7}, 2, "1,3|5,7"), ({4, 5, 6}, 1, "4-6")]
@@ -62,7 +62,7 @@ def test_free_ports_leave_room_for_the_ports_sglang_derives():
     import random
     import socket
 
-    from sas_backend import server_harness
+    from sas_backend.testing import server as server_harness
 
     for _ in range(50):
         assert server_harness.free_port() + 10000 <= 65535
@@ -89,7 +89,7 @@ def test_generated_tokens_from_ids_or_from_logprobs():
     token strings there, the ids where the server returns them."""
     import pytest
 
-    from sas_backend.server_harness import generated_tokens
+    from sas_backend.testing.server import generated_tokens
 
     assert generated_tokens({"token_ids": [5, 6], "logprobs": {"tokens": ["a", "b"]}}) == [5, 6]
     assert generated_tokens({"text": " a b", "logprobs": {"tokens": [" a", " b"]}}) == [" a", " b"]

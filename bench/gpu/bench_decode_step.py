@@ -382,7 +382,7 @@ def all_blocks(w: World) -> torch.Tensor:
 
 def reference_attention(w: World, layer: int, selected: torch.Tensor) -> torch.Tensor:
     """The torch oracle: plain SDPA over the selected blocks + the current block (all blocks = dense)."""
-    from sas_backend.ops.gather.naive import build_kv_indices, kv_indptr_for
+    from sas_backend.ops.gather.torch_path import build_kv_indices, kv_indptr_for
     from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
 
     k, v = w.kv(layer)
@@ -623,9 +623,9 @@ def check_point(w: World, budget: int, graphs: bool, branches: bool = False) -> 
     from sas_backend.ops.gate import gate_query_post_rope
     from sas_backend.ops.gate.naive import gate_query_post_rope as gq_ref
     from sas_backend.ops.score import score_blocks
-    from sas_backend.ops.score.naive import score_blocks as score_ref
+    from sas_backend.ops.score.torch_path import score_blocks as score_ref
     from sas_backend.ops.summary import summarize_pages, update_summaries
-    from sas_backend.ops.summary.naive import summarize_pages as pages_ref
+    from sas_backend.ops.summary.torch_path import summarize_pages as pages_ref
     from sas_backend.ops.summary.naive import summary_update_decode as summary_ref
     from sas_backend.ops.topk import select_blocks
     from sas_backend.ops.topk.naive import select_blocks as topk_ref

@@ -136,7 +136,7 @@ def check_triton(dry: bool) -> dict:
     import torch
 
     from sas_backend.ops.gather import gather_kv_indices, kv_indptr_for
-    from sas_backend.ops.gather.naive import build_kv_indices
+    from sas_backend.ops.gather.torch_path import build_kv_indices
 
     dev = "cpu" if dry else "cuda"
     b, h_kv, k_top = 64, 2, 4
@@ -200,7 +200,7 @@ def check_flashinfer(dry: bool, site: pathlib.Path, record: dict) -> dict:
         return orig(self)
 
     core.JitSpec.build_and_load = spy
-    from sas_backend.ops.gather.naive import build_kv_indices, kv_indptr_for
+    from sas_backend.ops.gather.torch_path import build_kv_indices, kv_indptr_for
     from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
     from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
 

@@ -269,7 +269,7 @@ TIER_MODULES = {
     "tier1": (["sas_backend", "sas_backend.ops.gate", "sas_backend.ops.sparse_decode",
                "sas_backend.training.ops.gated_attention"],
               ["flashinfer"], []),
-    "tier2": (["sas_backend", "sas_backend.server_harness"],
+    "tier2": (["sas_backend", "sas_backend.testing.server"],
               ["flashinfer", "sglang", "sas_backend.plugin", "sglang.srt.layers.attention.flashinfer_backend",
                "sas_backend.backend.sas_attention"],
               ["sgl_kernel"]),

@@ -15,6 +15,7 @@ from sas_backend.backend.model_checks import (
 )
 from sas_backend.backend.rope_tables import RopeTables
 from sas_backend.backend.sas_attention import SASAttnBackend
+from sas_backend.backend.sglang_compat import attention_cp_size, attention_tp, decode_cuda_graph_disabled
 from sas_backend.backend.verify_rows import draft_tokens_from_args
 from sas_backend.config import SASConfig, SASConfigError
 from sas_backend.gate.checkpoint import shard_for_tp, validate_for_geometry
@@ -23,83 +24,6 @@ from sas_backend.gate.module import gates_from_tensors
 from sas_backend.geometry import ModelGeometry, gate_rope_table
 
 logger = logging.getLogger(__name__)
-
-# The SGLang releases whose source was read for the APIs this factory depends on (2026-11-23).
-# tests/test_plugin.py pins the same contracts against the installed SGLang.
-SGLANG_RELEASES_READ = {
-    # release: (attention-TP rank/size, "decode CUDA graph off" as resolved, run here)
-    "0.5.15": ("get_parallel().attn_tp_rank/attn_tp_size (also dp_attention.get_attention_tp_*)",
-               "get_global_server_args().cuda_graph_config.decode.backend", "read"),
-    "0.5.21": ("get_parallel().attn_tp_rank/attn_tp_size (dp_attention getters removed)",
-               "get_exec().graph.cuda_graph_config.decode.backend", "read, installed, run on CPU"),
-    "0.5.23": ("get_parallel().attn_tp_rank/attn_tp_size (ModelRunner.tp_rank/tp_size removed)",
-               "get_exec().graph.cuda_graph_config.decode.backend", "read"),
-}
-
-
-def attention_tp() -> tuple[int, int]:
-    """(rank, size) of this process in SGLang's attention tensor-parallel group.
-
-    The model shards its kv heads over this group (attn_tp_size = tp_size / attn_dp_size /
-    attn_cp_size), so the gate's kv-head axis is sharded the same way; under DP attention it is
-    smaller than tp_size. `sglang.srt.runtime_context.get_parallel()` carries it in 0.5.15 through
-    0.5.23 (the ModelRunner's own tp_rank/tp_size are gone in 0.5.23 and are the wrong group
-    under DP attention anyway).
-    """
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    return int(parallel.attn_tp_rank), int(parallel.attn_tp_size)
-
-
-def attention_cp_size() -> int:
-    """Width of SGLang's attention context-parallel group (1 when off)."""
-    from sglang.srt.runtime_context import get_parallel
-
-    return int(get_parallel().attn_cp_size)
-
-
-def decode_cuda_graph_disabled(server_args) -> bool:
-    """Whether SGLang will run decode steps eagerly (no decode CUDA graph).
-
-    SGLang resolves every spelling into one config: `--disable-cuda-graph` (deprecated since
-    0.5.21, sets `disable_cuda_graph`), `--disable-decode-cuda-graph`,
-    `--cuda-graph-backend-decode disabled`, `--cuda-graph-config '{"decode": {"backend":
-    "disabled"}}'`, and model hooks that switch graphs off. The resolved value is read when it is
-    published (always so in a scheduler process); otherwise the raw flags are combined with
-    SGLang's precedence (explicit config > per-phase backend > per-phase switch > legacy flag).
-    """
-    resolved = _published_decode_backend()
-    if resolved is not None:
-        return str(resolved) == "disabled"  # cuda_graph_config.Backend.DISABLED
-    disabled = bool(getattr(server_args, "disable_cuda_graph", False))
-    disabled = disabled or bool(getattr(server_args, "disable_decode_cuda_graph", False))
-    backend = getattr(server_args, "cuda_graph_backend_decode", None)
-    if backend is not None:
-        disabled = str(backend) == "disabled"
-    config = getattr(server_args, "cuda_graph_config", None)
-    decode = config.get("decode") if isinstance(config, dict) else getattr(config, "decode", None)
-    backend = decode.get("backend") if isinstance(decode, dict) else getattr(decode, "backend", None)
-    if backend is not None:
-        disabled = str(backend) == "disabled"
-    return disabled
-
-
-def _published_decode_backend():
-    """The decode backend of SGLang's published CUDA-graph config, or None when unpublished."""
-    try:
-        from sglang.srt.runtime_context import get_exec
-
-        cfg = get_exec().graph.cuda_graph_config
-    except Exception:  # unpublished (tests, early startup) or a release without get_exec
-        try:
-            from sglang.srt.server_args import get_global_server_args
-
-            cfg = get_global_server_args().cuda_graph_config
-        except Exception:
-            return None
-    decode = getattr(cfg, "decode", None)
-    return getattr(decode, "backend", None)
 
 
 def check_gate_rope_formula(model_table: torch.Tensor, geometry: ModelGeometry, max_rows: int = 32768) -> None:
@@ -195,23 +119,22 @@ def create_sas_backend(runner) -> SASAttnBackend:
 
     inner = ATTENTION_BACKENDS["flashinfer" if device.type == "cuda" else "torch_native"](runner)
     logger.info("sas: %s, dense backend %s", source, type(inner).__name__)
+    own_cpu_extend = device.type == "cpu" and cfg.cpu_extend == "sas"
     backend = SASAttnBackend(
         runner,
         inner,
         cfg,
         gates,
-        rope.model,
-        rope.gate,
+        rope,
         num_kv_heads=kv_local,
         num_q_heads=q_local,
         head_dim=geo.head_dim,
         draft_tokens=draft_tokens_from_args(runner.server_args),
+        kv_head_offset=tp_rank * kv_local,
+        gate_sha256=gate_sha256,
+        own_cpu_extend=own_cpu_extend,
     )
-    backend.rope_tables = rope  # the live tables, for a backend that follows table replacement
-    backend.kv_head_offset = tp_rank * kv_local
-    backend.gate_sha256 = gate_sha256
-    backend.own_cpu_extend = device.type == "cpu" and cfg.cpu_extend == "sas"
     if device.type == "cpu":
-        logger.info("sas: CPU extend attention by %s (SAS_CPU_EXTEND)", "sas (ops/extend)" if backend.own_cpu_extend
+        logger.info("sas: CPU extend attention by %s (SAS_CPU_EXTEND)", "sas (ops/extend)" if own_cpu_extend
                     else "torch_native")
     return backend

@@ -226,8 +226,8 @@ def model_rope_table_is_copied(on_cuda: bool, model_dtype: torch.dtype) -> bool:
 
 def _graph_batch_size_count(server_args) -> int:
     """How many decode batch sizes SGLang will capture (0 without decode CUDA graphs, whichever
-    flag spelling turned them off: `factory.decode_cuda_graph_disabled`)."""
-    from sas_backend.backend.factory import decode_cuda_graph_disabled
+    flag spelling turned them off: `sglang_compat.decode_cuda_graph_disabled`)."""
+    from sas_backend.backend.sglang_compat import decode_cuda_graph_disabled
 
     if decode_cuda_graph_disabled(server_args):
         return 0
@@ -265,7 +265,7 @@ def memory_for_sglang(owner) -> tuple:
     cfg = SASConfig.for_serving()
     geo = ModelGeometry.from_hf_config(owner.model_config.hf_config)
     try:  # kv heads are sharded over the attention-TP group (smaller than tp_size under DP attention)
-        from sas_backend.backend.factory import attention_tp
+        from sas_backend.backend.sglang_compat import attention_tp
 
         tp_size = attention_tp()[1]
     except Exception:  # parallel state not published yet: derived from the flags as SGLang derives it
@@ -348,25 +348,3 @@ def reserve_sas_memory(original, owner, *args, **kwargs) -> int:
         available / 2**30, budget / 2**30,
     )
     return budget
-
-
-# `_profile_available_bytes` lives on the ModelRunner mixin in 0.5.15 and on the KV-cache
-# configurator from 0.5.20 on; the plugin hooks whichever this SGLang has.
-PROFILE_TARGETS = (
-    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
-    "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._profile_available_bytes",
-)
-
-
-def profile_target() -> Optional[str]:
-    """The first of PROFILE_TARGETS whose module exists here (found without importing it)."""
-    import importlib.util
-
-    for target in PROFILE_TARGETS:
-        module = target.rsplit(".", 2)[0]
-        try:
-            if importlib.util.find_spec(module) is not None:
-                return target
-        except ModuleNotFoundError:
-            continue
-    return None

@@ -112,3 +112,25 @@ class RopeTables:
         self._src = src
         self.version += 1
         return True
+
+
+class FixedRopeTables:
+    """Two given tables with `RopeTables`' interface, for a backend built without a model (tests, tools).
+
+    model: `[max_pos, D]` fp32; gate: `[max_pos, Dg]` fp32 (`[max_pos, 0]` for a training-free selector).
+    """
+
+    def __init__(self, model: torch.Tensor, gate: torch.Tensor):
+        self.model, self.gate = model, gate
+        self.version = 1
+        self.frozen = False
+
+    @property
+    def max_pos(self) -> int:
+        return int(self.model.shape[0])
+
+    def freeze(self) -> None:
+        self.frozen = True
+
+    def refresh(self) -> bool:
+        return False

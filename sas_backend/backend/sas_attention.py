@@ -26,7 +26,7 @@ import torch
 from sas_backend.backend.decode_plan import DecodePlan
 from sas_backend.backend.decode_step import DecodeStep
 from sas_backend.backend.graph_branch import BranchFlags, captured_if, capturing, conditional_nodes_supported
-from sas_backend.backend.kv_write import save_kv
+from sas_backend.backend.sglang_compat import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
 from sas_backend.backend import verify_rows
 from sas_backend.backend.verify_rows import check_chain, draft_tokens
@@ -66,10 +66,13 @@ class SASAttnBackend(AttentionBackend):
     """SGLang AttentionBackend for SAS block-sparse decode. Built by `factory.create_sas_backend`.
 
     gates: `{layer_id: AttnGate}` for every sparse layer (values None under a training-free
-    selector, `cfg.selector`); layers not in it decode densely. settings: the decode step's resolved
-    settings (`backend.step_settings.resolve`; None: resolved here from cfg and the device). draft_tokens: n of
-    `--speculative-num-draft-tokens` when speculative decoding is on (a verify step decodes n rows a request;
-    0: off).
+    selector, `cfg.selector`); layers not in it decode densely. rope_tables: the model's `[max_pos, D]` and the
+    gate's `[max_pos, Dg]` fp32 tables (`rope_tables.RopeTables`, or `FixedRopeTables` without a model).
+    kv_head_offset: the model's first kv head on this rank (tensor parallelism); gate_sha256: of the gate file
+    as loaded; own_cpu_extend: CPU extend by `ops.extend` instead of the wrapped backend. settings: the decode
+    step's resolved settings (`backend.step_settings.resolve`; None: resolved here from cfg and the device).
+    draft_tokens: n of `--speculative-num-draft-tokens` when speculative decoding is on (a verify step decodes n
+    rows a request; 0: off).
     """
 
     def __init__(
@@ -78,13 +81,15 @@ class SASAttnBackend(AttentionBackend):
         inner,
         cfg: SASConfig,
         gates: Dict[int, Optional[AttnGate]],
-        model_rope_table: torch.Tensor,
-        gate_rope_table: torch.Tensor,
+        rope_tables,
         num_kv_heads: int,
         num_q_heads: int,
         head_dim: int,
         settings: Optional[StepSettings] = None,
         draft_tokens: int = 0,
+        kv_head_offset: int = 0,
+        gate_sha256: Optional[str] = None,
+        own_cpu_extend: bool = False,
     ):
         super().__init__()
         self.inner = inner
@@ -96,13 +101,17 @@ class SASAttnBackend(AttentionBackend):
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
         self.gates = gates
-        self.model_rope_table = model_rope_table
-        self.gate_rope_table = gate_rope_table
+        # The RoPE tables' one source (`RopeTables`: follows SGLang replacing its cos_sin_cache; tests and
+        # tools: `FixedRopeTables`), and this step's snapshot of it (`_follow_rope_tables`, host side, before a
+        # step: the layers of one step read the same tensors).
+        self.rope_tables = rope_tables
+        self.model_rope_table, self.gate_rope_table = rope_tables.model, rope_tables.gate
         self.num_kv_heads = num_kv_heads
-        # The model's first kv head on this rank (tensor parallelism shards kv heads; set by the
-        # factory): the selection log names the global heads it holds.
-        self.kv_head_offset = 0
-        self.gate_sha256 = None  # of the gate file as loaded (set by the factory; reported by /sas/info)
+        # The model's first kv head on this rank (tensor parallelism shards kv heads): the selection log names
+        # the global heads it holds.
+        self.kv_head_offset = int(kv_head_offset)
+        self.gate_sha256 = gate_sha256  # of the gate file as loaded (reported by /sas/info)
+        gate_rope_table = self.gate_rope_table
         self.num_q_heads = num_q_heads
         self.head_dim = head_dim
         self.block_size = cfg.block_size
@@ -153,14 +162,11 @@ class SASAttnBackend(AttentionBackend):
         self._verify_buffers = None  # captured verify steps: persistent decode-row lengths and req rows
         self.step.attach_gates(gates)
         self.selector = selector
-        # Set by the factory: the live RoPE tables (SGLang may replace its cos_sin_cache; see
-        # backend/rope_tables.py). None keeps the tables given above (tests, tools).
-        self.rope_tables = None
         self._plan: Optional[DecodePlan] = None
         self._extend_blocks = None  # (pages [N], starts [N]) of blocks completed by this extend
         # CPU extend: our own (the new queries only, ops/extend) instead of the wrapped torch-native
-        # one, which pads every request's queries to its whole length. Set by the factory.
-        self.own_cpu_extend = False
+        # one, which pads every request's queries to its whole length.
+        self.own_cpu_extend = bool(own_cpu_extend)
         self._extend_reqs = None  # (req rows, prefix lens, extend lens) host ints, for own_cpu_extend
         self._debug_step = 0
         # Dense steps under CUDA graphs: the flags of the two captured branches (init_cuda_graph_state;
@@ -187,9 +193,7 @@ class SASAttnBackend(AttentionBackend):
     def _follow_rope_tables(self) -> None:
         """Read the current RoPE tables (host side, before a step). Once graphs are captured the
         tables are frozen: a reallocation raises in `RopeTables.refresh`, eager or graph step."""
-        tables = self.rope_tables
-        if tables is not None:
-            self.model_rope_table, self.gate_rope_table = tables.model, tables.gate
+        self.model_rope_table, self.gate_rope_table = self.rope_tables.model, self.rope_tables.gate
 
     def init_forward_metadata(self, forward_batch):
         """Eager step (no CUDA graph): plan and step state from the live batch."""
@@ -254,8 +258,7 @@ class SASAttnBackend(AttentionBackend):
         self._plan = self._plan_decode(forward_batch, graph_bs=forward_batch.batch_size)
         self._extend_blocks = None
         # From the first out_graph on, captured layers may hold the tables' addresses.
-        if self.rope_tables is not None:
-            self.rope_tables.freeze()
+        self.rope_tables.freeze()
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Captured: recompute the step's device state into the persistent buffers."""

@@ -20,8 +20,8 @@ import math
 import torch
 from torch import nn
 
-from sas_backend.ops.gate.naive import gate_query
-from sas_backend.ops.summary.naive import summarize_blocks, summarize_pooled
+from sas_backend.ops.gate.torch_path import gate_query
+from sas_backend.ops.summary.torch_path import summarize_blocks, summarize_pooled
 
 
 class _Weight(nn.Module):

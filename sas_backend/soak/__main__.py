@@ -2,7 +2,7 @@
 
     python -m sas_backend.soak --requests 1000 --duration-min 20 --out bench/results/DATE-soak
 
-Starts `python -m sglang.launch_server --attention-backend sas` (server_harness; the CPU engine
+Starts `python -m sglang.launch_server --attention-backend sas` (sas_backend.testing.server; the CPU engine
 without a GPU) with `--context-length`, a KV pool of `--max-total-tokens` (small on purpose:
 requests queue and get retracted) and the shipped gate at `--budget`, drives the workload
 (workload.py), checks the server came back whole (run.py), writes `soak.json` (and the server log)
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from sas_backend.server_harness import Server, launch_flags
+    from sas_backend.testing.server import Server, launch_flags
     from sas_backend.soak.run import failures, soak
 
     gate = args.gate

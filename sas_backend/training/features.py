@@ -37,7 +37,7 @@ import torch
 
 from sas_backend.hf.sparse_eval import causal_sdpa, model_rope_table
 from sas_backend.ops.rope import invert_rope
-from sas_backend.ops.summary.naive import pool_block_keys
+from sas_backend.ops.summary.torch_path import pool_block_keys
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

@@ -41,7 +41,7 @@ from typing import List, Tuple
 import torch
 
 from sas_backend.gate.module import AttnGate
-from sas_backend.ops.topk.naive import forced_mask
+from sas_backend.ops.topk.torch_path import forced_mask
 from sas_backend.training.packing import query_bounds, seq_bounds
 
 DEFAULT_QUERY_CHUNK = 4096

@@ -44,6 +44,7 @@ class _Rig:
         from sas_backend.backend.sas_attention import SASAttnBackend
         from sas_backend.config import SASConfig
         from sas_backend.gate.module import AttnGate
+        from sas_backend.backend.rope_tables import FixedRopeTables
         from sas_backend.ops.rope import rope_cos_sin_table
 
         g = torch.Generator().manual_seed(0)
@@ -64,7 +65,8 @@ class _Rig:
             gates[lid] = gate.cuda().requires_grad_(False)
         self.backend = SASAttnBackend(
             runner, _NoDenseDecode(), SASConfig(gate_path="unused", budget=BUDGET, block_size=B), gates,
-            rope_cos_sin_table(D, MAX_CTX + 8, 10000.0).cuda(), rope_cos_sin_table(DG, MAX_CTX + 8, 10000.0).cuda(),
+            FixedRopeTables(rope_cos_sin_table(D, MAX_CTX + 8, 10000.0).cuda(),
+                            rope_cos_sin_table(DG, MAX_CTX + 8, 10000.0).cuda()),
             num_kv_heads=H_KV, num_q_heads=H_Q, head_dim=D,
         )
         self.backend.init_cuda_graph_state(MAX_BS, MAX_BS)

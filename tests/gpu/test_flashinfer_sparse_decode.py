@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sas_backend.ops.gather.naive import build_kv_indices, kv_indptr_for
+from sas_backend.ops.gather.torch_path import build_kv_indices, kv_indptr_for
 from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
 
 pytestmark = pytest.mark.gpu

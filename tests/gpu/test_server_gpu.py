@@ -20,7 +20,7 @@ import pytest
 
 from tests.server.compare import BF16_GPU, assert_same_decodes, generate
 from tests.server.conftest import essay_ids, model_dir, shipped_gate, tokenizer  # noqa: F401 (fixtures)
-from sas_backend.server_harness import Server
+from sas_backend.testing.server import Server
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from sas_backend.ops.anchors import anchor_scratch_bytes, extend_anchors, paged
-from sas_backend.ops.anchors.naive import last_query_block_mass, top_anchors
+from sas_backend.ops.anchors.torch_path import last_query_block_mass, top_anchors
 
 
 def _world(lens, h_kv, g, d, b, dtype=torch.float32, seed=0, max_ctx=None):

@@ -8,16 +8,16 @@ entry point (`sas_backend.ops.<op>`) picks exactly these on CPU; the last test c
 import pytest
 import torch
 
-from sas_backend.ops.gate.cpu import gate_query_cpu
-from sas_backend.ops.gate.naive import gate_query
-from sas_backend.ops.gather.naive import build_kv_indices, kv_indptr_for
+from sas_backend.ops.gate.torch_path import gate_query_torch
+from sas_backend.ops.gate.torch_path import gate_query
+from sas_backend.ops.gather.torch_path import build_kv_indices, kv_indptr_for
 from sas_backend.ops.rope import apply_rope, invert_rope, rope_cos_sin_table, rotate, rotation_factors
-from sas_backend.ops.score.naive import candidate_counts, score_blocks
-from sas_backend.ops.sparse_decode.cpu import TorchSparseDecode, padded_token_rows, sparse_decode_padded
+from sas_backend.ops.score.torch_path import candidate_counts, score_blocks
+from sas_backend.ops.sparse_decode.torch_path import TorchSparseDecode, padded_token_rows, sparse_decode_padded
 from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
-from sas_backend.ops.summary.cpu import summary_update_decode_masked
+from sas_backend.ops.summary.torch_path import summary_update_decode_masked
 from sas_backend.ops.summary.naive import summary_update_decode
-from sas_backend.ops.topk.cpu import select_blocks_cpu
+from sas_backend.ops.topk.torch_path import select_blocks_torch
 from sas_backend.ops.topk.naive import select_blocks
 
 
@@ -37,7 +37,7 @@ def test_topk_cpu_equals_reference(k, sink, local):
     scores[2, 1, 5] = -0.0
     scores[2, 1, 6] = 0.0
     n_cand = torch.tensor([37, 20, 2, 0, 9])
-    got = select_blocks_cpu(scores, n_cand, k, sink, local)
+    got = select_blocks_torch(scores, n_cand, k, sink, local)
     want = select_blocks(scores, n_cand, k, sink, local)
     assert torch.equal(got, want)
 
@@ -47,7 +47,7 @@ def test_topk_cpu_random_rounded_scores_many_ties():
     scores = torch.randint(-3, 3, (4, 8, 300), generator=g).float()
     n_cand = torch.tensor([300, 299, 64, 1])
     for k in (2, 16, 64):
-        assert torch.equal(select_blocks_cpu(scores, n_cand, k, 1, 1), select_blocks(scores, n_cand, k, 1, 1))
+        assert torch.equal(select_blocks_torch(scores, n_cand, k, 1, 1), select_blocks(scores, n_cand, k, 1, 1))
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -62,7 +62,7 @@ def test_gate_query_cpu_equals_reference(group, dtype):
     w_q = torch.randn(h_kv, group, d, dg, generator=g) / (group * d) ** 0.5
     q_norm = torch.rand(dg, generator=g) + 0.5
     want = gate_query(invert_rope(q_post, model_tab[pos]), w_q, q_norm, gate_tab[pos])
-    got = gate_query_cpu(q_post, model_tab[pos], w_q, q_norm, gate_tab[pos])
+    got = gate_query_torch(q_post, model_tab[pos], w_q, q_norm, gate_tab[pos])
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -151,13 +151,13 @@ def test_entry_points_pick_the_cpu_paths_off_cuda(paged_case):
     q = torch.randn(len(lens), 2 * h_kv, d, generator=g)
     w_q, q_norm = torch.randn(h_kv, 2, d, dg, generator=g), torch.rand(dg, generator=g) + 0.5
     gq = ops.gate.gate_query_post_rope(q, model_tab[seq - 1], w_q, q_norm, gate_tab[seq - 1])
-    assert torch.equal(gq, gate_query_cpu(q, model_tab[seq - 1], w_q, q_norm, gate_tab[seq - 1]))
+    assert torch.equal(gq, gate_query_torch(q, model_tab[seq - 1], w_q, q_norm, gate_tab[seq - 1]))
     summ = torch.randn(case.num_pages + 1, h_kv, dg, generator=g)
     sc = ops.score.score_blocks(gq, summ, table, n_cand, b, 6)
     assert torch.equal(sc, score_blocks(gq, summ, table, n_cand, b, 6))
     out = torch.empty(len(lens), h_kv, 2, dtype=torch.int32)
     sel = ops.topk.select_blocks(sc, n_cand, 2, 1, 0, out=out)
-    assert sel is out and torch.equal(sel, select_blocks_cpu(sc, n_cand, 2, 1, 0))
+    assert sel is out and torch.equal(sel, select_blocks_torch(sc, n_cand, 2, 1, 0))
     indptr = kv_indptr_for(seq, 2, b, h_kv)
     buf = torch.full((int(indptr[-1]) + 5,), -7, dtype=torch.int32)
     ops.gather.gather_kv_indices(sel, table, seq, b, indptr, buf)

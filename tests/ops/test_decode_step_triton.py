@@ -10,8 +10,8 @@ import torch
 from sas_backend.ops import decode_step as fused
 from sas_backend.ops.decode_step import naive
 from sas_backend.ops.rope import apply_rope, rope_cos_sin_table
-from sas_backend.ops.score.naive import candidate_counts
-from sas_backend.ops.summary.naive import summarize_pages
+from sas_backend.ops.score.torch_path import candidate_counts
+from sas_backend.ops.summary.torch_path import summarize_pages
 from tests.devices import DEVICE
 
 

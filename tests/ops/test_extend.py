@@ -7,7 +7,8 @@ closeness: a token's output is bit-identical however its prompt's extend was spl
 import pytest
 import torch
 
-from sas_backend.ops.extend import DEFAULT_METHOD, extend_attention_cpu, extend_attention_naive, paged_extend_attention
+from sas_backend.ops.extend import DEFAULT_METHOD, extend_attention_torch, paged_extend_attention
+from sas_backend.ops.extend.naive import extend_attention_naive
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
@@ -37,7 +38,7 @@ def test_default_method_is_blocks_on_this_torch():
 def test_cpu_equals_reference(e, p, cap, group, dtype, method):
     h_kv = 2
     q, k, v = _qkv(e, p, h_kv * group, h_kv, 32, dtype, seed=e + p + group)
-    got = extend_attention_cpu(q, k, v, p, 0.17, max_mask_elems=cap, method=method, block=16)
+    got = extend_attention_torch(q, k, v, p, 0.17, max_mask_elems=cap, method=method, block=16)
     want = extend_attention_naive(q, k, v, p, 0.17)
     assert got.dtype == dtype and got.shape == (e, h_kv * group, 32)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
@@ -46,11 +47,11 @@ def test_cpu_equals_reference(e, p, cap, group, dtype, method):
 def test_length_mismatch_is_refused():
     q, k, v = _qkv(4, 10, 2, 1, 8, torch.float32, 0)
     with pytest.raises(ValueError, match="expected prefix 9"):
-        extend_attention_cpu(q, k, v, 9, 1.0)
+        extend_attention_torch(q, k, v, 9, 1.0)
     with pytest.raises(ValueError, match="expected prefix 9"):
         extend_attention_naive(q, k, v, 9, 1.0)
     with pytest.raises(ValueError, match="method"):
-        extend_attention_cpu(q, k, v, 10, 1.0, method="fast")
+        extend_attention_torch(q, k, v, 10, 1.0, method="fast")
 
 
 def _paged_batch(prefix_lens, extend_lens, h_q, h_kv, d, dtype, seed=0):
@@ -103,7 +104,7 @@ def test_paged_batch_equals_reference_and_sglang_torch_native(dtype, method):
 def test_lower_precision_kv_is_read_up(method):
     q, k, v = _qkv(20, 45, 6, 2, 16, torch.float32, 3)
     k16, v16 = k.bfloat16(), v.bfloat16()
-    got = extend_attention_cpu(q, k16, v16, 45, 0.25, method=method)
+    got = extend_attention_torch(q, k16, v16, 45, 0.25, method=method)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, extend_attention_naive(q, k16.float(), v16.float(), 45, 0.25), atol=2e-5, rtol=2e-5)
 
@@ -123,7 +124,7 @@ def test_blocks_are_bit_identical_however_the_extend_is_split(dtype, group):
         "radix hit at 640": [(0, 640), (640, 60)],
         "radix hit at 128, then chunks of 192": [(0, 128)] + [(s, min(192, n - s)) for s in range(128, n, 192)],
     }
-    whole = extend_attention_cpu(q, k, v, 0, 0.125)
+    whole = extend_attention_torch(q, k, v, 0, 0.125)
     for name, parts in splits.items():
-        got = torch.cat([extend_attention_cpu(q[p : p + e], k[: p + e], v[: p + e], p, 0.125) for p, e in parts])
+        got = torch.cat([extend_attention_torch(q[p : p + e], k[: p + e], v[: p + e], p, 0.125) for p, e in parts])
         assert torch.equal(got, whole), name

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from sas_backend.ops.gate import gate_query_post_rope
-from sas_backend.ops.gate.naive import gate_query, gate_query_post_rope as gate_query_post_rope_ref
+from sas_backend.ops.gate.torch_path import gate_query
+from sas_backend.ops.gate.naive import gate_query_post_rope as gate_query_post_rope_ref
 from sas_backend.ops.gate.triton import gate_query_triton
 from sas_backend.ops.rope import apply_rope, rope_inv_freq
 from tests.devices import DEVICE
@@ -79,10 +80,10 @@ def test_gate_query_recovers_pre_rope(positions, scale):
 
 def test_gate_query_reference_matches_cpu_fast_path():
     # The reference and the backend's CPU fast path (ops.gate.cpu) agree, YaRN-like table included.
-    from sas_backend.ops.gate.cpu import gate_query_cpu
+    from sas_backend.ops.gate.torch_path import gate_query_torch
 
     _, q_post, mcs, w_q, qn, gcs = _case(3, 2, 3, 64, 64, scale=1.2, seed=9)
-    fast = gate_query_cpu(q_post.cpu(), mcs.cpu(), w_q.cpu(), qn.cpu(), gcs.cpu())
+    fast = gate_query_torch(q_post.cpu(), mcs.cpu(), w_q.cpu(), qn.cpu(), gcs.cpu())
     torch.testing.assert_close(gate_query_post_rope_ref(q_post, mcs, w_q, qn, gcs).cpu(), fast, **TOL)
 
 

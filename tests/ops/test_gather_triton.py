@@ -4,9 +4,9 @@ row must list exactly the req_to_token slots of its blocks' positions (checked i
 import pytest
 import torch
 
-from sas_backend.ops.gather.naive import build_kv_indices, kv_indptr_for
+from sas_backend.ops.gather.torch_path import build_kv_indices, kv_indptr_for
 from sas_backend.ops.gather.triton import build_kv_indices_triton
-from sas_backend.ops.score.naive import candidate_counts
+from sas_backend.ops.score.torch_path import candidate_counts
 from sas_backend.ops.topk.naive import select_blocks
 from tests.devices import DEVICE
 

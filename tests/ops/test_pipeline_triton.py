@@ -4,15 +4,15 @@ the same chain on the plain-torch references, over GQA groups 1/3/4/8."""
 import pytest
 import torch
 
-from sas_backend.ops.gate.naive import gate_query
-from sas_backend.ops.gather.naive import build_kv_indices
+from sas_backend.ops.gate.torch_path import gate_query
+from sas_backend.ops.gather.torch_path import build_kv_indices
 from sas_backend.ops.gather.triton import build_kv_indices_triton
-from sas_backend.ops.gather.naive import kv_indptr_for
+from sas_backend.ops.gather.torch_path import kv_indptr_for
 from sas_backend.ops.rope import apply_rope, rope_cos_sin_table
-from sas_backend.ops.score.naive import candidate_counts, score_blocks
+from sas_backend.ops.score.torch_path import candidate_counts, score_blocks
 from sas_backend.ops.score.triton import score_blocks_triton
 from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
-from sas_backend.ops.summary.naive import summarize_pages
+from sas_backend.ops.summary.torch_path import summarize_pages
 from sas_backend.ops.summary.triton import summarize_pages_triton
 from sas_backend.ops.topk.naive import select_blocks
 from sas_backend.ops.topk.triton import select_blocks_triton

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from sas_backend.ops.gate.naive import gate_query
-from sas_backend.ops.gather.naive import build_kv_indices, kv_indptr_for
+from sas_backend.ops.gate.torch_path import gate_query
+from sas_backend.ops.gather.torch_path import build_kv_indices, kv_indptr_for
 from sas_backend.ops.rope import apply_rope, invert_rope, rope_cos_sin_table
-from sas_backend.ops.score.naive import score_blocks
+from sas_backend.ops.score.torch_path import score_blocks
 from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
-from sas_backend.ops.summary.naive import summarize_blocks, summarize_pages
+from sas_backend.ops.summary.torch_path import summarize_blocks, summarize_pages
 from sas_backend.ops.topk.naive import select_blocks
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sas_backend.ops.score.naive import score_blocks
+from sas_backend.ops.score.torch_path import score_blocks
 from sas_backend.ops.score.triton import score_blocks_triton
 from tests.devices import DEVICE
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from sas_backend.ops.rope import apply_rope, rope_cos_sin_table
-from sas_backend.ops.summary.naive import summarize_blocks, summarize_pages, summary_update_decode
+from sas_backend.ops.summary.torch_path import summarize_blocks, summarize_pages
+from sas_backend.ops.summary.naive import summary_update_decode
 from sas_backend.ops.summary.triton import summarize_pages_triton, summary_update_decode_triton
 from tests.devices import DEVICE
 

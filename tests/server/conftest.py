@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from sas_backend.corpus import default_essays_dir
-from sas_backend.server_harness import DEFAULT_MODEL, ON_GPU, Server
+from sas_backend.testing.server import DEFAULT_MODEL, ON_GPU, Server
 
 ESSAYS = pathlib.Path(default_essays_dir())
 DENSE_ARGS = ["--page-size", "64", "--enable-cache-report"]

@@ -6,7 +6,7 @@ import shutil
 
 import requests
 
-from sas_backend.server_harness import complete, launch_expect_failure
+from sas_backend.testing.server import complete, launch_expect_failure
 
 
 def _fails_with(args, *needles):

@@ -7,7 +7,7 @@ import json
 
 import requests
 
-from sas_backend.server_harness import complete
+from sas_backend.testing.server import complete
 
 # At the sas_sparse_server's K = 4 blocks: within one block, exactly one block, one block + 1 token,
 # two blocks, K complete blocks (all selected: dense rows); then sparse rows: on a block boundary,

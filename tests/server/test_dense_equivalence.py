@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from sas_backend.server_harness import ON_GPU, Server, complete
+from sas_backend.testing.server import ON_GPU, Server, complete
 from sas_backend.soak.run import flush_cache
 from tests.server.compare import EXACT, KERNELS, assert_same_decodes, generate
 from tests.server.conftest import DENSE_ARGS

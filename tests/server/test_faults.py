@@ -24,7 +24,7 @@ import time
 import pytest
 import requests
 
-from sas_backend.server_harness import ON_GPU, Server
+from sas_backend.testing.server import ON_GPU, Server
 from sas_backend.soak.run import flush_cache, pool_state, wait_idle
 from tests.server.compare import EXACT, KERNELS, assert_same_decodes, decode_from_response, generate
 

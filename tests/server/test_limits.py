@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from .conftest import DENSE_ARGS
-from sas_backend.server_harness import ON_GPU, Server
+from sas_backend.testing.server import ON_GPU, Server
 
 CONTEXT = 1024
 RUNNING = 2

@@ -37,7 +37,7 @@ if sglang.__version__ != NEWEST_SGLANG:
 
 from .compare import EXACT, KERNELS, assert_same_decodes, generate  # noqa: E402
 from .conftest import DENSE_ARGS  # noqa: E402
-from sas_backend.server_harness import ON_GPU, Server, complete  # noqa: E402
+from sas_backend.testing.server import ON_GPU, Server, complete  # noqa: E402
 
 pytestmark = pytest.mark.newest_sglang
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from sas_backend.server_harness import ON_GPU, Server, cpu_threads_bind
+from sas_backend.testing.server import ON_GPU, Server, cpu_threads_bind
 from tests.server.compare import FP32, assert_same_decodes, generate
 from tests.server.oracle import Rule, oracle_check, run_oracle
 

@@ -29,7 +29,7 @@ import pytest
 import requests
 
 from sas_backend import sglang_bench as bench
-from sas_backend.server_harness import ON_GPU, cpu_env, free_port
+from sas_backend.testing.server import ON_GPU, cpu_env, free_port
 
 from .conftest import ESSAYS
 

@@ -16,7 +16,7 @@ import time
 import pytest
 import requests
 
-from sas_backend.server_harness import ON_GPU, Server
+from sas_backend.testing.server import ON_GPU, Server
 from sas_backend.soak.run import flush_cache
 from tests.server.conftest import DENSE_ARGS, ESSAYS
 

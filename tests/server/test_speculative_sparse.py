@@ -23,7 +23,7 @@ import time
 import pytest
 import requests
 
-from sas_backend.server_harness import ON_GPU, Server
+from sas_backend.testing.server import ON_GPU, Server
 from tests.server.compare import FP32, assert_same_decodes, decode_from_response
 from tests.server.test_speculative_dense import DRAFT_TOKENS, NGRAM_ARGS
 

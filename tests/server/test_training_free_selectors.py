@@ -10,7 +10,7 @@ import pytest
 
 import requests
 
-from sas_backend.server_harness import ON_GPU, Server
+from sas_backend.testing.server import ON_GPU, Server
 from tests.server.compare import generate
 from tests.server.oracle import Rule, oracle_check
 

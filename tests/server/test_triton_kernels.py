@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from sas_backend.server_harness import ON_GPU, Server
+from sas_backend.testing.server import ON_GPU, Server
 from tests.server.compare import FP32, assert_same_decodes, generate
 
 PROMPT_LEN = 1020  # the decode step at seq_len 1024 completes block 15: a block step is among those compared

@@ -18,7 +18,7 @@ import zipfile
 
 import pytest
 
-from sas_backend.server_harness import ON_GPU, Server, complete
+from sas_backend.testing.server import ON_GPU, Server, complete
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

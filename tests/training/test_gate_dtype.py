@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from sas_backend.hf.sparse_eval import SparseEvalSpec, block_scores, select_for_queries
-from sas_backend.ops.gate.naive import GATE_NORM_EPS, rms_norm
+from sas_backend.ops.gate.torch_path import GATE_NORM_EPS, rms_norm
 from sas_backend.ops.rope import invert_rope
-from sas_backend.ops.summary.naive import pool_block_keys
+from sas_backend.ops.summary.torch_path import pool_block_keys
 from sas_backend.training.eval_ppl import prefix_cache, reuse_plan, window_nll
 from test_eval_ppl import _gates
 from test_summary_dtype import (B, BF16_UNIT, LAST, WINDOW, _by_hand, _layer_inputs, needs_real_assets,

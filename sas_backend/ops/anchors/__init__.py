@@ -1,4 +1,4 @@
-"""Prompt anchors (`--sas-prompt-anchors R`): torch on every device, see `naive`.
+"""Prompt anchors (`--sas-prompt-anchors R`): torch on every device, see `torch_path`.
 
 - `block_mass(logits, positions, block_size, width)`: `[P, H_kv, width]` block attention mass (the oracle's rule).
 - `last_query_block_mass(q, k, scale, block_size)`: `[H_kv, T // b]` block attention mass of one query.
@@ -9,7 +9,7 @@
   (`paged`; what the server runs).
 """
 
-from sas_backend.ops.anchors.naive import block_mass, force_anchors, last_query_block_mass, top_anchors
+from sas_backend.ops.anchors.torch_path import block_mass, force_anchors, last_query_block_mass, top_anchors
 from sas_backend.ops.anchors.paged import CHUNK_TOKENS, anchor_scratch_bytes, extend_anchors
 
 __all__ = ["CHUNK_TOKENS", "anchor_scratch_bytes", "block_mass", "extend_anchors", "force_anchors",

@@ -1,6 +1,6 @@
 """Prompt anchors at extend, batched over the extend's requests and read from the paged KV in bounded chunks.
 
-`naive.last_query_block_mass` (the statement) takes one request's whole context as one fp32 tensor: at 128K
+`torch_path.last_query_block_mass` (the statement) takes one request's whole context as one fp32 tensor: at 128K
 tokens and 8 kv heads of 128 dims that is 0.5 GB a layer, per request, beside a pageable host-to-device copy.
 Here every request of the extend is scored in one pass over token chunks: a chunk's keys are gathered through
 `req_to_token` and cast to fp32 only for `CHUNK_TOKENS` (rows x tokens) at a time, and each block keeps the
@@ -44,7 +44,7 @@ def extend_anchors(q_last: torch.Tensor, k_buffer: torch.Tensor, req_to_token: t
     int >= every seq_len (the chunk loop's extent); scale: the softmax scale. Per kv head, the `count` complete
     blocks before the last token's own (index < (seq_len - 1) // b) of highest attention mass (the dense softmax
     summed over the block, max over the group's query heads), highest first, ties to the lower index, -1 padded:
-    `naive.top_anchors(naive.last_query_block_mass(...))` row by row, up to fp32 rounding of the masses.
+    `torch_path.top_anchors(torch_path.last_query_block_mass(...))` row by row, up to fp32 rounding of the masses.
     """
     n, h_q, d = q_last.shape
     h_kv = k_buffer.shape[1]

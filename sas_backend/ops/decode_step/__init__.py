@@ -200,7 +200,7 @@ def front(
     (= `naive.front`'s gate query; the summaries as `ops.summary.update_summaries` leaves them).
     """
     from sas_backend.ops.decode_step import triton as kernels
-    from sas_backend.ops.gate.naive import GATE_NORM_EPS
+    from sas_backend.ops.gate import GATE_NORM_EPS
 
     geo = ws.geo
     bs, h_q, d = q.shape

@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from sas_backend.ops.gate.naive import GATE_NORM_EPS
-from sas_backend.ops.gate.triton import _norm_rope_store, _project_rows
-from sas_backend.ops.topk.triton import _INT32_MIN, _pad, chunk_topk, merge_topk, score_keys
+from sas_backend.ops.gate import GATE_NORM_EPS
+from sas_backend.ops.gate.triton import norm_rope_store, project_rows
+from sas_backend.ops.topk.triton import INT32_MIN, pad_slots, chunk_topk, merge_topk, score_keys
 
 _ = GATE_NORM_EPS  # re-exported for the launchers
 
@@ -96,7 +96,7 @@ def _front_kernel(
         r = (u % UQ_PER_HEAD) * QCHUNK + tl.arange(0, QCHUNK)
         q_row = q_ptr + n * stride_qn + (h * G + g) * stride_qh
         w_g = wq_ptr + h * stride_wqh + g * stride_wqg
-        d1, d2 = _project_rows(q_row, mcs_ptr + n * stride_mcs, w_g, r, r < HALF_D, stride_wqr, stride_wqc,
+        d1, d2 = project_rows(q_row, mcs_ptr + n * stride_mcs, w_g, r, r < HALF_D, stride_wqr, stride_wqc,
                                HALF_D, HALF_DG, BLOCK_HDG)
         ws = wsq_ptr + (row_h * UQ + u) * (2 * HALF_DG)
         tl.store(ws + j, d1, mask=jm)
@@ -108,7 +108,7 @@ def _front_kernel(
             for v in range(UQ):  # unit order: deterministic, as the split gate-query launch sums
                 p1 += tl.load(base + v * (2 * HALF_DG) + j, mask=jm, other=0.0, cache_modifier=".cg")
                 p2 += tl.load(base + v * (2 * HALF_DG) + HALF_DG + j, mask=jm, other=0.0, cache_modifier=".cg")
-            _norm_rope_store(p1, p2, qn_ptr, gcs_ptr + n * stride_gcs, gq_ptr + n * stride_gqn + h * stride_gqh,
+            norm_rope_store(p1, p2, qn_ptr, gcs_ptr + n * stride_gcs, gq_ptr + n * stride_gqn + h * stride_gqh,
                              eps, HALF_DG, BLOCK_HDG)
     else:
         # --- summary of the completed block, unit uk = head dims [uk*KCHUNK, (uk+1)*KCHUNK) of each half ---
@@ -219,13 +219,13 @@ def _select_kernel(
         n_c = tl.minimum(tl.maximum(n - c * CHUNK, 0), CHUNK)
         o_row = out_ptr + r * stride_ob + h * stride_oh
         if active == 1:  # the row fits one chunk: its top K is the answer
-            _pad(o_row, tl.minimum(n_c, K), K, K_TILE)
+            pad_slots(o_row, tl.minimum(n_c, K), K, K_TILE)
             chunk_topk(key, valid, idx, n_c, K, o_row, o_row, WRITE_KEYS=False)
         else:
             row_h = r * H_KV + h
             key_row = ws_ptr + row_h * (2 * NC * SLOTS)
             idx_row = key_row + NC * SLOTS
-            _pad(idx_row + c * SLOTS, tl.minimum(n_c, K), SLOTS, SLOT_TILE)
+            pad_slots(idx_row + c * SLOTS, tl.minimum(n_c, K), SLOTS, SLOT_TILE)
             chunk_topk(key, valid, idx, n_c, K, idx_row + c * SLOTS, key_row + c * SLOTS, WRITE_KEYS=True)
             if _arrive(cnt_ptr + row_h, active):
                 merge_topk(key_row, idx_row, o_row, n, K, active * SLOTS, MERGE_TILE, K_TILE, True)
@@ -314,4 +314,4 @@ def _attend_kernel(
                      mask=dv < DV)
 
 
-__all__ = ["_INT32_MIN", "_attend_kernel", "_front_kernel", "_select_kernel"]
+__all__ = ["INT32_MIN", "_attend_kernel", "_front_kernel", "_select_kernel"]

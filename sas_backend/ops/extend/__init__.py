@@ -3,10 +3,10 @@
     paged_extend_attention(q, out, k_cache, v_cache, req_to_token, req_pool_indices,
                            prefix_lens, extend_lens, scale)
 
-`cpu.extend_attention_cpu` is the fast path (the new queries only, in position-aligned blocks merged
+`torch_path.extend_attention_torch` is the fast path (the new queries only, in position-aligned blocks merged
 by log-sum-exp, bit-identical however the extend is chunked; a masked fallback);
-`naive.extend_attention_naive` is the plain statement and the test oracle. Used by the `sas`
-backend for extend on CPU in place of SGLang's torch-native extend (see cpu.py for why).
+`naive.extend_attention_naive` is the plain statement and the tests' oracle. Used by the `sas`
+backend for extend on CPU in place of SGLang's torch-native extend (torch_path.py says why).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from typing import Sequence
 
 import torch
 
-from sas_backend.ops.extend.cpu import DEFAULT_METHOD, MAX_MASK_ELEMS, METHODS, extend_attention_cpu
-from sas_backend.ops.extend.naive import extend_attention_naive
+from sas_backend.ops.extend.torch_path import DEFAULT_METHOD, MAX_MASK_ELEMS, METHODS, extend_attention_torch
 
 
 def paged_extend_attention(
@@ -39,7 +38,7 @@ def paged_extend_attention(
     in place and returned. k_cache, v_cache: `[slots, H_kv, D]` one layer of the KV pool, the new
     tokens' K/V already stored. req_to_token: `[max_reqs, max_context]` slot of each (request row,
     position). req_pool_indices, prefix_lens (P), extend_lens (E): per request, host ints. method,
-    block (the KV page), max_mask_elems: see `cpu.extend_attention_cpu`.
+    block (the KV page), max_mask_elems: see `torch_path.extend_attention_torch`.
     """
     start = 0
     for row, p, e in zip(req_pool_indices, prefix_lens, extend_lens):
@@ -47,7 +46,7 @@ def paged_extend_attention(
         if e == 0:
             continue
         slots = req_to_token[row, : p + e].long()
-        extend_attention_cpu(
+        extend_attention_torch(
             q[start : start + e], k_cache[slots], v_cache[slots], p, scale, max_mask_elems,
             out=out[start : start + e], method=method, block=block,
         )
@@ -56,6 +55,5 @@ def paged_extend_attention(
 
 
 __all__ = [
-    "paged_extend_attention", "extend_attention_cpu", "extend_attention_naive", "DEFAULT_METHOD", "MAX_MASK_ELEMS",
-    "METHODS",
+    "paged_extend_attention", "extend_attention_torch", "DEFAULT_METHOD", "MAX_MASK_ELEMS", "METHODS",
 ]

@@ -1,10 +1,10 @@
 """The gate query from the post-RoPE query: ONE entry point for the serving path.
 
 `gate_query_post_rope(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin, out=None, workspace=None)` runs the
-Triton kernels (`ops.gate.triton`, the split launch) for CUDA tensors and the batched torch path (`ops.gate.cpu`)
-otherwise; `ops.gate.naive` is the plain statement and the tests' oracle. The Triton module is imported on
-first CUDA use only, so CPU callers never import Triton (and the test suite can set TRITON_INTERPRET before any
-kernel module loads).
+Triton kernels (`ops.gate.triton`, the split launch) for CUDA tensors and the batched torch path
+(`ops.gate.torch_path`) otherwise; `ops.gate.naive` is the plain statement and the tests' oracle. The Triton
+module is imported on first CUDA use only, so CPU callers never import Triton (and the test suite can set
+TRITON_INTERPRET before any kernel module loads).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from sas_backend.ops.gate.cpu import gate_query_cpu
+from sas_backend.ops.gate.torch_path import GATE_NORM_EPS, gate_query_torch, rms_norm
 
 
 def gate_query_post_rope(
@@ -37,8 +37,8 @@ def gate_query_post_rope(
         from sas_backend.ops.gate.triton import gate_query_triton
 
         return gate_query_triton(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin, out=out, workspace=workspace)
-    res = gate_query_cpu(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin)
+    res = gate_query_torch(q_post, model_cos_sin, w_q, q_norm, gate_cos_sin)
     return res if out is None else out.copy_(res)
 
 
-__all__ = ["gate_query_post_rope"]
+__all__ = ["GATE_NORM_EPS", "gate_query_post_rope", "rms_norm"]  # the norm: shared with the summaries (the key side)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sas_backend.ops.gate.naive import GATE_NORM_EPS
+from sas_backend.ops.gate.torch_path import GATE_NORM_EPS
 
 _MAX_CHUNK = 64  # rows of w_q per (half, step): bounds the live w tiles for large head dims
 _SPLIT_CHUNK = 16  # rows of w_q per unit of the split launch: 4 KB fp32 tiles at Dg = 128
@@ -42,8 +42,9 @@ def _w_rows(w_ptr, r, rmask, col0, stride_wr, stride_wc, HALF_DG, BLOCK_HDG: tl.
     ).to(tl.float32)
 
 
+# project_rows and norm_rope_store are this op's Triton building blocks, shared with the fused decode step's front.
 @triton.jit
-def _project_rows(q_row, mcs_row, w_g, r, rm, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HDG: tl.constexpr):
+def project_rows(q_row, mcs_row, w_g, r, rm, stride_wr, stride_wc, HALF_D, HALF_DG, BLOCK_HDG: tl.constexpr):
     """Rows r (and HALF_D + r) of query head g's contribution to the projection: `([BLOCK_HDG], [BLOCK_HDG])`,
     the first / second gate-RoPE half, fp32."""
     x1 = tl.load(q_row + r, mask=rm, other=0.0).to(tl.float32)
@@ -66,7 +67,7 @@ def _project_rows(q_row, mcs_row, w_g, r, rm, stride_wr, stride_wc, HALF_D, HALF
 
 
 @triton.jit
-def _norm_rope_store(p1, p2, qn_ptr, gcs_row, o, eps, HALF_DG, BLOCK_HDG: tl.constexpr):
+def norm_rope_store(p1, p2, qn_ptr, gcs_row, o, eps, HALF_DG, BLOCK_HDG: tl.constexpr):
     """RMSNorm over Dg in fp32 (padded lanes are 0), gate RoPE at the token's position, store to o."""
     j = tl.arange(0, BLOCK_HDG)
     jm = j < HALF_DG
@@ -99,11 +100,11 @@ def _gate_query_kernel(
         w_g = wq_ptr + h * stride_wh + g * stride_wg
         for k0 in range(0, HALF_D, CHUNK):
             r = k0 + i
-            d1, d2 = _project_rows(q_row, mcs_row, w_g, r, r < HALF_D, stride_wr, stride_wc, HALF_D, HALF_DG,
+            d1, d2 = project_rows(q_row, mcs_row, w_g, r, r < HALF_D, stride_wr, stride_wc, HALF_D, HALF_DG,
                                    BLOCK_HDG)
             p1 += d1
             p2 += d2
-    _norm_rope_store(p1, p2, qn_ptr, gcs_ptr + n * stride_gcs, out_ptr + n * stride_on + h * stride_oh, eps,
+    norm_rope_store(p1, p2, qn_ptr, gcs_ptr + n * stride_gcs, out_ptr + n * stride_on + h * stride_oh, eps,
                      HALF_DG, BLOCK_HDG)
 
 
@@ -122,7 +123,7 @@ def _gate_query_partial_kernel(
     r = (u % UNITS_PER_HEAD) * CHUNK + tl.arange(0, CHUNK)
     q_row = q_ptr + n * stride_qn + (h * G + g) * stride_qh
     w_g = wq_ptr + h * stride_wh + g * stride_wg
-    d1, d2 = _project_rows(q_row, mcs_ptr + n * stride_mcs, w_g, r, r < HALF_D, stride_wr, stride_wc, HALF_D,
+    d1, d2 = project_rows(q_row, mcs_ptr + n * stride_mcs, w_g, r, r < HALF_D, stride_wr, stride_wc, HALF_D,
                            HALF_DG, BLOCK_HDG)
     j = tl.arange(0, BLOCK_HDG)
     jm = j < HALF_DG
@@ -149,7 +150,7 @@ def _gate_query_finish_kernel(
     for u in range(UNITS):
         p1 += tl.load(w + u * (2 * HALF_DG) + j, mask=jm, other=0.0)
         p2 += tl.load(w + u * (2 * HALF_DG) + HALF_DG + j, mask=jm, other=0.0)
-    _norm_rope_store(p1, p2, qn_ptr, gcs_ptr + n * stride_gcs, out_ptr + n * stride_on + h * stride_oh, eps,
+    norm_rope_store(p1, p2, qn_ptr, gcs_ptr + n * stride_gcs, out_ptr + n * stride_on + h * stride_oh, eps,
                      HALF_DG, BLOCK_HDG)
 
 
@@ -168,27 +169,17 @@ def gate_query_workspace_numel(n: int, h_kv: int, g: int, d: int, dg: int) -> in
 
 
 def gate_query_triton(
-    q_post: torch.Tensor,
-    model_cos_sin: torch.Tensor,
-    w_q: torch.Tensor,
-    q_norm: torch.Tensor,
-    gate_cos_sin: torch.Tensor,
-    out: Optional[torch.Tensor] = None,
-    split: bool = True,
+    q_post: torch.Tensor, model_cos_sin: torch.Tensor, w_q: torch.Tensor, q_norm: torch.Tensor,
+    gate_cos_sin: torch.Tensor, out: Optional[torch.Tensor] = None, split: bool = True,
     workspace: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Gate query per kv head from the post-RoPE query (as `gate_query_post_rope`).
+    """`ops.gate.gate_query_post_rope` on CUDA (its docstring has the shapes).
 
-    q_post: `[N, H_q, D]` fp32/bf16/fp16, last axis contiguous (other strides free, e.g. a view
-    into a fused qkv tensor); model_cos_sin: `[N, D]` fp32 model table rows at each token's
-    position (a magnitude such as YaRN's mscale is undone exactly); w_q: `[H_kv, G, D, Dg]`
-    (H_q = H_kv * G); q_norm: `[Dg]`; gate_cos_sin: `[N, Dg]` fp32.
-    out: optional `[N, H_kv, Dg]` fp32 buffer (last axis contiguous) written in place.
-    split: two launches over `(N, H_kv, U)` then `(N, H_kv)` (see the module doc), else one over
-    `(N, H_kv)`. workspace: optional fp32 buffer of at least `gate_query_workspace_numel(...)`
-    elements for the split's partials (allocated when not given). No host syncs.
-    Returns `[N, H_kv, Dg]` fp32 (out if given).
-    """
+    Kernel terms: q_post fp32/bf16/fp16, last axis contiguous (other strides free, e.g. a view into a fused qkv
+    tensor); a magnitude in model_cos_sin (such as YaRN's mscale) is undone exactly; out last axis contiguous.
+    split: two launches over `(N, H_kv, U)` then `(N, H_kv)` (see the module doc), else one over `(N, H_kv)`.
+    workspace: optional fp32 buffer of at least `gate_query_workspace_numel(...)` elements for the split's
+    partials (allocated when not given). No host syncs."""
     n, h_q, d = q_post.shape
     h_kv, g, d_w, dg = w_q.shape
     if d_w != d or h_kv * g != h_q:

@@ -1,6 +1,6 @@
 """KV index building (Triton): fill the token rows of every (request, kv head).
 
-Same contents as `sas_backend.ops.gather.naive.build_kv_indices`. The row offsets
+Same contents as `sas_backend.ops.gather.torch_path.build_kv_indices`. The row offsets
 (`kv_indptr`) come from `kv_indptr_for`, computed outside the CUDA graph from host sequence
 lengths (FlashInfer plans with them); inside the graph this kernel only fills a preallocated
 `kv_indices` buffer, reading seq_lens and the selection on device.
@@ -63,22 +63,14 @@ def _build_kv_indices_kernel(
 
 
 def build_kv_indices_triton(
-    selected: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    kv_indptr: torch.Tensor,
+    selected: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, kv_indptr: torch.Tensor,
     kv_indices_out: torch.Tensor,
 ) -> torch.Tensor:
-    """Fill `kv_indices_out` with the token rows of every (request, kv head); capturable.
+    """`ops.gather.gather_kv_indices` on CUDA (its docstring has the shapes); capturable.
 
-    selected: `[bs, H_kv, K]` int32 ascending, -1 padded (from `select_blocks`); block_table:
-    `[bs, >= cur + 1]` int KV slot of each logical block's first token (last axis contiguous);
-    seq_lens: `[bs]` (on device); kv_indptr: `[bs*H_kv + 1]` int32 from `kv_indptr_for(seq_lens, K, b, H_kv)`;
-    kv_indices_out: int32 buffer with at least `kv_indptr[-1]` entries (the rest is untouched).
-    Row (r, h) gets its selected blocks (all b tokens each) then the current block up to the
-    newest token, as index = slot * H_kv + h. Returns kv_indices_out.
-    """
+    Kernel terms: block_table last axis contiguous; seq_lens on device; entries of kv_indices_out past
+    `kv_indptr[-1]` are untouched. Row (r, h) gets its selected blocks (all b tokens each), then the current
+    block up to the newest token, as index = slot * H_kv + h."""
     bs, h_kv, k = selected.shape
     if selected.stride(-1) != 1 or block_table.stride(-1) != 1:
         raise ValueError("selected and block_table must be contiguous along their last axis")

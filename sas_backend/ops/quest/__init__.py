@@ -2,15 +2,15 @@
 
 - `key_bounds(k_buffer, pages, block_size)`: the `[N, H_kv, 2D]` min|max summary of whole blocks.
 - `update_key_bounds(...)`: at decode, the block each request's newest token completed.
-- `quest_scores(...)`: the upper bound of q.k per candidate block (see `naive`).
+- `quest_scores(...)`: the upper bound of q.k per candidate block (see `torch_path`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sas_backend.ops.quest.naive import key_bounds, quest_scores
-from sas_backend.ops.summary.cpu import completed_blocks
+from sas_backend.ops.quest.torch_path import key_bounds, quest_scores
+from sas_backend.ops.summary import completed_blocks
 
 
 def update_key_bounds(

@@ -1,7 +1,7 @@
 """Block scores: ONE entry point, the Triton kernel on CUDA, plain torch elsewhere.
 
-`naive.score_blocks` is the plain statement, the tests' oracle and, being one gather and one
-batched contraction already, also the CPU path; `triton.score_blocks_triton` is the kernel
+`torch_path.score_blocks` is the plain statement and, being one gather and one batched contraction
+already, the path off CUDA and the tests' reference; `triton.score_blocks_triton` is the kernel
 (imported on first CUDA use only).
 """
 
@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from sas_backend.ops.score import naive
-from sas_backend.ops.score.naive import candidate_counts
+from sas_backend.ops.score import torch_path
+from sas_backend.ops.score.torch_path import candidate_counts
 
 
 def score_blocks(
@@ -35,7 +35,7 @@ def score_blocks(
         from sas_backend.ops.score.triton import score_blocks_triton
 
         return score_blocks_triton(gate_q, summaries, block_table, num_candidates, block_size, max_blocks, out=out)
-    res = naive.score_blocks(gate_q, summaries, block_table, num_candidates, block_size, max_blocks)
+    res = torch_path.score_blocks(gate_q, summaries, block_table, num_candidates, block_size, max_blocks)
     return res if out is None else out.copy_(res)
 
 

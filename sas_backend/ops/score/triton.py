@@ -1,6 +1,6 @@
 """Block scores (Triton): gate query against the paged block summaries of each request.
 
-Same semantics as `sas_backend.ops.score.naive.score_blocks`. One program per
+Same semantics as `sas_backend.ops.score.torch_path.score_blocks`. One program per
 (request, kv head, tile of logical blocks). Sequence lengths are read on device and
 `max_blocks` is a fixed Python int, so the launch is CUDA-graph capturable.
 """
@@ -70,23 +70,13 @@ def _score_blocks_kernel(
 
 
 def score_blocks_triton(
-    gate_q: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table: torch.Tensor,
-    num_candidates: torch.Tensor,
-    block_size: int,
-    max_blocks: int,
-    out: Optional[torch.Tensor] = None,
+    gate_q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, num_candidates: torch.Tensor,
+    block_size: int, max_blocks: int, out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Scores of every candidate block, `-inf` elsewhere (Triton; same result as `score_blocks`).
+    """`ops.score.score_blocks` on CUDA (its docstring has the shapes and the rule).
 
-    gate_q: `[bs, H_kv, Dg]` (any float dtype); summaries: `[num_pages, H_kv, Dg]` (fp32 or bf16,
-    row = physical page); block_table: `[bs, >= max_blocks]` int KV slot of each logical block's
-    first token (last axis contiguous); num_candidates: `[bs]` (read on device, no host sync).
-    out: optional preallocated `[bs, H_kv, max_blocks]` fp32 (last axis contiguous) for CUDA graphs.
-    Returns `[bs, H_kv, max_blocks]` fp32 with
-    `s[r,h,m] = gate_q[r,h] . summaries[page(r,m),h] / sqrt(Dg)` for m < candidate count.
-    """
+    Kernel terms: gate_q any float dtype; summaries fp32 or bf16; block_table and out last axis contiguous;
+    num_candidates read on device (no host sync)."""
     bs, h_kv, dg = gate_q.shape
     if summaries.shape[1:] != (h_kv, dg):
         raise ValueError(f"summaries {tuple(summaries.shape)} do not match gate_q {tuple(gate_q.shape)}")

@@ -6,7 +6,7 @@
     out = sd.run(q, k_buffer, v_buffer, selected, block_table, seq_lens)   # per sparse layer
 
 CUDA: `flashinfer.FlashInferSparseDecode` (the gather kernel fills the planned token rows, then
-FlashInfer's paged decode). Elsewhere: `cpu.TorchSparseDecode` (a padded gather and one masked
+FlashInfer's paged decode). Elsewhere: `torch_path.TorchSparseDecode` (a padded gather and one masked
 SDPA). `naive.sparse_decode_attention` over `ops.gather` rows is the plain statement and the oracle.
 """
 
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from sas_backend.ops.sparse_decode.cpu import TorchSparseDecode
+from sas_backend.ops.sparse_decode.torch_path import TorchSparseDecode
 
 
 def make_sparse_decode(

@@ -1,6 +1,6 @@
 """Sparse decode through FlashInfer: one decode row per (request, kv head).
 
-Same interface as the CPU path (`cpu.TorchSparseDecode`): `plan(seq_lens_host, scale, graph_bs)`
+Same interface as the CPU path (`torch_path.TorchSparseDecode`): `plan(seq_lens_host, scale, graph_bs)`
 on the host before a step, `run(q, k_buffer, v_buffer, selected, block_table, seq_lens)` per
 layer. `run` fills the planned token rows with the gather kernel (`ops.gather`), then decodes.
 

@@ -5,16 +5,19 @@
 - `update_summaries(...)`: the block each request's newest token completed, at decode; fixed
   shapes and no host sync on both paths (CUDA-graph capturable).
 
-`naive.py` is the plain statement of the semantics and the tests' oracle; `cpu.py` is the
-capturable torch path; `triton.py` the fused kernels (imported on first CUDA use only, so CPU
-callers never import Triton).
+- `completed_blocks(...)`: per request, its last complete block and whether this step completed it.
+
+`torch_path.py` is the torch path (capturable; also the pre-RoPE statement the HF model's gate module runs);
+`triton.py` the fused kernels (imported on first CUDA use only, so CPU callers never import Triton);
+`naive.py` the host-decided statement of the decode update, for tests only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sas_backend.ops.summary import cpu, naive
+from sas_backend.ops.summary import torch_path
+from sas_backend.ops.summary.torch_path import completed_blocks
 
 
 def summarize_pages(
@@ -31,7 +34,7 @@ def summarize_pages(
 
     k_buffer: `[slots, H_kv, D]` post-RoPE keys; pages, block_starts: `[N]` (physical page, first
     position); model_cos_sin: `[max_pos, D]` the model's RoPE table; gate_cos_sin: `[max_pos, Dg]`;
-    w_k: `[H_kv, 3D, Dg]`; k_norm: `[Dg]`. See `naive.summarize_pages`.
+    w_k: `[H_kv, 3D, Dg]`; k_norm: `[Dg]`. See `torch_path.summarize_pages`.
     """
     if k_buffer.is_cuda:
         from sas_backend.ops.summary.triton import summarize_pages_triton
@@ -39,7 +42,9 @@ def summarize_pages(
         return summarize_pages_triton(
             k_buffer, pages, block_starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size
         )
-    return naive.summarize_pages(k_buffer, pages, block_starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size)
+    return torch_path.summarize_pages(
+        k_buffer, pages, block_starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size
+    )
 
 
 def update_summaries(
@@ -67,9 +72,9 @@ def update_summaries(
         return summary_update_decode_triton(
             k_buffer, summaries, block_table, seq_lens, block_size, model_cos_sin, gate_cos_sin, w_k, k_norm
         )
-    return cpu.summary_update_decode_masked(
+    return torch_path.summary_update_decode_masked(
         k_buffer, summaries, block_table, seq_lens, block_size, model_cos_sin, gate_cos_sin, w_k, k_norm
     )
 
 
-__all__ = ["summarize_pages", "update_summaries"]
+__all__ = ["completed_blocks", "summarize_pages", "update_summaries"]

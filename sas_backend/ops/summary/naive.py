@@ -1,79 +1,16 @@
-"""Block summaries (plain torch): Kmaxminavg pooling, projection, RMSNorm, RoPE at block start."""
+"""The decode-time summary update, the plain statement (tests only): the host picks the requests whose newest
+token completed a block, and `torch_path.summarize_pages` summarizes those blocks."""
 
 from __future__ import annotations
 
 import torch
 
-from sas_backend.ops.gate.naive import rms_norm
-from sas_backend.ops.rope import apply_rope, invert_rope
-
-
-def pool_block_keys(k_blocks_pre: torch.Tensor) -> torch.Tensor:
-    """`[N, b, H_kv, D]` pre-RoPE keys -> `[N, H_kv, 3D]` fp32 = cat(max, min, mean) over tokens."""
-    k = k_blocks_pre.float()
-    return torch.cat([k.amax(dim=1), k.amin(dim=1), k.mean(dim=1)], dim=-1)
-
-
-def summarize_blocks(
-    k_blocks_pre: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor, block_cos_sin: torch.Tensor
-) -> torch.Tensor:
-    """Summaries of complete blocks.
-
-    k_blocks_pre: `[N, b, H_kv, D]` keys after the model's k-norm, before RoPE.
-    w_k: `[H_kv, 3D, Dg]`; k_norm: `[Dg]`; block_cos_sin: `[N, Dg]` at each block's first position.
-    Returns `[N, H_kv, Dg]` fp32.
-    """
-    return summarize_pooled(pool_block_keys(k_blocks_pre), w_k, k_norm, block_cos_sin)
-
-
-def summarize_pooled(
-    pooled: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor, block_cos_sin: torch.Tensor
-) -> torch.Tensor:
-    """Summaries from already pooled keys (`pool_block_keys`): `[N, H_kv, 3D]` -> `[N, H_kv, Dg]` fp32.
-
-    Lets training on cached features (`sas_backend.training.features`) keep 3D numbers per block
-    instead of b * D. w_k, k_norm, block_cos_sin as in `summarize_blocks`.
-    """
-    proj = torch.bmm(pooled.float().transpose(0, 1), w_k.float()).transpose(0, 1)  # [N, H_kv, Dg]
-    return apply_rope(rms_norm(proj, k_norm), block_cos_sin)
-
-
-def summarize_pages(
-    k_buffer: torch.Tensor,
-    pages: torch.Tensor,
-    block_starts: torch.Tensor,
-    model_cos_sin: torch.Tensor,
-    gate_cos_sin: torch.Tensor,
-    w_k: torch.Tensor,
-    k_norm: torch.Tensor,
-    block_size: int,
-) -> torch.Tensor:
-    """Summaries of whole blocks read back from the paged KV cache.
-
-    k_buffer: `[slots, H_kv, D]` post-RoPE keys (as SGLang stores them); the block in physical
-    page p occupies slots `p*b .. p*b+b-1` in position order. pages, block_starts: `[N]` (the
-    block's physical page and its first position). model_cos_sin: the model's own RoPE table
-    `[max_pos, D]` (used to undo its RoPE); gate_cos_sin: the gate's table `[max_pos, Dg]`.
-    Returns `[N, H_kv, Dg]` fp32.
-    """
-    offs = torch.arange(block_size, device=k_buffer.device)
-    slots = pages.long()[:, None] * block_size + offs[None, :]  # [N, b]
-    positions = block_starts.long()[:, None] + offs[None, :]  # [N, b]
-    k_post = k_buffer[slots]  # [N, b, H_kv, D]
-    k_pre = invert_rope(k_post, model_cos_sin[positions])
-    return summarize_blocks(k_pre, w_k, k_norm, gate_cos_sin[block_starts.long()])
+from sas_backend.ops.summary.torch_path import summarize_pages
 
 
 def summary_update_decode(
-    k_buffer: torch.Tensor,
-    summaries_out: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    model_cos_sin: torch.Tensor,
-    gate_cos_sin: torch.Tensor,
-    w_k: torch.Tensor,
-    k_norm: torch.Tensor,
+    k_buffer: torch.Tensor, summaries_out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    block_size: int, model_cos_sin: torch.Tensor, gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor,
 ) -> torch.Tensor:
     """Summaries of the blocks completed by this decode step, written in place.
 

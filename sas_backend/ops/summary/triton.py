@@ -1,7 +1,7 @@
 """Block summaries (Triton), fused: read post-RoPE keys from the paged cache, undo the model's
 RoPE, max/min/mean pool, project with w_k[h], RMSNorm, gate RoPE at the block start.
 
-Same results as `sas_backend.ops.summary.naive.summarize_pages` / `summary_update_decode`.
+Same results as `sas_backend.ops.summary.torch_path.summarize_pages` / `naive.summary_update_decode`.
 One program per (tile of 16 blocks, kv head): the 16 pooled rows go through the projection as
 `tl.dot`s (fp32, IEEE precision), so w_k[h] is read once per tile rather than once per block.
 Vectors are processed as their two RoPE halves (neox layout, see `sas_backend.ops.rope`).
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sas_backend.ops.gate.naive import GATE_NORM_EPS
+from sas_backend.ops.gate import GATE_NORM_EPS
 
 _TILE_BLOCKS = 16  # blocks per program; tl.dot needs at least 16 rows
 
@@ -218,21 +218,10 @@ def _last_contig(x: torch.Tensor) -> torch.Tensor:
 
 
 def summarize_pages_triton(
-    k_buffer: torch.Tensor,
-    pages: torch.Tensor,
-    block_starts: torch.Tensor,
-    model_cos_sin: torch.Tensor,
-    gate_cos_sin: torch.Tensor,
-    w_k: torch.Tensor,
-    k_norm: torch.Tensor,
-    block_size: int,
+    k_buffer: torch.Tensor, pages: torch.Tensor, block_starts: torch.Tensor, model_cos_sin: torch.Tensor,
+    gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor, block_size: int,
 ) -> torch.Tensor:
-    """Summaries of whole blocks read back from the paged KV cache (Triton; as `summarize_pages`).
-
-    k_buffer: `[slots, H_kv, D]` post-RoPE keys (fp32/bf16/fp16); pages, block_starts: `[N]` int
-    (physical page, first position); model_cos_sin: `[max_pos, D]`; gate_cos_sin: `[max_pos, Dg]`;
-    w_k: `[H_kv, 3D, Dg]`; k_norm: `[Dg]`. Returns `[N, H_kv, Dg]` fp32.
-    """
+    """`ops.summary.summarize_pages` on CUDA (its docstring has the shapes); k_buffer fp32/bf16/fp16."""
     h_kv, d, dg = _check_geometry(k_buffer, model_cos_sin, gate_cos_sin, w_k, k_norm)
     n = pages.numel()
     out = torch.empty(n, h_kv, dg, dtype=torch.float32, device=k_buffer.device)
@@ -252,27 +241,14 @@ def summarize_pages_triton(
 
 
 def summary_update_decode_triton(
-    k_buffer: torch.Tensor,
-    summaries_out: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    model_cos_sin: torch.Tensor,
-    gate_cos_sin: torch.Tensor,
-    w_k: torch.Tensor,
-    k_norm: torch.Tensor,
+    k_buffer: torch.Tensor, summaries_out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    block_size: int, model_cos_sin: torch.Tensor, gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor,
 ) -> torch.Tensor:
-    """Summarize the blocks this decode step completed, in place; CUDA-graph capturable.
+    """`ops.summary.update_summaries` on CUDA (its docstring has the shapes); capturable.
 
-    For each request r with seq_lens[r] % b == 0 (and > 0), block m = seq_len // b - 1
-    (page = block_table[r, m] // b, start = m*b) is summarized into
-    `summaries_out[page]` (`[num_pages + 1, H_kv, Dg]`, fp32 or bf16; last axis contiguous).
-    Requests that completed no block write NOTHING (not even the padding row 0), so CUDA-graph
-    padding entries are harmless. k_buffer must already hold the new token's key.
-    block_table: `[bs, >= M + 1]` int KV slot of each logical block's first token (last axis
-    contiguous); seq_lens: `[bs]` on device (no host sync, no allocation).
-    Returns summaries_out.
-    """
+    Requests that completed no block write NOTHING (not even the padding row 0), so CUDA-graph padding entries
+    are harmless. summaries_out fp32 or bf16, last axis contiguous; block_table last axis contiguous; seq_lens
+    on device (no host sync, no allocation)."""
     h_kv, d, dg = _check_geometry(k_buffer, model_cos_sin, gate_cos_sin, w_k, k_norm)
     if summaries_out.shape[1:] != (h_kv, dg) or summaries_out.stride(-1) != 1:
         raise ValueError(

@@ -1,7 +1,7 @@
 """Top-K block selection: ONE entry point, the Triton kernel on CUDA, one torch `topk` elsewhere.
 
 `naive.select_blocks` is the plain statement (three stable sorts) and the tests' oracle;
-`cpu.select_blocks_cpu` the torch path; `triton.select_blocks_triton` the kernel (imported on
+`torch_path.select_blocks_torch` the torch path; `triton.select_blocks_triton` the kernel (imported on
 first CUDA use only).
 """
 
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from sas_backend.ops.topk.cpu import select_blocks_cpu
+from sas_backend.ops.topk.torch_path import select_blocks_torch
 
 
 def select_blocks(
@@ -36,7 +36,7 @@ def select_blocks(
         from sas_backend.ops.topk.triton import select_blocks_triton
 
         return select_blocks_triton(scores, num_candidates, k, sink_blocks, local_blocks, out=out, workspace=workspace)
-    res = select_blocks_cpu(scores, num_candidates, k, sink_blocks, local_blocks)
+    res = select_blocks_torch(scores, num_candidates, k, sink_blocks, local_blocks)
     return res if out is None else out.copy_(res)
 
 

@@ -1,43 +1,14 @@
-"""Top-K block selection (plain torch), per (request, kv head)."""
+"""Top-K block selection, the plain statement (tests only): three stable sorts per (request, kv head)."""
 
 from __future__ import annotations
 
 import torch
 
-
-def forced_mask(
-    num_candidates: torch.Tensor, max_blocks: int, sink_blocks: int, local_blocks: int
-) -> torch.Tensor:
-    """`[bs, max_blocks]` bool: candidate blocks forced in (the first `sink_blocks` blocks and the
-    `local_blocks` blocks right before the current one)."""
-    m = torch.arange(max_blocks, device=num_candidates.device)[None, :]
-    n = num_candidates[:, None]
-    sink = m < sink_blocks
-    local = m >= n - local_blocks
-    return (sink | local) & (m < n)
-
-
-def forced_tier(
-    num_candidates: torch.Tensor, max_blocks: int, sink_blocks: int, local_blocks: int
-) -> torch.Tensor:
-    """`[bs, max_blocks]` int64 priority tier: 2 = sink, 1 = local, 0 = chosen by score.
-
-    A block that is both sink and local is a sink. Tiers matter when more blocks are forced
-    than K: sink blocks are kept first (lowest index first), then local blocks nearest the
-    current block first, then blocks by score. Forced blocks outrank every score, +inf included.
-    """
-    forced = forced_mask(num_candidates, max_blocks, sink_blocks, local_blocks)
-    m = torch.arange(max_blocks, device=num_candidates.device)[None, :]
-    sink = (m < sink_blocks) & forced
-    return torch.where(sink, 2, torch.where(forced, 1, 0)).to(torch.int64)
+from sas_backend.ops.topk.torch_path import forced_tier
 
 
 def select_blocks(
-    scores: torch.Tensor,
-    num_candidates: torch.Tensor,
-    k: int,
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
+    scores: torch.Tensor, num_candidates: torch.Tensor, k: int, sink_blocks: int = 0, local_blocks: int = 0,
 ) -> torch.Tensor:
     """Pick K candidate blocks per (request, kv head).
 

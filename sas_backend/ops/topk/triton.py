@@ -44,7 +44,9 @@ import triton.language as tl
 _NEG_INF_KEY = tl.constexpr(-2139095041)  # int32(0xFF800000) ^ 0x7FFFFFFF
 _LOCAL_KEY_BASE = tl.constexpr(0x7F800001)
 _SINK_KEY = tl.constexpr(0x7FFFFFFF)
-_INT32_MIN = tl.constexpr(-2147483648)  # the bits of -0.0; also a threshold below every key
+# INT32_MIN, score_keys, pad_slots, chunk_topk and merge_topk: this op's Triton building blocks, shared with the
+# fused decode step's select.
+INT32_MIN = tl.constexpr(-2147483648)  # the bits of -0.0; also a threshold below every key
 
 
 @triton.jit
@@ -61,7 +63,7 @@ def score_keys(x, idx, n, sink_blocks, local_blocks):
     NaN as -inf, -0.0 as +0.0, the `sink_blocks` first and `local_blocks` last blocks forced on top.
     Shared with the fused select kernel (`ops.decode_step.triton`)."""
     bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == _INT32_MIN, 0, bits)  # -0.0 ties with +0.0, as in torch.sort
+    bits = tl.where(bits == INT32_MIN, 0, bits)  # -0.0 ties with +0.0, as in torch.sort
     is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = tl.where(is_nan, _NEG_INF_KEY, key)  # NaN counts as -inf
@@ -126,7 +128,7 @@ def _tile_select(key, valid, thresh, need_ties, taken, ties):
 
 
 @triton.jit
-def _pad(dst_ptr, count, SLOTS, SLOT_TILE: tl.constexpr):
+def pad_slots(dst_ptr, count, SLOTS, SLOT_TILE: tl.constexpr):
     """-1 into dst[count:SLOTS]."""
     for s0 in range(0, SLOTS, SLOT_TILE):
         pos = s0 + tl.arange(0, SLOT_TILE)
@@ -175,7 +177,7 @@ def _chunk_select_kernel(
             idx_ptr = dst_row + key_off + c * SLOTS
         key_ptr = dst_row + c * SLOTS  # only used when not DIRECT
         n_c = tl.minimum(tl.maximum(n - start, 0), CHUNK)
-        _pad(idx_ptr, tl.minimum(n_c, K), SLOTS, SLOT_TILE)
+        pad_slots(idx_ptr, tl.minimum(n_c, K), SLOTS, SLOT_TILE)
 
         idx = start + tl.arange(0, CHUNK)
         key, valid = _row_keys(row_ptr, idx, n, sink_blocks, local_blocks)
@@ -187,7 +189,7 @@ def chunk_topk(key, valid, idx, n_c, K, idx_ptr, key_ptr, WRITE_KEYS: tl.constex
     """The top min(K, n_c) of one tile held in registers (keys from `score_keys`, n_c valid entries) ->
     idx_ptr[0:] block indices in ascending block order (and key_ptr[0:] their keys if WRITE_KEYS).
     The caller pads the rest. Shared with the fused select kernel (`ops.decode_step.triton`)."""
-    thresh = tl.full([], _INT32_MIN, tl.int32)  # below every key: take all
+    thresh = tl.full([], INT32_MIN, tl.int32)  # below every key: take all
     need_ties = tl.full([], 0, tl.int32)
     if n_c > K:
         # The tile sits in registers: every pass re-reads the same keys, no reloads.
@@ -245,8 +247,8 @@ def merge_topk(key_row, idx_row, o_ptr, n, K, length, TILE: tl.constexpr, K_TILE
     """Top K of `length` chunk survivors (keys at key_row, block indices at idx_row, -1 = padding slot, in
     block order) of a row with n candidates -> o_ptr[0:K], ascending, -1 padded. CG: read the survivors
     through L2 only (another program of the same launch wrote them). Shared with `ops.decode_step.triton`."""
-    _pad(o_ptr, tl.minimum(n, K), K, K_TILE)
-    thresh = tl.full([], _INT32_MIN, tl.int32)
+    pad_slots(o_ptr, tl.minimum(n, K), K, K_TILE)
+    thresh = tl.full([], INT32_MIN, tl.int32)
     need_ties = tl.full([], 0, tl.int32)
     # n > K leaves at least K survivors (each chunk keeps min(its count, K)), so a K-th exists.
     if n > K:
@@ -311,29 +313,16 @@ def topk_workspace_numel(bs: int, h_kv: int, m: int, k: int, chunk: Optional[int
 
 
 def select_blocks_triton(
-    scores: torch.Tensor,
-    num_candidates: torch.Tensor,
-    k: int,
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-    out: Optional[torch.Tensor] = None,
-    workspace: Optional[torch.Tensor] = None,
-    chunk: Optional[int] = None,
+    scores: torch.Tensor, num_candidates: torch.Tensor, k: int, sink_blocks: int = 0, local_blocks: int = 0,
+    out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None, chunk: Optional[int] = None,
 ) -> torch.Tensor:
-    """Pick K candidate blocks per (request, kv head) (Triton; same result as `select_blocks`).
+    """`ops.topk.select_blocks` on CUDA (its docstring has the shapes and the rule).
 
-    scores: `[bs, H_kv, M]` fp32 (last axis contiguous; other dtypes are cast to fp32);
-    entries at m >= num_candidates[r] are never read. num_candidates: `[bs]` int (on device).
-    Forced blocks count inside K: sink blocks first (lowest index first), then local blocks
-    nearest the current block first; the rest by score, ties to the lower block index,
-    NaN as -inf. A request with at most K candidates gets all of them.
-    out: optional preallocated `[bs, H_kv, K]` int32 (last axis contiguous) for CUDA graphs.
-    workspace: optional contiguous int32 scratch of at least
-    `topk_workspace_numel(bs, H_kv, M, K)` elements (allocated once by the caller, e.g. for
-    CUDA graphs); allocated per call when absent and needed. chunk: phase 1's chunk width instead of
-    the default (`_plan`; for tuning: the answer does not depend on it).
-    Returns `[bs, H_kv, K]` int32 logical block indices in ascending order, padded with -1.
-    """
+    Kernel terms: scores last axis contiguous (other dtypes are cast to fp32), entries at m >= num_candidates[r]
+    never read; num_candidates on device; out last axis contiguous. workspace: optional contiguous int32 scratch
+    of at least `topk_workspace_numel(bs, H_kv, M, K)` elements (allocated once by the caller, e.g. for CUDA
+    graphs); allocated per call when absent and needed. chunk: phase 1's chunk width instead of the default
+    (`_plan`; for tuning: the answer does not depend on it)."""
     bs, h_kv, m = scores.shape
     if out is None:
         out = torch.empty(bs, h_kv, max(k, 0), dtype=torch.int32, device=scores.device)

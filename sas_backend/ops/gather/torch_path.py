@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from sas_backend.ops.score.naive import candidate_counts
+from sas_backend.ops.score import candidate_counts
 
 
 def row_lengths(seq_lens: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
@@ -32,11 +32,7 @@ def kv_indptr_for(seq_lens: torch.Tensor, k: int, block_size: int, num_kv_heads:
 
 
 def build_kv_indices(
-    selected: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    kv_indptr: torch.Tensor,
+    selected: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, kv_indptr: torch.Tensor,
     kv_indices_out: torch.Tensor,
 ) -> torch.Tensor:
     """Fill the token rows of every (request, kv head) into `kv_indices_out`.

@@ -51,7 +51,7 @@ DEFAULT_METHOD = "blocks" if _lse_available() else "mask"
 METHODS = ("blocks", "mask")
 
 
-def extend_attention_cpu(
+def extend_attention_torch(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -17,12 +17,8 @@ def candidate_counts(seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def score_blocks(
-    gate_q: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table: torch.Tensor,
-    num_candidates: torch.Tensor,
-    block_size: int,
-    max_blocks: int,
+    gate_q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, num_candidates: torch.Tensor,
+    block_size: int, max_blocks: int,
 ) -> torch.Tensor:
     """Scores of every candidate block, `-inf` elsewhere.
 

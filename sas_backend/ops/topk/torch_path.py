@@ -1,4 +1,4 @@
-"""Top-K block selection, the fast torch path for CPU: one `topk` over unique int64 keys.
+"""Top-K block selection, the torch path (off CUDA): one `topk` over unique int64 keys.
 
 Same output as the reference `select_blocks` (the oracle in the tests), without its three stable
 sorts. Each candidate gets one int64 key whose order is exactly the reference's ranking:
@@ -14,7 +14,33 @@ from __future__ import annotations
 
 import torch
 
-from sas_backend.ops.topk.naive import forced_tier
+
+def forced_mask(
+    num_candidates: torch.Tensor, max_blocks: int, sink_blocks: int, local_blocks: int
+) -> torch.Tensor:
+    """`[bs, max_blocks]` bool: candidate blocks forced in (the first `sink_blocks` blocks and the
+    `local_blocks` blocks right before the current one)."""
+    m = torch.arange(max_blocks, device=num_candidates.device)[None, :]
+    n = num_candidates[:, None]
+    sink = m < sink_blocks
+    local = m >= n - local_blocks
+    return (sink | local) & (m < n)
+
+
+def forced_tier(
+    num_candidates: torch.Tensor, max_blocks: int, sink_blocks: int, local_blocks: int
+) -> torch.Tensor:
+    """`[bs, max_blocks]` int64 priority tier: 2 = sink, 1 = local, 0 = chosen by score.
+
+    A block that is both sink and local is a sink. Tiers matter when more blocks are forced
+    than K: sink blocks are kept first (lowest index first), then local blocks nearest the
+    current block first, then blocks by score. Forced blocks outrank every score, +inf included.
+    """
+    forced = forced_mask(num_candidates, max_blocks, sink_blocks, local_blocks)
+    m = torch.arange(max_blocks, device=num_candidates.device)[None, :]
+    sink = (m < sink_blocks) & forced
+    return torch.where(sink, 2, torch.where(forced, 1, 0)).to(torch.int64)
+
 
 _INDEX_BITS = 20  # blocks per request < 2**20 (64M tokens at b = 64)
 
@@ -28,23 +54,15 @@ def order_preserving_bits(scores: torch.Tensor) -> torch.Tensor:
     return bits + 2**31
 
 
-def select_blocks_cpu(
-    scores: torch.Tensor,
-    num_candidates: torch.Tensor,
-    k: int,
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
+def select_blocks_torch(
+    scores: torch.Tensor, num_candidates: torch.Tensor, k: int, sink_blocks: int = 0, local_blocks: int = 0,
 ) -> torch.Tensor:
-    """Pick K candidate blocks per (request, kv head); same contract as `naive.select_blocks`.
-
-    scores: `[bs, H_kv, M]` (entries at m >= num_candidates[r] are ignored); num_candidates `[bs]`.
-    Returns `[bs, H_kv, K]` int32 logical block indices in ascending order, padded with -1.
-    """
+    """`ops.topk.select_blocks` off CUDA (its docstring has the shapes and the rule)."""
     bs, h_kv, m = scores.shape
     if k <= 0:
         return torch.full((bs, h_kv, 0), -1, dtype=torch.int32, device=scores.device)
     if m >= 2**_INDEX_BITS:
-        raise ValueError(f"select_blocks_cpu supports fewer than {2**_INDEX_BITS} blocks, got {m}")
+        raise ValueError(f"select_blocks_torch supports fewer than {2**_INDEX_BITS} blocks, got {m}")
     idx = torch.arange(m, device=scores.device)
     key = (order_preserving_bits(scores) << _INDEX_BITS) | (m - 1 - idx)
     if sink_blocks or local_blocks:

@@ -1,6 +1,6 @@
 """Sparse decode attention, the fast torch path for CPU: a whole batch in one masked SDPA.
 
-Same result as the reference (`naive.sparse_decode_attention` over `gather.naive.build_kv_indices`
+Same result as the reference (`naive.sparse_decode_attention` over `gather.torch_path.build_kv_indices`
 rows), without a Python loop over requests: every (request, kv head) row is padded to the fixed
 width (K + 1) * b (its K selected blocks, then the current block), padding masked out. Fixed
 shapes and no host sync, so it is also what the CUDA-graph contract test captures on CPU.

@@ -1,0 +1,99 @@
+"""Block summaries, the torch path: Kmaxminavg pooling, projection, RMSNorm, RoPE at the block's start.
+
+- `pool_block_keys`, `summarize_blocks`, `summarize_pooled`: from pre-RoPE keys (the HF model's gate module,
+  training on cached features).
+- `summarize_pages`: whole blocks read back from the paged KV cache (post-RoPE keys).
+- `summary_update_decode_masked`: the decode-time update without a host decision. The reference
+  (`naive.summary_update_decode`) asks the host which requests completed a block; under a CUDA graph (and its CPU
+  contract test) that decision must stay on the device. Here every request summarizes its last complete block
+  and writes it to its page if the newest token completed it, otherwise to page 0, SGLang's padding page, which
+  no request ever owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sas_backend.ops.gate import rms_norm
+from sas_backend.ops.rope import apply_rope, invert_rope
+
+
+def pool_block_keys(k_blocks_pre: torch.Tensor) -> torch.Tensor:
+    """`[N, b, H_kv, D]` pre-RoPE keys -> `[N, H_kv, 3D]` fp32 = cat(max, min, mean) over tokens."""
+    k = k_blocks_pre.float()
+    return torch.cat([k.amax(dim=1), k.amin(dim=1), k.mean(dim=1)], dim=-1)
+
+
+def summarize_blocks(
+    k_blocks_pre: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor, block_cos_sin: torch.Tensor
+) -> torch.Tensor:
+    """Summaries of complete blocks.
+
+    k_blocks_pre: `[N, b, H_kv, D]` keys after the model's k-norm, before RoPE.
+    w_k: `[H_kv, 3D, Dg]`; k_norm: `[Dg]`; block_cos_sin: `[N, Dg]` at each block's first position.
+    Returns `[N, H_kv, Dg]` fp32.
+    """
+    return summarize_pooled(pool_block_keys(k_blocks_pre), w_k, k_norm, block_cos_sin)
+
+
+def summarize_pooled(
+    pooled: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor, block_cos_sin: torch.Tensor
+) -> torch.Tensor:
+    """Summaries from already pooled keys (`pool_block_keys`): `[N, H_kv, 3D]` -> `[N, H_kv, Dg]` fp32.
+
+    Lets training on cached features (`sas_backend.training.features`) keep 3D numbers per block
+    instead of b * D. w_k, k_norm, block_cos_sin as in `summarize_blocks`.
+    """
+    proj = torch.bmm(pooled.float().transpose(0, 1), w_k.float()).transpose(0, 1)  # [N, H_kv, Dg]
+    return apply_rope(rms_norm(proj, k_norm), block_cos_sin)
+
+
+def summarize_pages(
+    k_buffer: torch.Tensor, pages: torch.Tensor, block_starts: torch.Tensor, model_cos_sin: torch.Tensor,
+    gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor, block_size: int,
+) -> torch.Tensor:
+    """Summaries of whole blocks read back from the paged KV cache.
+
+    k_buffer: `[slots, H_kv, D]` post-RoPE keys (as SGLang stores them); the block in physical
+    page p occupies slots `p*b .. p*b+b-1` in position order. pages, block_starts: `[N]` (the
+    block's physical page and its first position). model_cos_sin: the model's own RoPE table
+    `[max_pos, D]` (used to undo its RoPE); gate_cos_sin: the gate's table `[max_pos, Dg]`.
+    Returns `[N, H_kv, Dg]` fp32.
+    """
+    offs = torch.arange(block_size, device=k_buffer.device)
+    slots = pages.long()[:, None] * block_size + offs[None, :]  # [N, b]
+    positions = block_starts.long()[:, None] + offs[None, :]  # [N, b]
+    k_post = k_buffer[slots]  # [N, b, H_kv, D]
+    k_pre = invert_rope(k_post, model_cos_sin[positions])
+    return summarize_blocks(k_pre, w_k, k_norm, gate_cos_sin[block_starts.long()])
+
+
+def completed_blocks(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per request, its last complete block and whether this step's token completed it.
+
+    block_table: `[bs, >= cur + 1]`; seq_lens: `[bs]`. Returns (done `[bs]` bool, pages `[bs]`
+    int64 physical page of block seq_len // b - 1 (block 0's page for a request with none),
+    starts `[bs]` its first position). Fixed shapes, no host sync: every request gets a row.
+    """
+    lens = seq_lens.long()
+    done = (lens > 0) & (lens % block_size == 0)
+    block = (torch.div(lens, block_size, rounding_mode="floor") - 1).clamp_min(0)
+    first = torch.gather(block_table.long(), 1, block[:, None]).squeeze(1)
+    return done, torch.div(first, block_size, rounding_mode="floor"), block * block_size
+
+
+def summary_update_decode_masked(
+    k_buffer: torch.Tensor, summaries_out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    block_size: int, model_cos_sin: torch.Tensor, gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor,
+) -> torch.Tensor:
+    """Same effect on every page a request owns as `summary_update_decode`; fixed shapes.
+
+    Inputs as `naive.summary_update_decode` (block_table `[bs, >= cur + 1]`).
+    Returns summaries_out `[num_pages, H_kv, Dg]`.
+    """
+    done, pages, starts = completed_blocks(block_table, seq_lens, block_size)
+    summ = summarize_pages(k_buffer, pages, starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size)
+    summaries_out.index_copy_(0, torch.where(done, pages, 0), summ.to(summaries_out.dtype))
+    return summaries_out
