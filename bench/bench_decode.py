@@ -14,7 +14,7 @@ requests decode together instead of waiting for each other's prefill. `--shared-
 batch's prompts share all but their last 64 tokens (long contexts at batch 8 fit the KV pool and
 the prefill is paid once; each request still attends its whole context). `--report`: also write
 a Markdown summary and a PNG beside the JSON, with the environment (device, driver, versions, commit).
-The GPU tier 2 (bench/gpu/run.py) drives this with a Qwen3-4B-shaped model and random weights.
+The GPU tier 2 (gpu_kit/run.py) drives this with a Qwen3-4B-shaped model and random weights.
 """
 
 from __future__ import annotations
@@ -158,8 +158,7 @@ def main(argv=None) -> int:
 
 def write_report(record: dict, path: pathlib.Path) -> None:
     """Add the environment to `record`; write `path` with .md and .png (sas/dense per context)."""
-    sys.path.insert(0, str(REPO / "bench" / "gpu"))
-    from report import env_markdown, environment, md_table, pyplot
+    from sas_backend.testing.report import env_markdown, environment, md_table, pyplot
 
     record["environment"] = environment()
     rows = record["rows"]

@@ -1,6 +1,6 @@
 """Re-encode result plots as palette PNGs (64 colours), in place, where that is smaller.
 
-Every committed byte travels in each GPU device call (64 MiB with the kit: bench/gpu/README.md), and the
+Every committed byte travels in each GPU device call (64 MiB with the kit: gpu_kit/README.md), and the
 line plots under bench/results/ lose nothing visible at 64 colours (3.6 MiB -> 0.9 MiB on 2026-11-27).
 
     python bench/compact_png.py bench/results/<study>/*.png

@@ -102,7 +102,7 @@ def markdown() -> str:
         "this file against it). Qwen3-4B attention (36 layers, 32 q / 8 kv heads, d 128, gate dim 128, block 64, bf16",
         f"K/V, fp32 gate weights and summaries), budget {BUDGET} (K = {BUDGET // B}), captured steps of a server",
         f"for 256K contexts (select grid over {GRAPH_WIDTH} blocks; inactive chunks exit at once). Per sparse layer.",
-        "The next GPU run (`bench/gpu/run.py session`, decode-step's breakdown) checks each figure; the target is",
+        "The next GPU run (`gpu_kit/run.py session`, decode-step's breakdown) checks each figure; the target is",
         "each kernel within 2x of its row.", "",
     ]
     summary = []

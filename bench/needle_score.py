@@ -29,7 +29,6 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # needle.py beside this file
 from needle import CODES, NEEDLE, PLACES, QUESTION, haystack_with_needle  # noqa: E402
 
 from sas_backend.corpus import read_essays  # noqa: E402

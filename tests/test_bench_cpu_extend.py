@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
 
 
 def test_bench_cpu_extend_small(tmp_path):

@@ -1,4 +1,4 @@
-"""The GPU kit's builder and the tier runner, on CPU (bench/gpu/): no network, no GPU.
+"""The GPU kit's builder and the tier runner, on CPU (gpu_kit/): no network, no GPU.
 
 A tiny fake package stands for the real wheels: the builder downloads it from a local wheel
 directory, installs it with --target, packs, writes SHA256SUMS and the manifest; the kit side
@@ -22,7 +22,6 @@ import zipfile
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench" / "gpu"))
 
 import aot  # noqa: E402
 import build_kit  # noqa: E402
@@ -212,7 +211,7 @@ def test_session_holds_every_tier_step():
 def test_tier_dry_run(tier, fake_site_kit, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "bench/gpu/run.py", tier, "--dry-run", "--kit", str(fake_site_kit), "--site",
+        [sys.executable, "gpu_kit/run.py", tier, "--dry-run", "--kit", str(fake_site_kit), "--site",
          str(tmp_path / "site"), "--work", str(tmp_path / "work"), "--out", str(out), "--aot-record",
          str(fake_site_kit / "aot-record.json")],
         cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -283,7 +282,7 @@ def test_session_stops_after_a_failed_preflight_and_skips_what_does_not_fit(fake
     bad_record.write_text(json.dumps(record))
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "bench/gpu/run.py", "session", "--dry-run", "--kit", str(fake_site_kit), "--site",
+        [sys.executable, "gpu_kit/run.py", "session", "--dry-run", "--kit", str(fake_site_kit), "--site",
          str(tmp_path / "site"), "--work", str(tmp_path / "work"), "--out", str(out), "--aot-record",
          str(bad_record)], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -361,7 +360,7 @@ def test_aot_modules_load_from_a_clean_site_without_compiling(tmp_path):
            "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "ws"), "PYTHONPATH": f"{site}:{stub}:{REPO}",
            "LD_LIBRARY_PATH": f"{cuda}/lib64" if cuda else ""}
     assert subprocess.run(["which", "nvcc"], env=env, capture_output=True).returncode != 0
-    argv = [sys.executable, str(REPO / "bench/gpu/aot.py"), "loadcheck", *([] if real else ["--fake-load"])]
+    argv = [sys.executable, str(REPO / "gpu_kit/aot.py"), "loadcheck", *([] if real else ["--fake-load"])]
     proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("LOADCHECK ")), None)
     assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -465,7 +464,7 @@ def test_kit_record_payload_per_tier(tmp_path, monkeypatch):
     sparse(before, 45 * 2**20)
     record = tmp_path / "kit-record.json"
     chk = {"ok": True, "failures": []}
-    rec = build_kit.update_kit_record(site_kit, f"python bench/gpu/build_kit.py --out {site_kit} --restage {before}",
+    rec = build_kit.update_kit_record(site_kit, f"python gpu_kit/build_kit.py --out {site_kit} --restage {before}",
                                       record, before, chk)
     assert set(rec["payload_mib"]) == {"tier0", "tier2"}
     t2 = rec["payload_mib"]["tier2"]
@@ -475,10 +474,10 @@ def test_kit_record_payload_per_tier(tmp_path, monkeypatch):
     assert rec["payload_before"]["total_mib"] == 68 and rec["tier2_kit_files_bytes"][aot.AOT_ARCHIVE] == 1000
     assert rec["kits"]["site"]["import_check"] == chk and rec["kits"]["site"]["carry"] == ".whl/site"
     assert rec["kits"]["site"]["files"][aot.AOT_ARCHIVE]["sha256"] == kit.sha256_of(site_kit / aot.AOT_ARCHIVE)
-    assert rec["kits"]["site"]["command"] == "python bench/gpu/build_kit.py --out .whl/site --restage " \
+    assert rec["kits"]["site"]["command"] == "python gpu_kit/build_kit.py --out .whl/site --restage " \
                                             "../shared/sglang-0.0-h100-site.tar.xz"
     fake_wheel(fi_kit, "flashinfer_python", "0.0.1", {"flashinfer/__init__.py": ""})
-    rec = build_kit.update_kit_record(fi_kit, "python bench/gpu/build_kit.py --flashinfer-only", record)
+    rec = build_kit.update_kit_record(fi_kit, "python gpu_kit/build_kit.py --flashinfer-only", record)
     assert set(rec["payload_mib"]) == {"tier0", "tier1", "tier2"} and rec["kits"]["site"]["import_check"] == chk
     assert rec["payload_mib"]["tier1"]["headroom_ok"] is True and str(tmp_path) not in record.read_text()
 
@@ -505,7 +504,7 @@ def test_import_check_failures_and_what_slimming_lost():
 def test_payload_of_the_recorded_kit_leaves_headroom():
     """The tier-2 carry (this repository as it is now + the recorded kit: site archive, AOT
     archive, SHA256SUMS, manifest) stays >= HEADROOM_MIB under the device tool's 64 MiB."""
-    path = REPO / "bench" / "gpu" / "kit-record.json"
+    path = REPO / "gpu_kit" / "kit-record.json"
     if not path.exists():
         pytest.skip("no kit-record.json: the kit build was not recorded")
     rec = json.loads(path.read_text())

@@ -1,9 +1,7 @@
 """docs/launch-budget.md is what bench/launch_budget.py prints from the code's own grid sizes, so the paper
 budget the next GPU run checks follows every change to the fused kernels' splits."""
 
-import sys
 
-sys.path.insert(0, "bench")
 import launch_budget  # noqa: E402
 
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import sys
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
 
 
 def _args(**kw):

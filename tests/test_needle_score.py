@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import pathlib
-import sys
 
 import pytest
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO / "tests" / "training"))
+from tests.training.tiny_llama import SMOLLM_DIR, have_real_assets
 
-from tiny_llama import SMOLLM_DIR, have_real_assets  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(not have_real_assets(),
                                 reason="needs models/SmolLM2-135M-Instruct and models/text/essays")

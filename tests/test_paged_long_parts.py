@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import pathlib
-import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
 
 from paged_long import compare, resumed_lengths  # noqa: E402
 

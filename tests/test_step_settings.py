@@ -1,9 +1,8 @@
 """The decode step's settings: launch flags and SAS_* variables win, "auto" reads the GPU settings table on
 CUDA (the longest device key that the device name contains, else "default"), CPU has its own defaults, and
-the table the GPU benchmark writes (`bench/gpu/bench_decode_step.chosen_settings`) is one the backend reads."""
+the table the GPU benchmark writes (`gpu_kit/bench_decode_step.chosen_settings`) is one the backend reads."""
 
 import json
-import sys
 
 import pytest
 import torch
@@ -74,7 +73,6 @@ def test_cpu_defaults_and_refusals():
 
 
 def test_the_benchmarks_chosen_settings_are_a_table_the_backend_reads():
-    sys.path.insert(0, "bench/gpu")
     import bench_decode_step as bds
 
     rows = []

@@ -1,13 +1,13 @@
 """Every Triton kernel of the package compiles for sm_90 (H100), without a GPU.
 
-`bench/gpu/compile_triton.py` records the launchers' real arguments on CPU tensors (no launch),
+`gpu_kit/compile_triton.py` records the launchers' real arguments on CPU tensors (no launch),
 compiles each distinct variant for `cuda:90` and runs ptxas -v; it fails on a compile error,
 shared memory above the H100's 227 KiB, a register spill in a serving kernel, or a package
 @triton.jit function nothing compiled. Here it runs with Triton 3.6.0 (the GPU image's, the one the GPU runs use;
 fetched from PyPI into build/ on first use), on its `ci` grid (the full grid less fp32 training kernels outside one
 geometry, which take minutes of ptxas, and less fp16 training kernels; bench/results/2026-11-25-triton-sm90 compiled
 the full grid). With SAS_SM90_BOTH_TRITONS=1 it also compiles with the Triton of this venv (the two together were
-18 of CI's 47 minutes on 2026-12-01, so CI keeps the one the GPU image runs; `bench/gpu/compile_triton.py --grid
+18 of CI's 47 minutes on 2026-12-01, so CI keeps the one the GPU image runs; `gpu_kit/compile_triton.py --grid
 ci` runs both).
 The other tests check that the tool's checks can fail.
 """
@@ -25,9 +25,8 @@ import textwrap
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TOOL = REPO / "bench" / "gpu" / "compile_triton.py"
-sys.path.insert(0, str(TOOL.parent))
-import compile_triton as ct  # noqa: E402  (stdlib-only at import: Triton is imported by its functions)
+TOOL = REPO / "gpu_kit" / "compile_triton.py"
+import compile_triton as ct  # noqa: E402  (gpu_kit/, on pytest's pythonpath; stdlib-only at import)
 
 SERVING_KERNELS = {
     "ops.gate._gate_query_kernel", "ops.gate._gate_query_partial_kernel", "ops.gate._gate_query_finish_kernel",

@@ -1,7 +1,7 @@
 """The decode step's GPU settings: a small table a GPU measurement writes, read once at startup.
 
 `gpu_settings.json` (beside this file) maps a device name (a substring of `torch.cuda.get_device_name()`,
-e.g. "H200") or "default" to the settings the decode-step tournament chose (`bench/gpu/run.py session`
+e.g. "H200") or "default" to the settings the decode-step tournament chose (`gpu_kit/run.py session`
 writes `chosen-settings.json` in this format): kernels, attention path, summary dtype, the dtype the fused front
 reads the gate weights in, select chunk, programs per launch at batch 1, PDL and per-launch warps (`launch`:
 `ops.decode_step.LaunchOptions`' fields), `--sas-dense-below`. Adopting a new measurement is a data change: copy the

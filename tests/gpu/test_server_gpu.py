@@ -2,7 +2,7 @@
 dense FlashInfer, and the memory sas allocates stays within what it told SGLang to reserve.
 
 The servers run one after another (each takes most of the GPU), on the default model; or, where
-the default model is not at hand (the offline GPU host of bench/gpu/run.py tier2), on the model in
+the default model is not at hand (the offline GPU host of gpu_kit/run.py tier2), on the model in
 $SAS_GPU_MODEL with the gate in $SAS_GPU_GATE and random prompts sharing a 640-token prefix (a
 radix-cache hit for the later prompts); $SAS_GPU_SERVER_FLAGS adds flags to every server (e.g. a
 small --chunked-prefill-size, so the prompts are prefilled in chunks).

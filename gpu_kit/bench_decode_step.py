@@ -34,9 +34,9 @@ K/V: the contexts and batches up to 256K x 8 do not fit 36 distinct layers; laye
 `distinct_layers` buffer sets (as many as fit `--mem-fraction` of free memory, at least 2, so no
 layer reads what the previous one left in L2). Recorded per point.
 
-    python bench/gpu/bench_decode_step.py --out DIR            # full: 8K..256K, batch 1 8, budgets 1024 2048 4096
-    python bench/gpu/bench_decode_step.py --quick --out DIR    # 8K 32K, batch 1 8, budget 2048
-    python bench/gpu/bench_decode_step.py --dry-run --out DIR  # CPU: the same steps, tiny, fused kernels interpreted
+    python gpu_kit/bench_decode_step.py --out DIR            # full: 8K..256K, batch 1 8, budgets 1024 2048 4096
+    python gpu_kit/bench_decode_step.py --quick --out DIR    # 8K 32K, batch 1 8, budget 2048
+    python gpu_kit/bench_decode_step.py --dry-run --out DIR  # CPU: the same steps, tiny, fused kernels interpreted
 
 Writes DIR/decode-step.json, DIR/decode-step.md, DIR/decode-step.png, DIR/chosen-settings.json.
 """
@@ -53,8 +53,7 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from report import env_markdown, environment, md_table, pyplot  # noqa: E402
+from sas_backend.testing.report import env_markdown, environment, md_table, pyplot
 
 BLOCK = 64
 
@@ -868,7 +867,7 @@ def chosen_settings(record: dict, device_key: str) -> dict:
               if r["variants"][budget][best]["amortized_ms"] > r["dense_ms"]]
     entry = {**settings, "dense_below": max(slower, default=0)}
     measured = record["mode"] != "dry run"
-    return {"measured": measured, "source": f"bench/gpu/bench_decode_step.py on {record['environment'].get('device')}, "
+    return {"measured": measured, "source": f"gpu_kit/bench_decode_step.py on {record['environment'].get('device')}, "
                                         f"budget {budget}, variant {best!r} (geometric-mean speedup "
                                         f"{math.exp(complete[best]):.2f}x over {len(record['rows'])} points)",
             "devices": {device_key: entry, "default": entry}}

@@ -10,9 +10,9 @@ with one token per id (`t123`; random ids decode to words, so the OpenAI endpoin
 Beside it, `<out>-gate/`: a seeded-init SAS gate checkpoint fitting the model (untrained: speed
 and plumbing only, selection quality means nothing).
 
-    python bench/gpu/make_model.py --out /tmp/sas-gpu/qwen3-4b-shape                # config + tokenizer (dummy load)
-    python bench/gpu/make_model.py --out /tmp/sas-gpu/qwen3-4l --layers 4 --weights # small, with weights
-    python bench/gpu/make_model.py --out /tmp/m --tiny --weights --check            # CPU rehearsal
+    python gpu_kit/make_model.py --out /tmp/sas-gpu/qwen3-4b-shape                # config + tokenizer (dummy load)
+    python gpu_kit/make_model.py --out /tmp/sas-gpu/qwen3-4l --layers 4 --weights # small, with weights
+    python gpu_kit/make_model.py --out /tmp/m --tiny --weights --check            # CPU rehearsal
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ SGLANG_FLASHINFER_USE_PAGED=1 selects; no logits soft cap, no sliding window: Ll
 q/kv/o dtypes bf16 and fp16 and head dims 64 and 128, int32 indices. The URIs come out of
 FlashInfer's own `get_batch_decode_uri` / `get_batch_prefill_uri` through those calls.
 
-    python bench/gpu/aot.py uris                 # worker: the recorded modules as JSON
-    python bench/gpu/aot.py build --out DIR      # worker: compile them, DIR/aot/<uri>/<uri>.so
+    python gpu_kit/aot.py uris                 # worker: the recorded modules as JSON
+    python gpu_kit/aot.py build --out DIR      # worker: compile them, DIR/aot/<uri>/<uri>.so
 
 The workers need `flashinfer` importable (a `--target` install of the kit's wheel, see
 `build_kit.flashinfer_scratch`), torch (CPU is enough) and, to build, nvcc and ninja. build_kit.py
@@ -38,7 +38,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = HERE.parent
 FLASHINFER_VERSION = "0.6.12"
 ARCH_LIST = "9.0a"  # FLASHINFER_CUDA_ARCH_LIST: Hopper (H100/H200) only
 AOT_ARCHIVE = f"flashinfer-aot-{FLASHINFER_VERSION}-sm90a.tar.xz"

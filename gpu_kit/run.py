@@ -1,12 +1,12 @@
 """One command per GPU tier: unpack the kit, install this package, run the tier, write the results.
 
-    python3 bench/gpu/run.py tier0 --kit .whl/site # preflight, < 2 min: GPU, kit, imports, toolchain, kernels
-    python3 bench/gpu/run.py tier1 [--quick]       # torch + Triton + FlashInfer (no SGLang)
-    python3 bench/gpu/run.py tier2 [--quick]       # the real SGLang server, dense vs sas
-    python3 bench/gpu/run.py session --kit .whl/site  # one call for a 15-minute device session (below)
-    python3 bench/gpu/run.py tier1 --dry-run       # on a CPU machine: everything up to where CUDA is needed
+    python3 gpu_kit/run.py tier0 --kit .whl/site # preflight, < 2 min: GPU, kit, imports, toolchain, kernels
+    python3 gpu_kit/run.py tier1 [--quick]       # torch + Triton + FlashInfer (no SGLang)
+    python3 gpu_kit/run.py tier2 [--quick]       # the real SGLang server, dense vs sas
+    python3 gpu_kit/run.py session --kit .whl/site  # one call for a 15-minute device session (below)
+    python3 gpu_kit/run.py tier1 --dry-run       # on a CPU machine: everything up to where CUDA is needed
 
-Steps of every tier: (1) the kit in `.whl/` (bench/gpu/kit.py) is checked against SHA256SUMS,
+Steps of every tier: (1) the kit in `.whl/` (gpu_kit/kit.py) is checked against SHA256SUMS,
 unpacked into `--site` (default /tmp/site) and this repository is installed there with
 `pip install --no-index --no-deps --no-build-isolation --no-compile --target`; (2) the Python side
 is imported from there (`imports`); (3) the tier's tests and benchmarks run one after another in
@@ -21,7 +21,7 @@ to the driver's libcuda.so.1: kit.jit_env) and SGLANG_FLASHINFER_USE_PAGED=1; th
 FlashInfer modules (flashinfer-aot-*.tar.xz) are extracted over the site, so FlashInfer loads them
 instead of compiling.
 
-Tier 0 (bench/gpu/preflight.py): nvidia-smi and torch.cuda see an sm90 GPU; the kit's sha256s; the
+Tier 0 (gpu_kit/preflight.py): nvidia-smi and torch.cuda see an sm90 GPU; the kit's sha256s; the
 imports (sas_backend, flashinfer, sglang where the kit has it); the AOT modules in place; CUDA_HOME,
 nvcc and a test link with FlashInfer's link line; one Triton kernel of the package vs its torch
 reference; FlashInfer sparse decode vs the torch reference with JIT disabled (every module from the
@@ -67,8 +67,11 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import kit  # noqa: E402
+import kit  # beside this script
+
+# The runner runs under the machine's bare python3, before any kit is unpacked: the tree's own package (its
+# result writers) is importable from the repository root.
+sys.path.insert(0, str(kit.REPO))
 
 REPO = kit.REPO
 PY = sys.executable
@@ -129,9 +132,9 @@ def tier_steps(tier: str, quick: bool) -> list:
                  "topk-sweep", "gated-attention", "kernel-tests")
         return [by_name[n] for n in order]
     if tier == "tier0":
-        return [Step("preflight", ["{py}", "bench/gpu/preflight.py", "--site", "{site}", "--out", "{work}",
+        return [Step("preflight", ["{py}", "gpu_kit/preflight.py", "--site", "{site}", "--out", "{work}",
                                    "--record", "{aot_record}"], 1.0,
-                     ["{py}", "bench/gpu/preflight.py", "--site", "{site}", "--out", "{work}", "--record",
+                     ["{py}", "gpu_kit/preflight.py", "--site", "{site}", "--out", "{work}", "--record",
                       "{aot_record}", "--dry-run"],
                      produces=("preflight.json",), stop_on_fail=True)]
     if tier == "tier1":  # the benchmarks first: FlashInfer's JIT for the tests' other dtypes may run long
@@ -139,8 +142,8 @@ def tier_steps(tier: str, quick: bool) -> list:
         sizes = ["4096", "8192"] if quick else ["4096", "8192", "16384", "32768"]
         return [
             # old step vs the new one and its variants (the tournament), then chosen-settings.json
-            Step("decode-step", ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", *step_args], 4.5,
-                 ["{py}", "bench/gpu/bench_decode_step.py", "--out", "{work}", "--dry-run"],
+            Step("decode-step", ["{py}", "gpu_kit/bench_decode_step.py", "--out", "{work}", *step_args], 4.5,
+                 ["{py}", "gpu_kit/bench_decode_step.py", "--out", "{work}", "--dry-run"],
                  produces=("decode-step.json", "decode-step.png", "chosen-settings.json")),
             Step("topk-sweep", ["{py}", "bench/bench_topk.py", "--sweep", "--json", "{work}/topk-sweep.json"], 1.0,
                  ["{py}", "bench/bench_topk.py", "--sweep", "--dry-run", "--json", "{work}/topk-sweep.json"],
@@ -157,11 +160,11 @@ def tier_steps(tier: str, quick: bool) -> list:
         model_env = {"SAS_GPU_MODEL": TEST_MODEL, "SAS_GPU_GATE": TEST_MODEL + "-gate",
                      "SAS_GPU_SERVER_FLAGS": SERVER_TEST_FLAGS}
         return [
-            Step("make-test-model", ["{py}", "bench/gpu/make_model.py", "--out", TEST_MODEL, "--layers", "4",
+            Step("make-test-model", ["{py}", "gpu_kit/make_model.py", "--out", TEST_MODEL, "--layers", "4",
                                      "--weights"], 0.5,
-                 ["{py}", "bench/gpu/make_model.py", "--out", "{work}/models/tiny", "--tiny", "--weights", "--check"]),
-            Step("make-bench-model", ["{py}", "bench/gpu/make_model.py", "--out", BENCH_MODEL], 0.3,
-                 ["{py}", "bench/gpu/make_model.py", "--out", "{work}/models/tiny-dummy", "--tiny", "--check"]),
+                 ["{py}", "gpu_kit/make_model.py", "--out", "{work}/models/tiny", "--tiny", "--weights", "--check"]),
+            Step("make-bench-model", ["{py}", "gpu_kit/make_model.py", "--out", BENCH_MODEL], 0.3,
+                 ["{py}", "gpu_kit/make_model.py", "--out", "{work}/models/tiny-dummy", "--tiny", "--check"]),
             Step("server-tests", [*PYTEST, "--junitxml", "{work}/server-tests.xml", *TIER2_TESTS], 7.0,
                  [*PYTEST, "--collect-only", *TIER2_TESTS], env=model_env, needs=("make-test-model",)),
             Step("e2e-decode", e2e_argv(BENCH_MODEL, contexts), 5.0,
@@ -309,8 +312,7 @@ def check_imports(tier, site, env, dry: bool) -> dict:
 # ------------------------------------------------------------------------------------ reporting
 def summary_markdown(rec: dict) -> str:
     """The tier's Markdown summary: environment, kit, imports, one line per step, then the steps' own."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from report import env_markdown, md_table
+    from sas_backend.testing.report import env_markdown, md_table
 
     lines = [f"# GPU {rec['tier']} ({rec['mode']})", "", env_markdown(rec["environment"]), ""]
     if rec.get("kit"):
@@ -346,7 +348,7 @@ def summary_markdown(rec: dict) -> str:
 
 def gated_markdown(result: dict) -> str:
     """The gated-attention bench rows as a table (ms and peak MiB per variant)."""
-    from report import md_table
+    from sas_backend.testing.report import md_table
 
     def ms(x):
         return x["ms"] if isinstance(x, dict) else x
@@ -390,7 +392,7 @@ def portable(text: str, site: pathlib.Path, work: pathlib.Path, out: pathlib.Pat
 
 
 def default_kit(tier: str) -> pathlib.Path:
-    """The kit directory a tier carries when --kit is not given (bench/gpu/README.md): `.whl/site`
+    """The kit directory a tier carries when --kit is not given (gpu_kit/README.md): `.whl/site`
     for tiers 0 and 2, `.whl/fi` for tier 1 (else `.whl/site`, which holds FlashInfer too), else a
     kit laid out directly in `.whl/` (the shared kit's form). The first that holds a kit."""
     base = kit.DEFAULT_KIT_DIR
@@ -530,7 +532,7 @@ def main(argv=None) -> int:
 
 def _environment(env: dict) -> dict:
     """report.environment() run in the step environment (so versions are those the steps see)."""
-    code = ("import json, sys; sys.path.insert(0, 'bench/gpu'); import report; "
+    code = ("import json; from sas_backend.testing import report; "
             "print('ENV ' + json.dumps(report.environment()))")
     proc = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     for line in proc.stdout.splitlines():

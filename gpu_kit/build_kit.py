@@ -4,20 +4,20 @@ network (wheels are fetched for the GPU host's CPython 3.12, not this interprete
 a local wheel folder (`--find-links`) and an existing site archive (`--restage`).
 
     # tiers 0 and 2 (.whl/site): the shared kit's site, slimmed, import-checked, + the AOT modules
-    python bench/gpu/build_kit.py --out .whl/site --restage ../shared/gpu-kit/sglang-0.5.15-h100-site.tar.xz \
+    python gpu_kit/build_kit.py --out .whl/site --restage ../shared/gpu-kit/sglang-0.5.15-h100-site.tar.xz \
         --keep build/kit-stage --import-check --find-links ../shared/gpu-kit --aot --jobs 2
     # tier 1 (.whl/fi): the two FlashInfer wheels + the same AOT archive
-    python bench/gpu/build_kit.py --out .whl/fi --flashinfer-only --find-links ../shared/gpu-kit --aot
+    python gpu_kit/build_kit.py --out .whl/fi --flashinfer-only --find-links ../shared/gpu-kit --aot
     # from PyPI instead (~0.75 GB download), diffed against a kit
-    python bench/gpu/build_kit.py --out .whl/site --keep build/kit-stage --import-check --aot \
+    python gpu_kit/build_kit.py --out .whl/site --keep build/kit-stage --import-check --aot \
         --compare ../shared/gpu-kit
 
-Each run updates bench/gpu/kit-record.json (this kit's files, sha256s and the payload per tier:
+Each run updates gpu_kit/kit-record.json (this kit's files, sha256s and the payload per tier:
 the repository's tracked files + the kit directory, >= HEADROOM_MIB free under the device tool's 64 MiB);
-`--aot` also writes bench/gpu/flashinfer-aot.json.
+`--aot` also writes gpu_kit/flashinfer-aot.json.
 
 Steps: (1) `pip download --no-deps --only-binary=:all:` of every `name-version` in
-bench/gpu/site-contents.txt (the shared kit's list) or `--packages`, for cp312 manylinux x86-64;
+gpu_kit/site-contents.txt (the shared kit's list) or `--packages`, for cp312 manylinux x86-64;
 (2) `pip install --no-deps --no-index --target STAGE` of those wheels (same target tags);
 (3) what names the build machine goes (pip's direct_url.json records, the interpreter path in
 bin/ scripts' shebangs); slimming (SLIM below: sglang-kernel to its sm90 ops without FA3/FlashMLA, xgrammar's static
@@ -28,9 +28,9 @@ owners and mtimes; (5) the FlashInfer wheels copied beside it; (6) `SHA256SUMS` 
 `manifest.json` (package, version, wheel file, sha256 and size of each wheel; the archive's sha256,
 size, unpacked size and file count; the slimming applied; the command).
 `--compare KIT` lists the files only in one of the two archives and the size differences.
-`--import-check` (with `--keep`) runs bench/gpu/import_check.py on the slimmed site and on the site
+`--import-check` (with `--keep`) runs gpu_kit/import_check.py on the slimmed site and on the site
 as it was before slimming and fails the build (exit 1) if the slimmed one breaks SGLang's serving
-imports or lost anything the full one had. `--aot` compiles FlashInfer's modules (bench/gpu/aot.py;
+imports or lost anything the full one had. `--aot` compiles FlashInfer's modules (gpu_kit/aot.py;
 reused from `--aot-cache`, progress in <aot-cache>/build.log) and packs them beside the site.
 """
 
@@ -50,7 +50,6 @@ import tarfile
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import aot  # noqa: E402
 import kit  # noqa: E402
 
@@ -67,7 +66,7 @@ FIXED_MTIME = 1700000000  # archive members' mtime (reproducible archives)
 # does not change, and xz packs the zeros to nothing). sglang-kernel: Hopper (sm90) common ops only,
 # so SGLang must be told `--attention-backend flashinfer` (it would pick FA3 on Hopper).
 #
-# Why each of the later rules is safe: bench/gpu/import_check.py (faked H100, `--import-check`)
+# Why each of the later rules is safe: gpu_kit/import_check.py (faked H100, `--import-check`)
 # imports SGLang's serving path, builds its model registry and resolves Llama/Qwen2/Qwen3 on the
 # full and the slimmed site and finds nothing lost; none of these imports sglang.multimodal_gen
 # (diffusion serving) or sglang.srt.grpc (the gRPC server, a 7 MiB compiled module). The model
@@ -472,10 +471,10 @@ def nvcc_version(env) -> str:
 
 def add_aot(out: pathlib.Path, wheel: pathlib.Path, cache: pathlib.Path, jobs: int = 1, preset: int = 9,
             command=None, record_path: pathlib.Path | None = aot.AOT_RECORD, status_only: bool = False) -> dict:
-    """Compile FlashInfer's modules for the tiers (bench/gpu/aot.py; modules already in
+    """Compile FlashInfer's modules for the tiers (gpu_kit/aot.py; modules already in
     cache/aot are reused), pack them as `flashinfer-aot-*.tar.xz` into `out` (site-relative members
     flashinfer/data/aot/<uri>/<uri>.so), add it to out's SHA256SUMS and manifest.json, and write the
-    record (`record_path`: bench/gpu/flashinfer-aot.json by default). Returns the record."""
+    record (`record_path`: gpu_kit/flashinfer-aot.json by default). Returns the record."""
     cache = pathlib.Path(cache).resolve()
     cache.mkdir(parents=True, exist_ok=True)
     env = aot_worker_env(flashinfer_scratch(cache, wheel), cache, jobs)
@@ -588,7 +587,7 @@ def portable(text: str) -> str:
 
 
 def tiers_of(kit_dir: pathlib.Path) -> list:
-    """The tiers that carry this kit directory: a site archive -> tiers 0 and 2 (bench/gpu/README.md:
+    """The tiers that carry this kit directory: a site archive -> tiers 0 and 2 (gpu_kit/README.md:
     `carry: [".whl/site"]`), the FlashInfer wheels alone -> tier 1 (`.whl/fi`)."""
     found = kit.find_kit(kit_dir)
     if found["site_archive"] is not None:
@@ -598,7 +597,7 @@ def tiers_of(kit_dir: pathlib.Path) -> list:
 
 def update_kit_record(kit_dir: pathlib.Path, command: str, record_path: pathlib.Path = KIT_RECORD,
                       before_archive: pathlib.Path | None = None, import_check: dict | None = None) -> dict:
-    """Write this kit directory's entry into the kit record (bench/gpu/kit-record.json; the other
+    """Write this kit directory's entry into the kit record (gpu_kit/kit-record.json; the other
     kit's entry is kept): its files and their bytes, the archives' sha256s, the slimming, the import
     check, and the payload per tier = the repository's tracked files + the kit's files, with the
     headroom under 64 MiB (>= 10 required). before_archive: the site archive the kit replaces (the
@@ -702,15 +701,15 @@ def main(argv=None) -> int:
     """CLI (see the module doc)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(kit.DEFAULT_KIT_DIR))
-    ap.add_argument("--packages", nargs="+", help="name-version pins (default: bench/gpu/site-contents.txt)")
+    ap.add_argument("--packages", nargs="+", help="name-version pins (default: gpu_kit/site-contents.txt)")
     ap.add_argument("--flashinfer-only", action="store_true", help=f"just {' '.join(FLASHINFER_ONLY)}")
     ap.add_argument("--find-links", help="a local wheel directory instead of any index (offline)")
     ap.add_argument("--restage", help="start from this site archive (e.g. the shared kit's) instead of PyPI")
     ap.add_argument("--xz-preset", type=int, default=9)
     ap.add_argument("--keep", help="keep downloads and the staged site in this directory")
     ap.add_argument("--compare", help="a kit directory to diff the archive against (e.g. ../shared/gpu-kit)")
-    ap.add_argument("--aot", action="store_true", help="also compile FlashInfer's modules (bench/gpu/aot.py) into "
-                    f"{aot.AOT_ARCHIVE} and record them in bench/gpu/flashinfer-aot.json")
+    ap.add_argument("--aot", action="store_true", help="also compile FlashInfer's modules (gpu_kit/aot.py) into "
+                    f"{aot.AOT_ARCHIVE} and record them in gpu_kit/flashinfer-aot.json")
     ap.add_argument("--aot-only", action="store_true", help="only add the AOT archive to the kit in --out")
     ap.add_argument("--aot-status", action="store_true", help="compile nothing; record what the cache holds")
     ap.add_argument("--aot-cache", default=str(kit.REPO / "build" / "flashinfer-aot"),
@@ -723,7 +722,7 @@ def main(argv=None) -> int:
                     help="the kit record to update with this kit's files and payload ('' : none)")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
-    shown = "python bench/gpu/build_kit.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    shown = "python gpu_kit/build_kit.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
     status = 0
     import_rec = None
     if not (args.aot_only or args.aot_status):

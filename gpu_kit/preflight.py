@@ -3,7 +3,7 @@
 Checks, in order (a failed check skips the checks that need it, each with the reason):
 
 1. `gpu`: nvidia-smi answers (name, driver, memory); torch sees CUDA, an sm90 device, CUDA 13.x.
-2. `aot`: every pre-built FlashInfer module of bench/gpu/flashinfer-aot.json is in the site at
+2. `aot`: every pre-built FlashInfer module of gpu_kit/flashinfer-aot.json is in the site at
    flashinfer/data/aot/<uri>/<uri>.so with the recorded sha256.
 3. `toolchain`: CUDA_HOME is a real toolkit, nvcc runs, and a tiny .cu links with FlashInfer's JIT
    link line (`-L$CUDA_HOME/lib64 -L$CUDA_HOME/lib64/stubs $FLASHINFER_EXTRA_LDFLAGS -lcudart -lcuda`),
@@ -19,7 +19,7 @@ Checks, in order (a failed check skips the checks that need it, each with the re
    sgl_kernel has its non-sm90 GPU code zeroed (build_kit.prune_fatbin), this proves the sm90 code
    still loads.
 
-    python bench/gpu/preflight.py --site SITE --out DIR [--dry-run]
+    python gpu_kit/preflight.py --site SITE --out DIR [--dry-run]
 
 Writes DIR/preflight.json; exit 1 when a check failed. --dry-run (CPU): `gpu` and the CUDA checks
 are skipped, `aot` and `toolchain` (nvcc --version only) run, `triton` runs the kernel in Triton's
@@ -40,7 +40,6 @@ import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 import aot  # noqa: E402
 import kit  # noqa: E402
 
@@ -300,7 +299,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--site", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--record", default=str(aot.AOT_RECORD), help="the AOT record (bench/gpu/flashinfer-aot.json)")
+    ap.add_argument("--record", default=str(aot.AOT_RECORD), help="the AOT record (gpu_kit/flashinfer-aot.json)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     site, dry = pathlib.Path(args.site), args.dry_run

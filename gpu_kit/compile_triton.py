@@ -22,10 +22,10 @@ register spill in a serving (decode-step) kernel, or on a @triton.jit function o
 that no recorded launch compiles (directly or as a callee). Spills in the training kernels are
 reported, not failed: see TRAINING_SPILLS_FAIL.
 
-    python bench/gpu/compile_triton.py --out DIR                    # installed Triton and 3.6.0
-    python bench/gpu/compile_triton.py --out DIR --triton installed # only the one in this venv
-    python bench/gpu/compile_triton.py --out DIR --triton 3.6.0     # only 3.6.0 (the GPU image's)
-    python bench/gpu/compile_triton.py --out DIR --grid ci          # the test's grid (below)
+    python gpu_kit/compile_triton.py --out DIR                    # installed Triton and 3.6.0
+    python gpu_kit/compile_triton.py --out DIR --triton installed # only the one in this venv
+    python gpu_kit/compile_triton.py --out DIR --triton 3.6.0     # only 3.6.0 (the GPU image's)
+    python gpu_kit/compile_triton.py --out DIR --grid ci          # the test's grid (below)
 
 `--grid ci` (tests/test_triton_sm90_compile.py) is the full grid less the fp32 training kernels
 outside one geometry (CI_FP32_TRAINING): fp32 there means IEEE fp32 dots that spill tens of KB
@@ -58,7 +58,7 @@ import tempfile
 import time
 import warnings
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 GPU_IMAGE_TRITON = "3.6.0"
 SMEM_LIMIT = 232448  # H100: 227 KiB of shared memory per block (opt-in maximum)
 BLOCK = 64
@@ -554,8 +554,7 @@ def build_record(rows: list, n_launches: int, grid: str, seconds: dict, jobs: in
     import torch
     import triton
 
-    sys.path.insert(0, str(REPO / "bench" / "gpu"))
-    from report import git_commit
+    from sas_backend.testing.report import git_commit
 
     cov = coverage({r["kernel_id"] for r in rows})
     failures, notes = check(rows, cov)

@@ -1,4 +1,4 @@
-"""What every GPU result records about where it ran, and the Markdown/PNG writers the tiers share.
+"""What every benchmark and GPU result records about where it ran, and the Markdown/PNG writers they share.
 
 `environment()` names the device, driver, library versions, the commit and the date; it imports
 nothing that needs CUDA, so a dry run on a CPU machine records the same fields (device "none").
@@ -17,7 +17,11 @@ import pathlib
 import platform
 import subprocess
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from sas_backend.paths import source_checkout
+
+# The tree the code came from: this package's checkout, else (the package installed in a GPU kit's site) the
+# working directory, the repository root every kit command runs in.
+REPO = source_checkout() or pathlib.Path.cwd()
 LIBRARIES = ("torch", "triton", "flashinfer", "sglang", "sgl_kernel", "transformers", "sas_backend")
 
 

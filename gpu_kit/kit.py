@@ -30,11 +30,11 @@ import sys
 import tarfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_KIT_DIR = REPO / ".whl"
 SITE_ARCHIVE_GLOB = "sglang-*-site.tar.xz"
 FLASHINFER_WHEEL_GLOBS = ("flashinfer_python-*.whl", "apache_tvm_ffi-*.whl")
-AOT_ARCHIVE_GLOB = "flashinfer-aot-*.tar.xz"  # pre-built FlashInfer modules (bench/gpu/aot.py)
+AOT_ARCHIVE_GLOB = "flashinfer-aot-*.tar.xz"  # pre-built FlashInfer modules (gpu_kit/aot.py)
 SUMS_FILE = "SHA256SUMS"
 MANIFEST_FILE = "manifest.json"
 # FlashInfer JIT-compiles its kernels with the host's nvcc on first use: Hopper only, all cores,
@@ -177,7 +177,7 @@ def install_self_by_copy(site: pathlib.Path) -> None:
     groups = project.get("entry-points", {})
     (info / "entry_points.txt").write_text("".join(
         f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n" for g, eps in groups.items()))
-    (info / "INSTALLER").write_text("bench/gpu/kit.py\n")
+    (info / "INSTALLER").write_text("gpu_kit/kit.py\n")
     (info / "RECORD").write_text("")
 
 
@@ -194,7 +194,7 @@ def prepare_site(kit_dir: pathlib.Path, site: pathlib.Path, need_sglang: bool, p
         record["checked"] = verify(kit_dir, [archive.name])
         record["unpacked"] = {"archive": archive.name, "members": unpack(archive, site)}
     elif need_sglang:
-        raise KitError(f"no {SITE_ARCHIVE_GLOB} in {kit_dir}: copy the kit there first (bench/gpu/README.md)")
+        raise KitError(f"no {SITE_ARCHIVE_GLOB} in {kit_dir}: copy the kit there first (gpu_kit/README.md)")
     elif len(wheels) == len(FLASHINFER_WHEEL_GLOBS):
         record["checked"] = verify(kit_dir, [w.name for w in wheels])
         pip_target(wheels, site, python, host_tags=True)

@@ -10,7 +10,7 @@ the modules of SGLang's startup path are imported, its model registry is built (
 sglang.srt.models module, as `launch_server` does) and the Llama/Qwen architectures are resolved,
 and transformers' config/tokenizer classes for llama/qwen2/qwen3 are looked up.
 
-    python bench/gpu/import_check.py --site DIR [--json OUT]
+    python gpu_kit/import_check.py --site DIR [--json OUT]
 
 Prints `IMPORTCHECK {json}`: per module ok/error, the resolved architectures, the registry's
 import failures, and which top-level packages and transformers.models.* were imported (the
@@ -28,10 +28,9 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import kit  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 OVERLAY = ("sglang", "transformers", "flashinfer", "sgl_kernel")
 OVERLAY_DIST = ("sglang", "transformers", "flashinfer_python", "sglang_kernel")
 STARTUP = [
