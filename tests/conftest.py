@@ -1,5 +1,5 @@
 """Suite-wide: GPU tests (marker `gpu`) are skipped, with the reason, where CUDA is unavailable; under
-pytest-xdist (tests/run.sh: `-n 2 --dist loadgroup`) tests are grouped so no fixture is built twice."""
+pytest-xdist (tests/run.sh: `-n 3 --dist loadgroup`) tests are grouped so no fixture is built twice."""
 
 from __future__ import annotations
 
@@ -18,12 +18,15 @@ def share_cores_between_workers() -> None:
     """Under pytest-xdist, pin this worker, and so every process it starts (servers, compilers), to its own
     share of the cores. Unpinned, two workers on 2 cores ran 4+ busy threads (each server's OpenMP pool, the
     sm_90 compile's processes) and the suite went slower than serially (the compile fixture over 13 min
-    instead of 3.5); pinned, each worker's work runs as if alone on a smaller machine."""
+    instead of 3.5); pinned, each worker's work runs as if alone on a smaller machine. With more workers than
+    cores (tests/run.sh runs 3 on a 2-core machine: a server test waits on its server much of the time, and a
+    third worker fills those waits) each worker gets one core, shared round-robin, and one OpenMP thread."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
     cores = sorted(os.sched_getaffinity(0))
-    if not worker or count < 2 or len(cores) < count:
+    if not worker or count < 2:
         return
-    mine = cores[int(worker.removeprefix("gw")) % count::count]
+    index = int(worker.removeprefix("gw"))
+    mine = cores[index % count::count] if len(cores) >= count else [cores[index % len(cores)]]
     os.sched_setaffinity(0, mine)
     os.environ["OMP_NUM_THREADS"] = str(len(mine))  # children size their OpenMP pools to the share
     torch.set_num_threads(len(mine))
@@ -58,7 +61,7 @@ def group_for_xdist(items) -> None:
 
     A unit is a whole module (its module-scoped fixtures are built once), except that all modules using a
     shared server form one unit, first in the queue. xdist's loadgroup scheduler hands units out in
-    this order, so the shared-server unit goes to one worker and the rest fill the other.
+    this order, so the shared-server unit goes to one worker and the rest fill the others.
     """
     shared = {_module(i) for i in items if SHARED_SERVERS & set(getattr(i, "fixturenames", ()))}
 

@@ -207,8 +207,10 @@ def test_session_holds_every_tier_step():
     assert session["e2e-decode"].argv == quick2["e2e-decode"].argv
 
 
-@pytest.mark.parametrize("tier", ["tier0", "session"])
-def test_tier_dry_run(tier, fake_site_kit, tmp_path):
+def test_session_dry_run(fake_site_kit, tmp_path):
+    """The session's dry run, which holds every step of tiers 0-2 (test_session_holds_every_tier_step): tier 0's
+    own dry run ran the same preflight again (half a minute of CI)."""
+    tier = "session"
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "gpu_kit/run.py", tier, "--dry-run", "--kit", str(fake_site_kit), "--site",
@@ -226,51 +228,50 @@ def test_tier_dry_run(tier, fake_site_kit, tmp_path):
     assert rec["environment"]["git"]["commit"] in md
     assert rec["kit"]["aot"]["archive"] == "flashinfer-aot-0.6.12-sm90a.tar.xz"
     assert rec["jit"]["cuda"]["how"]  # CUDA_HOME search recorded for every tier
-    if tier == "tier0":
-        checks = steps["preflight"]["results"]["preflight"]["checks"]
-        assert checks["aot"]["ok"] and checks["aot"]["modules"] == 2
-        assert checks["triton"]["ok"] and checks["triton"]["interpreted"]  # the kernel == its reference
-        assert checks["gpu"]["ok"] is None and "dry run" in checks["gpu"]["skipped"]
-        assert "Preflight" in md
-    else:  # one call does it all, in the order of importance, and returns what the device tool takes back
-        assert list(steps)[:4] == ["preflight", "decode-step", "make-bench-model", "e2e-decode"]
-        assert steps["kernel-tests"]["counts"]["tests collected"] > 100
-        assert steps["server-tests"]["counts"]["tests collected"] >= 5
-        assert "would start sas" in (out / "session-dry.log").read_text()
-        assert "--contexts 32768 --batch" in steps["e2e-decode"]["command"]  # the quick end-to-end point
-        assert len(list(out.iterdir())) <= 8  # the device tool returns at most 8 files
-        # committed records name no folder of the machine they ran on (the first GPU run's did)
-        summary = (out / "session-dry.json").read_text() + md
-        assert str(REPO) not in summary and str(tmp_path) not in summary and "<site>" in summary
-        checks = steps["decode-step"]["results"]["decode-step"]["checks"]
-        assert checks and all(c["ok"] for c in checks)
-        profile = steps["decode-step"]["results"]["decode-step"]["profile"]  # the trace summary comes back
-        assert profile["eager"]["kernels"] > 10 and profile["eager"]["top"] and "Profile of one steady SAS step" in md
-        # the first GPU run timed only the block step (1 in 64): steady and amortized come back too
-        for row in steps["decode-step"]["results"]["decode-step"]["rows"]:
-            for sas in row["sas"].values():
-                assert sas["amortized_ms"] == (63 * sas["steady_ms"] + sas["ms"]) / 64
-                assert sas["speedup"] == row["dense_ms"] / sas["amortized_ms"]
-                assert set(sas["breakdown_ms"]) == {"front", "front_block", "select", "attend"}  # the fused launches
-                assert sas["vs_old"] > 0  # the old step timed beside the new one
-            variants = row["variants"][str(max(map(int, row["sas"])))]
-            assert {"new: fused, triton attend", "old: per-op kernels + flashinfer"} <= set(variants)
-        # the tournament's variants at the middle budget, and the settings table it chose (dry run: unmeasured)
-        names = {n for r in steps["decode-step"]["results"]["decode-step"]["rows"] for vs in r["variants"].values()
-                 for n in vs}
-        assert len(names) == 12, names  # bench_decode_step.VARIANTS (11) and the old step
-        chosen = steps["decode-step"]["results"]["decode-step"]["chosen_settings"]
-        assert chosen["measured"] is False and "default" in chosen["devices"]
-        assert set(chosen["devices"]["default"]) == {"kernels", "attention", "summary_dtype", "gate_dtype",
-                                                     "select_chunk", "target_programs", "launch", "dense_below"}
-        assert not (chosen["devices"]["default"]["launch"] or {}).get("pdl")  # as run: the interpreter has no PDL
-        # the IF-node branch timing (dense or sparse chosen per replay), at the middle budget
-        branch = [s["branch"] for r in steps["decode-step"]["results"]["decode-step"]["rows"] for s in r["sas"].values()
-                  if "branch" in s]
-        assert branch and all(b["sparse_ms"] > 0 and b["dense_ms"] > 0 for b in branch)
-        assert "IF nodes" in md
-        # the plot needs matplotlib (the `bench` extra; CI installs test,train only)
-        assert (out / "decode-step.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+    checks = steps["preflight"]["results"]["preflight"]["checks"]  # tier 0, the session's first step
+    assert checks["aot"]["ok"] and checks["aot"]["modules"] == 2
+    assert checks["triton"]["ok"] and checks["triton"]["interpreted"]  # the kernel == its reference
+    assert checks["gpu"]["ok"] is None and "dry run" in checks["gpu"]["skipped"]
+    assert "Preflight" in md
+    # One call does it all, in the order of importance, and returns what the device tool takes back.
+    assert list(steps)[:4] == ["preflight", "decode-step", "make-bench-model", "e2e-decode"]
+    assert steps["kernel-tests"]["counts"]["tests collected"] > 100
+    assert steps["server-tests"]["counts"]["tests collected"] >= 5
+    assert "would start sas" in (out / "session-dry.log").read_text()
+    assert "--contexts 32768 --batch" in steps["e2e-decode"]["command"]  # the quick end-to-end point
+    assert len(list(out.iterdir())) <= 8  # the device tool returns at most 8 files
+    # committed records name no folder of the machine they ran on (the first GPU run's did)
+    summary = (out / "session-dry.json").read_text() + md
+    assert str(REPO) not in summary and str(tmp_path) not in summary and "<site>" in summary
+    checks = steps["decode-step"]["results"]["decode-step"]["checks"]
+    assert checks and all(c["ok"] for c in checks)
+    profile = steps["decode-step"]["results"]["decode-step"]["profile"]  # the trace summary comes back
+    assert profile["eager"]["kernels"] > 10 and profile["eager"]["top"] and "Profile of one steady SAS step" in md
+    # the first GPU run timed only the block step (1 in 64): steady and amortized come back too
+    for row in steps["decode-step"]["results"]["decode-step"]["rows"]:
+        for sas in row["sas"].values():
+            assert sas["amortized_ms"] == (63 * sas["steady_ms"] + sas["ms"]) / 64
+            assert sas["speedup"] == row["dense_ms"] / sas["amortized_ms"]
+            assert set(sas["breakdown_ms"]) == {"front", "front_block", "select", "attend"}  # the fused launches
+            assert sas["vs_old"] > 0  # the old step timed beside the new one
+        variants = row["variants"][str(max(map(int, row["sas"])))]
+        assert {"new: fused, triton attend", "old: per-op kernels + flashinfer"} <= set(variants)
+    # the tournament's variants at the middle budget, and the settings table it chose (dry run: unmeasured)
+    names = {n for r in steps["decode-step"]["results"]["decode-step"]["rows"] for vs in r["variants"].values()
+             for n in vs}
+    assert len(names) == 12, names  # bench_decode_step.VARIANTS (11) and the old step
+    chosen = steps["decode-step"]["results"]["decode-step"]["chosen_settings"]
+    assert chosen["measured"] is False and "default" in chosen["devices"]
+    assert set(chosen["devices"]["default"]) == {"kernels", "attention", "summary_dtype", "gate_dtype",
+                                                 "select_chunk", "target_programs", "launch", "dense_below"}
+    assert not (chosen["devices"]["default"]["launch"] or {}).get("pdl")  # as run: the interpreter has no PDL
+    # the IF-node branch timing (dense or sparse chosen per replay), at the middle budget
+    branch = [s["branch"] for r in steps["decode-step"]["results"]["decode-step"]["rows"] for s in r["sas"].values()
+              if "branch" in s]
+    assert branch and all(b["sparse_ms"] > 0 and b["dense_ms"] > 0 for b in branch)
+    assert "IF nodes" in md
+    # the plot needs matplotlib (the `bench` extra; CI installs test,train only)
+    assert (out / "decode-step.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
 def test_session_stops_after_a_failed_preflight_and_skips_what_does_not_fit(fake_site_kit, tmp_path):
