@@ -1,5 +1,5 @@
 """Suite-wide: GPU tests (marker `gpu`) are skipped, with the reason, where CUDA is unavailable; under
-pytest-xdist (tests/run.sh: `-n 3 --dist loadgroup`) tests are grouped so no fixture is built twice."""
+pytest-xdist (tests/run.sh: `-n 2 --dist loadgroup`) tests are grouped so no fixture is built twice."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ def share_cores_between_workers() -> None:
     share of the cores. Unpinned, two workers on 2 cores ran 4+ busy threads (each server's OpenMP pool, the
     sm_90 compile's processes) and the suite went slower than serially (the compile fixture over 13 min
     instead of 3.5); pinned, each worker's work runs as if alone on a smaller machine. With more workers than
-    cores (tests/run.sh runs 3 on a 2-core machine: a server test waits on its server much of the time, and a
-    third worker fills those waits) each worker gets one core, shared round-robin, and one OpenMP thread."""
+    cores (SAS_TEST_WORKERS=3 on 2 cores) each worker gets one core, shared round-robin, and one OpenMP thread."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
     cores = sorted(os.sched_getaffinity(0))
     if not worker or count < 2:

@@ -5,7 +5,7 @@
 #   bash tests/run.sh                 # whole suite, and beside it the newest-SGLang smoke test
 #   bash tests/run.sh -k topk         # extra pytest arguments pass through (to the whole suite)
 #   SAS_SKIP_NEWEST=1 bash tests/run.sh   # without the newest-SGLang smoke test
-#   SAS_TEST_WORKERS=0 bash tests/run.sh  # serially (default: three pytest-xdist workers)
+#   SAS_TEST_WORKERS=0 bash tests/run.sh  # serially (default: two pytest-xdist workers)
 #
 # The whole suite runs on the installer's default SGLang release in ./.venv. A second venv
 # (./.venv-sglang-<newest>) gets the newest release and runs tests/server/test_newest_sglang.py
@@ -73,12 +73,11 @@ fi
 "$py" "$here/serve/prepare_text.py"
 [ -z "$newest_pid" ] || touch "$ready"  # the smoke test may start now
 status=0
-# Three workers (SAS_TEST_WORKERS): one runs the modules that share the package-scoped servers, the
-# others the rest, heaviest first (tests/conftest.py groups them). Each is pinned to one core's share
-# (round-robin when there are fewer cores than workers): a server test waits on its server much of the
-# time, and the third worker fills those waits on a 2-core machine. SAS_TEST_WORKERS=0 runs serially.
-# --no-loadscope-reorder: keep conftest's order (xdist would otherwise put the groups with most tests first).
-workers="${SAS_TEST_WORKERS:-3}"
+# Two workers (SAS_TEST_WORKERS): one runs the modules that share the package-scoped servers, the
+# other the rest, heaviest first (tests/conftest.py groups them); each is pinned to its share of the
+# cores. Three on the 2-core CI machine (one core shared round-robin) ran slower: 2026-12-02, see
+# docs/verification.md. SAS_TEST_WORKERS=0 runs serially.
+workers="${SAS_TEST_WORKERS:-2}"
 xdist=()
 [ "$workers" = 0 ] || xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 "$py" -m pytest "${xdist[@]}" -ra --durations=15 "$@" || status=$?

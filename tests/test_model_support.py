@@ -8,12 +8,8 @@ import types
 import pytest
 import torch
 
-from sas_backend.backend.model_checks import (
-    SASUnsupportedModel,
-    check_model_supported,
-    check_rope_scaling,
-    find_model_rope_table,
-)
+from sas_backend.backend.model_checks import SASUnsupportedModel, check_model_supported
+from sas_backend.backend.rope_tables import check_rope_scaling, find_model_rope_table
 from sas_backend.geometry import ARCHITECTURES, ModelGeometry, gate_rope_table
 from sas_backend.ops.rope import apply_rope, invert_rope, rope_cos_sin_table
 
@@ -82,7 +78,7 @@ SCALINGS = {
 _SGLANG_TABLES = """
 import torch
 from sglang.srt.layers.rotary_embedding import get_rope
-from sas_backend.backend.model_checks import find_model_rotary
+from sas_backend.backend.rope_tables import find_model_rotary
 from sas_backend.backend.rope_tables import RopeTables
 from sas_backend.geometry import ModelGeometry
 out = {}
@@ -236,7 +232,7 @@ def test_pre_rope_recovery_matches_transformers_qwen3(sglang_tables, name):
 
 def test_factory_refuses_a_gate_formula_that_misses_the_model_table(sglang_tables):
     """Startup cross-check: our formula at the model's head dim must reproduce SGLang's table."""
-    from sas_backend.backend.factory import check_gate_rope_formula
+    from sas_backend.backend.rope_tables import check_gate_rope_formula
 
     yarn = sglang_tables["yarn", TINY_D]
     check_gate_rope_formula(yarn, _rope_geo(TINY_THETA, SCALINGS["yarn"]))

@@ -7,13 +7,8 @@ import os
 
 import torch
 
-from sas_backend.backend.model_checks import (
-    SASUnsupportedModel,
-    check_model_supported,
-    check_rope_scaling,
-    find_model_rotary,
-)
-from sas_backend.backend.rope_tables import RopeTables
+from sas_backend.backend.model_checks import SASUnsupportedModel, check_model_supported
+from sas_backend.backend.rope_tables import RopeTables, check_gate_rope_formula, check_rope_scaling, find_model_rotary
 from sas_backend.backend.sas_attention import SASAttnBackend
 from sas_backend.backend.sglang_compat import attention_cp_size, attention_tp, decode_cuda_graph_disabled
 from sas_backend.backend.verify_rows import draft_tokens_from_args
@@ -21,29 +16,9 @@ from sas_backend.config import SASConfig, SASConfigError
 from sas_backend.gate.checkpoint import shard_for_tp, validate_for_geometry
 from sas_backend.gate.gate_file import open_gate
 from sas_backend.gate.module import gates_from_tensors
-from sas_backend.geometry import ModelGeometry, gate_rope_table
+from sas_backend.geometry import ModelGeometry
 
 logger = logging.getLogger(__name__)
-
-
-def check_gate_rope_formula(model_table: torch.Tensor, geometry: ModelGeometry, max_rows: int = 32768) -> None:
-    """Refuse to serve when our RoPE formula (the one that builds the gate's table) does not
-    reproduce the model's own table at the model's head dim: then the gate's table would not be
-    "the model's rotary formula" either (e.g. a scaling key SGLang reads and we do not).
-
-    model_table: `[max_pos, D]` the model's current cos|sin; geometry: the served model's (its
-    RoPE theta and scaling). Compares the first `max_rows` positions (a formula error shows there;
-    far positions only add fp32 angle rounding); the tolerance admits a bf16-stored table.
-    """
-    rows = min(int(model_table.shape[0]), max_rows)
-    ours = gate_rope_table(model_table.shape[-1], geometry, rows, device=model_table.device)
-    err = (ours - model_table[:rows].float()).abs().max().item()
-    if err > 2e-2:
-        raise SASUnsupportedModel(
-            f"sas: the gate's RoPE formula does not reproduce the model's RoPE table (max |diff| "
-            f"{err:.3g} over {rows} positions; theta {geometry.rope_theta}, scaling "
-            f"{geometry.rope_scaling}); refusing rather than serving a gate rotated differently from its model"
-        )
 
 
 def create_sas_backend(runner) -> SASAttnBackend:

@@ -1,4 +1,6 @@
-"""The two RoPE tables the sas backend reads, kept in step with the served model's rotary module.
+"""Everything the sas backend knows about the served model's RoPE: the checks at startup (`check_rope_scaling`,
+`find_model_rotary`, `check_gate_rope_formula`) and the two tables it reads, kept in step with the model's rotary
+module (`RopeTables`; `FixedRopeTables` without a model).
 
 The backend undoes the model's RoPE with the model's own table (`model`) and rotates the gate's
 query and block summaries with the gate's table (`gate`). The model's table is SGLang's
@@ -23,7 +25,75 @@ from typing import Optional
 
 import torch
 
+from sas_backend.backend.model_checks import SASUnsupportedModel
 from sas_backend.geometry import ModelGeometry, gate_rope_table
+from sas_backend.ops.rope import SUPPORTED_ROPE_SCALINGS, rope_scaling_type
+
+
+def check_rope_scaling(scaling) -> None:
+    """Refuse a RoPE scaling the gate's table cannot reproduce (see `ops.rope.SUPPORTED_ROPE_SCALINGS`).
+
+    scaling: the model's HF `rope_scaling` dict (`ModelGeometry.rope_scaling`), None for plain RoPE.
+    """
+    kind = rope_scaling_type(scaling)
+    if kind not in SUPPORTED_ROPE_SCALINGS:
+        raise SASUnsupportedModel(
+            f"sas: the model uses RoPE scaling {kind!r}; the gate's RoPE supports "
+            + ", ".join(SUPPORTED_ROPE_SCALINGS)
+        )
+    if isinstance(scaling, dict) and "mrope_section" in scaling:
+        raise SASUnsupportedModel("sas: multimodal RoPE (mrope_section) is not supported")
+
+
+def find_model_rotary(model: torch.nn.Module, head_dim: int) -> torch.nn.Module:
+    """The served model's rotary module (SGLang's `RotaryEmbedding` or a subclass).
+
+    Its `cos_sin_cache` `[max_pos, head_dim]` (cos|sin, YaRN's mscale included) is the table the
+    backend undoes the model's RoPE with; all layers of Llama/Qwen share one module (SGLang's
+    `get_rope` caches it). Partial rotary and non-neox layouts are refused: the inverse rotation
+    would not be exact.
+    """
+    for module in model.modules():
+        table = getattr(module, "cos_sin_cache", None)
+        if isinstance(table, torch.Tensor) and table.dim() == 2:
+            if getattr(module, "is_neox_style", True) is not True:
+                raise SASUnsupportedModel("sas: the model's RoPE is not neox-style (rotate-half)")
+            if table.shape[-1] != head_dim:
+                raise SASUnsupportedModel(
+                    f"sas: the model rotates {table.shape[-1]} of {head_dim} head dims (partial "
+                    "rotary); sas needs full-dim RoPE"
+                )
+            return module
+    raise SASUnsupportedModel("sas: could not find the model's RoPE table (cos_sin_cache)")
+
+
+def find_model_rope_table(model: torch.nn.Module, head_dim: int) -> torch.Tensor:
+    """The served model's current RoPE table `[max_pos, head_dim]` (cos|sin), as stored by SGLang.
+
+    A snapshot: SGLang may replace the table later; the backend reads it through
+    `backend.rope_tables.RopeTables`, which follows that.
+    """
+    return find_model_rotary(model, head_dim).cos_sin_cache
+
+
+def check_gate_rope_formula(model_table: torch.Tensor, geometry: ModelGeometry, max_rows: int = 32768) -> None:
+    """Refuse to serve when our RoPE formula (the one that builds the gate's table) does not
+    reproduce the model's own table at the model's head dim: then the gate's table would not be
+    "the model's rotary formula" either (e.g. a scaling key SGLang reads and we do not).
+
+    model_table: `[max_pos, D]` the model's current cos|sin; geometry: the served model's (its
+    RoPE theta and scaling). Compares the first `max_rows` positions (a formula error shows there;
+    far positions only add fp32 angle rounding); the tolerance admits a bf16-stored table.
+    """
+    rows = min(int(model_table.shape[0]), max_rows)
+    ours = gate_rope_table(model_table.shape[-1], geometry, rows, device=model_table.device)
+    err = (ours - model_table[:rows].float()).abs().max().item()
+    if err > 2e-2:
+        raise SASUnsupportedModel(
+            f"sas: the gate's RoPE formula does not reproduce the model's RoPE table (max |diff| "
+            f"{err:.3g} over {rows} positions; theta {geometry.rope_theta}, scaling "
+            f"{geometry.rope_scaling}); refusing rather than serving a gate rotated differently from its model"
+        )
 
 
 class RopeTables:
@@ -48,7 +118,7 @@ class RopeTables:
         geometry: ModelGeometry,
         device,
     ):
-        """rotary: the served model's rotary module (`model_checks.find_model_rotary`); geometry:
+        """rotary: the served model's rotary module (`find_model_rotary`); geometry:
         the served model's, for the gate table's theta and scaling."""
         self.rotary = rotary
         self.gate_dim = int(gate_dim)

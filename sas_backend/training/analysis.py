@@ -134,7 +134,7 @@ def main(argv: Optional[list] = None) -> int:
     from sas_backend.gate.gate_file import weights_sha256
     from sas_backend.hf.sparse_eval import SparseEvalSpec, prompt_anchors
     from sas_backend.training.data import DEFAULT_HELDOUT_FRACTION, load_packed
-    from sas_backend.training.train import progress_bar
+    from sas_backend.training.loop import progress_bar
 
     b = args.block_size
     if args.last < 1 or args.window <= args.last:

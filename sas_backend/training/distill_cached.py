@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
-import os
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-STATE_FILE = "train_state.pt"
-LOG_FILE = "train_log.jsonl"
+from sas_backend.training.loop import STATE_FILE, GateLoop, batch_rows, progress_bar
+
 # Arguments a resumed run must share with the run that wrote the state.
 _RESUME_KEYS = ("model", "cache", "budget", "sink_blocks", "local_blocks", "steps", "rows_per_step", "lr",
                 "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "init_gate", "gate_dim", "coverage_weight",
@@ -239,7 +236,7 @@ def main(argv: Optional[list] = None) -> int:
     from sas_backend.provenance import portable_argv, portable_path
     from sas_backend.training.features import FeatureCacheError, LazyRows, load_feature_cache
     from sas_backend.training.scoring import check_forced
-    from sas_backend.training.train import batch_rows, load_init_gate, load_state, lr_schedule, progress_bar
+    from sas_backend.training.train import load_init_gate
 
     bad = [f"--{n.replace('_', '-')} must be >= 1" for n in ("steps", "rows_per_step", "budget", "eval_every")
            if getattr(args, n) < 1]
@@ -298,23 +295,9 @@ def main(argv: Optional[list] = None) -> int:
         g.requires_grad_(True)
     gate_table = gate_rope_table(gate_config.gate_dim, geometry, spec.seq_len)
     params = [p for g in trained.values() for p in g.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    scheduler = lr_schedule(optimizer, args.warmup, args.steps, args.min_lr_ratio)
-
-    os.makedirs(args.out, exist_ok=True)
-    state_path = os.path.join(args.out, STATE_FILE)
-    log_path = os.path.join(args.out, LOG_FILE)
-    start, losses, val_log = 0, [], []
-    if args.resume:
-        state = load_state(state_path, args, keys=_RESUME_KEYS, defaults=_RESUME_DEFAULTS)
-        for i, g in gates.items():
-            g.load_state_dict(state["gates"][i])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start, losses, val_log = int(state["step"]), list(state["losses"]), list(state["val"])
-    elif os.path.exists(log_path):
-        os.unlink(log_path)
-    end = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
+    loop = GateLoop(args, gates, params, resume_keys=_RESUME_KEYS, resume_defaults=_RESUME_DEFAULTS)
+    start, end, losses = loop.start, loop.end, loop.losses
+    val_log = list(loop.saved.get("val", []))
 
     oracle_cov = None  # the held-out rows' oracle coverage {budget: value}, measured at start (gate-independent)
 
@@ -375,11 +358,7 @@ def main(argv: Optional[list] = None) -> int:
         }
 
     def save(step: int, elapsed: float) -> None:
-        state = {"step": step, "gates": {i: g.state_dict() for i, g in gates.items()},
-                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "args": {k: getattr(args, k) for k in _RESUME_KEYS}, "losses": losses, "val": val_log}
-        torch.save(state, state_path + ".tmp")
-        os.replace(state_path + ".tmp", state_path)
+        loop.save_state(step, {"val": val_log})
         save_gate_checkpoint(args.out, dataclasses.replace(gate_config, training=record(step, elapsed)), gates,
                              dtype=torch.float32)
 
@@ -403,22 +382,15 @@ def main(argv: Optional[list] = None) -> int:
         idx = batch_rows(step, 0, 0, world=1, batch=args.rows_per_step, accum=1, n_rows=len(rows), seed=args.seed)
         loss = mean_loss(trained, [rows[i] for i in idx.tolist()], spec, gate_table, top_k, args.sink_blocks,
                          args.local_blocks, coverage=coverage)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else math.inf)
-        lr_used = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss)
+        lr_used, grad_norm = loop.step()
         done = step + 1
-        rec = {"step": done, "loss": loss, "lr": lr_used, "grad_norm": float(grad_norm),
-               "seconds": round(time.time() - t0, 3)}
+        seconds = time.time() - t0
+        extra = {}
         if done % args.eval_every == 0 or done == args.steps:
             kl = held_out(done)
             if kl is not None:
-                rec["heldout_kl"] = kl
-                rec["heldout_coverage"] = val_log[-1]["coverage"]
-        with open(log_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
+                extra = {"heldout_kl": kl, "heldout_coverage": val_log[-1]["coverage"]}
+        rec = loop.record(step, loss, lr_used, grad_norm, seconds, **extra)
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", **({"val": f"{rec['heldout_kl']:.4f}"} if "heldout_kl" in rec else {}),
                             refresh=False)
@@ -427,7 +399,7 @@ def main(argv: Optional[list] = None) -> int:
             print(f"[distill_cached] step {done}/{args.steps} loss {loss:.4f}"
                   + (f" held-out KL {rec['heldout_kl']:.4f}, {_coverage_text(val_log[-1])}" if "heldout_kl" in rec
                      else ""), flush=True)
-        if (args.save_every and done % args.save_every == 0) or done == end:
+        if loop.should_save(done):
             save(done, time.time() - t_start)
     if bar is not None:
         bar.close()

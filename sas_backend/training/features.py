@@ -366,7 +366,7 @@ def main(argv: Optional[list] = None) -> int:
     t0 = time.time()
     bar = None
     if not args.no_progress:
-        from sas_backend.training.train import progress_bar
+        from sas_backend.training.loop import progress_bar
 
         bar = progress_bar(int(rows.shape[0]), "features")
 

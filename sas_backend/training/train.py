@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import shlex
 import sys
@@ -39,9 +38,8 @@ from typing import Optional
 import torch
 
 from sas_backend.geometry import supported_families
+from sas_backend.training.loop import STATE_FILE, GateLoop, batch_rows, progress_bar
 
-STATE_FILE = "train_state.pt"
-LOG_FILE = "train_log.jsonl"
 # Arguments a resumed run must share with the run that wrote the state.
 _RESUME_KEYS = ("model", "seq_len", "block_size", "budget", "objective", "scope", "distill_target", "gate_dim",
                 "steps", "seed",
@@ -160,46 +158,6 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-# ---- schedule and data order ----------------------------------------------------------------
-
-
-def lr_schedule(optimizer, warmup: int, total: int, min_ratio: float):
-    """transformers' warmup + cosine schedule (the min-lr variant of `get_cosine_schedule_with_warmup`,
-    for `--min-lr-ratio`): lr * s / warmup for 0-based steps s < warmup, then cosine from lr down to
-    lr * min_ratio at the last step. Its cosine reaches the floor at `num_training_steps`, so that is
-    `total - 1`, the last step."""
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
-    return get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, num_warmup_steps=warmup, num_training_steps=max(total - 1, warmup), min_lr_rate=min_ratio
-    )
-
-
-def progress_bar(total: int, desc: str, initial: int = 0, enabled: bool = True):
-    """A tqdm bar on stderr (ETA; callers add the loss as postfix), or None when not `enabled`.
-    Off a terminal (a log file, CI) it redraws at most every 30 s instead of 10 times a second."""
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    tty = sys.stderr.isatty()
-    return tqdm(total=total, initial=initial, desc=desc, file=sys.stderr, dynamic_ncols=tty,
-                mininterval=0.1 if tty else 30.0)
-
-
-def batch_rows(step: int, micro: int, rank: int, *, world: int, batch: int, accum: int, n_rows: int,
-               seed: int) -> torch.Tensor:
-    """Row indices `[batch]` of one micro-batch: sample g = ((step*accum + micro)*world + rank)*batch + j
-    of an endless stream of seeded epoch permutations (so resuming needs no data cursor)."""
-    first = ((step * accum + micro) * world + rank) * batch
-    out = []
-    for g in range(first, first + batch):
-        epoch, i = divmod(g, n_rows)
-        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        out.append(int(perm[i]))
-    return torch.tensor(out, dtype=torch.int64)
-
-
 # ---- checkpoints ----------------------------------------------------------------------------
 
 
@@ -208,40 +166,6 @@ def command_line(argv) -> str:
     from sas_backend.provenance import portable_argv
 
     return "python -m sas_backend.training.train " + shlex.join(portable_argv(argv))
-
-
-def _resume_view(args, keys=_RESUME_KEYS) -> dict:
-    return {k: getattr(args, k) for k in keys}
-
-
-def save_state(path: str, step: int, model, optimizer, scheduler, args, losses) -> None:
-    from sas_backend.training.model import gates_of
-
-    state = {
-        "step": step,
-        "gates": {i: {k: v.detach().cpu() for k, v in g.state_dict().items()} for i, g in gates_of(model).items()},
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "args": _resume_view(args),
-        "losses": list(losses),
-    }
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def load_state(path: str, args, keys=_RESUME_KEYS, defaults=_RESUME_DEFAULTS) -> dict:
-    """The state a run saved at `path`; SystemExit if there is none or if any of `keys` differs from
-    `args` (a key a state lacks takes its value from `defaults`). Also used by `distill_cached`."""
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: --resume: no {path} (nothing to resume; drop --resume to start fresh)")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    now = _resume_view(args, keys)
-    saved = {**defaults, **state.get("args", {})}
-    diff = [f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in keys if saved.get(k) != now[k]]
-    if diff:
-        raise SystemExit("error: --resume with different settings than the saved run: " + "; ".join(diff))
-    return state
 
 
 def training_record(args, argv, data, rows_used, spec, kernel, step, losses, world, elapsed) -> dict:
@@ -413,23 +337,9 @@ def main(argv: Optional[list] = None) -> int:
 
         # gradients exist only for the gate parameters, so only they are all-reduced
         runner = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    scheduler = lr_schedule(optimizer, args.warmup, args.steps, args.min_lr_ratio)
-
-    os.makedirs(args.out, exist_ok=True)
-    state_path = os.path.join(args.out, STATE_FILE)
-    log_path = os.path.join(args.out, LOG_FILE)
-    start, losses = 0, []
-    if args.resume:
-        state = load_state(state_path, args)
-        for i, g in gates_of(model).items():
-            g.load_state_dict(state["gates"][i])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start, losses = int(state["step"]), list(state["losses"])
-    elif rank == 0 and os.path.exists(log_path):
-        os.unlink(log_path)
-    end = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
+    loop = GateLoop(args, gates_of(model), params, resume_keys=_RESUME_KEYS, resume_defaults=_RESUME_DEFAULTS,
+                    is_main=rank == 0)
+    start, end, losses = loop.start, loop.end, loop.losses
 
     if rank == 0:
         print(f"[train] {data.record()['rows']} rows x {args.seq_len} tokens ({data.tokens} tokens, "
@@ -457,20 +367,11 @@ def main(argv: Optional[list] = None) -> int:
                     loss = objective_loss(model, ids, runner) / args.grad_accum
                 loss.backward()
             total += float(loss.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf"))
-        lr_used = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        lr_used, grad_norm = loop.step()
         loss_val = _all_mean(total, world, device)
-        losses.append(loss_val)
         dt = time.time() - t0
+        rec = loop.record(step, loss_val, lr_used, grad_norm, dt, tokens_per_s=round(tokens_per_step / dt, 1))
         if rank == 0:
-            rec = {"step": step + 1, "loss": loss_val, "lr": lr_used,
-                   "grad_norm": float(grad_norm), "seconds": round(dt, 3),
-                   "tokens_per_s": round(tokens_per_step / dt, 1)}
-            with open(log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
             if bar is not None:  # refresh=False: update() redraws, at the bar's own pace
                 bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{tokens_per_step / dt:.0f}",
                                 lr=f"{rec['lr']:.2e}", refresh=False)
@@ -479,8 +380,8 @@ def main(argv: Optional[list] = None) -> int:
                 print(f"[train] step {step + 1}/{args.steps} loss {loss_val:.4f} "
                       f"{tokens_per_step / dt:.0f} tok/s", flush=True)
         done = step + 1
-        if rank == 0 and ((args.save_every and done % args.save_every == 0) or done == end):
-            save_state(state_path, done, model, optimizer, scheduler, args, losses)
+        if loop.should_save(done):
+            loop.save_state(done)
             rec = training_record(args, argv, data, int(rows.shape[0]), spec, kernel, done, losses, world,
                                   time.time() - t_start)
             write_checkpoint(args.out, gate_config, model, rec)

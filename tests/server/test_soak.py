@@ -1,9 +1,9 @@
 """The soak (`python -m sas_backend.soak`) at CI size: the same code as the committed 1000-request run
-(bench/results/2026-11-26-soak), with 20 requests over half a minute (the arrival rate of 40 over one minute,
-which ran until 2026-12-01: half the CI minutes), a 1280-token context limit, a 2560-token KV pool (room for two
-requests at the limit: the queue fills) and a 512-token budget (prompts past 8 blocks decode sparsely). Seed 0's
-20 requests hold 1 over-limit request, 3 client aborts and 3 shared-prefix prompts (tests/test_soak_parts.py
-checks the workload's own rules)."""
+(bench/results/2026-11-26-soak), with 40 requests over one minute, a 1280-token context limit, a 2560-token
+KV pool (room for two requests at the limit: the queue fills) and a 512-token budget (prompts past 8 blocks
+decode sparsely). Measured on 2026-11-27: 1 over-limit request rejected, 3 client aborts, 3 shared-prefix
+prompts, 2 retractions, a queue of 5 (20 requests over 30 s, tried on 2026-12-02, had no rejected request;
+tests/test_soak_parts.py checks the workload's own rules)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ POOL = 2560  # KV tokens
 
 def test_soak_small(tmp_path):
     out = tmp_path / "soak"
-    rc = main(["--requests", "20", "--duration-min", "0.5", "--context-len", "1280", "--max-total-tokens", str(POOL),
+    rc = main(["--requests", "40", "--duration-min", "1", "--context-len", "1280", "--max-total-tokens", str(POOL),
                "--max-new-tokens", "64", "--budget", "512", "--out", str(out)])
     report = json.loads((out / "soak.json").read_text())
     assert rc == 0, report["failures"]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from sas_backend.training.train import lr_schedule, progress_bar
+from sas_backend.training.loop import lr_schedule, progress_bar
 
 
 def _lrs(steps: int, warmup: int, min_ratio: float) -> list:
