@@ -266,8 +266,8 @@ def test_factory_shards_the_gate_by_attention_tp_rank(clean_env, gate, monkeypat
     built = {}
 
     def fake_backend(runner, inner, cfg, gates, rope_tables, **kw):
-        built.update(gates=gates, rope_tables=rope_tables, **kw)
-        return types.SimpleNamespace()
+        built.update(gates=gates, rope_tables=rope_tables, returned=types.SimpleNamespace(), **kw)
+        return built["returned"]
 
     monkeypatch.setattr(factory, "SASAttnBackend", fake_backend)
     monkeypatch.setitem(attention_registry.ATTENTION_BACKENDS, "torch_native", lambda runner: object())
@@ -290,7 +290,8 @@ def test_factory_shards_the_gate_by_attention_tp_rank(clean_env, gate, monkeypat
     # The live tables: the model's current table (upcast) and the gate's own.
     tables = built["rope_tables"]
     assert tables.rotary is model.rotary_emb and tables.model.dtype == torch.float32
-    assert tables.gate.shape == (8192, 128) and isinstance(backend, types.SimpleNamespace)
+    assert tables.gate.shape == (8192, 128)
+    assert backend is built["returned"] and not vars(backend)  # returned as constructed: nothing set afterwards
 
 
 @pytest.mark.parametrize(
