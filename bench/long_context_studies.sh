@@ -74,7 +74,7 @@ for step in $STEPS; do
         needle-16k) needle 16384 qwen-16k ;;
         # one prefill chunk per prompt: SGLang's torch_native extend (the dense server) pads every chunk's
         # queries to the whole prefix, so 8 chunks of 4096 (CPU default) pay sum_k (4096k)^2, 3.2x the
-        # attention of one chunk (sas_backend/ops/extend/cpu.py); measured ~28 min for one 32K prompt in
+        # attention of one chunk (sas_backend/ops/extend/torch_path.py); measured ~28 min for one 32K prompt in
         # chunks. Same math, different rounding. SGLang sizes its default --mem-fraction-static by the chunk
         # (GPU activations) and goes negative for a 32K chunk: 0.5 of ~20 GB holds 2.3 GB of weights + 0.8 of KV.
         needle-32k) needle 32000 qwen-32k --server-arg=--chunked-prefill-size --server-arg=32768 \

@@ -59,7 +59,7 @@ def ask(url: str, prompt: str) -> str:
             "temperature": 0.0}
     # A dense 32K prompt through SGLang's CPU extend took ~28 min on the quiet 2-core machine in 4096-token
     # chunks (8-11 min in one chunk), and longer when the machine is shared (the 32K study's first request
-    # timed out at 1800 s beside a test run); the server's own watchdog (server_harness.CPU_WATCHDOG_S)
+    # timed out at 1800 s beside a test run); the server's own watchdog (sas_backend.testing.server.CPU_WATCHDOG_S)
     # still ends a hung forward.
     r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S)
     r.raise_for_status()

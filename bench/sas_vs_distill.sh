@@ -50,11 +50,12 @@ timed() {  # name cmd...: run, record its seconds in OUT/timings.tsv
 }
 
 train_arm() {  # name objective-args...
-  local name="$1"
+  local name="$1" resume=()
   shift
+  [ -f "$out/$name/train_state.pt" ] && resume=(--resume)  # a stopped arm continues from its last save
   "$py" -m sas_backend.training.train --model "$model" --data $data --out "$out/$name" --init-gate "$init" \
     --seq-len "$seq" --train-last "$train_last" --budget "$budget" --steps "$n_steps" --lr "$lr" \
-    --warmup "$warmup" --batch-size 1 --seed 0 --save-every 5 --resume --no-progress "$@"
+    --warmup "$warmup" --batch-size 1 --seed 0 --save-every 5 "${resume[@]}" --no-progress "$@"
 }
 
 gates_args() {  # --gate NAME=DIR for the starting gate and every finished arm

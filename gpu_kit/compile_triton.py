@@ -31,7 +31,9 @@ reported, not failed: see TRAINING_SPILLS_FAIL.
 outside one geometry (CI_FP32_TRAINING): fp32 there means IEEE fp32 dots that spill tens of KB
 per thread, and ptxas then takes 20-40 CPU s per variant (about 10 CPU minutes per version); and
 less the fp16 training kernels (the bf16 ones compile the same code with the other 16-bit type; the
-full grid compiles both: bench/results/2026-11-25-triton-sm90), a minute of CI wall time.
+full grid compiles both: bench/results/2026-11-25-triton-sm90), a minute of CI wall time; and less
+the products whose every axis value it still compiles (Top-K's K x width, the summary update's geometry x
+dtype, the fused step's sweep; `cases` says which), about 40 more CPU s.
 
 A version other than "installed" is pip-installed (--no-deps --target) into build/triton-<v>/
 (git-ignored) on first use and put first on PYTHONPATH of a subprocess that runs this same file.
@@ -102,6 +104,7 @@ RUNTIME_KEYS = dict(gate_query=("bs", "h_kv"), summarize_pages=("h_kv", "n"), su
 # The one fp32 training geometry of the CI grid: the cheapest (about 20 CPU s for its 4 kernels).
 CI_FP32_TRAINING = dict(d=64, g=1)
 CI_HALF_TRAINING = ("bf16",)  # the 16-bit training dtype of the CI grid
+CI_TOPK_WIDTHS = (65, 2047)  # the widths at which the CI grid compiles Top-K for every K (the full: all WIDTHS)
 
 
 def product(**axes) -> list[dict]:
@@ -112,8 +115,9 @@ def product(**axes) -> list[dict]:
 
 def cases(grid: str = "full") -> dict[str, list[dict]]:
     """{op: [params]}: the geometry sweep (at BASE's runtime ints) plus the specialization sweep.
-    grid "ci" is "full" less fp32 training outside CI_FP32_TRAINING and 16-bit training other than
-    CI_HALF_TRAINING."""
+    grid "ci" is "full" less fp32 training outside CI_FP32_TRAINING, 16-bit training other than
+    CI_HALF_TRAINING, Top-K's K x width product (every width at the spec K, every K at CI_TOPK_WIDTHS), the
+    summary update's geometry x dtype product, and the fused step's sweep (its spec-geometry variants)."""
     spec = product(bs=SPEC_BATCH, h_kv=SPEC_KV_HEADS)
     width_spec = product(bs=SPEC_BATCH, h_kv=SPEC_KV_HEADS, m=SPEC_WIDTHS)
     sg = SPEC_GEOMETRY
@@ -126,14 +130,19 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
         "summarize_pages": product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=DTYPES)
         + [dict(d=sg["d"], dg=sg["dg"], dtype=sg["dtype"], **s)
            for s in product(h_kv=SPEC_KV_HEADS, n=SPEC_PAGES)],
-        "summary_update": product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=DTYPES, summaries=("fp32", "bf16"))
+        # The CI grid: every (d, dg) in bf16 and every dtype at the spec geometry, not their product.
+        "summary_update": (product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=DTYPES, summaries=("fp32", "bf16")) if full else
+                           product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=("bf16",), summaries=("fp32",))
+                           + product(d=(sg["d"],), dg=(sg["dg"],), dtype=DTYPES, summaries=("fp32", "bf16")))
         + [dict(d=sg["d"], dg=sg["dg"], dtype=sg["dtype"], summaries="fp32", **s) for s in width_spec],
         # The serving path scores an fp32 gate query against fp32 summaries; the launcher also
         # takes other float dtypes, compiled at the base width.
         "score": product(dg=GATE_DIMS, m=WIDTHS, gate_q=("fp32",), summaries=("fp32",))
         + product(dg=GATE_DIMS, gate_q=DTYPES, summaries=("fp32", "bf16"))
         + [dict(dg=sg["dg"], gate_q="fp32", summaries="fp32", **s) for s in width_spec],
-        "topk": product(k=ks, m=WIDTHS)
+        # The CI grid: every width at the spec K, every K at CI_TOPK_WIDTHS (one chunk and two-phase), not the product.
+        "topk": (product(k=ks, m=WIDTHS) if full else
+                 product(k=(sg["k"],), m=WIDTHS) + product(k=[k for k in ks if k != sg["k"]], m=CI_TOPK_WIDTHS))
         + [dict(k=sg["k"], sink=f[0], local=f[1], **s) for s in width_spec for f in SPEC_FORCED],
         "gather": product(k=ks, m=WIDTHS) + [dict(k=sg["k"], **s) for s in width_spec],
         # The fused decode step (ops/decode_step): every group and dim in bf16, the dtypes at the spec geometry.

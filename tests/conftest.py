@@ -44,8 +44,6 @@ HEAVY_MODULES = (
     "tests/test_triton_sm90_compile.py",
     "tests/server/test_soak.py",
     "tests/test_gate_generalization_script.py",
-    "tests/server/test_training_free_selectors.py",
-    "tests/server/test_limits.py",
     "tests/server/test_prompt_anchors.py",
     "tests/test_gpu_kit.py",
 )

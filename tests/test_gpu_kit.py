@@ -209,13 +209,15 @@ def test_session_holds_every_tier_step():
 
 def test_session_dry_run(fake_site_kit, tmp_path):
     """The session's dry run, which holds every step of tiers 0-2 (test_session_holds_every_tier_step): tier 0's
-    own dry run ran the same preflight again (half a minute of CI)."""
+    own dry run ran the same preflight again (half a minute of CI). With an hour's --budget-min: at the GPU's
+    9.3 minutes a CPU loaded by the rest of the suite may run the interpreted rehearsal past a step's share, and a
+    step killed or skipped for time (the budget's own rules, tested below) is not what this test is about."""
     tier = "session"
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "gpu_kit/run.py", tier, "--dry-run", "--kit", str(fake_site_kit), "--site",
          str(tmp_path / "site"), "--work", str(tmp_path / "work"), "--out", str(out), "--aot-record",
-         str(fake_site_kit / "aot-record.json")],
+         str(fake_site_kit / "aot-record.json"), "--budget-min", "60"],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rec = json.loads((out / f"{tier}-dry.json").read_text())
@@ -242,7 +244,10 @@ def test_session_dry_run(fake_site_kit, tmp_path):
     assert len(list(out.iterdir())) <= 8  # the device tool returns at most 8 files
     # committed records name no folder of the machine they ran on (the first GPU run's did)
     summary = (out / "session-dry.json").read_text() + md
-    assert str(REPO) not in summary and str(tmp_path) not in summary and "<site>" in summary
+    for path in (str(REPO), str(tmp_path)):
+        at = summary.find(path)
+        assert at < 0, f"a machine path in the summary: ...{summary[max(0, at - 300):at + 200]}..."
+    assert "<site>" in summary
     checks = steps["decode-step"]["results"]["decode-step"]["checks"]
     assert checks and all(c["ok"] for c in checks)
     profile = steps["decode-step"]["results"]["decode-step"]["profile"]  # the trace summary comes back

@@ -56,6 +56,14 @@ def portable_log(text: str) -> str:
     return text.replace(f"{repo}/", "") if repo is not None else text
 
 
+def soak_workload(args: argparse.Namespace, ids: list) -> tuple:
+    """(WorkloadSpec, [SoakRequest]) of parsed arguments over the text's token ids `ids` (text_ids): the
+    requests cut from all but the probes' tail."""
+    spec = WorkloadSpec(requests=args.requests, duration_s=args.duration_min * 60, context_len=args.context_len,
+                        max_new_tokens=args.max_new_tokens, seed=args.seed)
+    return spec, make_workload(spec, ids[: len(ids) - sum(PROBE_LENGTHS)])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sas_backend.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(default_model_dir()))
@@ -95,8 +103,7 @@ def main(argv=None) -> int:
         repo = source_checkout()
         gate = str((repo or pathlib.Path(".")) / "gate_checkpoints" / "smollm2-135m-instruct-sas")
     ids = text_ids(args.model)
-    spec = WorkloadSpec(requests=args.requests, duration_s=args.duration_min * 60, context_len=args.context_len,
-                        max_new_tokens=args.max_new_tokens, seed=args.seed)
+    spec, workload = soak_workload(args, ids)
     baseline = None  # checked before the server starts: a wrong file loses no run
     if args.rss_baseline:
         base = json.loads(pathlib.Path(args.rss_baseline).read_text())
@@ -104,7 +111,6 @@ def main(argv=None) -> int:
             raise SystemExit(f"error: {args.rss_baseline} ran another workload ({base.get('spec')})")
         baseline = {"file": args.rss_baseline, "backend": base.get("backend"),
                     "growth_after_warmup": base["rss_bytes"]["growth_after_warmup"]}
-    workload = make_workload(spec, ids[: len(ids) - sum(PROBE_LENGTHS)])
     probes = probe_prompts(ids, args.context_len)
     sas_args = (["--sas-gate", gate, "--sas-budget", str(args.budget)] if args.backend == "sas"
                 else ["--page-size", "64"])

@@ -215,7 +215,7 @@ def scan_log(text: str) -> dict:
 # -------------------------------------------------------------------------------------- soak
 def soak(server, workload: Sequence[SoakRequest], probes: Sequence[List[int]], probe_tokens: int = 16,
          progress=None) -> dict:
-    """Run the whole soak against `server` (a `server_harness.Server`); the report."""
+    """Run the whole soak against `server` (a `sas_backend.testing.server.Server`); the report."""
     url = server.url
     report: dict = {}
     before = run_probes(url, probes, probe_tokens)

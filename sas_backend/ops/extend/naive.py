@@ -1,6 +1,6 @@
 """Extend attention, the plain statement: new queries against a request's whole prefix + themselves.
 
-The reference the fast path (`cpu.py`) is tested against: one explicit softmax(q k^T * scale) v per
+The reference the fast path (`torch_path.py`) is tested against: one explicit softmax(q k^T * scale) v per
 request in fp32, with the causal rule written out (query i of an extend that starts at position
 `prefix_len` sees keys 0 .. prefix_len + i).
 """
