@@ -391,6 +391,16 @@ def portable(text: str, site: pathlib.Path, work: pathlib.Path, out: pathlib.Pat
     return text
 
 
+def write_summaries(rec: dict, stem: pathlib.Path, site: pathlib.Path, work: pathlib.Path) -> None:
+    """stem.json and stem.md of a run's record, with its folders as placeholders (`portable`). Placeholders
+    first, then the Markdown: it shortens long commands, and a path cut short would not be replaced (a
+    machine path reached the committed summary that way, depending on how long the folder's name was)."""
+    out = stem.parent
+    shown = json.loads(portable(json.dumps(rec), site, work, out))
+    kit.write_json(stem.with_suffix(".json"), shown)
+    stem.with_suffix(".md").write_text(portable(summary_markdown(shown), site, work, out))
+
+
 def default_kit(tier: str) -> pathlib.Path:
     """The kit directory a tier carries when --kit is not given (gpu_kit/README.md): `.whl/site`
     for tiers 0 and 2, `.whl/fi` for tier 1 (else `.whl/site`, which holds FlashInfer too), else a
@@ -437,8 +447,7 @@ def main(argv=None) -> int:
 
     def save():
         rec["wall_s"] = round(time.time() - t_start, 1)
-        kit.write_json(out / f"{tag}.json", json.loads(portable(json.dumps(rec), site, work, out)))
-        (out / f"{tag}.md").write_text(portable(summary_markdown(rec), site, work, out))
+        write_summaries(rec, out / tag, site, work)
 
     log = open(out / f"{tag}.log", "w")
     print(f"[gpu] {args.tier} ({rec['mode']}): site {site}, work {work}, results {out}", flush=True)

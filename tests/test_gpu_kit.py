@@ -279,6 +279,21 @@ def test_session_dry_run(fake_site_kit, tmp_path):
     assert (out / "decode-step.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
+def test_summaries_name_no_machine_folder_even_in_shortened_commands(tmp_path):
+    """The Markdown table shortens each command to 90 characters; a folder cut short there must still be a
+    placeholder (placeholders are put in before the table is drawn: the flake of 2026-12-02)."""
+    site = tmp_path / ("s" * 60) / "site"
+    from sas_backend.testing import report
+
+    rec = {"tier": "session", "mode": "dry run", "environment": report.environment(), "steps": [
+        {"name": "preflight", "rc": 0, "seconds": 1.0, "expected_minutes": 1,
+         "command": f"python3 gpu_kit/preflight.py --site {site} --work {tmp_path}/w"}]}  # cut within {site}
+    gpu_run.write_summaries(rec, tmp_path / "session-dry", site, tmp_path / "w")
+    for name in ("session-dry.md", "session-dry.json"):
+        text = (tmp_path / name).read_text()
+        assert "--site <site>" in text and str(tmp_path)[:15] not in text and "sssss" not in text, name
+
+
 def test_session_stops_after_a_failed_preflight_and_skips_what_does_not_fit(fake_site_kit, tmp_path):
     """The preflight failing (here: the AOT record names a module the kit lacks) skips every later step
     and says why; a step whose expected minutes do not fit in the budget is skipped, not started."""
