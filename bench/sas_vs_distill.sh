@@ -5,7 +5,7 @@
 #   bash bench/sas_vs_distill.sh OUT [STEP ...]        # default: every step, in order; a finished step is skipped
 #
 # Steps: train-distill, train-lm-sparse, train-lm-full (three arms from INIT_GATE, the same rows, the same
-# optimizer steps: equal tokens seen), then eval (eval_ppl: held-out and out-of-domain windows, every gate and
+# optimizer steps: equal tokens seen), arms (their training facts in OUT/arms.json), then eval (eval_ppl: held-out and out-of-domain windows, every gate and
 # the training-free baselines), analysis (per-layer mass coverage and cross-layer union recall), needle (through
 # a real server, per gate). Each step writes OUT/<step>.done; training steps resume from their own checkpoints
 # (--save-every, --resume), so a run stopped anywhere continues where it stopped.
@@ -19,7 +19,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:?usage: bash bench/sas_vs_distill.sh OUT [STEP ...]}"
 shift
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(train-distill train-lm-sparse train-lm-full eval analysis needle)
+[ ${#steps[@]} -gt 0 ] || steps=(train-distill train-lm-sparse train-lm-full arms eval analysis needle)
 py="${PYTHON:-$here/.venv/bin/python}"
 model="${MODEL:-$here/models/SmolLM2-135M-Instruct}"
 init="${INIT_GATE:-$here/gate_checkpoints/smollm2-135m-instruct-sas}"
@@ -74,6 +74,8 @@ run_step() {
       timed "$1" train_arm train-lm-sparse --objective lm --scope sparse --sink-blocks "$sink" --local-blocks "$local_" ;;
     train-lm-full)  # (c) the SAS objective in full scope: every previous block with its soft gate
       timed "$1" train_arm train-lm-full --objective lm --scope full ;;
+    arms)  # each arm's training facts in one record (OUT/arms.json), for bench/readme_tables.py
+      "$py" bench/sas_vs_distill_arms.py "$out" --init "$init" ;;
     eval)
       # shellcheck disable=SC2046
       timed eval-heldout "$py" -m sas_backend.training.eval_ppl --model "$model" --data $eval_data --window "$seq" \
