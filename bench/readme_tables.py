@@ -378,6 +378,125 @@ def block_qwen_needle(page: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
+# Issue 50's head-to-head (bench/sas_vs_distill.sh): three arms from the shipped SmolLM2 gate on the same rows.
+SVD = "2026-12-02-sas-vs-distill"
+SVD_ARMS = (("shipped", "the shipped gate (the start)"), ("distill", "(a) more distillation"),
+            ("lm-sparse", "(b) SAS objective, sparse scope"), ("lm-full", "(c) SAS objective, full scope"))
+SVD_FILES = {"heldout": f"{SVD}/quality-heldout.json", "ood": f"{SVD}/quality-ood.json",
+             "analysis": f"{SVD}/analysis.json", "arms": f"{SVD}/arms.json"}
+
+
+def paired(res: dict, a: str, b: str, budget: int) -> Tuple[float, float]:
+    """(mean, 2 standard errors) over the record's windows of a's perplexity change against b's, in percent:
+    per window the difference of their mean NLL per scored token (the same tokens), exp(.) - 1. The noise of
+    a comparison between two selectors on the same windows is this paired spread, not either's own."""
+    import math
+    import statistics
+
+    na, nb = res["nll_per_window"][a][str(budget)], res["nll_per_window"][b][str(budget)]
+    d = [(x - y) / res["last"] for x, y in zip(na, nb)]
+    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("inf")
+    return 100 * math.expm1(statistics.fmean(d)), 100 * 2 * se
+
+
+def svd_verdict(res: dict, arm: str, budget: int) -> str:
+    """"better", "worse" or "within noise" of `arm` against the shipped gate at `budget` (2 standard errors)."""
+    mean, two_se = paired(res, f"{arm}+s1l1", "shipped+s1l1", budget)
+    return "within noise" if abs(mean) <= two_se else ("better" if mean < 0 else "worse")
+
+
+def block_sas_vs_distill(page: pathlib.Path) -> str:
+    """The head-to-head's table (docs/quality.md): each arm's perplexity change vs dense, its paired change vs
+    the start with its noise, coverage and union recall, at each budget."""
+    held, ood, ana, arms = (record(SVD_FILES[k]) for k in ("heldout", "ood", "analysis", "arms"))
+    bs = budgets(held)
+    lines = [f"| gate (objective, steps) | budget | held-out ({' '.join(held['data']['sources'])}, {windows(held)}): "
+             f"vs dense, vs start | out-of-domain ({' '.join(ood['data']['sources'])}, {windows(ood)}): vs dense, "
+             "vs start | coverage raw / value-aware "
+             "| union recall (kv-head mean) |", "|---|---:|---|---|---|---|"]
+    for arm, label in SVD_ARMS:
+        name = f"{arm}+s1l1"
+        info = arms[arm]
+        for b in bs:
+            cells_ = []
+            for res in (held, ood):
+                vs = "" if arm == "shipped" else ", {:+.2f} ± {:.2f}% ({})".format(
+                    *paired(res, name, "shipped+s1l1", b), svd_verdict(res, arm, b))
+                cells_.append(f"{change(res, name, b):+.2f}%{vs}")
+            a = ana["results"][name][str(b)]
+            lines.append(f"| {label} (`{info['objective']}`, {info['steps']}) | {b} | {cells_[0]} | {cells_[1]} "
+                         f"| {a['coverage_raw_mean']:.3f} / {a['coverage_value_mean']:.3f} "
+                         f"| {a['union_recall_kv_mean']:.3f} |")
+    for base in ("sink-local", "oracle"):
+        for b in bs:
+            lines.append(f"| {base} | {b} | {change(held, base, b):+.2f}% | {change(ood, base, b):+.2f}% | | |")
+    needles = svd_needles()
+    if needles:
+        lines.append("")
+        lines.append("| gate | needle at budget 2048, depths recalled | dense, the same prompts | record |")
+        lines.append("|---|---|---|---|")
+        for arm, label in SVD_ARMS:
+            if arm in needles:
+                rel, got, dense = needles[arm]
+                lines.append(f"| {label} | {got} | {dense} | [{pathlib.Path(rel).name}]({link(rel, page)}) |")
+    refs = ", ".join(f"[{k}]({link(v, page)})" for k, v in SVD_FILES.items())
+    start, run = arms["shipped"], arms["distill"]
+    lines += ["", f"The shipped gate's steps are its last stage's. Every arm starts from it (`objective: "
+              f"{start['objective']}`) and trains "
+              f"{run['steps']} steps on the same {run['rows']} rows of {run['seq_len']} tokens ({run['data']}, the "
+              f"last {run['train_last']} queries of each), at the serving budget with the served forced blocks "
+              "(sink 1 + local 1). "
+              "'vs start': the paired perplexity change against the shipped gate on the same windows, ± two standard "
+              "errors over the windows. Coverage and union recall: the analysis on the held-out windows "
+              f"({analysis_windows(ana)}; definitions in `sas_backend/hf/analysis.py`). Records: {refs}."]
+    return "\n".join(lines)
+
+
+def svd_needles() -> Dict[str, Tuple[str, str, str]]:
+    """arm -> (record, gate's depths recalled at budget 2048, dense's) for each needle record of the study (its
+    tag is the arm; the shipped gate's needle at the same settings is the 2026-11-27 record, SMOL_NEEDLE)."""
+    out = {}
+    paths = sorted((RESULTS / SVD).glob("needle-*.json")) + [RESULTS / SMOL_NEEDLE]
+    for path in paths:
+        rel = str(path.relative_to(RESULTS))
+        rec = record(rel)
+        tag = "shipped" if rel == SMOL_NEEDLE else path.stem.split("-", 4)[-1]
+        rows = {r["server"]: r["answers"] for r in rec["rows"]}
+        gate = [a for s, a in rows.items() if s.startswith("sas gate") and s.endswith("b2048")]
+        if tag in dict(SVD_ARMS) and gate and "dense" in rows:
+            count = [f"{sum(x['recalled'] for x in a)}/{len(a)}" for a in (gate[0], rows["dense"])]
+            out.setdefault(tag, (rel, *count))
+    return out
+
+
+def analysis_windows(ana: dict) -> str:
+    return f"{plural(ana['windows'], 'window')} of {ana['window']} tokens"
+
+
+def svd_summary(page: pathlib.Path) -> str:
+    """One sentence: which arm, if any, beats the shipped gate beyond noise at the serving budget, per text."""
+    held, ood, arms = record(SVD_FILES["heldout"]), record(SVD_FILES["ood"]), record(SVD_FILES["arms"])
+    b = max(budgets(held))
+    parts = []
+    for arm, label in SVD_ARMS[1:]:
+        v = []
+        for res, text in ((held, "held-out"), (ood, "out-of-domain")):
+            mean, two_se = paired(res, arm + "+s1l1", "shipped+s1l1", b)
+            v.append(f"{svd_verdict(res, arm, b)} {text} ({mean:+.2f} ± {two_se:.2f}%)")
+        parts.append(f"{label}: {', '.join(v)}")
+    return (f"at budget {b}, {arms['distill']['steps']} steps each, against the start: " + "; ".join(parts))
+
+
+def block_objectives(page: pathlib.Path) -> str:
+    """The README's paragraph on the objective of each shipped gate and the head-to-head's result."""
+    smol = json.loads((REPO / "gate_checkpoints" / SMOL_GATE / "config.json").read_text())
+    qwen = json.loads((REPO / "gate_checkpoints" / QWEN_GATE / "config.json").read_text())
+    return (f"Both shipped gates were trained by distillation (SmolLM2: `objective: {smol['training']['objective']}`, "
+            f"Qwen: `objective: {qwen['training']['objective']}`), not by SAS's own next-token objective. From the "
+            f"shipped SmolLM2 gate on the same tokens ([study](docs/quality.md#sas-objective-against-distillation)): "
+            f"{svd_summary(page)}.")
+
+
 def block_soak(page: pathlib.Path) -> str:
     sas, dense = record(SOAK[0]), record(SOAK[1])
     mib = 2 ** 20
@@ -443,6 +562,8 @@ BLOCKS: Dict[str, Tuple[pathlib.Path, Callable[[pathlib.Path], str]]] = {
     "qwen-needle": (README, block_qwen_needle),
     "qwen-decode": (DOCS / "speed.md", block_qwen_decode),
     "soak": (README, block_soak),
+    "objectives": (README, block_objectives),
+    "sas-vs-distill": (DOCS / "quality.md", block_sas_vs_distill),
     "cpu-decode-full": (DOCS / "speed.md", block_cpu_decode_full),
     "cpu-extend": (DOCS / "speed.md", block_cpu_extend),
     "qwen-prose": (DOCS / "quality.md", block_qwen_prose),

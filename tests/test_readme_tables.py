@@ -85,3 +85,22 @@ def test_the_numbers_are_the_records_numbers():
     soak = tables.record(tables.SOAK[0])
     page, make = tables.BLOCKS["soak"]
     assert str(soak["failures"]) in make(page)  # the record's own verdict is quoted, not restated
+
+
+def test_paired_change_and_its_noise():
+    """The head-to-head's "vs start": per window the difference of mean NLL per scored token, exp(mean) - 1,
+    with two standard errors over the windows; "better" only beyond them."""
+    import math
+
+    last = 100
+    res = {"last": last, "nll_per_window": {
+        "a+s1l1": {"512": [100.0 - 1.0, 200.0 - 1.2, 150.0 - 0.8]},  # lower on every window: ~-1% per token
+        "shipped+s1l1": {"512": [100.0, 200.0, 150.0]},
+        "b+s1l1": {"512": [100.0 + 3.0, 200.0 - 3.0, 150.0]},  # no consistent difference
+    }}
+    mean, two_se = tables.paired(res, "a+s1l1", "shipped+s1l1", 512)
+    assert math.isclose(mean, 100 * math.expm1(-0.01), rel_tol=1e-9)
+    assert math.isclose(two_se, 100 * 2 * 0.002 / math.sqrt(3), rel_tol=1e-6) and two_se < abs(mean)
+    assert tables.svd_verdict(res, "a", 512) == "better" and tables.svd_verdict(res, "b", 512) == "within noise"
+    res["nll_per_window"]["c+s1l1"] = {"512": [101.0, 201.2, 150.8]}
+    assert tables.svd_verdict(res, "c", 512) == "worse"
