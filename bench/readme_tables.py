@@ -401,8 +401,13 @@ def paired(res: dict, a: str, b: str, budget: int) -> Tuple[float, float]:
 
 def svd_verdict(res: dict, arm: str, budget: int) -> str:
     """"better", "worse" or "within noise" of `arm` against the shipped gate at `budget` (2 standard errors)."""
+    return svd_vs_start(res, arm, budget)[2]
+
+
+def svd_vs_start(res: dict, arm: str, budget: int) -> Tuple[float, float, str]:
+    """(paired change in percent, its 2 standard errors, verdict) of `arm` against the shipped gate."""
     mean, two_se = paired(res, f"{arm}+s1l1", "shipped+s1l1", budget)
-    return "within noise" if abs(mean) <= two_se else ("better" if mean < 0 else "worse")
+    return mean, two_se, "within noise" if abs(mean) <= two_se else ("better" if mean < 0 else "worse")
 
 
 def block_sas_vs_distill(page: pathlib.Path) -> str:
@@ -420,8 +425,7 @@ def block_sas_vs_distill(page: pathlib.Path) -> str:
         for b in bs:
             cells_ = []
             for res in (held, ood):
-                vs = "" if arm == "shipped" else ", {:+.2f} ± {:.2f}% ({})".format(
-                    *paired(res, name, "shipped+s1l1", b), svd_verdict(res, arm, b))
+                vs = "" if arm == "shipped" else ", {:+.2f} ± {:.2f}% ({})".format(*svd_vs_start(res, arm, b))
                 cells_.append(f"{change(res, name, b):+.2f}%{vs}")
             a = ana["results"][name][str(b)]
             lines.append(f"| {label} (`{info['objective']}`, {info['steps']}) | {b} | {cells_[0]} | {cells_[1]} "
@@ -453,14 +457,13 @@ def block_sas_vs_distill(page: pathlib.Path) -> str:
 
 
 def svd_needles() -> Dict[str, Tuple[str, str, str]]:
-    """arm -> (record, gate's depths recalled at budget 2048, dense's) for each needle record of the study (its
-    tag is the arm; the shipped gate's needle at the same settings is the 2026-11-27 record, SMOL_NEEDLE)."""
+    """arm -> (record, gate's depths recalled at budget 2048, dense's) for each needle record of the study
+    (needle-DATE-ARM.json: bench/needle.py --tag ARM)."""
     out = {}
-    paths = sorted((RESULTS / SVD).glob("needle-*.json")) + [RESULTS / SMOL_NEEDLE]
-    for path in paths:
+    for path in sorted((RESULTS / SVD).glob("needle-*.json")):
         rel = str(path.relative_to(RESULTS))
         rec = record(rel)
-        tag = "shipped" if rel == SMOL_NEEDLE else path.stem.split("-", 4)[-1]
+        tag = path.stem.split("-", 4)[-1]
         rows = {r["server"]: r["answers"] for r in rec["rows"]}
         gate = [a for s, a in rows.items() if s.startswith("sas gate") and s.endswith("b2048")]
         if tag in dict(SVD_ARMS) and gate and "dense" in rows:
@@ -481,8 +484,8 @@ def svd_summary(page: pathlib.Path) -> str:
     for arm, label in SVD_ARMS[1:]:
         v = []
         for res, text in ((held, "held-out"), (ood, "out-of-domain")):
-            mean, two_se = paired(res, arm + "+s1l1", "shipped+s1l1", b)
-            v.append(f"{svd_verdict(res, arm, b)} {text} ({mean:+.2f} ± {two_se:.2f}%)")
+            mean, two_se, verdict = svd_vs_start(res, arm, b)
+            v.append(f"{verdict} {text} ({mean:+.2f} ± {two_se:.2f}%)")
         parts.append(f"{label}: {', '.join(v)}")
     return (f"at budget {b}, {arms['distill']['steps']} steps each, against the start: " + "; ".join(parts))
 

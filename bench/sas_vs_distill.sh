@@ -5,8 +5,8 @@
 #   bash bench/sas_vs_distill.sh OUT [STEP ...]        # default: every step, in order; a finished step is skipped
 #
 # Steps: train-distill, train-lm-sparse, train-lm-full (three arms from INIT_GATE, the same rows, the same
-# optimizer steps: equal tokens seen), arms (their training facts in OUT/arms.json), then eval (eval_ppl: held-out and out-of-domain windows, every gate and
-# the training-free baselines), analysis (per-layer mass coverage and cross-layer union recall), needle (through
+# optimizer steps: equal tokens seen), arms (their training facts in OUT/arms.json), then eval (eval_ppl:
+# held-out and out-of-domain windows, every gate and the training-free baselines), analysis (per-layer mass coverage and cross-layer union recall), needle (through
 # a real server, per gate). Each step writes OUT/<step>.done; training steps resume from their own checkpoints
 # (--save-every, --resume), so a run stopped anywhere continues where it stopped.
 #

@@ -8,17 +8,17 @@ committed: the sha256 of each is in those records and here)."""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import pathlib
+
+from sas_backend.gate.gate_file import read_training_record, weights_sha256
 
 ARMS = ("distill", "lm-sparse", "lm-full")
 
 
 def arm_facts(gate_dir: pathlib.Path) -> dict:
     """What one gate was trained on and how, from its checkpoint's training record."""
-    cfg = json.loads((gate_dir / "config.json").read_text())
-    t = cfg["training"]
+    t = read_training_record(gate_dir)
     objective = t["objective"] + (f", {t['scope']} scope" if t.get("objective") == "lm" else "")
     return {
         "objective": objective, "steps": t.get("steps"), "seq_len": t.get("seq_len"),
@@ -27,7 +27,7 @@ def arm_facts(gate_dir: pathlib.Path) -> dict:
         "budget": t.get("budget"), "forced": [t.get("sink_blocks"), t.get("local_blocks")], "lr": t.get("lr"),
         "initial_loss": t.get("initial_loss"), "final_loss": t.get("final_loss"),
         "train_seconds": t.get("train_seconds"),
-        "sha256": hashlib.sha256((gate_dir / "gate.safetensors").read_bytes()).hexdigest(),
+        "sha256": weights_sha256(gate_dir),
     }
 
 
