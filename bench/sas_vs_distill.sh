@@ -12,7 +12,8 @@
 #
 # Knobs (environment): MODEL, INIT_GATE (default: the shipped gate), DATA (training sources), SEQ (row length),
 # TRAIN_LAST (queries trained per row), STEPS, LR, WARMUP, BUDGET (training budget), SINK/LOCAL (the served
-# forced blocks, trained as served under the sparse scope), WINDOWS (eval windows per text), EVAL_DATA,
+# forced blocks, trained as served under the sparse scope), DISTILL_FORCED (SINK,LOCAL the distillation arm
+# excludes from its target, as the starting gate was distilled: 0,0 for the SmolLM2 gate, 1,1 for Qwen's), WINDOWS (eval windows per text), EVAL_DATA,
 # OOD_DATA, BUDGETS (eval budgets), PYTHON, THREADS.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,6 +33,7 @@ warmup="${WARMUP:-3}"
 budget="${BUDGET:-2048}"
 sink="${SINK:-1}"
 local_="${LOCAL:-1}"
+distill_forced="${DISTILL_FORCED:-0,0}"
 windows="${WINDOWS:-8}"
 eval_data="${EVAL_DATA:-@essays @docs @stdlib}"
 ood_data="${OOD_DATA:-@handbook @site-packages}"
@@ -69,7 +71,8 @@ gates_args() {  # --gate NAME=DIR for the starting gate and every finished arm
 run_step() {
   case "$1" in
     train-distill)  # (a) more distillation (the dense attention's block mass), as the shipped gate was made
-      timed "$1" train_arm train-distill --objective distill --distill-target mass ;;
+      timed "$1" train_arm train-distill --objective distill --distill-target mass \
+        --sink-blocks "${distill_forced%,*}" --local-blocks "${distill_forced#*,}" ;;
     train-lm-sparse)  # (b) the SAS objective in the serving regime: Top-K at the budget, forced blocks as served
       timed "$1" train_arm train-lm-sparse --objective lm --scope sparse --sink-blocks "$sink" --local-blocks "$local_" ;;
     train-lm-full)  # (c) the SAS objective in full scope: every previous block with its soft gate

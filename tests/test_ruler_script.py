@@ -1,0 +1,59 @@
+"""bench/ruler.py's pure parts: the servers it runs, the lm_eval command, reading lm_eval's results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sas_backend.testing.server import DEFAULT_MODEL, default_gate
+
+
+def test_servers_dense_first_then_serve_default_then_budgets():
+    import ruler
+
+    gate = str(default_gate(DEFAULT_MODEL))
+    configs = ruler.server_configs(gate, [512, 1024])
+    assert [c[0] for c in configs] == ["dense", "sas serve default (b2048)", "sas b512", "sas b1024"]
+    assert configs[0][1:] == ("torch_native", [])
+    assert configs[1][2] == ["--sas-gate", gate]  # no budget flag: the gate's serving record decides
+    assert configs[2][2] == ["--sas-gate", gate, "--sas-budget", "512"]
+
+
+def test_lm_eval_command_one_length_and_its_tokenizer():
+    import ruler
+
+    cmd = ruler.lm_eval_cmd("m", "http://h:1", ["niah_single_1", "ruler_vt"], 8192, 3, "/o")
+    assert cmd[1:5] == ["-m", "lm_eval", "--model", "local-completions"]
+    args = dict(kv.split("=", 1) for kv in cmd[cmd.index("--model_args") + 1].split(","))
+    assert args["base_url"] == "http://h:1/v1/completions" and args["max_length"] == "8192"
+    assert args["tokenized_requests"] == "False"  # strings: SGLang tokenizes
+    assert json.loads(cmd[cmd.index("--metadata") + 1]) == {"max_seq_lengths": [8192], "pretrained": "m"}
+    assert cmd[cmd.index("--tasks") + 1] == "niah_single_1,ruler_vt"
+    assert not set(ruler.LOCAL_TASKS) & set(ruler.DOWNLOADED_TASKS)
+
+
+def test_read_scores_takes_the_length_metric_and_refuses_a_missing_task(tmp_path):
+    import ruler
+
+    sub = tmp_path / "model"
+    sub.mkdir()
+    results = {"niah_single_1": {"4096,none": 1.0, "8192,none": -1.0}, "ruler_vt": {"4096,none": 0.4}}
+    (sub / "results_2026.json").write_text(json.dumps({"results": results}))
+    assert ruler.read_scores(str(tmp_path), ["niah_single_1", "ruler_vt"], 4096) == {"niah_single_1": 1.0,
+                                                                                   "ruler_vt": 0.4}
+    with pytest.raises(RuntimeError, match="ruler_vt"):
+        ruler.read_scores(str(tmp_path), ["niah_single_1", "ruler_vt"], 8192)
+    with pytest.raises(RuntimeError, match="no results"):
+        ruler.read_scores(str(tmp_path / "model" / "none"), ["ruler_vt"], 4096)
+
+
+def test_table_has_a_row_per_server_and_length_and_the_mean():
+    import ruler
+
+    rows = [{"server": "dense", "scores": {"4096": {"a": 1.0, "b": 0.5}}},
+            {"server": "sas b512", "scores": {"4096": {"a": 0.0, "b": 0.5}}}]
+    lines = ruler.table_markdown(rows, ["a", "b"], [4096, 8192]).splitlines()
+    assert lines[2] == "| dense | 4096 | 1.00 | 0.50 | 0.75 |"
+    assert lines[3] == "| sas b512 | 4096 | 0.00 | 0.50 | 0.25 |"
+    assert len(lines) == 4  # no 8192 rows: not measured
