@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 
-from sas_backend.config import SASConfig
 from sas_backend.provenance import git_state, repo_relative
 from sas_backend.testing.server import DEFAULT_MODEL, Server, default_gate
 
@@ -44,13 +43,12 @@ DOWNLOADED_TASKS = ["niah_single_2", "niah_single_3", "niah_multikey_1", "niah_m
 
 
 def server_configs(gate: str, budgets: list[int]) -> list[tuple[str, str, list]]:
-    """(name, backend, extra flags) of every server, dense first, then the gate's serve default, then
-    each budget with the gate's forced blocks."""
-    served = SASConfig(gate_path=gate).resolved()
-    configs = [("dense", "torch_native", []),
-               (f"sas serve default (b{served.budget})", "sas", ["--sas-gate", gate])]
-    configs += [(f"sas b{b}", "sas", ["--sas-gate", gate, "--sas-budget", str(b)]) for b in budgets]
-    return configs
+    """(name, backend, extra flags) of every server, dense first, then the gate's serve default, then the gate
+    at each budget (its record's forced blocks): bench/needle.py's list, so the two studies name servers alike."""
+    import needle  # bench/ is the script's directory, so on sys.path
+
+    return needle.server_configs(argparse.Namespace(gate=gate, gate_forced=None, serve_default=True,
+                                                    selectors=["gate"], budgets=budgets, prompt_anchors=None))
 
 
 def lm_eval_cmd(model: str, url: str, tasks: list[str], length: int, limit: int, out_dir: str) -> list[str]:
@@ -123,7 +121,7 @@ def main(argv=None) -> int:
         date, tag = old["date"], old["tag"]
         done = {r["server"]: r for r in old["rows"]}
     partial = out / f"{tag}.partial.json"
-    rows, started, commands = [], time.time(), []
+    rows, started = [], time.time()
     for name, backend, extra in server_configs(args.gate, args.budgets):
         row = done.get(name, {"server": name, "launch": extra, "scores": {}, "seconds": {}})
         rows.append(row)
@@ -136,7 +134,6 @@ def main(argv=None) -> int:
                 t = time.time()
                 with tempfile.TemporaryDirectory(prefix="ruler-") as tmp:
                     cmd = lm_eval_cmd(args.model, server.url, args.tasks, length, args.limit, tmp)
-                    commands.append(cmd)
                     subprocess.run(cmd, check=True)
                     row["scores"][str(length)] = read_scores(tmp, args.tasks, length)
                 row["seconds"][str(length)] = round(time.time() - t, 1)
@@ -144,7 +141,9 @@ def main(argv=None) -> int:
                 print(f"[ruler] {name} at {length}: {row['scores'][str(length)]} ({row['seconds'][str(length)]} s)",
                       flush=True)
     table = table_markdown(rows, args.tasks, args.lengths)
-    shown = ["python", *commands[0][1:]] if commands else []  # the example with its server's port
+    # the command as a user types it: repository paths, a placeholder port and output folder
+    shown = ["python", *lm_eval_cmd(repo_relative(args.model), "http://127.0.0.1:PORT", args.tasks, max(args.lengths),
+                                    args.limit, "OUT")[1:]]
     argv_shown = sys.argv[1:] if argv is None else argv
     record = {
         "what": "RULER (lm-evaluation-harness, local-completions) through the real server", **key,

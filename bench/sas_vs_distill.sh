@@ -13,8 +13,8 @@
 # Knobs (environment): MODEL, INIT_GATE (default: the shipped gate), DATA (training sources), SEQ (row length),
 # TRAIN_LAST (queries trained per row), STEPS, LR, WARMUP, BUDGET (training budget), SINK/LOCAL (the served
 # forced blocks, trained as served under the sparse scope), DISTILL_FORCED (SINK,LOCAL the distillation arm
-# excludes from its target, as the starting gate was distilled: 0,0 for the SmolLM2 gate, 1,1 for Qwen's), WINDOWS (eval windows per text), EVAL_DATA,
-# OOD_DATA, BUDGETS (eval budgets), PYTHON, THREADS.
+# excludes from its target, as the starting gate was distilled: 0,0 for the SmolLM2 gate, 1,1 for Qwen's),
+# WINDOWS (eval windows per text), EVAL_DATA, OOD_DATA, BUDGETS (eval budgets), PYTHON, THREADS.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:?usage: bash bench/sas_vs_distill.sh OUT [STEP ...]}"

@@ -14,10 +14,11 @@ def test_servers_dense_first_then_serve_default_then_budgets():
 
     gate = str(default_gate(DEFAULT_MODEL))
     configs = ruler.server_configs(gate, [512, 1024])
-    assert [c[0] for c in configs] == ["dense", "sas serve default (b2048)", "sas b512", "sas b1024"]
+    assert [c[0] for c in configs] == ["dense", "sas gate serve default (b2048, sink 1, local 1)", "sas gate b512",
+                                       "sas gate b1024"]
     assert configs[0][1:] == ("torch_native", [])
     assert configs[1][2] == ["--sas-gate", gate]  # no budget flag: the gate's serving record decides
-    assert configs[2][2] == ["--sas-gate", gate, "--sas-budget", "512"]
+    assert configs[2][2] == ["--sas-selector", "gate", "--sas-budget", "512", "--sas-gate", gate]
 
 
 def test_lm_eval_command_one_length_and_its_tokenizer():
