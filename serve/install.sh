@@ -73,26 +73,7 @@ fi
 $pip install -q --no-deps "sglang==$sgl"
 
 # sglang's Requires-Dist, minus extras, markers that do not apply, and CUDA-only packages.
-reqs="$("$venv/bin/python" - <<'PY'
-import re
-from importlib.metadata import requires
-from packaging.requirements import Requirement
-
-cuda_only = re.compile(
-    r"^(cuda-python|cuda-tile|flash-attn-4|flashinfer.*|humming-kernels|nvidia-.*|nvshmem4py.*"
-    r"|quack-kernels|sgl-deep-ep|sgl-deep-gemm|sgl-flash-mla|sglang-kernel|tilelang"
-    r"|torch-memory-saver|torch_memory_saver|torchaudio|torchcodec|tokenspeed.mla|torch)$",
-    re.I,
-)
-for line in requires("sglang") or []:
-    r = Requirement(line)
-    if r.marker is not None and not r.marker.evaluate({"extra": ""}):
-        continue
-    if cuda_only.match(r.name):
-        continue
-    print(str(Requirement(f"{r.name}{r.specifier}")))
-PY
-)"
+reqs="$("$venv/bin/python" "$here/serve/requirements_of.py" sglang)"
 # triton runs kernels on CPU only under TRITON_INTERPRET=1, which is how our tests use it.
 # accelerate lets transformers load the GGUF of the default model (serve/prepare_model.py).
 echo "[install] note: pip will print an ERROR that sglang requires cuda-python, flashinfer, nvidia-*, ... which"
@@ -106,17 +87,7 @@ in_tree $pip install -q "$here/serve/cpu_shim"
 (cd "$here" && in_tree $pip install -q -c "$constraints" --no-deps -e "$spec")
 if [ -n "$extras" ]; then
   # The extras' own requirements (pytest, ...), still with torch held.
-  extra_reqs="$("$venv/bin/python" - "$extras" <<'PY'
-import sys
-from importlib.metadata import requires
-from packaging.requirements import Requirement
-wanted = set(sys.argv[1].split(","))
-for line in requires("sas-backend") or []:
-    r = Requirement(line)
-    if r.marker is not None and any(r.marker.evaluate({"extra": e}) for e in wanted):
-        print(str(Requirement(f"{r.name}{r.specifier}")))
-PY
-)"
+  extra_reqs="$("$venv/bin/python" "$here/serve/requirements_of.py" sas-backend --extras "$extras")"
   # shellcheck disable=SC2086
   [ -z "$extra_reqs" ] || $pip install -q -c "$constraints" $extra_reqs
 fi
