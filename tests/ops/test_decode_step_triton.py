@@ -98,21 +98,31 @@ def test_front_matches_reference(paged_case, group):
     assert int(ws.front_counters.abs().sum()) == 0  # every counter reset for the next launch
 
 
-@pytest.mark.parametrize("d,dtype", [(64, torch.bfloat16), (128, torch.float16), (128, torch.float32)])
-def test_front_head_dims_and_dtypes(paged_case, d, dtype):
-    lens = [8, 5, 16]
-    c = StepCase(paged_case, lens, 4, d=d, dg=32, kv_dtype=dtype, weight_dtype=torch.bfloat16,
-                 summary_dtype=torch.bfloat16, seed=d)
+@pytest.mark.parametrize("d,dg,b,dtype", [(64, 32, 4, torch.bfloat16), (128, 32, 4, torch.float16),
+                                          (128, 32, 4, torch.float32), (64, 128, 64, torch.bfloat16),
+                                          (128, 128, 64, torch.bfloat16)])
+def test_front_head_dims_and_dtypes(paged_case, d, dg, b, dtype):
+    """Head dims 64/128, the served block size 64 and gate dim 128, bf16 weights and a bf16 summary pool: the
+    gate query, and the summary written to exactly the pages of the blocks the new tokens complete."""
+    lens = [2 * b, b + 1, 4 * b, 3]  # rows 0 and 2 complete a block
+    c = StepCase(paged_case, lens, 4, d=d, dg=dg, b=b, kv_dtype=dtype, weight_dtype=torch.bfloat16,
+                 summary_dtype=torch.bfloat16, seed=d + dg + b)
     ws = c.workspace(top_k=1)
     ref_summ = c.summaries.clone()
     ref_gq = naive.front(c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table, c.w_k,
                          c.k_norm, ref_summ, c.table, c.seq_lens, c.b)
     summ = c.summaries.clone()
+    summ[1:] += 1.0  # a page the kernel must write differs from the reference's until it does
+    summ_before = summ.clone()
     gq = fused.front(ws, c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table,
                      c.w_k, c.k_norm, summ, c.table, c.seq_lens)
     torch.testing.assert_close(gq, ref_gq, rtol=1e-4, atol=1e-4)
-    # bf16 pool: the same value rounded once (the reference casts its fp32 summary the same way)
-    torch.testing.assert_close(summ.float(), ref_summ.float(), rtol=1e-2, atol=1e-2)
+    written = {int(c.table[r, n // b - 1]) // b for r, n in enumerate(lens) if n % b == 0}
+    assert len(written) == 2
+    for page in written:  # bf16 pool: the same value rounded once (the reference casts its fp32 summary alike)
+        torch.testing.assert_close(summ[page].float(), ref_summ[page].float(), rtol=1e-2, atol=1e-2)
+    others = [p for p in range(summ.shape[0]) if p not in written]
+    assert torch.equal(summ[others], summ_before[others])
 
 
 @pytest.mark.parametrize("top_k,sink,local,chunk", [(2, 0, 0, None), (3, 1, 1, 16), (5, 1, 2, 16), (40, 0, 0, None),
@@ -129,6 +139,22 @@ def test_select_matches_reference_with_ties(paged_case, top_k, sink, local, chun
     assert int(ws.select_counters.abs().sum()) == 0
     if chunk == 16:
         assert ws.select_chunks(c.max_blocks) > 1  # the merge ran
+
+
+@pytest.mark.parametrize("dg,summary_dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float32)])
+def test_select_gate_dims_and_bf16_summaries(paged_case, dg, summary_dtype):
+    """The served geometry: block size 64, gate dim 128 (the select's dot in several Dg tiles), a bf16 summary
+    pool (the GPU default). Integer summaries and queries are exact in bf16, so the selection is exact."""
+    b = 64
+    lens = [1, b + 1, 9 * b + 3, 12 * b, 40 * b + 17]
+    c = StepCase(paged_case, lens, 4, d=16, dg=dg, b=b, integer_summaries=True, summary_dtype=summary_dtype,
+                 seed=dg)
+    gq = torch.randint(-2, 3, (len(lens), c.h_kv, c.dg), generator=c.case.gen).float().to(DEVICE)
+    ws = c.workspace(top_k=5, chunk=16)
+    ref = naive.select(gq, c.summaries, c.table, c.n_cand, c.b, c.max_blocks, 5, 1, 1)
+    got = fused.select(ws, gq, c.summaries, c.table, c.n_cand, c.max_blocks, 1, 1)
+    assert ws.select_chunks(c.max_blocks) > 1
+    assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("anchor_count", [1, 3])
@@ -165,9 +191,12 @@ def test_select_random_scores_agree_up_to_rounding(paged_case):
     scores = naive.scores(gq, c.summaries, c.table, c.n_cand, c.b, c.max_blocks)
     ref = naive.select(gq, c.summaries, c.table, c.n_cand, c.b, c.max_blocks, 7)
     got = fused.select(ws, gq, c.summaries, c.table, c.n_cand, c.max_blocks)
+    assert got.shape == ref.shape and bool((got >= 0).all())  # every row has more than 7 candidates
+    assert bool((got[..., 1:] > got[..., :-1]).all())  # ascending, no repeats
     for r in range(len(lens)):
         for h in range(c.h_kv):
             a, b = set(ref[r, h].tolist()), set(got[r, h].tolist())
+            assert len(a - b) == len(b - a)
             for x, y in zip(sorted(a - b), sorted(b - a)):
                 assert abs(float(scores[r, h, x]) - float(scores[r, h, y])) < 1e-5
 
@@ -187,7 +216,8 @@ def test_attend_matches_reference(paged_case, group, target):
     assert int(ws.attend_counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("d,dtype,b", [(64, torch.bfloat16, 64), (128, torch.float16, 16), (128, torch.bfloat16, 64)])
+@pytest.mark.parametrize("d,dtype,b", [(64, torch.bfloat16, 64), (128, torch.float16, 16), (128, torch.bfloat16, 64),
+                                       (64, torch.float32, 64)])
 def test_attend_head_dims_dtypes_and_block_64(paged_case, d, dtype, b):
     lens = [3 * b, 2 * b + 5, 1, 5 * b - 1]
     c = StepCase(paged_case, lens, 4, d=d, dg=32, b=b, kv_dtype=dtype, seed=d + b)
@@ -197,6 +227,21 @@ def test_attend_head_dims_dtypes_and_block_64(paged_case, d, dtype, b):
     ref = naive.attend(c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, b, d**-0.5)
     got = fused.attend(ws, c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, d**-0.5)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_attend_fp32_token_tiles(paged_case, monkeypatch):
+    """The GPU's fp32 K/V path: each 64-token block read in 16-token tiles, tiles past the newest token all
+    masked. The interpreter reads whole blocks, so it is told it is not interpreting to take that path."""
+    monkeypatch.setattr(fused, "_interpreting", lambda: False)
+    b, d = 64, 64
+    lens = [3 * b, 2 * b + 5, 1, 5 * b - 1, b + 17]
+    c = StepCase(paged_case, lens, 3, d=d, dg=32, b=b, seed=31)
+    ws = c.workspace(top_k=2, target_programs=8)
+    sel = naive.select(torch.randn(len(lens), c.h_kv, c.dg, generator=c.case.gen).to(DEVICE), c.summaries, c.table,
+                       c.n_cand, b, c.max_blocks, 2)
+    ref = naive.attend(c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, b, d**-0.5)
+    got = fused.attend(ws, c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, d**-0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_attend_covering_budget_is_dense(paged_case):
