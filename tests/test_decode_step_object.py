@@ -150,6 +150,7 @@ def test_fused_step_replays_fixed_grids_over_fixed_buffers():
         with launches() as seen:
             world.run(step, plan, q)
         records.append(seen)
+    assert len(records[0]) == len(records[1]) == 3 * LAYERS, [n for n, _, _ in records[1]]  # no extra launch
     for (n1, g1, p1), (n2, g2, p2) in zip(*records):
         assert n1 == n2 and g1 == g2, (n1, g1, g2)
         moving = {"q_ptr", "out_ptr"}  # the layer's input and its freshly allocated output (graph pool under capture)
@@ -238,6 +239,9 @@ def test_bf16_gate_copies_are_what_the_front_reads():
 
 
 def test_launch_options_warps_change_no_result_and_pdl_is_refused_by_the_interpreter():
+    """Other warps give the same selection and output: a check on CUDA only (Triton's interpreter drops
+    num_warps, so on CPU the two runs are the same launch); bad warps and, under the interpreter, PDL are
+    refused everywhere."""
     from sas_backend.ops.decode_step import LaunchOptions, _interpreting
 
     world = World(3, 1, 1, seed=5)

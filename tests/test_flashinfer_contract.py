@@ -87,12 +87,13 @@ def _same_memory(view, base):
 
 @pytest.mark.parametrize("graph_bs", [None, 3])
 def test_plan_reads_only_host_tensors(fi, graph_bs):
-    fi.plan(torch.tensor([5, 70, 130]), 0.125, graph_bs=graph_bs)  # 3 requests x 2 kv heads
+    fi.plan(torch.tensor([5, 70, 300]), 0.125, graph_bs=graph_bs)  # 3 requests x 2 kv heads
     wrapper = fi._graph_wrappers[graph_bs] if graph_bs else fi._eager
     (p,) = wrapper.plans
     assert p["indptr"].device.type == "cpu" and p["indptr"].dtype == torch.int32
-    # Row lengths: min(K, candidates) whole blocks + the current block up to the newest token.
-    assert torch.equal(p["indptr"], _indptr([5, 5, 70, 70, 130, 130]))
+    # Row lengths: min(K, candidates) whole blocks + the current block up to the newest token (300 tokens:
+    # 4 candidates, K = 2 of them, then the 44 tokens of block 4).
+    assert torch.equal(p["indptr"], _indptr([5, 5, 70, 70, 172, 172]))
     assert p["last_page_len"].device.type == "cpu"
     assert torch.equal(p["last_page_len"], torch.ones(6, dtype=torch.int32))
     # The index buffer stays on the device: FlashInfer never reads it on the host on this path.

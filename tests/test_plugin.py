@@ -191,7 +191,9 @@ def test_settings_table_is_the_fields(parse):
 
     from sas_backend.config import SETTINGS
 
-    assert [s.field for s in SETTINGS] == [f.name for f in dataclasses.fields(SASConfig)]
+    envs, flags = [s.env for s in SETTINGS], [s.flag for s in SETTINGS if s.flag is not None]
+    assert all(e.startswith("SAS_") for e in envs) and len(set(envs)) == len(envs) == len(dataclasses.fields(SASConfig))
+    assert all(f.startswith("--sas-") for f in flags) and len(set(flags)) == len(flags)
     assert {s.field: s.env for s in SETTINGS}["block_size"] == "SAS_BLOCK_SIZE"
     assert [s.field for s in SETTINGS if s.flag is None] == ["force_sparse", "debug_dir", "cpu_extend"]
     assert {s.field for s in SETTINGS if s.type is int} == {

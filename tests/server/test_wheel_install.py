@@ -45,8 +45,12 @@ def wheel_venv(tmp_path_factory):
 def test_wheel_carries_every_subpackage_and_the_entry_point(wheel_venv):
     wheel, _ = wheel_venv
     names = set(zipfile.ZipFile(wheel).namelist())
-    packages = {str(p.parent.relative_to(REPO)) for p in (REPO / "sas_backend").rglob("__init__.py")}
-    missing = [pkg for pkg in sorted(packages) if f"{pkg}/__init__.py" not in names]
+    # every module and every data file the package reads (gpu_settings.json: the CUDA "auto" step settings,
+    # read only on a GPU, so a wheel without it would pass every CPU server test)
+    shipped = [p for pattern in ("*.py", "*.json") for p in (REPO / "sas_backend").rglob(pattern)
+               if "__pycache__" not in p.parts]
+    assert any(p.name == "gpu_settings.json" for p in shipped)
+    missing = sorted(str(p.relative_to(REPO)) for p in shipped if str(p.relative_to(REPO)) not in names)
     assert not missing, missing
     (entry,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry).decode()
