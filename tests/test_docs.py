@@ -1,6 +1,7 @@
 """The documentation's links hold: every relative Markdown link and image in the README, docs/ and the
-results READMEs names a file (or folder) that exists, and every study folder under bench/results/ is
-listed in bench/results/README.md. Plain file reads; no server, no model."""
+results READMEs names a file (or folder) that exists, every file a results README names in inline code is
+committed, and every study folder under bench/results/ is listed in bench/results/README.md. Plain file
+reads; no server, no model."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ RESULTS = REPO / "bench" / "results"
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HTML_SRC = re.compile(r"<(?:img|a)\s[^>]*(?:src|href)=\"([^\"]+)\"", re.IGNORECASE)
 EXTERNAL = ("http://", "https://", "mailto:", "ftp://")
+# a result file named in inline code: `name.json`, `quality-{code,essays}.{json,md}` (no folder, no placeholder)
+RESULT_FILE = re.compile(r"[\w.{},\-]+\.(?:json|jsonl|md|tsv|csv|png|svg|txt|log|\{[\w,]+\})")
 
 
 def doc_files():
@@ -74,6 +77,40 @@ def test_every_results_folder_is_indexed():
     folders = sorted(p.name for p in RESULTS.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
     missing = [f for f in folders if f not in linked]
     assert not missing, f"bench/results/README.md does not list {missing}: add a row for each study folder"
+
+
+def brace_expand(name: str) -> list[str]:
+    """`a.{json,md}` -> [a.json, a.md]; nested and repeated groups multiply."""
+    m = re.search(r"\{([^{}]*)\}", name)
+    if not m:
+        return [name]
+    return [x for alt in m.group(1).split(",") for x in brace_expand(name[:m.start()] + alt + name[m.end():])]
+
+
+def named_result_files(readme: pathlib.Path) -> list[str]:
+    """The file names a results README writes in inline code outside code blocks (`-ppl.png`-style suffixes
+    of the name before them are not names)."""
+    text = re.sub(r"```.*?```", "", readme.read_text(encoding="utf-8"), flags=re.S)
+    spans = re.findall(r"`([^`\s]+)`", text)
+    return [n for span in spans if RESULT_FILE.fullmatch(span) and not span.startswith("-")
+            for n in brace_expand(span)]
+
+
+@pytest.mark.parametrize("readme", sorted(RESULTS.glob("*/README.md")), ids=lambda p: p.parent.name)
+def test_named_result_files_are_committed(readme):
+    """A study's README that names a record (`ruler-...json`) names a file that is in the repository: in its
+    folder, or in another results folder it refers to (a .gitignored partial record would fail here)."""
+    everywhere = {p.name for p in RESULTS.rglob("*") if p.is_file()}
+    missing = [n for n in named_result_files(readme) if not (readme.parent / n).exists() and n not in everywhere]
+    assert not missing, f"{readme.relative_to(REPO)} names files that are not committed: {missing}"
+
+
+def test_named_result_files_reads_inline_code(tmp_path):
+    """The name reader expands braces, skips suffixes, paths, placeholders and code blocks."""
+    sample = tmp_path / "README.md"
+    sample.write_text("`q-{a,b}.{json,md}`, `-ppl.png`, `x/y.json`, `train-<arm>.jsonl`, `r.partial.json`\n"
+                      "```\n`fenced.json`\n```\n", encoding="utf-8")
+    assert named_result_files(sample) == ["q-a.json", "q-a.md", "q-b.json", "q-b.md", "r.partial.json"]
 
 
 def test_link_checker_sees_links(tmp_path):

@@ -101,13 +101,14 @@ def test_verify_rows_decode_as_decode_steps_at_their_positions(budget, sink, loc
 
 
 def test_a_rejected_draft_block_leaves_nothing_the_next_verify_reads():
-    """Request 4 has 31 tokens: draft row 1 (position 31) completes block 3 from a draft. Only the first row is
+    """A request of 30 tokens: draft row 1 (position 31) completes block 3 from a draft. Only the first row is
     accepted; the next verify's row 0 (a different token at 31) completes block 3 again, and rows after it select
-    among blocks 0-3 (K = 2). The second verify equals the decode steps of the committed tokens from the state
-    before the first verify: the draft-made summary is rewritten before anything reads it."""
+    among blocks 0-3 (K = 2), so they rank block 3. The second verify equals the decode steps of the committed
+    tokens from the state before the first verify: the draft-made summary is rewritten before anything reads it.
+    (Request 1, 13 tokens: its rejected row 2 completes block 1; its next rows have 2 candidates, dense.)"""
     n = 4
     rig = Rig(2, draft_tokens=n)
-    rig.add_request(4, PROMPTS[4])
+    rig.add_request(4, 30)
     rig.add_request(1, PROMPTS[1])
     reqs = [4, 1]
     first = rig.verify_inputs(reqs, n)
