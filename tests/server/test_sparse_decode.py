@@ -17,10 +17,14 @@ import requests
 from tests.server.compare import generate
 from tests.server.oracle import Rule, oracle_check
 
-PROMPT_LEN = 2500
-NEW_TOKENS = 6
+# Decode steps at seq_len 2558..2626: the step at 2560 completes block 39 (its summary made at decode), 2624
+# completes block 40, and from 2625 block 40 is the forced local block and block 39 a ranked candidate, so the
+# oracle checks the ranking of a summary the decode step wrote (a short decode only ranks prefill summaries).
+PROMPT_LEN = 2557
+NEW_TOKENS = 70
 BUDGET = 256
 BLOCK = 64
+DECODE_BLOCK = PROMPT_LEN // BLOCK  # the first block completed during the decode
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +51,9 @@ def test_selection_is_sparse(sparse_run):
             assert chosen[0] == 0 and chosen[-1] == n_cand - 1  # the sink and the local block
     # The kv heads do not all pick the same blocks: the selection is per (request, kv head).
     assert any(len({tuple(h) for h in rec["selected"][0]}) > 1 for rec in records)
+    # Steps that rank the decode-made block (not the forced local one) are among those the oracle checks.
+    ranked = [rec for rec in records if rec["num_candidates"][0] >= DECODE_BLOCK + 2]
+    assert len(ranked) >= 2, [rec["seq_lens"][0] for rec in records]
 
 
 def test_decode_logits_match_independent_oracle(sparse_run, model_dir, seed_gate):

@@ -17,8 +17,8 @@ from tests.server.compare import KERNELS, assert_same_decodes, generate
 from tests.server.oracle import Rule, oracle_check
 
 BLOCK = 64
-PROMPT_LEN = 1300  # 20 complete blocks, K = 4 of them
-NEW_TOKENS = 4
+PROMPT_LEN = 1278  # 19 complete blocks, K = 4 of them; the decode step at seq_len 1280 completes block 19 (its
+NEW_TOKENS = 4  # quest min/max made at decode), which the step at 1281 ranks
 BUDGET = 256
 
 
@@ -73,7 +73,7 @@ def test_training_free_selector_matches_oracle(selector_run, model_dir):
 
 def test_dense_below_decodes_short_steps_densely(selector_run):
     """--sas-dense-below 400 with a 256-token budget: a 300-token prompt's steps (at most 330 tokens) decode
-    densely, as the dense server does, and select nothing; the 1300-token prompt's steps select (every one
+    densely, as the dense server does, and select nothing; the 1278-token prompt's steps select (every one
     logged, K of the candidates: the test above)."""
     if "short" not in selector_run:
         pytest.skip("run by the sink-local server on CPU (the GPU's graph branches: tests/gpu/test_server_gpu.py)")

@@ -1,7 +1,9 @@
 """The GPU decode path on CPU inside a real server: `--sas-kernels triton` runs the fused front / select /
 attend Triton kernels (in Triton's interpreter, TRITON_INTERPRET=1) instead of the torch path, and decodes
 exactly as the torch path does: the same greedy tokens, logprobs within compare.FP32, at a budget below the context
-(4 of ~15 blocks), with a block completed during the decode. The reference is `sas_sparse_server` (same gate,
+(4 of ~15 blocks), with a block completed during the decode (the front kernel writes its summary; no compared
+step ranks it: the local block is forced for 64 steps, and tests/test_decode_step_object.py compares the fused
+step's summaries with the per-op step's). The reference is `sas_sparse_server` (same gate,
 budget, forced blocks and fp32), whose decode the oracle test checks."""
 
 from __future__ import annotations
