@@ -268,8 +268,11 @@ def oracle_check(prompt, out: Decode, records, model_dir, rule: Rule, n: int,
         assert on_gpu or best == generated[i], (i, best, generated[i], oracle.sparse_logprobs[pos, best].item() - want)
     print(f"[oracle] {rule.selector} budget {rule.budget}: {n} steps, max |dlogprob| {max(diffs):.3g}, "
           f"sparse vs dense up to {max(gaps_dense):.3g}")
-    # The comparison can tell sparse from dense: they differ by far more than the tolerance.
-    assert max(gaps_dense) > 2e-2, gaps_dense
+    # The comparison can tell sparse from dense: at some step they differ by more than the tolerance (on GPU,
+    # 0.15, a server decoding densely would pass every step above), and there the server is the sparse one.
+    widest = max(range(len(gaps_dense)), key=gaps_dense.__getitem__)
+    assert gaps_dense[widest] > max(2e-2, LOGPROB_TOL), gaps_dense
+    assert diffs[widest + 1] < gaps_dense[widest] / 2, (widest + 1, diffs[widest + 1], gaps_dense[widest])
     if not on_gpu:  # bf16 scores on GPU may order near-equal blocks differently
         steps = {rec["seq_lens"][0] - 1: rec for rec in records}  # query position -> the step's record (layer 0)
         # The n - 1 decode steps that chose tokens 1.., and maybe the one the overlap scheduler runs past the last.

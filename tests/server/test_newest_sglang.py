@@ -9,7 +9,9 @@ completion, a ~1.5K-token prompt decoded sparsely (the selection log shows 4 of 
 kv head), `/sas/info`; then SGLang's dense torch-native server (FlashInfer on GPU) on the same
 release must give the same greedy tokens as `sas` for a prompt that stays within K complete
 blocks, where the selection takes every block, i.e. is exactly dense: within compare.KERNELS with
-sas's own prefill. The servers run one after the other, beside the main suite. (Until 2026-12-02 a third
+sas's own prefill. The sas server runs with SAS_FORCE_SPARSE=1, so that case goes through the selection and
+the sparse attention on the new release too (without it a step with at most K candidates is handed to the
+wrapped dense backend, and the comparison would check only the routing). The servers run one after the other, beside the main suite. (Until 2026-12-02 a third
 server, sas with SGLang's own CPU prefill, checked that case bit for bit; the main suite does so on the
 default release: tests/server/test_dense_equivalence.py. Its start-up was a minute of CI's two cores.)
 
@@ -62,7 +64,8 @@ def newest_run(model_dir, shipped_gate, essay_ids, tmp_path_factory):
     if ON_GPU:  # the selection log reads the host every step
         sas_args.append("--disable-cuda-graph")
     t0 = time.time()
-    with Server(model_dir, backend="sas", extra_args=sas_args, env={"SAS_DEBUG_DIR": str(debug_dir)}) as s:
+    env = {"SAS_DEBUG_DIR": str(debug_dir), "SAS_FORCE_SPARSE": "1"}
+    with Server(model_dir, backend="sas", extra_args=sas_args, env=env) as s:
         run["timings"]["sas_startup_s"] = time.time() - t0
         run["short"] = complete(s.url, "The capital of France is", max_tokens=8)["choices"][0]
         # The selection log, for the long prompt only.
@@ -110,9 +113,10 @@ def test_sas_info(newest_run):
 
 
 def test_within_budget_equals_dense_backend(newest_run):
-    """Within K blocks the selection takes every block. The sas server runs its own prefill (ops/extend on CPU,
-    FlashInfer on GPU): the same tokens and logprobs as dense within compare.KERNELS (on GPU up to a reported
-    near tie)."""
+    """Within K blocks the selection takes every block, and the sparse path runs anyway (SAS_FORCE_SPARSE). The
+    sas server runs its own prefill (ops/extend on CPU, FlashInfer on GPU): the same tokens and logprobs as dense
+    within compare.KERNELS (on GPU up to a reported near tie)."""
+    assert "sas: SAS_FORCE_SPARSE" in newest_run["sas_log"]
     sas, dense = newest_run["sas_dense_case"], newest_run["dense"]
     assert_same_decodes(dense, sas, KERNELS, "newest release: sas within budget vs dense", n=NEW_TOKENS)
     if not ON_GPU:
