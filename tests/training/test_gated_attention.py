@@ -170,6 +170,9 @@ KERNEL_CASES = {
     "two-tiles-per-block-gqa4": ([90, 33], 8, 2, 32, 32, torch.float32, "quantile", None),
     "bf16-gqa4": ([60, 45], 8, 2, 32, 16, torch.bfloat16, "quantile", None),
     "bf16-all-selected-gqa1": ([75], 2, 2, 32, 16, torch.bfloat16, "-inf", None),
+    "packed-gqa7": ([45, 30], 7, 1, 32, 16, torch.float32, "quantile", None),  # Qwen2.5-Coder's group
+    "bf16-gqa8": ([50], 16, 2, 32, 16, torch.bfloat16, "quantile", None),  # the widest group tile
+    "served-block-64": ([200, 70], 4, 2, 32, 64, torch.float32, "quantile", None),
 }
 
 
