@@ -553,6 +553,47 @@ def block_smollm2_quality_report(page: pathlib.Path) -> str:
         os.chdir(cwd)
 
 
+RULER_DIR = "2026-12-03-ruler"
+RULER = (f"{RULER_DIR}/ruler-2026-12-03-smollm2-4k.json", f"{RULER_DIR}/ruler-2026-12-03-smollm2-8k.json",
+         f"{RULER_DIR}/ruler-2026-12-03-qwen-16k.json")
+MODEL_NAMES = {"models/SmolLM2-135M-Instruct": "SmolLM2-135M",
+               "models/Qwen2.5-Coder-0.5B-Instruct": "Qwen2.5-Coder-0.5B"}
+
+
+def ruler_differences(rec: dict, length: str) -> Dict[str, int]:
+    """server -> how many task scores differ from dense's at `length` (dense: 0)."""
+    dense = next(r for r in rec["rows"] if r["server"] == "dense")["scores"][length]
+    return {r["server"]: sum(abs(r["scores"][length][t] - dense[t]) > 1e-9 for t in rec["tasks"])
+            for r in rec["rows"] if length in r["scores"]}
+
+
+def block_ruler(page: pathlib.Path) -> str:
+    """docs/quality.md's RULER table: every server of every RULER record, one column per task."""
+    recs = [record(rel) for rel in RULER]
+    tasks: List[str] = []
+    for rec in recs:
+        tasks += [t for t in rec["tasks"] if t not in tasks]
+    lines = ["| model | length | samples a task | server | " + " | ".join(tasks) + " | mean | tasks != dense |",
+             "|---|---:|---:|---|" + "---:|" * (len(tasks) + 2)]
+    for rel, rec in zip(RULER, recs):
+        for length in map(str, rec["lengths"]):
+            differ = ruler_differences(rec, length)
+            for row in rec["rows"]:
+                scores = row["scores"].get(length)
+                if scores is None:
+                    continue
+                cells = [f"{scores[t]:.2f}" if t in scores else "not run" for t in tasks]
+                mean = sum(scores[t] for t in rec["tasks"]) / len(rec["tasks"])
+                diff = "" if row["server"] == "dense" else f"{differ[row['server']]} of {len(rec['tasks'])}"
+                lines.append(f"| {MODEL_NAMES.get(rec['model'], rec['model'])} | {length} | {rec['limit']} | "
+                             f"{row['server']} | " + " | ".join(cells) + f" | {mean:.2f} | {diff} |")
+    lines += ["", "RULER's string match (0-1), lm-eval " + ", ".join(sorted({r["lm_eval"] for r in recs}))
+              + ", greedy, through each server's completions endpoint; the mean is over the tasks run. Records: "
+              + ", ".join(f"[{pathlib.Path(rel).stem.replace('ruler-', '')}]({link(rel, page)}) "
+                          f"(commit `{commit(rec)[:7]}`, `{rec['command']}`)" for rel, rec in zip(RULER, recs)) + "."]
+    return "\n".join(lines)
+
+
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 # name -> (page, generator(page) -> Markdown)
@@ -571,6 +612,7 @@ BLOCKS: Dict[str, Tuple[pathlib.Path, Callable[[pathlib.Path], str]]] = {
     "cpu-extend": (DOCS / "speed.md", block_cpu_extend),
     "qwen-prose": (DOCS / "quality.md", block_qwen_prose),
     "smollm2-quality-report": (DOCS / "quality.md", block_smollm2_quality_report),
+    "ruler": (DOCS / "quality.md", block_ruler),
 }
 
 

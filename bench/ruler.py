@@ -122,6 +122,7 @@ def main(argv=None) -> int:
         done = {r["server"]: r for r in old["rows"]}
     partial = out / f"{tag}.partial.json"
     rows, started = [], time.time()
+    code = git_state()  # the code the servers run: taken now, as the tree may change during an hours-long run
     for name, backend, extra in server_configs(args.gate, args.budgets):
         row = done.get(name, {"server": name, "launch": extra, "scores": {}, "seconds": {}})
         rows.append(row)
@@ -147,7 +148,8 @@ def main(argv=None) -> int:
     argv_shown = sys.argv[1:] if argv is None else argv
     record = {
         "what": "RULER (lm-evaluation-harness, local-completions) through the real server", **key,
-        "date": date, "tag": tag, "commit": git_state()["commit"], "gate": repo_relative(args.gate),
+        "date": date, "tag": tag, "commit": code["commit"], "dirty_at_start": code["dirty"],
+        "gate": repo_relative(args.gate),
         "lengths": args.lengths, "server_flags": common, "lm_eval": lm_eval_version,
         "tasks_left_out": DOWNLOADED_TASKS, "rows": rows, "wall_s": round(time.time() - started, 1),
         "lm_eval_command_example": shlex.join(shown),

@@ -1,22 +1,22 @@
 """Smoke test on the newest SGLang release, so the next API drift fails in CI, not on a user's GPU.
 
-The full suite runs on one release (the installer's default); this file runs only in a second
-virtual environment holding the newest release (`tests/run.sh` installs it and runs this file
-there; `SAS_SKIP_NEWEST=1` skips that). Anywhere else the whole module is skipped.
+The full suite runs on one release (the installer's default); this file runs only in a second virtual
+environment holding the newest release (`tests/run.sh` installs it and runs this file there;
+`SAS_SKIP_NEWEST=1` skips that). Anywhere else the whole module is skipped.
 
-One `sas` server with the shipped gate at a 256-token budget (K = 4 blocks): a short
-completion, a ~1.5K-token prompt decoded sparsely (the selection log shows 4 of ~23 blocks per
-kv head), `/sas/info`; then SGLang's dense torch-native server (FlashInfer on GPU) on the same
-release must give the same greedy tokens as `sas` for a prompt that stays within K complete
-blocks, where the selection takes every block, i.e. is exactly dense: within compare.KERNELS with
-sas's own prefill. The sas server runs with SAS_FORCE_SPARSE=1, so that case goes through the selection and
-the sparse attention on the new release too (without it a step with at most K candidates is handed to the
-wrapped dense backend, and the comparison would check only the routing). The servers run one after the other, beside the main suite. (Until 2026-12-02 a third
-server, sas with SGLang's own CPU prefill, checked that case bit for bit; the main suite does so on the
-default release: tests/server/test_dense_equivalence.py. Its start-up was a minute of CI's two cores.)
+One `sas` server with the shipped gate at a 256-token budget (K = 4 blocks): a short completion, a ~1.5K-token
+prompt decoded sparsely (the selection log shows 4 of ~23 blocks per kv head), `/sas/info`; then SGLang's
+dense torch-native server (FlashInfer on GPU) on the same release must give the same greedy tokens as `sas`
+for a prompt that stays within K complete blocks, where the selection takes every block, i.e. is exactly
+dense: within compare.KERNELS with sas's own prefill. The sas server runs with SAS_FORCE_SPARSE=1, so that
+case goes through the selection and the sparse attention on the new release too (without it a step with at
+most K candidates is handed to the wrapped dense backend, and the comparison would check only the routing).
+The servers run one after the other, beside the main suite. (Until 2026-12-02 a third server, sas with
+SGLang's own CPU prefill, checked that case bit for bit; the main suite does so on the default release:
+tests/server/test_dense_equivalence.py. Its start-up was a minute of CI's two cores.)
 
-NEWEST_SGLANG / NEWEST_TORCH are the only place naming the newest release: `tests/run.sh` reads
-them from this file (keep each on one line, `NAME = "x.y.z"`).
+NEWEST_SGLANG / NEWEST_TORCH are the only place naming the newest release: `tests/run.sh` reads them from this
+file (keep each on one line, `NAME = "x.y.z"`).
 """
 
 from __future__ import annotations

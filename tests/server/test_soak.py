@@ -1,12 +1,12 @@
 """The soak (`python -m sas_backend.soak`) at CI size: the same code as the committed 1000-request run
 (bench/results/2026-11-26-soak), with 20 requests over 30 s, a 1280-token context limit, a 2560-token KV pool
 (room for two requests at the limit: the queue fills) and a 512-token budget (a decode step with more than 8
-complete blocks before its own, from 577 tokens, selects). The workload's seed is chosen so that 20 requests hold every kind the test asserts on
-(test_ci_workload_has_every_kind checks it without a server, so a workload change fails in seconds, not after
-the soak): seed 0 at 40 requests over a minute (until 2026-12-02) drew 1 over-limit request, 3 client aborts,
-3 shared-prefix prompts; at 20 requests seed 0 drew no over-limit request (tried on 2026-12-02) and seed 60
-draws 1, 2 aborts and 4 shared-prefix prompts, 8.5K prompt tokens in 30 s (seed 0 at 40: 9.0K in 60 s).
-tests/test_soak_parts.py checks the workload's own rules."""
+complete blocks before its own, from 577 tokens, selects). The workload's seed is chosen so that 20 requests
+hold every kind the test asserts on (test_ci_workload_has_every_kind checks it without a server, so a workload
+change fails in seconds, not after the soak): seed 0 at 40 requests over a minute (until 2026-12-02) drew 1
+over-limit request, 3 client aborts, 3 shared-prefix prompts; at 20 requests seed 0 drew no over-limit request
+(tried on 2026-12-02) and seed 60 draws 1, 2 aborts and 4 shared-prefix prompts, 8.5K prompt tokens in 30 s
+(seed 0 at 40: 9.0K in 60 s). tests/test_soak_parts.py checks the workload's own rules."""
 
 from __future__ import annotations
 
