@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from sas_backend.provenance import git_state, repo_relative
+from sas_backend.provenance import git_state, portable_argv, repo_relative
 from sas_backend.testing.server import DEFAULT_MODEL, Server, default_gate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     rows, started = [], time.time()
     code = git_state()  # the code the servers run: taken now, as the tree may change during an hours-long run
     for name, backend, extra in server_configs(args.gate, args.budgets):
-        row = done.get(name, {"server": name, "launch": extra, "scores": {}, "seconds": {}})
+        row = done.get(name, {"server": name, "launch": portable_argv(map(str, extra)), "scores": {}, "seconds": {}})
         rows.append(row)
         todo = [n for n in args.lengths if str(n) not in row["scores"]]
         if not todo:
