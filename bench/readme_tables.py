@@ -534,9 +534,9 @@ def block_cpu_extend(page: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
-def _quality_report() -> object:
-    """bench/quality_report.py, loaded from beside this file."""
-    spec = importlib.util.spec_from_file_location("quality_report", REPO / "bench" / "quality_report.py")
+def _bench_script(name: str) -> object:
+    """bench/<name>.py, loaded from beside this file (a script whose helpers a block reuses)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -548,7 +548,7 @@ def block_smollm2_quality_report(page: pathlib.Path) -> str:
     cwd = os.getcwd()
     try:  # quality_report names the files as given and links them from the page: run it from the repository root
         os.chdir(REPO)
-        return _quality_report().report(paths, "free+s1l1", page.parent.relative_to(REPO))
+        return _bench_script("quality_report").report(paths, "free+s1l1", page.parent.relative_to(REPO))
     finally:
         os.chdir(cwd)
 
@@ -560,15 +560,9 @@ MODEL_NAMES = {"models/SmolLM2-135M-Instruct": "SmolLM2-135M",
                "models/Qwen2.5-Coder-0.5B-Instruct": "Qwen2.5-Coder-0.5B"}
 
 
-def ruler_differences(rec: dict, length: str) -> Dict[str, int]:
-    """server -> how many task scores differ from dense's at `length` (dense: 0)."""
-    dense = next(r for r in rec["rows"] if r["server"] == "dense")["scores"][length]
-    return {r["server"]: sum(abs(r["scores"][length][t] - dense[t]) > 1e-9 for t in rec["tasks"])
-            for r in rec["rows"] if length in r["scores"]}
-
-
 def block_ruler(page: pathlib.Path) -> str:
     """docs/quality.md's RULER table: every server of every RULER record, one column per task."""
+    ruler = _bench_script("ruler")
     recs = [record(rel) for rel in RULER]
     tasks: List[str] = []
     for rec in recs:
@@ -577,13 +571,13 @@ def block_ruler(page: pathlib.Path) -> str:
              "|---|---:|---:|---|" + "---:|" * (len(tasks) + 2)]
     for rel, rec in zip(RULER, recs):
         for length in map(str, rec["lengths"]):
-            differ = ruler_differences(rec, length)
+            differ = ruler.tasks_differing(rec["rows"], rec["tasks"], length)
             for row in rec["rows"]:
                 scores = row["scores"].get(length)
                 if scores is None:
                     continue
                 cells = [f"{scores[t]:.2f}" if t in scores else "not run" for t in tasks]
-                mean = sum(scores[t] for t in rec["tasks"]) / len(rec["tasks"])
+                mean = ruler.mean_score(scores, rec["tasks"])
                 diff = "" if row["server"] == "dense" else f"{differ[row['server']]} of {len(rec['tasks'])}"
                 lines.append(f"| {MODEL_NAMES.get(rec['model'], rec['model'])} | {length} | {rec['limit']} | "
                              f"{row['server']} | " + " | ".join(cells) + f" | {mean:.2f} | {diff} |")

@@ -73,17 +73,34 @@ def read_scores(out_dir: str, tasks: list[str], length: int) -> dict[str, float]
     return {t: float(results[t][f"{length},none"]) for t in tasks}
 
 
+def mean_score(scores: dict[str, float], tasks: list[str]) -> float:
+    """A server's mean score over the tasks run (each RULER's string match, 0-1)."""
+    return sum(scores[t] for t in tasks) / len(tasks)
+
+
+def tasks_differing(rows: list[dict], tasks: list[str], length: str) -> dict[str, int]:
+    """server -> how many of `tasks` it scores differently from the dense server at `length` (dense: 0); empty
+    without a dense score at that length."""
+    dense = next((r["scores"].get(length) for r in rows if r["server"] == "dense"), None)
+    if dense is None:
+        return {}
+    return {r["server"]: sum(abs(r["scores"][length][t] - dense[t]) > 1e-9 for t in tasks)
+            for r in rows if length in r["scores"]}
+
+
 def table_markdown(rows: list[dict], tasks: list[str], lengths: list[int]) -> str:
-    """One row per server and length, a column per task and the mean over tasks."""
-    lines = ["| server | length | " + " | ".join(tasks) + " | mean |", "|" + "---|" * (len(tasks) + 3)]
-    for row in rows:
-        for length in lengths:
-            scores = row["scores"].get(str(length))
+    """One row per server and length, a column per task, the mean over tasks and how many differ from dense."""
+    lines = ["| server | length | " + " | ".join(tasks) + " | mean | tasks != dense |", "|" + "---|" * (len(tasks) + 4)]
+    for length in map(str, lengths):
+        differ = tasks_differing(rows, tasks, length)
+        for row in rows:
+            scores = row["scores"].get(length)
             if scores is None:
                 continue
-            vals = [scores[t] for t in tasks]
-            lines.append(f"| {row['server']} | {length} | " + " | ".join(f"{v:.2f}" for v in vals)
-                         + f" | {sum(vals) / len(vals):.2f} |")
+            diff = "" if row["server"] == "dense" or row["server"] not in differ else \
+                f"{differ[row['server']]} of {len(tasks)}"
+            lines.append(f"| {row['server']} | {length} | " + " | ".join(f"{scores[t]:.2f}" for t in tasks)
+                         + f" | {mean_score(scores, tasks):.2f} | {diff} |")
     return "\n".join(lines)
 
 

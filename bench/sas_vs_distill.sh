@@ -5,10 +5,12 @@
 #   bash bench/sas_vs_distill.sh OUT [STEP ...]        # default: every step, in order; a finished step is skipped
 #
 # Steps: train-distill, train-lm-sparse, train-lm-full (three arms from INIT_GATE, the same rows, the same
-# optimizer steps: equal tokens seen), arms (their training facts in OUT/arms.json), then eval (eval_ppl:
-# held-out and out-of-domain windows, every gate and the training-free baselines), analysis (per-layer mass coverage and cross-layer union recall), needle (through
-# a real server, per gate). Each step writes OUT/<step>.done; training steps resume from their own checkpoints
-# (--save-every, --resume), so a run stopped anywhere continues where it stopped.
+# optimizer steps: equal tokens seen), arms (their training facts in OUT/arms.json), then eval-heldout and
+# eval-ood (eval_ppl on held-out and out-of-domain windows, every gate and the training-free baselines; `eval`
+# runs both), analysis (per-layer mass coverage and cross-layer union recall), needle (through a real server,
+# per gate). Each step writes OUT/<step>.done; training steps resume from their own checkpoints (--save-every,
+# --resume), so a run stopped anywhere continues where it stopped. Steps are independent once the arms exist:
+# two invocations on the same OUT may run different steps side by side (one core each, THREADS=1).
 #
 # Knobs (environment): MODEL, INIT_GATE (default: the shipped gate), DATA (training sources), SEQ (row length),
 # TRAIN_LAST (queries trained per row), STEPS, LR, WARMUP, BUDGET (training budget), SINK/LOCAL (the served
@@ -20,7 +22,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:?usage: bash bench/sas_vs_distill.sh OUT [STEP ...]}"
 shift
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(train-distill train-lm-sparse train-lm-full arms eval analysis needle)
+[ ${#steps[@]} -gt 0 ] || steps=(train-distill train-lm-sparse train-lm-full arms eval-heldout eval-ood analysis needle)
 py="${PYTHON:-$here/.venv/bin/python}"
 model="${MODEL:-$here/models/SmolLM2-135M-Instruct}"
 init="${INIT_GATE:-$here/gate_checkpoints/smollm2-135m-instruct-sas}"
@@ -79,11 +81,16 @@ run_step() {
       timed "$1" train_arm train-lm-full --objective lm --scope full ;;
     arms)  # each arm's training facts in one record (OUT/arms.json), for bench/readme_tables.py
       "$py" bench/sas_vs_distill_arms.py "$out" --init "$init" ;;
-    eval)
+    eval)  # both evaluations, each recorded as its own step
+      for part in eval-heldout eval-ood; do
+        [ -f "$out/$part.done" ] || { run_step "$part"; touch "$out/$part.done"; }
+      done ;;
+    eval-heldout)
       # shellcheck disable=SC2046
       timed eval-heldout "$py" -m sas_backend.training.eval_ppl --model "$model" --data $eval_data --window "$seq" \
         --budgets $budgets $(gates_args) --gate-forced "$sink,$local_" --baselines sink-local oracle \
-        --max-windows "$windows" --split heldout --json "$out/quality-heldout.json" --resume --no-progress
+        --max-windows "$windows" --split heldout --json "$out/quality-heldout.json" --resume --no-progress ;;
+    eval-ood)
       # shellcheck disable=SC2046
       timed eval-ood "$py" -m sas_backend.training.eval_ppl --model "$model" --data $ood_data --window "$seq" \
         --budgets $budgets $(gates_args) --gate-forced "$sink,$local_" --baselines sink-local oracle \

@@ -30,8 +30,9 @@ kit); one sgl_kernel op vs torch. Stops at the first failure of a prerequisite a
 Tier 1, in this order: the standalone decode-step benchmark (bench_decode_step.py: Qwen3-4B shapes,
 every kernel vs its reference up to 128K, timings 8K..256K, batch 1 and 8, budgets 1024/2048/4096,
 per-op breakdown, roofline); the gated training kernel fwd+bwd vs the reference and SDPA
-(bench/bench_gated_attention.py); the kernel tests (tests/ops, the gated-attention kernel tests,
-FlashInfer sparse decode eager and in a CUDA graph) compiled on the GPU against their torch references.
+(bench/bench_gated_attention.py); the kernel tests (tests/ops, the fused decode step against the per-op
+step in tests/test_decode_step_object.py, the gated-attention kernel tests, FlashInfer sparse decode eager and in a
+CUDA graph) compiled on the GPU against their torch references.
 Tier 2: make a Qwen3-4B-shaped model (4 layers with random weights for the tests; 36 layers,
 `--load-format dummy`, for the benchmark) and seeded gates (make_model.py); the server tests
 (tests/gpu/test_server_gpu.py: graph == eager, covering budget == dense FlashInfer, memory
@@ -94,7 +95,8 @@ class Step:
 
 
 PYTEST = ["{py}", "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
-TIER1_TESTS = ["tests/ops", "tests/training/test_gated_attention.py", "tests/gpu/test_flashinfer_sparse_decode.py",
+TIER1_TESTS = ["tests/ops", "tests/test_decode_step_object.py", "tests/training/test_gated_attention.py",
+               "tests/gpu/test_flashinfer_sparse_decode.py",
                "tests/test_graph_branch.py", "tests/gpu/test_sas_training_gpu.py"]
 TIER2_TESTS = ["tests/gpu/test_server_gpu.py", "tests/gpu/test_decode_step_gpu.py"]
 TEST_MODEL, BENCH_MODEL = "{work}/models/qwen3-4b-4l", "{work}/models/qwen3-4b-shape"

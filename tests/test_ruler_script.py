@@ -49,12 +49,22 @@ def test_read_scores_takes_the_length_metric_and_refuses_a_missing_task(tmp_path
         ruler.read_scores(str(tmp_path / "model" / "none"), ["ruler_vt"], 4096)
 
 
-def test_table_has_a_row_per_server_and_length_and_the_mean():
+def test_table_has_a_row_per_server_and_length_the_mean_and_the_tasks_changed():
     import ruler
 
     rows = [{"server": "dense", "scores": {"4096": {"a": 1.0, "b": 0.5}}},
-            {"server": "sas b512", "scores": {"4096": {"a": 0.0, "b": 0.5}}}]
+            {"server": "sas b512", "scores": {"4096": {"a": 0.0, "b": 0.5}}},
+            {"server": "sas b2048", "scores": {"4096": {"a": 0.0, "b": 1.0}}}]
     lines = ruler.table_markdown(rows, ["a", "b"], [4096, 8192]).splitlines()
-    assert lines[2] == "| dense | 4096 | 1.00 | 0.50 | 0.75 |"
-    assert lines[3] == "| sas b512 | 4096 | 0.00 | 0.50 | 0.25 |"
-    assert len(lines) == 4  # no 8192 rows: not measured
+    assert lines[2] == "| dense | 4096 | 1.00 | 0.50 | 0.75 |  |"
+    assert lines[3] == "| sas b512 | 4096 | 0.00 | 0.50 | 0.25 | 1 of 2 |"
+    assert lines[4] == "| sas b2048 | 4096 | 0.00 | 1.00 | 0.50 | 2 of 2 |"
+    assert len(lines) == 5  # no 8192 rows: not measured
+    assert ruler.tasks_differing(rows, ["b"], "4096") == {"dense": 0, "sas b512": 0, "sas b2048": 1}
+
+
+def test_table_without_a_dense_server_leaves_the_comparison_empty():
+    import ruler
+
+    rows = [{"server": "sas b512", "scores": {"4096": {"a": 0.25}}}]
+    assert ruler.table_markdown(rows, ["a"], [4096]).splitlines()[2] == "| sas b512 | 4096 | 0.25 | 0.25 |  |"
