@@ -117,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", default=None, metavar="PARTIAL_JSON",
                     help="a killed run's .partial.json (same model, context and depths): its answers are kept, "
                          "only the missing (server, depth) pairs run; the result keeps its date and name")
+    ap.add_argument("--dense-from", default=None, metavar="NEEDLE_JSON",
+                    help="take the dense server's answers from an earlier record of the same model, context and "
+                         "depths instead of running it again (a study asking several gates the same prompts)")
     args = ap.parse_args(argv)
     args.gate = str(args.gate or default_gate(args.model))
     if args.quick:
@@ -150,6 +153,11 @@ def main(argv=None) -> int:
             sys.exit(f"[needle] {args.resume} was made for another model, context or depths; not resuming")
         date, tag = old["date"], old["tag"]
         done = {r["server"]: {a["depth"]: a for a in r["answers"]} for r in old["rows"]}
+    if args.dense_from:
+        old = json.loads(pathlib.Path(args.dense_from).read_text())
+        if {k: old.get(k) for k in key} != key:
+            sys.exit(f"[needle] {args.dense_from} was made for another model, context or depths; not reusing it")
+        done["dense"] = {a["depth"]: a for r in old["rows"] if r["server"] == "dense" for a in r["answers"]}
     partial = out / f"{tag}.partial.json"
 
     def save_partial(rows):  # a killed run (a session ending) keeps every answer so far
@@ -162,7 +170,7 @@ def main(argv=None) -> int:
         answers = [done[name][c["depth"]] for c in cases if c["depth"] in done.get(name, {})]
         rows.append({"server": name, "answers": answers})
         if len(answers) == len(cases):
-            print(f"[needle] {name}: every depth is in {args.resume}; not run again", flush=True)
+            print(f"[needle] {name}: every depth is in {args.resume or args.dense_from}; not run again", flush=True)
             continue
         print(f"[needle] starting {name} ...", flush=True)
         with Server(args.model, backend=backend, extra_args=common + extra) as server:
@@ -191,6 +199,7 @@ def main(argv=None) -> int:
         "date": date, "commit": git_state()["commit"], "model": repo_relative(args.model),
         "gate": repo_relative(args.gate),
         "context_tokens": args.context, "server_flags": common, "rows": rows,
+        "dense_answers_from": args.dense_from and repo_relative(args.dense_from),
         "cases": [{k: v for k, v in c.items() if k != "prompt"} for c in cases],
         "needle": NEEDLE, "question": QUESTION, "wall_s": round(time.time() - started, 1),
         "command": " ".join(shlex.quote(a)

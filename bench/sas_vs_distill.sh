@@ -100,11 +100,14 @@ run_step() {
       timed analysis "$py" -m sas_backend.training.analysis --model "$model" --data $eval_data --window "$seq" \
         --budgets $budgets $(gates_args) --gate-forced "$sink,$local_" --baselines sink-local quest \
         --max-windows "$windows" --split heldout --json "$out/analysis.json" --no-progress ;;
-    needle)
+    needle)  # the same prompts for every gate: dense is asked once, by the first gate's run
+      local first="" dense=()
       for gate in $(gates_args | tr ' ' '\n' | grep '=' ); do
         name="${gate%%=*}" dir="${gate#*=}"
+        [ -n "$first" ] && dense=(--dense-from "$first")
         timed "needle-$name" "$py" bench/needle.py --model "$model" --gate "$dir" --budgets $budgets \
-          --selectors gate --gate-forced "$sink,$local_" --tag "$name" --out "$out"
+          --selectors gate --gate-forced "$sink,$local_" --tag "$name" --out "$out" "${dense[@]}"
+        [ -n "$first" ] || first="$(ls -t "$out"/needle-*-"$name".json | head -1)"
       done ;;
     *) echo "unknown step $1" >&2; exit 2 ;;
   esac

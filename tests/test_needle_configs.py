@@ -39,3 +39,44 @@ def test_prompt_anchors_go_to_ranking_selectors_only():
     for _, _, extra in configs[1:3]:
         assert extra[extra.index("--sas-prompt-anchors") + 1] == "4"
     assert "--sas-prompt-anchors" not in configs[0][2] + configs[3][2]
+
+
+def test_dense_from_reuses_an_earlier_records_dense_answers(tmp_path, monkeypatch):
+    """--dense-from: a second gate's run asks only its own servers; the dense row is the earlier record's."""
+    import json
+
+    import pytest
+
+    import needle
+
+    if not pathlib.Path(needle.DEFAULT_MODEL).exists():
+        pytest.skip("the default model is not prepared (serve/prepare_model.py)")
+    launched = []
+
+    class FakeServer:
+        def __init__(self, model, backend, extra_args):
+            launched.append(backend)
+            self.url = "http://fake"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(needle, "Server", FakeServer)
+    monkeypatch.setattr(needle, "ask", lambda url, prompt: f"{len(launched)}: {needle.CODES[0]}")
+    common = ["--depths", "0.3", "--context", "256", "--budgets", "512", "--selectors", "gate", "--out", str(tmp_path)]
+    assert needle.main([*common, "--tag", "first"]) == 0
+    assert launched == ["torch_native", "sas"]
+    first = next(tmp_path.glob("needle-*-first.json"))
+    launched.clear()
+    assert needle.main([*common, "--tag", "second", "--dense-from", str(first)]) == 0
+    assert launched == ["sas"]  # dense not asked again
+    second = json.loads(next(tmp_path.glob("needle-*-second.json")).read_text())
+    dense = [r for r in second["rows"] if r["server"] == "dense"][0]["answers"]
+    assert dense == [r for r in json.loads(first.read_text())["rows"] if r["server"] == "dense"][0]["answers"]
+    assert dense[0]["answer"].startswith("1:") and dense[0]["recalled"]
+    assert second["dense_answers_from"].endswith(first.name)
+    with pytest.raises(SystemExit, match="another model, context or depths"):
+        needle.main([*common[:2], "--context", "300", *common[4:], "--tag", "third", "--dense-from", str(first)])
