@@ -378,12 +378,17 @@ def block_qwen_needle(page: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
-# Issue 50's head-to-head (bench/sas_vs_distill.sh): three arms from the shipped SmolLM2 gate on the same rows.
+# Issue 50's head-to-head (bench/sas_vs_distill.sh): three arms from a shipped gate on the same rows, per model.
 SVD = "2026-12-02-sas-vs-distill"
+SVD_QWEN = "2026-12-02-sas-vs-distill-qwen"
 SVD_ARMS = (("shipped", "the shipped gate (the start)"), ("distill", "(a) more distillation"),
             ("lm-sparse", "(b) SAS objective, sparse scope"), ("lm-full", "(c) SAS objective, full scope"))
-SVD_FILES = {"heldout": f"{SVD}/quality-heldout.json", "ood": f"{SVD}/quality-ood.json",
-             "analysis": f"{SVD}/analysis.json", "arms": f"{SVD}/arms.json"}
+
+
+def svd_files(study: str) -> Dict[str, str]:
+    """A head-to-head study's records (results-relative paths)."""
+    return {"heldout": f"{study}/quality-heldout.json", "ood": f"{study}/quality-ood.json",
+            "analysis": f"{study}/analysis.json", "arms": f"{study}/arms.json"}
 
 
 def paired(res: dict, a: str, b: str, budget: int) -> Tuple[float, float]:
@@ -410,10 +415,11 @@ def svd_vs_start(res: dict, arm: str, budget: int) -> Tuple[float, float, str]:
     return mean, two_se, "within noise" if abs(mean) <= two_se else ("better" if mean < 0 else "worse")
 
 
-def block_sas_vs_distill(page: pathlib.Path) -> str:
-    """The head-to-head's table (docs/quality.md): each arm's perplexity change vs dense, its paired change vs
+def block_sas_vs_distill(page: pathlib.Path, study: str = SVD) -> str:
+    """A head-to-head's table (docs/quality.md): each arm's perplexity change vs dense, its paired change vs
     the start with its noise, coverage and union recall, at each budget."""
-    held, ood, ana, arms = (record(SVD_FILES[k]) for k in ("heldout", "ood", "analysis", "arms"))
+    files = svd_files(study)
+    held, ood, ana, arms = (record(files[k]) for k in ("heldout", "ood", "analysis", "arms"))
     bs = budgets(held)
     lines = [f"| gate (objective, steps) | budget | held-out ({' '.join(held['data']['sources'])}, {windows(held)}): "
              f"vs dense, vs start | out-of-domain ({' '.join(ood['data']['sources'])}, {windows(ood)}): vs dense, "
@@ -434,7 +440,7 @@ def block_sas_vs_distill(page: pathlib.Path) -> str:
     for base in ("sink-local", "oracle"):
         for b in bs:
             lines.append(f"| {base} | {b} | {change(held, base, b):+.2f}% | {change(ood, base, b):+.2f}% | | |")
-    needles = svd_needles()
+    needles = svd_needles(study)
     if needles:
         lines.append("")
         lines.append("| gate | needle at budget 2048, depths recalled | dense, the same prompts | record |")
@@ -443,7 +449,7 @@ def block_sas_vs_distill(page: pathlib.Path) -> str:
             if arm in needles:
                 rel, got, dense = needles[arm]
                 lines.append(f"| {label} | {got} | {dense} | [{pathlib.Path(rel).name}]({link(rel, page)}) |")
-    refs = ", ".join(f"[{k}]({link(v, page)})" for k, v in SVD_FILES.items())
+    refs = ", ".join(f"[{k}]({link(v, page)})" for k, v in files.items())
     start, run = arms["shipped"], arms["distill"]
     lines += ["", f"The shipped gate's steps are its last stage's. Every arm starts from it (`objective: "
               f"{start['objective']}`) and trains "
@@ -456,11 +462,11 @@ def block_sas_vs_distill(page: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
-def svd_needles() -> Dict[str, Tuple[str, str, str]]:
+def svd_needles(study: str) -> Dict[str, Tuple[str, str, str]]:
     """arm -> (record, gate's depths recalled at budget 2048, dense's) for each needle record of the study
     (needle-DATE-ARM.json: bench/needle.py --tag ARM)."""
     out = {}
-    for path in sorted((RESULTS / SVD).glob("needle-*.json")):
+    for path in sorted((RESULTS / study).glob("needle-*.json")):
         rel = str(path.relative_to(RESULTS))
         rec = record(rel)
         tag = path.stem.split("-", 4)[-1]
@@ -476,9 +482,10 @@ def analysis_windows(ana: dict) -> str:
     return f"{plural(ana['windows'], 'window')} of {ana['window']} tokens"
 
 
-def svd_summary(page: pathlib.Path) -> str:
+def svd_summary(study: str) -> str:
     """One sentence: which arm, if any, beats the shipped gate beyond noise at the serving budget, per text."""
-    held, ood, arms = record(SVD_FILES["heldout"]), record(SVD_FILES["ood"]), record(SVD_FILES["arms"])
+    files = svd_files(study)
+    held, ood, arms = record(files["heldout"]), record(files["ood"]), record(files["arms"])
     b = max(budgets(held))
     parts = []
     for arm, label in SVD_ARMS[1:]:
@@ -497,7 +504,7 @@ def block_objectives(page: pathlib.Path) -> str:
     return (f"Both shipped gates were trained by distillation (SmolLM2: `objective: {smol['training']['objective']}`, "
             f"Qwen: `objective: {qwen['training']['objective']}`), not by SAS's own next-token objective. From the "
             f"shipped SmolLM2 gate on the same tokens ([study](docs/quality.md#sas-objective-against-distillation)): "
-            f"{svd_summary(page)}.")
+            f"{svd_summary(SVD)}.")
 
 
 def block_soak(page: pathlib.Path) -> str:
