@@ -17,7 +17,8 @@ because their data is downloaded: niah_single_2/3, niah_multikey_1, niah_multiva
 Graham essays fetched over HTTP) and ruler_qa_squad / ruler_qa_hotpot (SQuAD / HotpotQA from the Hub).
 
 Writes OUT/ruler-<date>[-TAG].{json,md}: each server's score per task and length (RULER's string match,
-0-1), the lm_eval command, versions, seconds; a killed run resumes from its .partial.json (--resume).
+0-1), its answer to every sample (target, response, score), the lm_eval command, versions, seconds; a killed run
+resumes from its .partial.json (--resume).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def lm_eval_cmd(model: str, url: str, tasks: list[str], length: int, limit: int,
     return [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
             "--tasks", ",".join(tasks), "--limit", str(limit),
             "--metadata", json.dumps({"max_seq_lengths": [length], "pretrained": model}),
-            "--output_path", out_dir, "--seed", "0"]
+            "--output_path", out_dir, "--seed", "0", "--log_samples"]
 
 
 def read_scores(out_dir: str, tasks: list[str], length: int) -> dict[str, float]:
@@ -71,6 +72,24 @@ def read_scores(out_dir: str, tasks: list[str], length: int) -> dict[str, float]
     if missing:
         raise RuntimeError(f"lm_eval's results lack {missing} at length {length}: {files[-1]}")
     return {t: float(results[t][f"{length},none"]) for t in tasks}
+
+
+def read_samples(out_dir: str, tasks: list[str], length: int) -> dict[str, list[dict]]:
+    """task -> its samples' {doc_id, target, response, score} from lm_eval's samples_<task>_*.jsonl (--log_samples):
+    what each server answered, so a changed score can be read as a changed answer."""
+    out = {}
+    for task in tasks:
+        files = sorted(pathlib.Path(out_dir).rglob(f"samples_{task}_*.jsonl"))
+        if not files:
+            raise RuntimeError(f"lm_eval wrote no samples of {task} under {out_dir} (--log_samples)")
+        rows = []
+        for line in files[-1].read_text().splitlines():
+            ex = json.loads(line)
+            resp = ex["filtered_resps"][0]
+            rows.append({"doc_id": ex["doc_id"], "target": ex["target"],
+                         "response": resp[0] if isinstance(resp, list) else resp, "score": ex.get(str(length))})
+        out[task] = sorted(rows, key=lambda r: r["doc_id"])
+    return out
 
 
 def mean_score(scores: dict[str, float], tasks: list[str]) -> float:
@@ -154,6 +173,7 @@ def main(argv=None) -> int:
                     cmd = lm_eval_cmd(args.model, server.url, args.tasks, length, args.limit, tmp)
                     subprocess.run(cmd, check=True)
                     row["scores"][str(length)] = read_scores(tmp, args.tasks, length)
+                    row.setdefault("samples", {})[str(length)] = read_samples(tmp, args.tasks, length)
                 row["seconds"][str(length)] = round(time.time() - t, 1)
                 partial.write_text(json.dumps({**key, "date": date, "tag": tag, "rows": rows}, indent=1))
                 print(f"[ruler] {name} at {length}: {row['scores'][str(length)]} ({row['seconds'][str(length)]} s)",

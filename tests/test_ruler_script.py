@@ -31,6 +31,7 @@ def test_lm_eval_command_one_length_and_its_tokenizer():
     assert args["tokenized_requests"] == "False"  # strings: SGLang tokenizes
     assert json.loads(cmd[cmd.index("--metadata") + 1]) == {"max_seq_lengths": [8192], "pretrained": "m"}
     assert cmd[cmd.index("--tasks") + 1] == "niah_single_1,ruler_vt"
+    assert "--log_samples" in cmd  # each answer kept (read_samples)
     assert not set(ruler.LOCAL_TASKS) & set(ruler.DOWNLOADED_TASKS)
 
 
@@ -68,3 +69,18 @@ def test_table_without_a_dense_server_leaves_the_comparison_empty():
 
     rows = [{"server": "sas b512", "scores": {"4096": {"a": 0.25}}}]
     assert ruler.table_markdown(rows, ["a"], [4096]).splitlines()[2] == "| sas b512 | 4096 | 0.25 | 0.25 |  |"
+
+
+def test_read_samples_keeps_each_answer_and_its_score(tmp_path):
+    import ruler
+
+    sub = tmp_path / "model"
+    sub.mkdir()
+    lines = [{"doc_id": 1, "target": ["b"], "filtered_resps": [["no"]], "4096": 0.0, "doc": {"input": "long"}},
+             {"doc_id": 0, "target": ["a"], "filtered_resps": ["a"], "4096": 1.0}]
+    (sub / "samples_ruler_vt_2026-12-03T10.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    got = ruler.read_samples(str(tmp_path), ["ruler_vt"], 4096)
+    with pytest.raises(RuntimeError, match="niah_single_1"):
+        ruler.read_samples(str(tmp_path), ["ruler_vt", "niah_single_1"], 4096)
+    assert got == {"ruler_vt": [{"doc_id": 0, "target": ["a"], "response": "a", "score": 1.0},
+                                {"doc_id": 1, "target": ["b"], "response": "no", "score": 0.0}]}
