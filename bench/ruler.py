@@ -175,6 +175,8 @@ def main(argv=None) -> int:
                     row["scores"][str(length)] = read_scores(tmp, args.tasks, length)
                     row.setdefault("samples", {})[str(length)] = read_samples(tmp, args.tasks, length)
                 row["seconds"][str(length)] = round(time.time() - t, 1)
+                # per row: a resumed run's record holds rows that ran on other code
+                row["commit"], row["dirty_at_start"] = code["commit"], code["dirty"]
                 partial.write_text(json.dumps({**key, "date": date, "tag": tag, "rows": rows}, indent=1))
                 print(f"[ruler] {name} at {length}: {row['scores'][str(length)]} ({row['seconds'][str(length)]} s)",
                       flush=True)
