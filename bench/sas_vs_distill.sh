@@ -10,7 +10,8 @@
 # runs both), analysis (per-layer mass coverage and cross-layer union recall), needle (through a real server,
 # per gate). Each step writes OUT/<step>.done; training steps resume from their own checkpoints (--save-every,
 # --resume), so a run stopped anywhere continues where it stopped. Steps are independent once the arms exist:
-# two invocations on the same OUT may run different steps side by side (one core each, THREADS=1).
+# two invocations on the same OUT may run different steps side by side (one core each, THREADS=1), memory
+# permitting: one Qwen2.5-0.5B arm at 8K rows holds 10-14 GB, so two arms at once overran 24 GiB.
 #
 # Knobs (environment): MODEL, INIT_GATE (default: the shipped gate), DATA (training sources), SEQ (row length),
 # TRAIN_LAST (queries trained per row), STEPS, LR, WARMUP, BUDGET (training budget), SINK/LOCAL (the served
@@ -62,10 +63,11 @@ train_arm() {  # name objective-args...
     --warmup "$warmup" --batch-size 1 --seed 0 --save-every 5 "${resume[@]}" --no-progress "$@"
 }
 
-gates_args() {  # --gate NAME=DIR for the starting gate and every finished arm
+gates_args() {  # --gate NAME=DIR for the starting gate and every finished arm (its step done: a stopped arm's
+  # periodic save is a gate file too, of fewer steps)
   local args=(--gate "shipped=$init")
   for arm in distill lm-sparse lm-full; do
-    [ -f "$out/train-$arm/gate.safetensors" ] && args+=(--gate "$arm=$out/train-$arm")
+    [ -f "$out/train-$arm.done" ] && args+=(--gate "$arm=$out/train-$arm")
   done
   echo "${args[@]}"
 }
