@@ -44,7 +44,9 @@ def scheduler_pool_state(scheduler) -> dict:
     `cached` (held only by the radix cache, evictable), `in_use` (held by queued or running
     requests: total - free - cached). `summary_rows`: `total` (rows for real pages), `reclaimable`
     (rows of free or cached pages), `held` (rows of pages in use); `idle`: no request queued or
-    running; `leak_warnings`: SGLang's idle memory check's warning count (None where it keeps none).
+    running; `leak_warnings`: SGLang's idle memory check's warning count (None where it keeps none);
+    `decode_steps`: the sas backend's decode and verify steps so far, `{"sparse": n, "dense": n}` (None on
+    another backend).
     """
     backend = _attn_backend(scheduler)
     page = int(getattr(backend, "block_size", 0) or getattr(scheduler, "page_size", 1) or 1)
@@ -74,6 +76,8 @@ def scheduler_pool_state(scheduler) -> dict:
     warnings = getattr(checker, "count_memory_leak_warnings", None)
     state["leak_warnings"] = None if warnings is None else int(warnings)
     state["gate_sha256"] = getattr(backend, "gate_sha256", None)  # of the gate this scheduler loaded
+    steps = getattr(backend, "decode_steps", None)  # {"sparse": n, "dense": n} on a sas backend
+    state["decode_steps"] = dict(steps) if isinstance(steps, dict) else None
     state["pid"] = os.getpid()
     return state
 

@@ -235,3 +235,32 @@ def test_rope_table_reallocation_is_followed_eagerly_and_refused_after_capture()
     # Nothing was adopted: the captured tables are the ones the backend still reads.
     assert (be.model_rope_table.data_ptr(), be.gate_rope_table.data_ptr()) == captured
     assert (be.rope_tables._model.data_ptr(), be.rope_tables._gate.data_ptr()) == captured
+
+
+def test_decode_steps_are_counted_by_path_and_captures_are_not():
+    """The backend's step counts (GET /sas/info's pool state: did a workload decode sparsely?): a replay and an
+    eager sparse step count as sparse, an eager step of short requests only (CPU: the covering dense decode) as
+    dense, the capture and its warm-ups not at all."""
+    from types import SimpleNamespace
+
+    from sas_backend.pool_state import scheduler_pool_state
+
+    rig = Rig(3)  # K = 3 blocks of 8: a step selects when its longest request holds more than 32 tokens
+    rig.add_request(0, 70)
+    rig.add_request(1, 15)
+    static = Static(MAX_BS, rig.backend.get_cuda_graph_seq_len_fill_value())
+    static.load(rig.step_inputs([1, 0]))
+    graph, _ = capture(rig, static)
+    assert rig.backend.decode_steps == {"sparse": 0, "dense": 0}
+    static.load(rig.step_inputs([0, 1]))
+    rig.backend.init_forward_metadata_out_graph(static.fb())
+    graph.replay()
+    assert rig.backend.decode_steps == {"sparse": 1, "dense": 0}
+    for reqs, want in (([1], {"sparse": 1, "dense": 1}), ([0, 1], {"sparse": 2, "dense": 1})):
+        inp = rig.step_inputs(reqs)
+        fb = decode_fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], len(reqs))
+        rig.backend.init_forward_metadata(fb)
+        decode_layers(rig, fb, inp["qkv"])
+        assert rig.backend.decode_steps == want
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=rig.backend)))
+    assert scheduler_pool_state(scheduler)["decode_steps"] == {"sparse": 2, "dense": 1}

@@ -57,7 +57,8 @@ def _passing_report():
         "summary": {"results": {"ok": 10, "client_abort": 2}, "unexpected": []},
         "probes": {"tokens_equal": True},
         "pool_idle_after": {"idle": True, "kv_pages": pages, "summary_rows": rows},
-        "pool_after_flush": {"kv_pages": dict(pages, free=128, cached=0), "leak_warnings": 0},
+        "pool_after_flush": {"kv_pages": dict(pages, free=128, cached=0), "leak_warnings": 0,
+                             "decode_steps": {"sparse": 40, "dense": 12}},
         "log": {"leak_lines": 0, "tracebacks": 0},
         "rss_bytes": {"growth_after_warmup": 100 * 2**20},
         "server_alive": True,
@@ -76,6 +77,8 @@ def _passing_report():
     (lambda r: r["log"].update(tracebacks=1), "server log"),
     (lambda r: r["rss_bytes"].update(growth_after_warmup=300 * 2**20), "RSS grew"),
     (lambda r: r.update(server_alive=False), "died"),
+    (lambda r: r["pool_after_flush"]["decode_steps"].update(sparse=0), "no decode step was sparse"),
+    (lambda r: r["pool_after_flush"].update(decode_steps=None), "no decode step was sparse"),
 ])
 def test_each_check_can_fail(break_it, message):
     assert failures(_passing_report(), 256 * 2**20) == []
@@ -89,6 +92,7 @@ def test_a_dense_backend_has_no_summary_rows_to_check():
     report = _passing_report()
     report["backend"] = "torch_native"
     del report["pool_idle_after"]["summary_rows"]
+    report["pool_after_flush"]["decode_steps"] = None
     assert failures(report, 256 * 2**20) == []
 
 

@@ -169,6 +169,9 @@ class SASAttnBackend(AttentionBackend):
         self.own_cpu_extend = bool(own_cpu_extend)
         self._extend_reqs = None  # (req rows, prefix lens, extend lens) host ints, for own_cpu_extend
         self._debug_step = 0
+        # Decode and verify steps served so far, by path (host counts, read by /sas/info's pool state): whether
+        # a workload really decoded sparsely. Captures are not steps and are not counted.
+        self.decode_steps = {"sparse": 0, "dense": 0}
         # Dense steps under CUDA graphs: the flags of the two captured branches (init_cuda_graph_state;
         # None: graph steps always select).
         self._branch: Optional[BranchFlags] = None
@@ -203,6 +206,7 @@ class SASAttnBackend(AttentionBackend):
             if mode.is_target_verify() and not self.on_device:
                 check_chain(forward_batch, draft_tokens(forward_batch))
             self._plan = self._plan_decode(forward_batch, graph_bs=None)
+            self._count_step(self._plan)
             self._extend_blocks = self._extend_reqs = self._extend_last = None
             # The wrapped backend's decode metadata (on CUDA a full-KV plan) is read only by dense
             # layers: those below first_sparse_layer, or all of them in a dense step.
@@ -256,6 +260,8 @@ class SASAttnBackend(AttentionBackend):
             )
         self._follow_rope_tables()
         self._plan = self._plan_decode(forward_batch, graph_bs=forward_batch.batch_size)
+        if not in_capture:
+            self._count_step(self._plan)
         self._extend_blocks = None
         # From the first out_graph on, captured layers may hold the tables' addresses.
         self.rope_tables.freeze()
@@ -279,6 +285,9 @@ class SASAttnBackend(AttentionBackend):
                                "lengths), which the sas backend plans every decode step from; the SGLang path that "
                                "built it is not one the backend supports")
         return seq_lens_cpu.to(torch.int64)
+
+    def _count_step(self, plan: DecodePlan) -> None:
+        self.decode_steps["dense" if plan.dense else "sparse"] += 1
 
     def _plan_decode(self, fb, graph_bs) -> DecodePlan:
         """Host part of a decode or verify step (outside any CUDA graph): the step object's frozen plan. A verify

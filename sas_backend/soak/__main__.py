@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     s = report["summary"]
     print(f"[soak] {s['requests']} requests in {report['wall_s'] / 60:.1f} min: {s['results']}; "
           f"retracted {report['log']['retracted_requests']}, max queue {report['log']['max_queue']}; "
-          f"probes equal {report['probes']['tokens_equal']}; pages after flush "
+          f"probes equal {report['probes']['tokens_equal']}; decode steps "
+          f"{report['pool_after_flush'].get('decode_steps')}; pages after flush "
           f"{report['pool_after_flush']['kv_pages']}; RSS growth {report['rss_bytes']['growth'] / 2**20:.1f} MiB "
           f"({report['rss_bytes']['growth_after_warmup'] / 2**20:.1f} after warm-up)")
     for b in bad:

@@ -271,6 +271,9 @@ def failures(report: dict, rss_bound_bytes: int) -> List[str]:
     if report["rss_bytes"]["growth_after_warmup"] > rss_bound_bytes:
         bad.append(f"RSS grew {report['rss_bytes']['growth_after_warmup'] / 2**20:.0f} MiB after warm-up "
                    f"(bound {rss_bound_bytes / 2**20:.0f} MiB)")
+    steps = report["pool_after_flush"].get("decode_steps")
+    if sas and not (steps or {}).get("sparse"):  # a soak that never selected proves nothing about sparse decode
+        bad.append(f"no decode step was sparse: {steps}")
     if not report["server_alive"]:
         bad.append("the server died")
     return bad

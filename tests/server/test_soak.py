@@ -48,6 +48,10 @@ def test_soak_small(tmp_path):
     pages = report["pool_after_flush"]["kv_pages"]
     assert pages["free"] == pages["total"] == POOL // 64
     assert report["pool_idle_after"]["summary_rows"]["held"] == 0
+    # Sparse steps really ran: every step of a batch holding one of the >= 3 prompts over 576 tokens selects (on
+    # CPU a batch of short requests only runs the dense decode, which a covering budget equals).
+    steps = report["pool_after_flush"]["decode_steps"]
+    assert steps["sparse"] >= 10, steps
     flags = report["server_args"]  # what the server ran with, the harness's own flags included
     assert flags[flags.index("--max-total-tokens") + 1] == str(POOL) and "--sleep-on-idle" in flags
     assert "--dtype" in flags or ON_GPU
