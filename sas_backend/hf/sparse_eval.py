@@ -19,13 +19,15 @@ from typing import Dict, Optional
 import torch
 
 from sas_backend.gate.module import AttnGate
+from sas_backend.hf.candidates import candidate_scores, is_candidate
 from sas_backend.ops.anchors import block_mass, force_anchors, top_anchors
 from sas_backend.selection import SelectionRule, make_selector
 
 ATTN_NAME = "sas_sparse_eval"
 # The server's selectors, plus evaluation-only references: "oracle" ranks blocks by their true
 # attention mass (max over the kv group's query heads, from the dense softmax), "random" draws
-# scores (seeded by layer), "dense" attends everything.
+# scores (seeded by layer), "dense" attends everything. Candidate selectors for long context
+# (`hf.candidates`: exactmax, pairs<R>, gatesub<S>) are accepted by name too.
 SERVER_SELECTORS = ("gate", "quest", "sink-local")
 SELECTORS = SERVER_SELECTORS + ("oracle", "random", "dense")
 # What block summaries can be stored in (`SparseEvalSpec.summary_dtype`), by the names the CLIs take.
@@ -52,6 +54,7 @@ class SparseEvalSpec:
     projections and both RMSNorm weights): torch.float32 (default: the weights as loaded) or torch.bfloat16
     (rounded to bf16 and read back as fp32, as an fp32-computing kernel reading a bf16 copy of them sees them;
     `AttnGate.read_as`). The other selectors have no gate.
+    index: `{layer: [H_kv, R]}` RoPE channel pairs of the `pairs<R>` candidate (`hf.candidates.calibrate_pairs`).
     """
 
     top_k: int
@@ -65,14 +68,16 @@ class SparseEvalSpec:
     anchors: Optional[Dict[int, torch.Tensor]] = None
     summary_dtype: torch.dtype = torch.float32
     gate_dtype: torch.dtype = torch.float32
+    index: Optional[Dict[int, torch.Tensor]] = None
 
     def __post_init__(self):
         for field, allowed in (("summary_dtype", SUMMARY_DTYPES), ("gate_dtype", GATE_DTYPES)):
             if getattr(self, field) not in allowed.values():
                 raise ValueError(f"{field} must be torch.float32 or torch.bfloat16, got {getattr(self, field)!r}")
-        if self.selector not in SELECTORS:
-            raise ValueError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
-        if self.selector == "gate" and not self.gates:
+        if self.selector not in SELECTORS and not is_candidate(self.selector):
+            raise ValueError(f"selector must be one of {SELECTORS} or a candidate (hf.candidates), "
+                             f"got {self.selector!r}")
+        if (self.selector == "gate" or self.selector.startswith("gatesub")) and not self.gates:
             raise ValueError("the gate selector needs gates")
 
 
@@ -121,6 +126,13 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
     if spec.selector == "random":
         g = torch.Generator().manual_seed(1000 + layer_idx)
         return selector, torch.rand(positions.numel(), h_kv, m, generator=g).to(q_post.device), n_cand
+    if is_candidate(spec.selector):
+        gates = {layer_idx: spec.gates[layer_idx].read_as(spec.gate_dtype)} if spec.gates else None
+        scores = candidate_scores(spec.selector, layer_idx, q_post, k_post, positions, b, model_table, gate_table,
+                                  gates, spec.index)
+        if spec.anchors is not None and layer_idx in spec.anchors:
+            scores = force_anchors(scores, spec.anchors[layer_idx].expand(positions.numel(), -1, -1), n_cand)
+        return selector, scores, n_cand
     gate = spec.gates[layer_idx].read_as(spec.gate_dtype) if spec.selector == "gate" else None
     pages = torch.arange(n_blocks, device=q_post.device)
     summaries = selector.summarize(gate, k_post, pages, pages * b, model_table, gate_table)  # [NB, H_kv, S]

@@ -1,0 +1,169 @@
+"""Candidate long-context selectors (`hf.candidates`) against plain loop statements of their rules, and
+served through the harness (`hf.sparse_eval`): a per-token max over complete blocks before each query's own,
+RoPE pairs as exact partial dot products, the gate over sub-blocks with S = b equal to the gate itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sas_backend.gate.module import AttnGate
+from sas_backend.hf.candidates import (
+    calibrate_pairs, candidate_scores, gate_sub_scores, is_candidate, pair_dims, token_max_scores,
+)
+from sas_backend.hf.sparse_eval import SparseEvalSpec, block_scores, model_rope_table, sparse_eval
+
+B = 16
+
+
+def _loop_token_max(q, k, positions, b, dims=None):
+    """The rule written out: block m (complete, m < pos // b) scores max_{t in m, g} sum_{c in dims} q[g,c] k[t,c]."""
+    p_cnt, h_q, d = q.shape
+    t, h_kv, _ = k.shape
+    g = h_q // h_kv
+    m_w = max(t // b, 1)
+    out = torch.full((p_cnt, h_kv, m_w), float("-inf"))
+    for p in range(p_cnt):
+        for h in range(h_kv):
+            chans = list(range(d)) if dims is None else dims[h].tolist()
+            for m in range(int(positions[p]) // b):
+                best = max(float(sum(q[p, h * g + j, c] * k[tok, h, c] for c in chans))
+                           for j in range(g) for tok in range(m * b, (m + 1) * b))
+                out[p, h, m] = best
+    return out
+
+
+@pytest.mark.parametrize("group", [1, 3, 7])
+def test_token_max_matches_the_loop(group):
+    torch.manual_seed(group)
+    h_kv, d, t = 2, 8, 5 * B + 7  # a partial last block
+    q = torch.randn(4, h_kv * group, d)
+    k = torch.randn(t, h_kv, d)
+    positions = torch.tensor([5, 16, 40, t - 1])  # no candidate, one, two, all complete before its own
+    want = _loop_token_max(q, k, positions, B)
+    assert torch.allclose(token_max_scores(q, k, positions, B), want, atol=1e-5)
+    dims = torch.tensor([[0, 3, 4, 7], [1, 2, 5, 6]])
+    assert torch.allclose(token_max_scores(q, k, positions, B, dims), _loop_token_max(q, k, positions, B, dims),
+                          atol=1e-5)
+    assert torch.isinf(token_max_scores(q, k, positions, B)[0]).all()
+
+
+def test_pairs_are_rotation_invariant_shares_of_qk():
+    """A RoPE pair's partial dot is the same before and after rotating q and k by their positions' angles
+    relative to each other: pairs (i, i + D/2) are what RoPE rotates, so the candidate is position-exact."""
+    torch.manual_seed(0)
+    d = 8
+    pairs = torch.tensor([[1, 3]])
+    dims = pair_dims(pairs, d)[0]
+    assert dims.tolist() == [1, 3, 5, 7]
+    q, k = torch.randn(d), torch.randn(d)
+
+    def rot(x, angle):
+        half = d // 2
+        theta = angle * torch.arange(1, half + 1).float()
+        c, s = torch.cos(theta), torch.sin(theta)
+        return torch.cat([x[:half] * c - x[half:] * s, x[half:] * c + x[:half] * s])
+
+    before = (rot(q, 5.0)[dims] * rot(k, 2.0)[dims]).sum()
+    after = (rot(q, 9.0)[dims] * rot(k, 6.0)[dims]).sum()  # the same relative offset
+    assert torch.allclose(before, after, atol=1e-5)
+
+
+def test_calibration_prefers_pairs_that_spread_scores():
+    """A pair with huge but constant products (every key the same there) must lose to a pair whose products
+    vary across keys, however small."""
+    torch.manual_seed(0)
+    t, d = 128, 8
+    q = torch.randn(t, 2, d) * 0.1
+    k = torch.randn(t, 1, d) * 0.1
+    q[..., 0] = 100.0  # pair 0: large, constant
+    k[..., 0] = 100.0
+    q[..., 2] = 1.0  # pair 2 (dims 2, 6): keys vary
+    k[..., 2] = torch.randn(t, 1) * 3
+    chosen = calibrate_pairs(q, k, 1)
+    assert chosen.tolist() == [[2]]
+
+
+def test_pair_spread_is_the_variance_over_causal_keys():
+    """The prefix-sum form equals the statement: per sampled query i and head, the variance over keys j <= i
+    of the pair's share of q.k, averaged."""
+    from sas_backend.hf.candidates import pair_spread
+
+    torch.manual_seed(2)
+    t, d, h_kv, g = 40, 8, 2, 3
+    q, k = torch.randn(t, h_kv * g, d), torch.randn(t, h_kv, d)
+    got = pair_spread(q, k, queries=7, seed=5)
+    rows = torch.randint(t // 2, t, (7,), generator=torch.Generator().manual_seed(5))
+    want = torch.zeros(h_kv, d // 2)
+    for h in range(h_kv):
+        for p in range(d // 2):
+            vals = []
+            for i in rows.tolist():
+                for j in range(g):
+                    c = torch.tensor([float(q[i, h * g + j, p] * k[x, h, p] + q[i, h * g + j, p + d // 2]
+                                            * k[x, h, p + d // 2]) for x in range(i + 1)])
+                    vals.append(float(c.var(unbiased=False)))
+            want[h, p] = sum(vals) / len(vals)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_gate_over_whole_blocks_is_the_gate():
+    """gatesub<b> is the gate's own score: one sub-block per block, summarized and scored as the server does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sas_backend.geometry import ModelGeometry, gate_rope_table
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    gate = AttnGate(2, 2, 16, 32)
+    for p in gate.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    table = model_rope_table(model, 256)
+    gtable = gate_rope_table(32, ModelGeometry.from_hf_config(cfg), 256)
+    t = 6 * B + 3
+    k = torch.randn(t, 2, 16)
+    q = torch.randn(3, 4, 16)
+    positions = torch.tensor([20, 70, t - 1])
+    spec = SparseEvalSpec(top_k=2, block_size=B, selector="gate", gates={0: gate})
+    want = block_scores(spec, 0, q, k, positions, table, gtable)
+    got = gate_sub_scores(gate, q, k, positions, table, gtable, B, B)
+    assert torch.allclose(got, want, atol=1e-5)
+    finer = gate_sub_scores(gate, q, k, positions, table, gtable, B, B // 4)
+    assert not torch.allclose(finer, want)  # finer pooling is a different ranking
+    with pytest.raises(ValueError, match="divide"):
+        gate_sub_scores(gate, q, k, positions, table, gtable, B, 5)
+
+
+def test_candidates_through_the_harness():
+    """Served by `sparse_eval`: at a budget covering the context every candidate is dense attention; below it
+    exactmax changes the logits, and pairs<R> with every pair is exactmax."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 8 * B + 5))
+    with torch.no_grad():
+        dense = model(input_ids=ids).logits[0]
+
+    def logits(selector, top_k, index=None):
+        spec = SparseEvalSpec(top_k=top_k, block_size=B, selector=selector, sparse_from=2 * B, index=index)
+        with torch.no_grad(), sparse_eval(model, spec, max_pos=ids.shape[1]) as m:
+            return m(input_ids=ids).logits[0]
+
+    all_pairs = {layer: torch.arange(8)[None].expand(2, -1) for layer in range(2)}
+    assert torch.allclose(logits("exactmax", 8), dense, atol=1e-4)
+    assert torch.allclose(logits("pairs8", 8, all_pairs), dense, atol=1e-4)
+    sparse = logits("exactmax", 2)
+    assert (sparse - dense).abs().max() > 1e-3
+    assert torch.allclose(logits("pairs8", 2, all_pairs), sparse, atol=1e-4)
+    with pytest.raises(ValueError, match="calibrated"):
+        logits("pairs4", 2)
+    assert is_candidate("gatesub16") and is_candidate("pairs4") and not is_candidate("pairs")
+    with pytest.raises(ValueError, match="needs gates"):
+        SparseEvalSpec(top_k=2, selector="gatesub16")
+    with pytest.raises(ValueError, match="unknown candidate"):
+        candidate_scores("maxmin", 0, None, None, None, B, None, None, None, None)
