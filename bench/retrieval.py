@@ -160,17 +160,19 @@ def summary(rows: List[dict]) -> Dict[str, dict]:
 
 
 def markdown(rows: List[dict]) -> str:
-    """The record's table: per config, each task's score (x100, +- SE over its questions) and the mean."""
+    """The record's table: per config, each task's score (x100, +- SE over its questions, n), the mean over the
+    tasks asked, the task furthest below dense (paired by question) and the mean excess NLL of the gold reply."""
     s = summary(rows)
-    lines = ["| config | " + " | ".join(TASKS) + " | mean | worst task vs dense | excess NLL (nats, mean over all) |",
-             "|---" * (len(TASKS) + 4) + "|"]
+    tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
+    lines = ["| config | " + " | ".join(tasks) + " | mean | worst task vs dense | excess NLL over dense (nats) |",
+             "|---" * (len(tasks) + 4) + "|"]
     for label, per in s.items():
-        cells = [f"{per[t]['score']:.0f} +- {per[t]['score_se']:.0f} (n={per[t]['n']})" for t in TASKS]
-        mean = sum(per[t]["score"] for t in TASKS) / len(TASKS)
-        worst = min(per[t]["vs_dense"] for t in TASKS)
-        nll = [r["nll"] for r in rows if r["label"] == label]
-        dn = sum(per[t]["excess_nll"] * per[t]["n"] for t in TASKS) / max(len(nll), 1)
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {mean:.1f} | {worst:+.0f} | {dn:+.3f} |")
+        cells = [f"{per[t]['score']:.0f} +- {per[t]['score_se']:.0f} (n={per[t]['n']})" for t in tasks]
+        mean = sum(per[t]["score"] for t in tasks) / max(len(tasks), 1)
+        worst = min((per[t]["vs_dense"] for t in tasks), default=float("nan"))
+        n_all = sum(per[t]["n"] for t in tasks)
+        dn = sum(per[t]["excess_nll"] * per[t]["n"] for t in tasks) / max(n_all, 1)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {mean:.1f} | {worst:+.0f} | {dn:+.2f} |")
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ Vocabulary (the ops' docstrings use it too): a page is one block of b tokens; `b
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -32,7 +33,7 @@ from sas_backend.ops.anchors import force_anchors
 from sas_backend.ops.gate import gate_query_post_rope
 from sas_backend.ops.quest import key_bounds, quest_scores, update_key_bounds
 from sas_backend.ops.score import score_blocks
-from sas_backend.ops.summary import summarize_pages, update_summaries
+from sas_backend.ops.summary import completed_blocks, summarize_pages, update_summaries
 from sas_backend.ops.topk import select_blocks
 
 SELECTORS = ("gate", "quest", "sink-local")
@@ -41,12 +42,29 @@ SELECTORS = ("gate", "quest", "sink-local")
 @dataclasses.dataclass(frozen=True)
 class SelectionRule:
     """What to select: K = budget // b previous blocks per (request, kv head), of which the first
-    `sink_blocks` and the `local_blocks` before the current block are forced (inside K)."""
+    `sink_blocks` and the `local_blocks` before the current block are forced (inside K).
+
+    sub_blocks: summaries per block for the selectors that keep them (gate, quest): each of a block's
+    `sub_blocks` runs of b / sub_blocks tokens is summarized as a block of its own (the gate's pooling and
+    RoPE at the run's first position; quest's min / max), and the block scores the MAX of its runs' scores,
+    so one needle-like key in a run is not averaged away by the other b - b / sub_blocks. 1: today's rule.
+    """
 
     top_k: int
     block_size: int = 64
     sink_blocks: int = 0
     local_blocks: int = 0
+    sub_blocks: int = 1
+
+    def __post_init__(self):
+        n = self.sub_blocks
+        if n < 1 or n & (n - 1) or self.block_size % n:
+            raise ValueError(f"sub_blocks must be a power of two dividing the block size {self.block_size}, got {n}")
+
+    @property
+    def sub_size(self) -> int:
+        """Tokens per summarized run (the block size when sub_blocks is 1)."""
+        return self.block_size // self.sub_blocks
 
 
 class Selector:
@@ -80,6 +98,30 @@ class Selector:
     def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
         raise NotImplementedError
 
+    def _runs(self, pages: torch.Tensor, starts: torch.Tensor):
+        """(run pages `[N * n]`, run starts `[N * n]`) of the n = sub_blocks runs of each block, as pages of
+        sub_size tokens: run j of physical page p is run page p * n + j (its slots p*b + j*S ..), in order."""
+        n, size = self.rule.sub_blocks, self.rule.sub_size
+        j = torch.arange(n, device=pages.device)
+        return (pages.long()[:, None] * n + j).reshape(-1), (starts.long()[:, None] + j * size).reshape(-1)
+
+    def _per_block(self, run_summaries: torch.Tensor) -> torch.Tensor:
+        """`[N * n, H_kv, S]` run summaries -> `[N, H_kv, n * S]`, run j in columns j*S .. (j+1)*S - 1."""
+        n = self.rule.sub_blocks
+        rows, h_kv, width = run_summaries.shape
+        return run_summaries.view(rows // n, n, h_kv, width).transpose(1, 2).reshape(rows // n, h_kv, n * width)
+
+    def _update_masked(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
+        """Decode update through `summarize`: every request summarizes its last complete block and writes it to
+        its page if this step completed it, else to page 0 (SGLang's padding page); fixed shapes."""
+        done, pages, starts = completed_blocks(block_table, seq_lens, self.rule.block_size)
+        summ = self.summarize(gate, k_buffer, pages, starts, model_table, gate_table)
+        summaries.index_copy_(0, torch.where(done, pages, 0), summ.to(summaries.dtype))
+
+    def _pages(self, block_table: torch.Tensor, max_blocks: int) -> torch.Tensor:
+        """`[bs, max_blocks]` physical page of each logical block."""
+        return torch.div(block_table[:, :max_blocks].long(), self.rule.block_size, rounding_mode="floor")
+
     def pick(self, scores: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
         r = self.rule
         return select_blocks(scores, num_candidates, r.top_k, r.sink_blocks, r.local_blocks)
@@ -103,15 +145,19 @@ class GateSelector(Selector):
     needs_gate = True
 
     def summary_dim(self, head_dim: int, gate_dim: int) -> int:
-        return gate_dim
+        return gate_dim * self.rule.sub_blocks
 
     def summarize(self, gate: AttnGate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
-        return summarize_pages(
-            k_buffer, pages, starts, model_table, gate_table,
-            gate.attngate_linear_k.weight, gate.attngate_knorm.weight, self.rule.block_size,
-        )
+        w_k, k_norm = gate.attngate_linear_k.weight, gate.attngate_knorm.weight
+        if self.rule.sub_blocks == 1:
+            return summarize_pages(k_buffer, pages, starts, model_table, gate_table, w_k, k_norm, self.rule.block_size)
+        run_pages, run_starts = self._runs(pages, starts)
+        return self._per_block(summarize_pages(k_buffer, run_pages, run_starts, model_table, gate_table, w_k, k_norm,
+                                               self.rule.sub_size))
 
     def update(self, gate: AttnGate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
+        if self.rule.sub_blocks > 1:
+            return self._update_masked(gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table)
         update_summaries(
             k_buffer, summaries, block_table, seq_lens, self.rule.block_size, model_table, gate_table,
             gate.attngate_linear_k.weight, gate.attngate_knorm.weight,
@@ -122,7 +168,13 @@ class GateSelector(Selector):
         gate_q = gate_query_post_rope(
             q_post, model_cos_sin, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, gate_cos_sin
         )
-        return score_blocks(gate_q, summaries, block_table, num_candidates, self.rule.block_size, max_blocks)
+        if self.rule.sub_blocks == 1:
+            return score_blocks(gate_q, summaries, block_table, num_candidates, self.rule.block_size, max_blocks)
+        # s[r,h,m] = max_j gate_q[r,h] . run_j(page(r,m), h) / sqrt(Dg)
+        bs, h_kv, dg = gate_q.shape
+        runs = summaries[self._pages(block_table, max_blocks)].float().view(bs, max_blocks, h_kv, -1, dg)
+        scores = torch.einsum("bhd,bmhjd->bhmj", gate_q.float(), runs).amax(dim=-1) / math.sqrt(dg)
+        return _mask_past(scores, num_candidates)
 
 
 class QuestSelector(Selector):
@@ -131,16 +183,30 @@ class QuestSelector(Selector):
     name = "quest"
 
     def summary_dim(self, head_dim: int, gate_dim: int) -> int:
-        return 2 * head_dim
+        return 2 * head_dim * self.rule.sub_blocks
 
     def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
-        return key_bounds(k_buffer, pages, self.rule.block_size)
+        if self.rule.sub_blocks == 1:
+            return key_bounds(k_buffer, pages, self.rule.block_size)
+        return self._per_block(key_bounds(k_buffer, self._runs(pages, starts)[0], self.rule.sub_size))
 
     def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
+        if self.rule.sub_blocks > 1:
+            return self._update_masked(gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table)
         update_key_bounds(k_buffer, summaries, block_table, seq_lens, self.rule.block_size)
 
     def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
-        return quest_scores(q_post, summaries, block_table, num_candidates, self.rule.block_size, max_blocks)
+        if self.rule.sub_blocks == 1:
+            return quest_scores(q_post, summaries, block_table, num_candidates, self.rule.block_size, max_blocks)
+        # the bound of each run (quest_scores' statement), max over a block's runs
+        bs, h_q, d = q_post.shape
+        h_kv = summaries.shape[1]
+        runs = summaries[self._pages(block_table, max_blocks)].float().view(bs, max_blocks, h_kv, -1, 2 * d)
+        kmin, kmax = runs.split(d, dim=-1)  # [bs, M, H_kv, n, D]
+        q = q_post.float().view(bs, h_kv, h_q // h_kv, d)
+        bound = (torch.einsum("rhgd,rmhjd->rhgmj", q.clamp_min(0), kmax)
+                 + torch.einsum("rhgd,rmhjd->rhgmj", q.clamp_max(0), kmin))
+        return _mask_past(bound.amax(dim=(2, 4)), num_candidates)
 
 
 class SinkLocalSelector(Selector):
@@ -164,6 +230,12 @@ class SinkLocalSelector(Selector):
     def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
         # Every candidate is forced or unranked: equal scores, so only the forced tiers decide.
         return torch.zeros(q_post.shape[0], summaries.shape[1], max_blocks, device=q_post.device)
+
+
+def _mask_past(scores: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
+    """`scores` `[bs, H_kv, M]` with -inf at m >= num_candidates[r]."""
+    valid = torch.arange(scores.shape[-1], device=scores.device)[None, :] < num_candidates[:, None]
+    return scores.masked_fill(~valid[:, None, :], float("-inf"))
 
 
 def make_selector(name: str, rule: SelectionRule) -> Selector:

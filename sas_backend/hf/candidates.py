@@ -13,9 +13,11 @@ server selector:
   kv head by their calibrated magnitude (`calibrate_pairs`). A pair's partial dot product is exactly its
   share of q.k at any position (RoPE rotates within the pair), so it needs no new weights: a static
   SparQ. Per token it keeps 2R values: R = D/32 reads 1/16 of dense's bytes at the same dtype.
-- `gatesub<S>`: the trained gate applied to S-token sub-blocks (its max / min / mean pooling over S keys,
-  RoPE at the sub-block's start), block score the max over its b/S sub-blocks: keeps b/S gate summaries a
-  page (S = 16: 4 x Dg values, 1/16 of a 64-token page's bf16 K+V at D = 64, Dg = 128 ... in fp32 1/8).
+- `gatesub<S>` / `questsub<S>`: the server's gate / quest selector with sub-block summaries
+  (`SelectionRule.sub_blocks` = b / S): each S-token run of a block summarized as a block of its own (the
+  gate's max / min / mean pooling over S keys, RoPE at the run's start; quest's min / max), the block scored
+  by its best run. b / S summaries a page: at S = 16 the gate keeps 4 x Dg values, in bf16 1/16 of a 64-token
+  page's bf16 K + V at D = 64, Dg = 128 (1/32 at D = 128).
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from typing import Dict, Optional
 
 import torch
 
-CANDIDATE_PATTERN = re.compile(r"^(exactmax|pairs(\d+)|gatesub(\d+))$")
+CANDIDATE_PATTERN = re.compile(r"^(exactmax|pairs(\d+)|(gate|quest)sub(\d+))$")
 
 
 def is_candidate(name: str) -> bool:
-    """Whether `name` names a candidate selector (`exactmax`, `pairs<R>`, `gatesub<S>`)."""
+    """Whether `name` names a candidate selector (`exactmax`, `pairs<R>`, `gatesub<S>`, `questsub<S>`)."""
     return bool(CANDIDATE_PATTERN.match(name))
 
 
@@ -101,39 +103,22 @@ def pair_spread(q_post: torch.Tensor, k_post: torch.Tensor, queries: int = 256, 
     return spread
 
 
-def gate_sub_scores(gate, q_post, k_post, positions, model_table, gate_table, block_size: int,
-                    sub_size: int) -> torch.Tensor:
-    """Scores `[P, H_kv, M]`: the gate's score of each `sub_size`-token sub-block (its own pooled summary,
-    RoPE at the sub-block start), max over the block's b / S sub-blocks; -inf past each query's candidates."""
-    from sas_backend.ops.gate import gate_query_post_rope
-    from sas_backend.ops.score import score_blocks
-    from sas_backend.ops.summary import summarize_pages
-
-    if block_size % sub_size:
-        raise ValueError(f"sub-block size {sub_size} must divide the block size {block_size}")
-    per = block_size // sub_size
-    t = k_post.shape[0]
-    n_blocks = t // block_size
-    m = max(n_blocks, 1)
-    n_sub = n_blocks * per
-    subs = torch.arange(n_sub, device=k_post.device)
-    summaries = summarize_pages(k_post, subs, subs * sub_size, model_table, gate_table,
-                                gate.attngate_linear_k.weight, gate.attngate_knorm.weight, sub_size)
-    gate_q = gate_query_post_rope(q_post, model_table[positions], gate.attngate_linear_q.weight,
-                                  gate.attngate_qnorm.weight, gate_table[positions])
-    n_cand = torch.div(positions, block_size, rounding_mode="floor") * per
-    table = (torch.arange(max(n_sub, 1) + 1, device=k_post.device) * sub_size).expand(positions.numel(), -1)
-    sub = score_blocks(gate_q, summaries, table, n_cand, sub_size, max(n_sub, 1))  # [P, H_kv, n_sub]
-    out = torch.full((positions.numel(), k_post.shape[1], m), float("-inf"), device=k_post.device)
-    if n_blocks:
-        out[..., :n_blocks] = sub.view(sub.shape[0], sub.shape[1], n_blocks, per).amax(dim=-1)
-    return out.masked_fill(~candidate_mask(positions, m, block_size), float("-inf"))
+def sub_block_alias(name: str, block_size: int):
+    """(server selector, sub_blocks) that `gatesub<S>` / `questsub<S>` name (`SelectionRule.sub_blocks` =
+    b / S: the selector's summaries over S-token runs, a block scoring its best run), else None."""
+    match = CANDIDATE_PATTERN.match(name)
+    if match is None or match.group(3) is None:
+        return None
+    size = int(match.group(4))
+    if size <= 0 or block_size % size:
+        raise ValueError(f"{name}: the run size {size} must divide the block size {block_size}")
+    return match.group(3), block_size // size
 
 
-def candidate_scores(name: str, layer_idx: int, q_post, k_post, positions, block_size: int, model_table,
-                     gate_table, gates: Optional[dict], index: Optional[Dict[int, torch.Tensor]]) -> torch.Tensor:
-    """Block scores `[P, H_kv, M]` of candidate `name` (module doc) for one layer; index: `{layer: [H_kv, R]}`
-    RoPE pairs for `pairs<R>` (`calibrate_pairs`)."""
+def candidate_scores(name: str, layer_idx: int, q_post, k_post, positions, block_size: int,
+                     index: Optional[Dict[int, torch.Tensor]]) -> torch.Tensor:
+    """Block scores `[P, H_kv, M]` of `exactmax` or `pairs<R>` (module doc) for one layer; index:
+    `{layer: [H_kv, R]}` RoPE pairs for `pairs<R>` (`calibrate_pairs`)."""
     match = CANDIDATE_PATTERN.match(name)
     if match is None:
         raise ValueError(f"unknown candidate selector {name!r}")
@@ -146,46 +131,4 @@ def candidate_scores(name: str, layer_idx: int, q_post, k_post, positions, block
         if pairs.shape[-1] != int(match.group(2)):
             raise ValueError(f"{name}: the calibration holds {pairs.shape[-1]} pairs a kv head")
         return token_max_scores(q_post, k_post, positions, block_size, pair_dims(pairs, q_post.shape[-1]))
-    if not gates:
-        raise ValueError(f"{name} needs the gate")
-    return gate_sub_scores(gates[layer_idx], q_post, k_post, positions, model_table, gate_table, block_size,
-                           int(match.group(3)))
-
-
-CALIB_ATTN_NAME = "sas_calibrate_pairs"
-
-
-def _recording_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Dense causal attention that keeps this layer's post-RoPE q `[T, H_q, D]` and k `[T, H_kv, D]`."""
-    from sas_backend.hf.sparse_eval import causal_sdpa
-
-    module._sas_calib[module.layer_idx] = (query[0].transpose(0, 1).float(), key[0].transpose(0, 1).float())
-    return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
-
-
-@torch.no_grad()
-def calibrate_model_pairs(model, ids: torch.Tensor) -> Dict[int, torch.Tensor]:
-    """`{layer: [H_kv, D/2]}` spread of every RoPE pair (`pair_spread`; `top_pairs` picks R of them) from one dense
-    forward of `ids` `[T]` through a transformers Llama / Qwen2 / Qwen3 model (calibration text: keep it out of
-    any evaluation)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(CALIB_ATTN_NAME, _recording_attention)
-    seen: Dict[int, tuple] = {}
-    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
-    for m in modules:
-        m._sas_calib = seen
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(CALIB_ATTN_NAME)
-    try:
-        model(torch.as_tensor(ids)[None], use_cache=False, logits_to_keep=1)
-    finally:
-        model.set_attn_implementation(previous)
-        for m in modules:
-            del m._sas_calib
-    return {layer: pair_spread(q, k) for layer, (q, k) in seen.items()}
-
-
-def top_pairs(spread: Dict[int, torch.Tensor], num_pairs: int) -> Dict[int, torch.Tensor]:
-    """`{layer: [H_kv, num_pairs]}` (ascending): each kv head's most spreading pairs of `calibrate_model_pairs`."""
-    return {layer: s.topk(num_pairs, dim=-1).indices.sort(dim=-1).values for layer, s in spread.items()}
+    raise ValueError(f"{name} runs as its server selector with sub-blocks (sub_block_alias)")

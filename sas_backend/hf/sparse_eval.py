@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from sas_backend.gate.module import AttnGate
-from sas_backend.hf.candidates import candidate_scores, is_candidate
+from sas_backend.hf.candidates import candidate_scores, is_candidate, sub_block_alias
 from sas_backend.ops.anchors import block_mass, force_anchors, top_anchors
 from sas_backend.selection import SelectionRule, make_selector
 
@@ -55,6 +55,8 @@ class SparseEvalSpec:
     (rounded to bf16 and read back as fp32, as an fp32-computing kernel reading a bf16 copy of them sees them;
     `AttnGate.read_as`). The other selectors have no gate.
     index: `{layer: [H_kv, R]}` RoPE channel pairs of the `pairs<R>` candidate (`hf.candidates.calibrate_pairs`).
+    sub_blocks: summaries per block of the gate and quest selectors (`SelectionRule.sub_blocks`); the candidate
+    names `gatesub<S>` / `questsub<S>` set it to b / S.
     """
 
     top_k: int
@@ -69,6 +71,7 @@ class SparseEvalSpec:
     summary_dtype: torch.dtype = torch.float32
     gate_dtype: torch.dtype = torch.float32
     index: Optional[Dict[int, torch.Tensor]] = None
+    sub_blocks: int = 1
 
     def __post_init__(self):
         for field, allowed in (("summary_dtype", SUMMARY_DTYPES), ("gate_dtype", GATE_DTYPES)):
@@ -119,21 +122,22 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
     n_blocks = t // b
     m = max(n_blocks, 1)
     n_cand = torch.div(positions, b, rounding_mode="floor")
-    name = spec.selector if spec.selector in SERVER_SELECTORS else "gate"
-    selector = make_selector(name, SelectionRule(spec.top_k, b, spec.sink_blocks, spec.local_blocks))
+    name, sub_blocks = spec.selector if spec.selector in SERVER_SELECTORS else "gate", spec.sub_blocks
+    alias = sub_block_alias(spec.selector, b)
+    if alias is not None:
+        name, sub_blocks = alias
+    selector = make_selector(name, SelectionRule(spec.top_k, b, spec.sink_blocks, spec.local_blocks, sub_blocks))
     if spec.selector == "oracle":
         return selector, oracle_scores(logits, positions, b, m), n_cand
     if spec.selector == "random":
         g = torch.Generator().manual_seed(1000 + layer_idx)
         return selector, torch.rand(positions.numel(), h_kv, m, generator=g).to(q_post.device), n_cand
-    if is_candidate(spec.selector):
-        gates = {layer_idx: spec.gates[layer_idx].read_as(spec.gate_dtype)} if spec.gates else None
-        scores = candidate_scores(spec.selector, layer_idx, q_post, k_post, positions, b, model_table, gate_table,
-                                  gates, spec.index)
+    if is_candidate(spec.selector) and alias is None:
+        scores = candidate_scores(spec.selector, layer_idx, q_post, k_post, positions, b, spec.index)
         if spec.anchors is not None and layer_idx in spec.anchors:
             scores = force_anchors(scores, spec.anchors[layer_idx].expand(positions.numel(), -1, -1), n_cand)
         return selector, scores, n_cand
-    gate = spec.gates[layer_idx].read_as(spec.gate_dtype) if spec.selector == "gate" else None
+    gate = spec.gates[layer_idx].read_as(spec.gate_dtype) if name == "gate" else None
     pages = torch.arange(n_blocks, device=q_post.device)
     summaries = selector.summarize(gate, k_post, pages, pages * b, model_table, gate_table)  # [NB, H_kv, S]
     if spec.summary_dtype != torch.float32:  # stored in the pool's dtype, read back as fp32 for the score

@@ -9,11 +9,12 @@ import torch
 
 from sas_backend.gate.module import AttnGate
 from sas_backend.hf.candidates import (
-    calibrate_pairs, candidate_scores, gate_sub_scores, is_candidate, pair_dims, token_max_scores,
+    calibrate_pairs, candidate_scores, is_candidate, pair_dims, token_max_scores,
 )
 from sas_backend.hf.sparse_eval import SparseEvalSpec, block_scores, model_rope_table, sparse_eval
 
 B = 16
+inf = float("inf")
 
 
 def _loop_token_max(q, k, positions, b, dims=None):
@@ -107,8 +108,7 @@ def test_pair_spread_is_the_variance_over_causal_keys():
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_gate_over_whole_blocks_is_the_gate():
-    """gatesub<b> is the gate's own score: one sub-block per block, summarized and scored as the server does."""
+def _gate_world():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sas_backend.geometry import ModelGeometry, gate_rope_table
@@ -120,20 +120,57 @@ def test_gate_over_whole_blocks_is_the_gate():
     gate = AttnGate(2, 2, 16, 32)
     for p in gate.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    table = model_rope_table(model, 256)
-    gtable = gate_rope_table(32, ModelGeometry.from_hf_config(cfg), 256)
+    return gate, model_rope_table(model, 256), gate_rope_table(32, ModelGeometry.from_hf_config(cfg), 256)
+
+
+def test_sub_block_scores_are_the_best_run():
+    """gatesub<S> / questsub<S>: each S-token run summarized as a block of S tokens (the ops' own statement of a
+    block, RoPE at the run's start), the block scoring the max of its runs; S = b is today's selector."""
+    gate, table, gtable = _gate_world()
     t = 6 * B + 3
     k = torch.randn(t, 2, 16)
     q = torch.randn(3, 4, 16)
     positions = torch.tensor([20, 70, t - 1])
-    spec = SparseEvalSpec(top_k=2, block_size=B, selector="gate", gates={0: gate})
-    want = block_scores(spec, 0, q, k, positions, table, gtable)
-    got = gate_sub_scores(gate, q, k, positions, table, gtable, B, B)
-    assert torch.allclose(got, want, atol=1e-5)
-    finer = gate_sub_scores(gate, q, k, positions, table, gtable, B, B // 4)
-    assert not torch.allclose(finer, want)  # finer pooling is a different ranking
+    for base in ("gate", "quest"):
+        spec = SparseEvalSpec(top_k=2, block_size=B, selector=base, gates={0: gate})
+        whole = block_scores(spec, 0, q, k, positions, table, gtable)
+        same = SparseEvalSpec(top_k=2, block_size=B, selector=f"{base}sub{B}", gates={0: gate})
+        assert torch.equal(block_scores(same, 0, q, k, positions, table, gtable), whole)
+        size = B // 4
+        run_spec = SparseEvalSpec(top_k=2, block_size=size, selector=base, gates={0: gate})
+        # the runs scored as blocks of `size` tokens: a query at p has p // size runs before its own run
+        run_scores = block_scores(run_spec, 0, q, k, positions, table, gtable)  # [P, H, t // size]
+        got = block_scores(SparseEvalSpec(top_k=2, block_size=B, selector=f"{base}sub{size}", gates={0: gate}),
+                           0, q, k, positions, table, gtable)
+        for p, pos in enumerate(positions.tolist()):
+            for m in range(t // B):
+                want = run_scores[p, :, m * 4:(m + 1) * 4].amax(-1) if m < pos // B else torch.full((2,), -inf)
+                assert torch.allclose(got[p, :, m], want, atol=1e-5), (base, p, m)
+        assert not torch.allclose(got, whole)
     with pytest.raises(ValueError, match="divide"):
-        gate_sub_scores(gate, q, k, positions, table, gtable, B, 5)
+        block_scores(SparseEvalSpec(top_k=2, block_size=B, selector="gatesub5", gates={0: gate}), 0, q, k,
+                     positions, table, gtable)
+
+
+def test_sub_block_decode_update_writes_only_completed_blocks():
+    """The decode update with sub-blocks writes the run summaries of the block a step completed to its page,
+    and nothing to any page a request owns otherwise (page 0 is the padding page)."""
+    from sas_backend.selection import SelectionRule, make_selector
+
+    gate, table, gtable = _gate_world()
+    pages = 6
+    k_buffer = torch.randn(pages * B, 2, 16)
+    for name in ("gate", "quest"):
+        sel = make_selector(name, SelectionRule(2, B, sub_blocks=4))
+        dim = sel.summary_dim(16, 32)
+        assert dim == {"gate": 32, "quest": 2 * 16}[name] * 4  # Dg or quest's 2D, per run
+        pool = torch.zeros(pages, 2, dim)
+        block_table = torch.tensor([[3 * B, 5 * B, 0], [1 * B, 2 * B, 4 * B]])  # request r's block m -> page
+        seq_lens = torch.tensor([2 * B, 2 * B + 5])  # r0 completed its block 1 (page 5); r1 completed nothing
+        sel.update(gate, k_buffer, pool, block_table, seq_lens, table, gtable)
+        want = sel.summarize(gate, k_buffer, torch.tensor([5]), torch.tensor([B]), table, gtable)[0]
+        assert torch.allclose(pool[5], want)
+        assert pool[[1, 2, 3, 4]].abs().sum() == 0
 
 
 def test_candidates_through_the_harness():
@@ -166,4 +203,4 @@ def test_candidates_through_the_harness():
     with pytest.raises(ValueError, match="needs gates"):
         SparseEvalSpec(top_k=2, selector="gatesub16")
     with pytest.raises(ValueError, match="unknown candidate"):
-        candidate_scores("maxmin", 0, None, None, None, B, None, None, None, None)
+        candidate_scores("maxmin", 0, None, None, None, B, None)
