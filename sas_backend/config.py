@@ -59,6 +59,9 @@ class SASConfig:
         at the end of each extend, `ops.anchors`) are forced into every decode selection, inside K after the
         sink and local blocks: in a question over a long context they hold what the question asked for.
         None: the gate's record, else 0.
+    sub_blocks: summaries per block (gate and quest): each b / sub_blocks-token run of a block is summarized as a
+        block of its own and the block scores its best run (`SelectionRule.sub_blocks`). None: the gate's
+        record, else 1.
     dense_below: a decode step whose requests hold at most this many context tokens in all (the
         sum of their lengths: what dense attention reads) attends every block densely instead of
         selecting; 0: never (the default). Below a few tens of thousands of tokens a step is bound by
@@ -105,6 +108,12 @@ class SASConfig:
         "Per request and kv head, always attend the N blocks its last prompt token attended most (inside the "
         "budget, after the sink and local blocks); 0: none.",
         "default: the gate's record, else 0")
+    sub_blocks: Optional[int] = _setting(
+        None, "SAS_SUB_BLOCKS", "--sas-sub-blocks",
+        "Summaries per block for the gate and quest selectors: each run of block-size / N tokens is summarized "
+        "on its own and a block scores its best run (keeps needle-like keys; N x the summary pool; the per-op "
+        "torch path). 1: one summary a block.",
+        "default: the gate's record, else 1")
     dense_below: int = _setting(
         0, "SAS_DENSE_BELOW", "--sas-dense-below",
         "Decode steps whose requests hold at most N context tokens in all attend densely (where dense "
@@ -190,6 +199,16 @@ class SASConfig:
         for name in ("first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "dense_below"):
             if (getattr(self, name) or 0) < 0:
                 raise SASConfigError(f"SAS {name} must be >= 0, got {getattr(self, name)}")
+        sub = self.sub_blocks
+        if sub is not None and (sub < 1 or sub & (sub - 1) or self.block_size % sub):
+            raise SASConfigError(f"--sas-sub-blocks must be a power of two dividing the block size {self.block_size} "
+                                 f"(summaries of block-size / N tokens each), got {sub}")
+        if (sub or 1) > 1 and self.selector == "sink-local":
+            raise SASConfigError("--sas-sub-blocks sets how the gate and quest summarize a block; sink-local keeps no "
+                                 "summaries")
+        if (sub or 1) > 1 and self.kernels == "triton":
+            raise SASConfigError(f"--sas-sub-blocks {sub} runs on the per-op path (--sas-kernels torch, or auto): the "
+                                 "fused kernels summarize and score whole blocks")
         forced = (self.sink_blocks or 0) + (self.local_blocks or 0)
         if self.budget is not None and forced > self.top_k:
             raise SASConfigError(
@@ -259,7 +278,7 @@ class SASConfig:
 
 
 #: Settings a gate checkpoint may supply (`GateConfig.serve_defaults`), with their fallbacks.
-_FROM_GATE = {"budget": DEFAULT_BUDGET, "sink_blocks": 0, "local_blocks": 0, "prompt_anchors": 0}
+_FROM_GATE = {"budget": DEFAULT_BUDGET, "sink_blocks": 0, "local_blocks": 0, "prompt_anchors": 0, "sub_blocks": 1}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,6 +96,10 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--sas-prompt-anchors", "2", "--enable-mixed-chunk"], "--enable-mixed-chunk"),
         (["--sas-prompt-anchors", "31", "--sas-budget", "2048", "--sas-sink-blocks", "1", "--sas-local-blocks", "1"],
          "prompt anchor"),
+        (["--sas-sub-blocks", "3"], "power of two dividing the block size 64"),
+        (["--sas-sub-blocks", "128"], "power of two dividing the block size 64"),
+        (["--sas-sub-blocks", "4", "--sas-kernels", "triton"], "fused kernels summarize and score whole blocks"),
+        (["--sas-sub-blocks", "4", "--sas-selector", "sink-local"], "sink-local keeps no summaries"),
     ],
 )
 def test_refusals_are_messages(parse, clean_env, gate, argv, needle):
@@ -197,8 +201,8 @@ def test_settings_table_is_the_fields(parse):
     assert {s.field: s.env for s in SETTINGS}["block_size"] == "SAS_BLOCK_SIZE"
     assert [s.field for s in SETTINGS if s.flag is None] == ["force_sparse", "debug_dir", "cpu_extend"]
     assert {s.field for s in SETTINGS if s.type is int} == {
-        "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "dense_below",
-        "force_sparse"}
+        "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "sub_blocks",
+        "dense_below", "force_sparse"}
     import argparse
 
     from sglang.srt.server_args import ServerArgs
@@ -388,7 +392,8 @@ def test_launch_logs_the_forced_blocks_and_where_they_came_from(parse, clean_env
     assert "forced blocks: sink 1 (the gate's serving record), local 1 (the gate's serving record)" in text
     assert "trained with" not in text
     assert SASConfig(selector="quest").origins() == {"budget": "default", "sink_blocks": "default",
-                                                     "local_blocks": "default", "prompt_anchors": "default"}
+                                                     "local_blocks": "default", "prompt_anchors": "default",
+                                                     "sub_blocks": "default"}
 
 
 def test_records_keep_no_machine_paths():

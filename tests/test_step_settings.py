@@ -30,6 +30,16 @@ def test_shipped_table_parses_and_says_whether_it_was_measured():
     assert ("not yet measured" in source) == (not table["measured"])
 
 
+def test_sub_block_summaries_run_the_per_op_path():
+    """The fused kernels summarize whole blocks: with --sas-sub-blocks above 1, auto picks the per-op path on CUDA
+    (the table's triton is for one summary a block) and an explicit triton is refused at validation."""
+    s = resolve(_cfg(sub_blocks=4), torch.device("cuda"), "NVIDIA H200", TABLE_H)
+    assert s.kernels == "torch" and s.gate_dtype == torch.float32
+    assert resolve(_cfg(sub_blocks=1), torch.device("cuda"), "NVIDIA H200", TABLE_H).kernels == "triton"
+    with pytest.raises(SASConfigError, match="fused kernels summarize and score whole blocks"):
+        _cfg(sub_blocks=4, kernels="triton")
+
+
 def test_auto_follows_the_table_on_cuda_and_flags_win():
     s = resolve(_cfg(), torch.device("cuda"), "NVIDIA H200", TABLE_H)
     assert (s.kernels, s.attention, s.summary_dtype, s.select_chunk, s.target_programs, s.dense_below) == \

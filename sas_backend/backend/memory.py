@@ -276,7 +276,7 @@ def memory_for_sglang(owner) -> tuple:
     from sas_backend.selection import SelectionRule, make_selector
 
     gate_dim = open_gate(cfg.gate_path).config.gate_dim if cfg.selector == "gate" else 0  # config.json alone
-    selector = make_selector(cfg.selector, SelectionRule(cfg.top_k, cfg.block_size))
+    selector = make_selector(cfg.selector, SelectionRule(cfg.top_k, cfg.block_size, sub_blocks=cfg.sub_blocks or 1))
     summary_dim = selector.summary_dim(geo.head_dim, gate_dim)
     on_cuda = torch.device(owner.device).type == "cuda"
     max_reqs = getattr(server_args, "max_running_requests", None) or SGLANG_MAX_REQS_ESTIMATE_CAP

@@ -122,7 +122,7 @@ class SASAttnBackend(AttentionBackend):
         self.on_device = self.device.type != "cpu"
         self.scaling = model_attention_scaling(getattr(runner, "model", None), set(gates), head_dim**-0.5)
 
-        rule = SelectionRule(cfg.top_k, cfg.block_size, cfg.sink_blocks, cfg.local_blocks)
+        rule = SelectionRule(cfg.top_k, cfg.block_size, cfg.sink_blocks, cfg.local_blocks, cfg.sub_blocks or 1)
         selector = make_selector(cfg.selector, rule)
         if settings is None:
             settings = resolve(cfg, self.device, device_name(self.device))
@@ -186,9 +186,11 @@ class SASAttnBackend(AttentionBackend):
                     str(settings.gate_dtype).replace("torch.", ""), settings.launch, settings.source)
         logger.info(
             "sas: %s selector, %d sparse layers from layer %d, budget %d tokens (K=%d blocks of %d), "
-            "sink %d, local %d, prompt anchors %d; summary pool %d pages x %d kv heads x %d dims = %.1f MiB",
+            "sink %d, local %d, prompt anchors %d, %d summaries a block; summary pool %d pages x %d kv heads x %d "
+            "dims = %.1f MiB",
             cfg.selector, len(gates), cfg.first_sparse_layer, cfg.budget, self.top_k, self.block_size,
-            self.selector.rule.sink_blocks, self.selector.rule.local_blocks, self.anchor_count, num_pages,
+            self.selector.rule.sink_blocks, self.selector.rule.local_blocks, self.anchor_count,
+            self.selector.rule.sub_blocks, num_pages,
             num_kv_heads, summary_dim, self.summaries.nbytes / 2**20,
         )
 

@@ -74,7 +74,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 #: Integer settings a gate's `serving` record may hold (see `GateConfig.serve_defaults`).
-_SERVING_INTS = ("budget", "sink_blocks", "local_blocks", "prompt_anchors")
+_SERVING_INTS = ("budget", "sink_blocks", "local_blocks", "prompt_anchors", "sub_blocks")
 
 
 def _serving_problems(serving: Any, block_size: int) -> list[str]:
@@ -88,6 +88,9 @@ def _serving_problems(serving: Any, block_size: int) -> list[str]:
             problems.append(f"serving.{k} must be a non-negative integer, got {v!r}")
     if problems:
         return problems
+    sub = serving.get("sub_blocks")
+    if sub is not None and (sub < 1 or sub & (sub - 1) or block_size % sub):
+        problems.append(f"serving.sub_blocks {sub} is not a power of two dividing the block size {block_size}")
     budget = serving.get("budget")
     if budget is not None and (budget <= 0 or budget % block_size):
         problems.append(f"serving.budget {budget} is not a positive multiple of the block size {block_size}")
@@ -190,7 +193,8 @@ class GateConfig:
             raise GateCheckpointError(where + "invalid gate config: " + "; ".join(problems))
 
     def serve_defaults(self) -> dict:
-        """`{"budget", "sink_blocks", "local_blocks", "prompt_anchors"}` the server uses when the launch names none:
+        """`{"budget", "sink_blocks", "local_blocks", "prompt_anchors", "sub_blocks"}` the server uses when the launch
+        names none:
         the `serving` record, else the training budget (under the one budget rule K = budget // b,
         the K the gate was trained with) and no forced blocks; keys it cannot tell are left out."""
         out = {k: self.serving[k] for k in _SERVING_INTS if k in self.serving}

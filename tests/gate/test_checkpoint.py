@@ -571,11 +571,16 @@ def test_serving_record_gives_the_serve_defaults(tmp_path):
     from sas_backend.gate.gate_file import serve_defaults_of
 
     assert serve_defaults_of(tmp_path / "g") == loaded.serve_defaults()  # from config.json alone
+    raw = json.loads((tmp_path / "g" / "config.json").read_text())
+    raw["serving"]["sub_blocks"] = 4  # a record may choose sub-block summaries too
+    (tmp_path / "g" / "config.json").write_text(json.dumps(raw))
+    assert serve_defaults_of(tmp_path / "g")["sub_blocks"] == 4
 
     raw = json.loads((tmp_path / "g" / "config.json").read_text())
     for serving, needle in (({"budget": 100}, "multiple of the block size"),
                             ({"budget": 2 * BLOCK, "sink_blocks": 2, "local_blocks": 1}, "exceed"),
-                            ({"local_blocks": -1}, "non-negative"), ([512], "JSON object")):
+                            ({"local_blocks": -1}, "non-negative"), ([512], "JSON object"),
+                            ({"sub_blocks": 3}, "power of two dividing")):
         raw["serving"] = serving
         (tmp_path / "g" / "config.json").write_text(json.dumps(raw))
         with pytest.raises(GateCheckpointError, match=needle):

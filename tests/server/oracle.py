@@ -20,6 +20,9 @@ The rule, per layer, request and kv head h, for the query at position p (block s
   RMSNorm in fp32 with eps 1e-6, RoPE the model's formula and theta on Dg dims, at the block's FIRST position.
 - quest (training-free): s[h, m] = max over the G query heads of sum_d max(q_d * min_d, q_d * max_d), q and the
   block's key min / max after the model's RoPE (an upper bound of q.k over the block).
+- sub-block summaries (--sas-sub-blocks N, gate and quest; docs/design.md): block m's N runs of b / N tokens are
+  each scored as above as if a block of b / N tokens (the gate's pooling over the run, RoPE at the run's first
+  position m*b + j*b/N; quest's min / max over the run), and s[h, m] is the largest of its runs' scores.
 - sink-local (training-free): sink = sink blocks or 1, local = K - sink; no scores.
 - prompt anchors (--sas-prompt-anchors R): at the prompt's last token (position L - 1), per kv head, the R
   complete blocks before that token's block with the most attention mass: its dense causal softmax summed over
@@ -52,7 +55,8 @@ ORACLE_ATTN = "sas_test_oracle"
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """What the server under test was launched with: --sas-budget (K = budget // b), --sas-selector,
-    --sas-gate (a canonical checkpoint directory), --sas-sink-blocks, --sas-local-blocks, --sas-prompt-anchors.
+    --sas-gate (a canonical checkpoint directory), --sas-sink-blocks, --sas-local-blocks, --sas-prompt-anchors,
+    --sas-sub-blocks.
     sparse_from: the first sparse query position (the prompt length: the prefill is dense)."""
 
     budget: int
@@ -63,6 +67,7 @@ class Rule:
     local_blocks: int = 0
     prompt_anchors: int = 0
     block_size: int = 64
+    sub_blocks: int = 1
 
     @property
     def top_k(self) -> int:
@@ -195,10 +200,13 @@ def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> O
             anchors[layer] = anchors_at(q_post[start - 1], k_post[:start], scaling, b, rule.prompt_anchors)
         positions = torch.arange(start, t)
         n_all = t // b  # complete blocks: query p's candidates are the first p // b of them
+        runs, run = rule.sub_blocks, b // rule.sub_blocks  # each run scored as a block of `run` tokens, max per block
         if rule.selector == "gate":
-            scores = gate_scores(gate[layer], q_pre[start:], positions, k_pre, n_all, b, theta)
+            scores = gate_scores(gate[layer], q_pre[start:], positions, k_pre, n_all * runs, run, theta)
         elif rule.selector == "quest":
-            scores = quest_scores(q_post[start:], k_post, n_all, b)
+            scores = quest_scores(q_post[start:], k_post, n_all * runs, run)
+        if rule.selector in ("gate", "quest"):
+            scores = scores.unflatten(-1, (n_all, runs)).amax(-1)
         else:
             scores = torch.zeros(t - start, h_kv, n_all)
         selected[layer] = {}
