@@ -48,8 +48,9 @@ def test_sub_block_selection_matches_the_oracle(sub_run, model_dir, seed_gate):
         for head in rec["selected"][0]:
             assert len([m for m in head if m >= 0]) == BUDGET // BLOCK < rec["num_candidates"][0]
     assert any(rec["num_candidates"][0] >= PROMPT_LEN // BLOCK + 1 for rec in records)  # a decode-made block ranked
-    rule = Rule(budget=BUDGET, sparse_from=PROMPT_LEN, selector=selector, gate=seed_gate if selector == "gate" else None,
-                sink_blocks=1, local_blocks=1, block_size=BLOCK, sub_blocks=SUB_BLOCKS)
+    gate = seed_gate if selector == "gate" else None
+    rule = Rule(budget=BUDGET, sparse_from=PROMPT_LEN, selector=selector, gate=gate, sink_blocks=1, local_blocks=1,
+                block_size=BLOCK, sub_blocks=SUB_BLOCKS)
     oracle_check(prompt, out, records, model_dir, rule, NEW_TOKENS)
 
 
