@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the gates' weights (projections and RMSNorm weights) are read from: fp32 (default) or "
                         "bf16 (rounded to bf16 and read back as fp32, as a kernel computing in fp32 from a bf16 "
                         "copy of the weights sees them); recorded in the results")
+    p.add_argument("--sub-blocks", type=int, default=1, metavar="N",
+                   help="summaries per block for the gates and quest (the server's --sas-sub-blocks: each run of "
+                        "block / N tokens summarized on its own, a block scored by its best run); recorded in the "
+                        "results; --reuse takes only the other baselines then")
     p.add_argument("--resume", action="store_true",
                    help="with --json: continue from JSON's .partial.json, which a run writes after every measurement "
                         "and removes when done (a killed long run keeps what it measured); refused if it was "
@@ -217,12 +221,13 @@ def gate_variants(gate_paths: Dict[str, str], records: Dict[str, dict], forced: 
 def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windows: int, window: int, last: int,
                block_size: int, budgets: List[int], variants: dict, gate_sha256: Dict[str, str],
                baselines: List[str], summary_dtype: str = "fp32",
-               gate_dtype: str = "fp32") -> Dict[str, Dict[int, str]]:
+               gate_dtype: str = "fp32", sub_blocks: int = 1) -> Dict[str, Dict[int, str]]:
     """What `--reuse` takes from `ref` (an earlier run's JSON): `{selector: {budget: ref selector}}` for every
     baseline `ref` measured under the same name, and every gate variant `(gate, sink, local, anchors)` of
     `variants` whose gate weights (sha256) and forced settings `ref` measured, at each budget it has; the gates and
     the `SUMMARY_BASELINES` only when `ref`'s block summaries were stored in `summary_dtype` too, and the gates
-    only when `ref` read their weights in `gate_dtype` too (a file without either field: fp32).
+    only when `ref` read their weights in `gate_dtype` too (a file without either field: fp32), and both only when
+    `ref` summarized blocks in `sub_blocks` runs too (a file without the field: 1).
     SystemExit when `ref` was made on other windows (data, split, window, scored tail, block size, fewer
     windows); the dense NLLs per window are compared as the run goes (`check_reused_dense`)."""
     ours = {"data": data_record, "split": split, "window": window, "last": last, "block_size": block_size}
@@ -236,7 +241,8 @@ def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windo
     for name, v in ref.get("gate_variants", {}).items():
         sha = ref.get("gate_sha256", {}).get(v["gate"])
         by_weights[(sha, v["sink_blocks"], v["local_blocks"], v.get("prompt_anchors", 0))] = name
-    same_summaries = ref.get("summary_dtype", "fp32") == summary_dtype
+    same_summaries = (ref.get("summary_dtype", "fp32") == summary_dtype
+                      and ref.get("sub_blocks", 1) == sub_blocks)
     same_gate_weights = ref.get("gate_dtype", "fp32") == gate_dtype
     sources = {name: by_weights[(gate_sha256[g], s_, l_, a_)] for name, (g, s_, l_, a_) in variants.items()
                if (gate_sha256[g], s_, l_, a_) in by_weights and same_summaries and same_gate_weights}
@@ -473,7 +479,8 @@ def main(argv: Optional[list] = None) -> int:
         reused = reuse_plan(ref, args.reuse, data_record={**data.record(), "recall": recall_rows}, split=args.split,
                             windows=int(rows.shape[0]), window=args.window, last=args.last, block_size=b,
                             budgets=args.budgets, variants=variants, gate_sha256=gate_sha256, baselines=baselines,
-                            summary_dtype=args.summary_dtype, gate_dtype=args.gate_dtype)
+                            summary_dtype=args.summary_dtype, gate_dtype=args.gate_dtype,
+                            sub_blocks=args.sub_blocks)
         print(f"[eval_ppl] --reuse {args.reuse}: " + (", ".join(
             f"{n} (as {sorted(set(m.values()))[0]}, budgets {sorted(m)})" for n, m in reused.items())
             or "nothing fits"),
@@ -482,6 +489,7 @@ def main(argv: Optional[list] = None) -> int:
     print(f"[eval_ppl] {rows.shape[0]} {args.split} windows of {args.window} tokens (+1 target), last {args.last} "
           f"scored; block {b}; " + ", ".join(f"budget {bud} -> top_k {k}" for bud, k in top_k.items())
           + f"; block summaries {args.summary_dtype}"
+          + (f", {args.sub_blocks} a block (gates and quest)" if args.sub_blocks > 1 else "")
           + (f"; gate weights {args.gate_dtype}" if gate_paths else ""), flush=True)
     summary_dtype, gate_dtype = SUMMARY_DTYPES[args.summary_dtype], GATE_DTYPES[args.gate_dtype]
 
@@ -492,7 +500,8 @@ def main(argv: Optional[list] = None) -> int:
            "variants": {v: list(x) for v, x in variants.items()}, "selectors": selectors, "recall": not args.no_recall,
            **({"reuse": reuse_sha} if reuse_sha else {}),
            **({"summary_dtype": args.summary_dtype} if args.summary_dtype != "fp32" else {}),
-           **({"gate_dtype": args.gate_dtype} if args.gate_dtype != "fp32" else {})}
+           **({"gate_dtype": args.gate_dtype} if args.gate_dtype != "fp32" else {}),
+           **({"sub_blocks": args.sub_blocks} if args.sub_blocks != 1 else {})}
     progress = Progress(partial_path(args.json) if args.json else None, key, selectors, args.budgets,
                         not args.no_recall)
     if args.resume:
@@ -538,10 +547,11 @@ def main(argv: Optional[list] = None) -> int:
                                           sink_blocks=sink, local_blocks=local, sparse_from=sparse_from,
                                           anchors={lid: a[:, :n_anchors] for lid, a in anchors.items()}
                                           if n_anchors else None, summary_dtype=summary_dtype,
-                                          gate_dtype=gate_dtype)
+                                          gate_dtype=gate_dtype, sub_blocks=args.sub_blocks)
                 else:
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from,
-                                          summary_dtype=summary_dtype)
+                                          summary_dtype=summary_dtype,
+                                          sub_blocks=args.sub_blocks if name in SUMMARY_BASELINES else 1)
                 rec = None if recall is None else recall[name][bud]
                 per_window[name][bud].append(window_nll(model, ids, args.last, spec, cache, recall=rec))
                 progress.save()
@@ -582,6 +592,7 @@ def main(argv: Optional[list] = None) -> int:
             "budgets": [{"budget": bud, "top_k": top_k[bud]} for bud in args.budgets],
             "summary_dtype": args.summary_dtype,
             "gate_dtype": args.gate_dtype,
+            "sub_blocks": args.sub_blocks,
             "gates": gate_paths,
             "gate_sha256": gate_sha256,
             "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_,

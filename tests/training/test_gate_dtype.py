@@ -207,3 +207,28 @@ def test_eval_ppl_records_the_gate_dtype_and_reuses_only_like_with_like(tmp_path
     assert eval_ppl.main(argv + ["--gate-dtype", "bf16", "--reuse", bf16_js, "--json", again_js]) == 0
     again = json.load(open(again_js))
     assert again["reused"]["measurements"] == {**baselines, "g+s0l0": {"32": "g+s0l0", "64": "g+s0l0"}}
+
+
+def test_reuse_plan_takes_summaries_only_across_the_same_sub_blocks():
+    """--sub-blocks changes what the gates and quest summarize: across it only the summary-less baselines are
+    taken; a file without the field was made with one summary a block."""
+    every = {"g+s0l0": {32: "g+s0l0", 64: "g+s0l0"}, "quest": {32: "quest", 64: "quest"},
+             "sink-local": {32: "sink-local", 64: "sink-local"}}
+    assert _plan(_ref(), sub_blocks=1) == every
+    assert _plan(_ref(), sub_blocks=4) == {"sink-local": every["sink-local"]}
+    assert _plan({**_ref(), "sub_blocks": 4}, sub_blocks=4) == every
+
+
+@needs_real_assets
+def test_eval_ppl_records_sub_blocks_and_runs_them(tmp_path):
+    from sas_backend.training import eval_ppl
+
+    argv = tiny_eval_ppl_argv(tmp_path)  # gate g (g+s0l0), quest, sink-local; budgets 32, 64; block 16
+    one_js, four_js = str(tmp_path / "one.json"), str(tmp_path / "four.json")
+    assert eval_ppl.main(argv + ["--json", one_js]) == 0
+    assert eval_ppl.main(argv + ["--sub-blocks", "4", "--json", four_js]) == 0
+    one, four = json.load(open(one_js)), json.load(open(four_js))
+    assert one["sub_blocks"] == 1 and four["sub_blocks"] == 4
+    assert four["nll_per_window"]["sink-local"] == one["nll_per_window"]["sink-local"]  # no summaries
+    for name in ("g+s0l0", "quest"):  # summarized by runs of 4 tokens: another selection somewhere
+        assert four["nll_per_window"][name] != one["nll_per_window"][name], name
