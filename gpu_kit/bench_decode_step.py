@@ -53,7 +53,7 @@ import time
 
 import torch
 
-from sas_backend.testing.report import env_markdown, environment, md_table, pyplot
+from sas_backend.testing.report import env_markdown, environment, md_table, pyplot, write_atomic, write_json_atomic
 
 BLOCK = 64
 
@@ -788,18 +788,24 @@ def time_variant(w: World, budget: int, variant: Variant, args, breakdown: bool 
     return res
 
 
-def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
-    """Check (up to --check-max-context) and time one (context, batch) for dense and every budget."""
+def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = None, save=lambda: None) -> dict:
+    """Check (up to --check-max-context) and time one (context, batch) for dense and every budget. The row joins
+    `rows` as soon as dense is timed and `save()` runs after every check and variant, so a step killed at its
+    deadline (or ended by a sticky CUDA error) leaves everything measured before it in the record."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     w = World(geo, ctx, bs, distinct_sets(geo, ctx, bs, args.mem_fraction), dev)
     if args.check and ctx <= args.check_max_context:
         for b in budgets:
             checks.extend(check_point(w, b, args.graphs, branches=b == budgets[len(budgets) // 2]))
+            save()
     dense = DenseStep(w, args.graphs)
     row = {"context": ctx, "batch": bs, "distinct_layers": w.distinct,
            "dense_ms": time_ms(dense.step, args.graphs, args.reps), "dense_bytes": step_bytes(geo, ctx, bs, None),
-           "sas": {}, "variants": {}}
+           "sas": {}, "variants": {}, "complete": False}
     del dense
+    if rows is not None:
+        rows.append(row)
+    save()
     middle = budgets[len(budgets) // 2]
     for b in budgets:
         # The old step and the new one at every budget; the variants the tournament decides at the middle one.
@@ -814,6 +820,7 @@ def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
             if "error" not in timed:
                 timed["speedup"] = row["dense_ms"] / timed["amortized_ms"]
             row["variants"][str(b)][variant.name] = timed
+            save()
         res = dict(row["variants"][str(b)][NEW.name])
         res["bytes"] = step_bytes(geo, ctx, bs, b)
         if "error" not in res:
@@ -830,6 +837,7 @@ def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
                 res["branch"] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 print(f"[step] IF-node branch timing failed: {res['branch']['error']}", flush=True)
         row["sas"][str(b)] = res
+        save()
     peak = args.peak_gbs
     if peak:
         row["dense_roofline_ms"] = row["dense_bytes"] / peak / 1e6
@@ -839,6 +847,8 @@ def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
                 continue
             res["roofline_ms"] = res["bytes"] / peak / 1e6
             res["achieved_gbs"] = res["bytes"] / res["amortized_ms"] / 1e6
+    row["complete"] = True
+    save()
     del w
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -881,8 +891,12 @@ def markdown(record: dict) -> str:
              f"- graphs: {record['graphs']}; peak bandwidth used for the roofline: {record['peak_gbs']} GB/s; "
              f"whole-model weight floor {record['weights_floor_ms']} ms/step (not in the times below)",
              f"- checks vs torch references: {len(record['checks']) - len(bad)}/{len(record['checks'])} ok"
-             + ("" if not bad else "; FAILED: " + ", ".join(f"{c['op']}@{c['context']}x{c['batch']}" for c in bad)),
-             ""]
+             + ("" if not bad else "; FAILED: " + ", ".join(f"{c['op']}@{c['context']}x{c['batch']}" for c in bad))]
+    if not record.get("complete", True):
+        done = sum(r.get("complete", True) for r in record["rows"])
+        lines.append(f"- **partial record** (written as measured; the run ended or was killed after {done} complete "
+                     f"point(s), {record.get('wall_s')} s)")
+    lines.append("")
     head = ["context", "batch", "budget", "dense ms", "new steady ms", "new block ms", "new amortized ms", "speedup",
             "x old", "block/steady", "steady us/layer", "roofline x", "dense GB/s", "sas GB/s", "front", "front block",
             "select", "attend"]
@@ -992,9 +1006,9 @@ def plot(record: dict, path: pathlib.Path) -> bool:
 def main(argv=None) -> int:
     """CLI (see the module doc); exit 1 if a check failed, 2 without CUDA and --dry-run."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072, 262144])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--contexts", type=int, nargs="+", help="default 8K 32K 128K 256K (dry run: 1024)")
+    ap.add_argument("--batches", type=int, nargs="+", help="default 1 8 (dry run: 1)")
+    ap.add_argument("--budgets", type=int, nargs="+", help="default 1024 2048 4096 (dry run: 256)")
     ap.add_argument("--layers", type=int, default=QWEN3_4B.layers)
     ap.add_argument("--reps", type=int, default=50, help="do_bench rep time in ms (CPU: calls)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="time eagerly instead")
@@ -1011,6 +1025,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     geo, name = dataclasses.replace(QWEN3_4B, layers=args.layers), "Qwen3-4B shape"
     mode = "full"
+    given = {k: getattr(args, k) for k in ("contexts", "batches", "budgets")}  # given sizes win in every mode
+    args.contexts, args.batches, args.budgets = [8192, 32768, 131072, 262144], [1, 8], [1024, 2048, 4096]
     if args.quick:
         args.contexts, args.budgets, mode = [8192, 32768], [2048], "quick"
     if args.dry_run:
@@ -1023,6 +1039,9 @@ def main(argv=None) -> int:
         print("bench_decode_step: needs a CUDA GPU (FlashInfer, compiled Triton, CUDA graphs); "
               "--dry-run rehearses the plumbing on CPU.")
         return 2
+    for k, v in given.items():
+        if v:
+            setattr(args, k, v)
     args.graphs = args.graphs and torch.cuda.is_available()  # CPU: nothing to capture
     if args.peak_gbs is None and torch.cuda.is_available():
         args.peak_gbs = peak_gbs(torch.cuda.get_device_name())
@@ -1034,33 +1053,39 @@ def main(argv=None) -> int:
     t0 = time.time()
     env = environment()
     checks, rows = [], []
-    torch.set_grad_enabled(False)
-    for ctx in args.contexts:
-        for bs in args.batches:
-            row = run_point(geo, ctx, bs, args.budgets, args, checks)
-            rows.append(row)
-            sas = "  ".join(f"b{b} {s['amortized_ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items()
-                            if "error" not in s)
-            print(f"[step] ctx {ctx:7d} bs {bs}: dense {row['dense_ms']:.3f} ms  {sas}", flush=True)
-    profile_rec = None
-    if args.profile:
-        profile_rec = profile_point(geo, max(args.contexts), 1, args.budgets[0], args)
-        print(profile_markdown(profile_rec), flush=True)
     record = {
         "what": "attention part of one decode step over all layers: dense FlashInfer vs the full SAS step",
-        "profile": profile_rec,
+        "profile": None,
         "mode": mode, "geometry_name": name, "geometry": dataclasses.asdict(geo), "graphs": args.graphs,
         "budgets": args.budgets, "peak_gbs": args.peak_gbs,
         "weights_floor_ms": round(geo.params * 2 / args.peak_gbs / 1e6, 3) if args.peak_gbs else None,
-        "environment": env, "checks": checks, "rows": rows, "wall_s": round(time.time() - t0, 1),
+        "environment": env, "checks": checks, "rows": rows,
+        "complete": False,  # True once every point, the profile and the chosen settings are in
     }
+
+    def save():  # the record as measured so far, rewritten whole after every check, point and variant
+        record["wall_s"] = round(time.time() - t0, 1)
+        write_json_atomic(out / "decode-step.json", record)
+        write_atomic(out / "decode-step.md", markdown(record))
+
+    torch.set_grad_enabled(False)
+    save()
+    for ctx in args.contexts:
+        for bs in args.batches:
+            row = run_point(geo, ctx, bs, args.budgets, args, checks, rows, save)
+            sas = "  ".join(f"b{b} {s['amortized_ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items()
+                            if "error" not in s)
+            print(f"[step] ctx {ctx:7d} bs {bs}: dense {row['dense_ms']:.3f} ms  {sas}", flush=True)
+    if args.profile:
+        record["profile"] = profile_point(geo, max(args.contexts), 1, args.budgets[0], args)
+        print(profile_markdown(record["profile"]), flush=True)
     device = env.get("device") or ""
     key = next((k for k in PEAK_GBS if k in device), device or "default")
     record["chosen_settings"] = chosen_settings(record, key)
     if record["chosen_settings"]:
-        (out / "chosen-settings.json").write_text(json.dumps(record["chosen_settings"], indent=2) + "\n")
-    (out / "decode-step.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / "decode-step.md").write_text(markdown(record))
+        write_json_atomic(out / "chosen-settings.json", record["chosen_settings"])
+    record["complete"] = True
+    save()
     drew = plot(record, out / "decode-step.png")
     failed = [c for c in checks if not c["ok"]]
     print(markdown(record))

@@ -340,8 +340,9 @@ def summary_markdown(rec: dict) -> str:
         lines.append(f"- **stopped**: {rec['stopped']}")
     lines.append("")
     rows = [[s["name"], s["rc"], s["seconds"], s["expected_minutes"], json.dumps(s.get("counts", {})) or "",
-             s.get("command", "")[:90]] for s in rec["steps"]]
-    lines.append(md_table(["step", "rc", "seconds", "expected min", "counts", "command"], rows))
+             ("partial: " + ", ".join(s["partial"]) if s.get("partial") else ""), s.get("command", "")[:90]]
+            for s in rec["steps"]]
+    lines.append(md_table(["step", "rc", "seconds", "expected min", "counts", "record", "command"], rows))
     for s in rec["steps"]:
         if s.get("markdown"):
             lines += ["", s["markdown"]]
@@ -367,7 +368,9 @@ def gated_markdown(result: dict) -> str:
 
 def collect(step: Step, work: pathlib.Path, out: pathlib.Path, rec: dict) -> None:
     """Embed the step's JSON and Markdown in its record and copy its PNGs to out. A produced name
-    is a file (its .md and .png siblings count too) or a directory (all its files)."""
+    is a file (its .md and .png siblings count too) or a directory (all its files). Whatever exists is
+    taken, from a finished step or one killed at its deadline: the benchmarks rewrite their records after
+    every point (`complete` false until the end), so a killed step's record names it `partial`."""
     for name in step.produces:
         path = work / name
         files = sorted(path.iterdir()) if path.is_dir() else [path, path.with_suffix(".md"), path.with_suffix(".png")]
@@ -375,8 +378,14 @@ def collect(step: Step, work: pathlib.Path, out: pathlib.Path, rec: dict) -> Non
             if not f.is_file():
                 continue
             if f.suffix == ".json":
-                data = json.loads(f.read_text())
+                try:
+                    data = json.loads(f.read_text())
+                except ValueError as e:  # a writer older than write_json_atomic, killed mid-write
+                    rec.setdefault("unreadable", []).append(f"{f.name}: {e}"[:200])
+                    continue
                 rec.setdefault("results", {})[f.stem] = data
+                if isinstance(data, dict) and data.get("complete") is False:
+                    rec.setdefault("partial", []).append(f.stem)
                 if f.stem == "gated-attention":
                     rec["markdown"] = gated_markdown(data)
             elif f.suffix == ".md":

@@ -547,3 +547,58 @@ def test_timeline_summary_counts_busy_time_once_and_the_gaps():
     assert [t["name"] for t in r["top"]] == ["a", "b", "c"]
     assert r["top"][0] == {"name": "a", "count": 2, "total_us": 20.0}
     assert bench_decode_step.timeline_summary([]) == {"kernels": 0}
+
+
+def test_a_step_killed_after_its_first_point_keeps_that_point(tmp_path):
+    """Issue 64 item 1: the decode-step benchmark rewrites its record after every check, point and variant, so
+    a step the runner kills at its deadline (here: SIGKILL to its process group as soon as the first of two
+    points is complete) leaves that point in decode-step.json, marked partial, and the runner's summary embeds
+    it. Before, the record was written once, after the last point and the profile: nothing survived."""
+    import signal
+    import time
+
+    out = tmp_path / "work"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "gpu_kit/bench_decode_step.py", "--dry-run", "--quick", "--contexts",
+                             "1024", "2048", "--no-check", "--no-profile", "--out", str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    path, first = out / "decode-step.json", None
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None:
+            if path.exists():
+                rows = json.loads(path.read_text())["rows"]  # whole or absent: written by os.replace
+                if rows and rows[0]["complete"]:
+                    first = rows[0]
+                    break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert first is not None, "no complete point was ever written"
+    rec = json.loads(path.read_text())
+    assert rec["complete"] is False and rec["rows"][0]["context"] == 1024
+    assert rec["rows"][0]["sas"]["256"]["amortized_ms"] > 0 and rec["rows"][0]["dense_ms"] > 0
+    assert "partial record" in (out / "decode-step.md").read_text()
+    step = gpu_run.Step("decode-step", [], 1.0, produces=("decode-step.json", "decode-step.png"))
+    srec = {"name": "decode-step", "rc": 124, "seconds": 1.0, "expected_minutes": 1.0}
+    gpu_run.collect(step, out, tmp_path, srec)
+    assert srec["partial"] == ["decode-step"] and srec["results"]["decode-step"]["rows"][0]["context"] == 1024
+    assert "partial record" in srec["markdown"]
+
+
+def test_the_end_to_end_record_is_rewritten_after_every_point(tmp_path):
+    """bench/bench_decode.py's rows as measured: a point only the dense server reached has sas_ms None."""
+    import bench_decode
+
+    rows = bench_decode.rows_of({(8192, 1): {"dense": 2.0, "sas": 1.0}, (32768, 1): {"dense": 4.0}})
+    assert rows == [{"context": 8192, "batch": 1, "dense_ms": 2.0, "sas_ms": 1.0, "ratio": 0.5},
+                    {"context": 32768, "batch": 1, "dense_ms": 4.0, "sas_ms": None, "ratio": None}]
+    from sas_backend.testing.report import environment
+
+    rec = {"model": "m", "budget": 2048, "server_flags": [], "environment": environment(), "rows": rows,
+           "complete": False}
+    bench_decode.write_report(rec, tmp_path / "decode.json", plot=False)
+    md = (tmp_path / "decode.md").read_text()
+    assert "partial record" in md and "| 32768 | 1 | 4 | None | None |" in md
