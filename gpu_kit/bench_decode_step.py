@@ -223,9 +223,11 @@ VARIANTS = (
     Variant("new: fused, 528 programs", target_programs=528),
     Variant("new: fused, select chunk 64", chunk=64),
     Variant("new: fused, select chunk 256", chunk=256),
-    Variant("new: fused, PDL", launch=(("pdl", True),)),
     Variant("new: fused, select 8 warps", launch=(("select_warps", 8),)),
     Variant("new: fused, attend 8 warps", launch=(("attend_warps", 8),)),
+    # Last: CUDA may refuse a PDL launch in a captured graph (the front follows StepBuffers.fill's copies); the
+    # failure is caught and recorded (with whether the device still works), and no variant comes after it.
+    Variant("new: fused, PDL", launch=(("pdl", True),)),
 )
 
 
@@ -279,6 +281,10 @@ class ServedStep(LayerStack):
         if self.graphs:  # as in the server: the step's device state is recomputed inside the graph
             self.step_obj.fill(self.plan, self.w.model_table, self.w.gate_table)
         return super().step()
+
+    def last_selected(self) -> torch.Tensor:
+        """`[bs, H_kv, K]` the blocks the last layer of the last step selected."""
+        return self.step_obj.last_selected
 
     # The breakdown: each fused launch alone over all layers (the new step), on the plan's step tensors.
     OPS = ("front", "select", "attend")
@@ -379,15 +385,18 @@ def all_blocks(w: World) -> torch.Tensor:
     return sel.expand(w.bs, w.geo.kv_heads, w.max_blocks).contiguous()
 
 
-def reference_attention(w: World, layer: int, selected: torch.Tensor) -> torch.Tensor:
-    """The torch oracle: plain SDPA over the selected blocks + the current block (all blocks = dense)."""
+def reference_attention(w: World, layer: int, selected: torch.Tensor, seq_lens: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """The torch oracle: plain SDPA over the selected blocks + the current block (all blocks = dense).
+    seq_lens `[bs]`: the step's lengths (default the world's block step, every row at ctx)."""
     from sas_backend.ops.gather.torch_path import build_kv_indices, kv_indptr_for
     from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
 
     k, v = w.kv(layer)
-    indptr = kv_indptr_for(w.seq_lens_cpu, selected.shape[-1], BLOCK, w.geo.kv_heads).to(w.device)
+    seq_lens = w.seq_lens if seq_lens is None else seq_lens
+    indptr = kv_indptr_for(seq_lens.cpu(), selected.shape[-1], BLOCK, w.geo.kv_heads).to(w.device)
     idx = torch.zeros(int(indptr[-1]), dtype=torch.int32, device=w.device)
-    build_kv_indices(selected, w.block_table, w.seq_lens, BLOCK, indptr, idx)
+    build_kv_indices(selected, w.block_table, seq_lens, BLOCK, indptr, idx)
     return sparse_decode_attention(w.q, k, v, indptr, idx, scale=w.scale)
 
 
@@ -430,32 +439,52 @@ class DenseStep(LayerStack):
 
 
 # ------------------------------------------------------------------------------------- timing
-def time_ms(fn, graphs: bool, reps: int) -> float:
+def time_ms(fn, graphs: bool, reps: int, outputs: dict | None = None, selected=None) -> float:
     """Median ms of fn: captured once in a CUDA graph and replayed (graphs), or called eagerly.
-    On CPU: wall clock over `reps` calls."""
+    On CPU: wall clock over `reps` calls. outputs: filled with copies of fn's result from its eager warm-up
+    ("eager") and from the last timed replay or call ("last"), and of `selected()` (the step's last selection)
+    as that replay left it ("selected"), for `check_variant`."""
+    keep = outputs if outputs is not None else {}
+
+    def last(res):
+        if outputs is not None:
+            keep["last"] = res.clone()
+            if selected is not None:
+                keep["selected"] = selected().clone()
+
     if not torch.cuda.is_available():
-        fn()
+        res = fn()
+        if outputs is not None:
+            keep["eager"] = res.clone()
         t = time.perf_counter()
         for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps * 1e3
+            res = fn()
+        ms = (time.perf_counter() - t) / reps * 1e3
+        last(res)
+        return ms
     from triton.testing import do_bench
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up off the default stream: compiles, autotunes, JIT
         fn()
-        fn()
+        res = fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+    if outputs is not None:
+        keep["eager"] = res.clone()
     if not graphs:
-        return do_bench(fn, warmup=5, rep=max(reps, 20), return_mode="median")
+        ms = do_bench(fn, warmup=5, rep=max(reps, 20), return_mode="median")
+        last(fn())
+        return ms
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        res = fn()
     graph.replay()
     torch.cuda.synchronize()
     ms = do_bench(graph.replay, warmup=5, rep=max(reps, 20), return_mode="median")
+    torch.cuda.synchronize()
+    last(res)  # the graph's buffers as the last timed replay left them (before the graph and its pool go)
     del graph
     return ms
 
@@ -769,16 +798,46 @@ def distinct_sets(geo: Geometry, ctx: int, bs: int, mem_fraction: float) -> int:
     return max(2, min(geo.layers, int(free * mem_fraction // per)))
 
 
+# A variant's last timed replay against its own eager step and against the oracle over the blocks it selected:
+# bf16 outputs (one ulp near 1 is 2**-7), the tolerance of check_point's attention checks.
+VARIANT_TOL = 2e-2
+COUNTERS = ("front_counters", "select_counters", "attend_counters")
+
+
+def check_variant(st: ServedStep, outputs: dict, tol: float = VARIANT_TOL) -> dict:
+    """Whether a variant's timed replays computed the step: the last replay's output (the last layer's attention)
+    equals the eager step's within `tol`, equals the torch oracle over the blocks that replay selected within
+    `tol`, and every arrival counter of the fused workspace is back to zero (a merge that never ran, or ran twice,
+    leaves one set). {"ok", "replay_vs_eager", "vs_oracle", "counters_set", "tol"}; ok False with "why" when an
+    output is missing. Only a checked variant may win the tournament (`chosen_settings`)."""
+    eager, last, selected = outputs.get("eager"), outputs.get("last"), outputs.get("selected")
+    if eager is None or last is None or selected is None:
+        return {"ok": False, "why": "no output of the timed step was kept", "tol": tol}
+    w = st.w
+    res = {"tol": tol, "replay_vs_eager": _err(last, eager),
+           "vs_oracle": _err(last, reference_attention(w, w.geo.layers - 1, selected, st.seq_lens))}
+    ws = st.step_obj.fused_ws
+    res["counters_set"] = {} if ws is None else {n: int((getattr(ws, n) != 0).sum()) for n in COUNTERS}
+    res["ok"] = bool(max(res["replay_vs_eager"], res["vs_oracle"]) <= tol and not any(res["counters_set"].values()))
+    return res
+
+
 def time_variant(w: World, budget: int, variant: Variant, args, breakdown: bool = False) -> dict:
-    """Block, steady and amortized ms of one served-step variant; with `breakdown`, each fused launch alone."""
+    """Block, steady and amortized ms of one served-step variant; with `breakdown`, each fused launch alone. Both
+    steps are checked after their timed replays (`check_variant`): "check" {"block", "steady", "ok"}."""
     st = ServedStep(w, budget, args.graphs, block_step=True, variant=variant)
     # The settings as run (a CPU dry run drops what the interpreter cannot run: FlashInfer, PDL).
-    res = {"ms": time_ms(st.step, args.graphs, args.reps), "breakdown_ms": {}, "settings": st.variant.settings()}
+    outs = {}
+    res = {"ms": time_ms(st.step, args.graphs, args.reps, outs, st.last_selected), "breakdown_ms": {},
+           "settings": st.variant.settings()}
+    res["check"] = {"block": check_variant(st, outs)}
     if breakdown and st.plan.fused:
         res["breakdown_ms"]["front_block"] = time_ms(st.op_over_layers("front"), args.graphs, args.reps)
     del st
-    steady = ServedStep(w, budget, args.graphs, block_step=False, variant=variant)
-    res["steady_ms"] = time_ms(steady.step, args.graphs, args.reps)
+    steady, outs = ServedStep(w, budget, args.graphs, block_step=False, variant=variant), {}
+    res["steady_ms"] = time_ms(steady.step, args.graphs, args.reps, outs, steady.last_selected)
+    res["check"]["steady"] = check_variant(steady, outs)
+    res["check"]["ok"] = res["check"]["block"]["ok"] and res["check"]["steady"]["ok"]
     if breakdown and steady.plan.fused:
         for op in ServedStep.OPS:
             res["breakdown_ms"][op] = time_ms(steady.op_over_layers(op), args.graphs, args.reps)
@@ -786,6 +845,19 @@ def time_variant(w: World, budget: int, variant: Variant, args, breakdown: bool 
     res["amortized_ms"] = (63 * res["steady_ms"] + res["ms"]) / 64
     res["block_over_steady"] = res["ms"] / res["steady_ms"]
     return res
+
+
+def device_ok() -> bool:
+    """After a variant failed: whether the device still runs work (False: a sticky CUDA error; every later
+    measurement of this process will fail, and the record says so)."""
+    if not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+        return True
+    except Exception:  # noqa: BLE001 - the answer is the finding
+        return False
 
 
 def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = None, save=lambda: None) -> dict:
@@ -814,8 +886,8 @@ def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = Non
         for variant in variants:
             try:
                 timed = time_variant(w, b, variant, args, breakdown=variant is NEW)
-            except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
-                timed = {"error": f"{type(e).__name__}: {e}"[:500]}
+            except Exception as e:  # noqa: BLE001 - one variant failing (a refused PDL capture) must not lose the others
+                timed = {"error": f"{type(e).__name__}: {e}"[:500], "device_ok_after": device_ok()}
                 print(f"[step] {variant.name} at ctx {ctx} bs {bs} b{b} failed: {timed['error']}", flush=True)
             if "error" not in timed:
                 timed["speedup"] = row["dense_ms"] / timed["amortized_ms"]
@@ -858,14 +930,15 @@ def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = Non
 def chosen_settings(record: dict, device_key: str) -> dict:
     """The settings table the backend reads at startup, from this run: the new-step variant with the best
     geometric-mean speedup over every (context, batch) at the middle budget, and `dense_below` = the most tokens
-    in a step (context x batch) at which dense attention still beat that variant (0: never)."""
+    in a step (context x batch) at which dense attention still beat that variant (0: never). A variant competes
+    only where it ran and passed its check (`check_variant`) at every point: failed, errored or unchecked never win."""
     import math
 
     budget = str(record["budgets"][len(record["budgets"]) // 2])
     scores = {}
     for r in record["rows"]:
         for name, v in r.get("variants", {}).get(budget, {}).items():
-            if name.startswith("new") and "error" not in v:
+            if name.startswith("new") and "error" not in v and (v.get("check") or {}).get("ok") is True:
                 scores.setdefault(name, []).append(math.log(v["speedup"]))
     complete = {n: sum(x) / len(x) for n, x in scores.items() if len(x) == len(record["rows"])}
     if not complete:
@@ -925,14 +998,18 @@ def markdown(record: dict) -> str:
         for b, vs in r.get("variants", {}).items():
             for name, v in vs.items():
                 if "error" in v:
-                    vrows.append([name, r["context"], r["batch"], int(b), f"failed: {v['error'][:60]}", "-", "-", "-"])
+                    vrows.append([name, r["context"], r["batch"], int(b), f"failed: {v['error'][:60]}", "-", "-", "-",
+                                  "not run"])
                 else:
                     vrows.append([name, r["context"], r["batch"], int(b), v["steady_ms"], v["ms"], v["amortized_ms"],
-                                  v["speedup"]])
+                                  v["speedup"], check_cell(v.get("check"))])
     if vrows:
         lines += ["", "## Every variant (the tournament)", "",
                   md_table(["variant", "context", "batch", "budget", "steady ms", "block ms", "amortized ms",
-                            "speedup"], vrows)]
+                            "speedup", "checked"], vrows), "",
+                  f"checked: the last timed replay of the block and the steady step vs the eager step and the oracle "
+                  f"(tolerance {VARIANT_TOL}), every workspace counter zero after it; only variants ok at every point "
+                  f"compete."]
     chosen = record.get("chosen_settings")
     if chosen:
         lines += ["", "## Chosen settings (`chosen-settings.json`, "
@@ -944,13 +1021,25 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_cell(check: dict | None) -> str:
+    """A variant's check in the tournament table: ok, FAILED (with its largest error), or unchecked."""
+    if not check:
+        return "unchecked"
+    if check.get("ok"):
+        return "ok"
+    parts = [check.get(k) or {} for k in ("block", "steady")]
+    worst = max((p.get(k, 0) for p in parts for k in ("replay_vs_eager", "vs_oracle")), default=0)
+    counters = sum(n for p in parts for n in (p.get("counters_set") or {}).values())
+    return f"FAILED (err {worst:.3g}, {counters} counters set)"
+
+
 def branch_markdown(record: dict) -> list:
     """The IF-node table: what choosing dense or sparse per replay costs on either side."""
     rows, notes = [], set()
     for r in record["rows"]:
         for b, s in r["sas"].items():
             br = s.get("branch")
-            if not br:
+            if not br or "error" in s:
                 continue
             if "unsupported" in br or "error" in br:
                 notes.add(br.get("unsupported") or f"failed: {br['error']}")
@@ -1066,7 +1155,10 @@ def main(argv=None) -> int:
     def save():  # the record as measured so far, rewritten whole after every check, point and variant
         record["wall_s"] = round(time.time() - t0, 1)
         write_json_atomic(out / "decode-step.json", record)
-        write_atomic(out / "decode-step.md", markdown(record))
+        try:
+            write_atomic(out / "decode-step.md", markdown(record))
+        except Exception as e:  # noqa: BLE001 - the JSON is the record; a summary that cannot be drawn must not end it
+            write_atomic(out / "decode-step.md", f"# Decode step\n\nsummary not drawn: {type(e).__name__}: {e}\n")
 
     torch.set_grad_enabled(False)
     save()

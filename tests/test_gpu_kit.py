@@ -265,6 +265,9 @@ def test_session_dry_run(fake_site_kit, tmp_path):
     names = {n for r in steps["decode-step"]["results"]["decode-step"]["rows"] for vs in r["variants"].values()
              for n in vs}
     assert len(names) == 12, names  # bench_decode_step.VARIANTS (11) and the old step
+    # every variant checked after its timed calls (issue 64 item 3): output == eager == oracle, counters zero
+    assert all(v["check"]["ok"] for r in steps["decode-step"]["results"]["decode-step"]["rows"]
+               for vs in r["variants"].values() for v in vs.values())
     chosen = steps["decode-step"]["results"]["decode-step"]["chosen_settings"]
     assert chosen["measured"] is False and "default" in chosen["devices"]
     assert set(chosen["devices"]["default"]) == {"kernels", "attention", "summary_dtype", "gate_dtype",
@@ -602,3 +605,66 @@ def test_the_end_to_end_record_is_rewritten_after_every_point(tmp_path):
     bench_decode.write_report(rec, tmp_path / "decode.json", plot=False)
     md = (tmp_path / "decode.md").read_text()
     assert "partial record" in md and "| 32768 | 1 | 4 | None | None |" in md
+
+
+def test_a_variant_is_checked_after_its_timed_replays():
+    """Issue 64 item 3: after a variant's timed calls (replays on CUDA) its last output must equal the eager step's
+    and the oracle's over the blocks that call selected, and every fused workspace counter must be zero again;
+    a merge that never ran (a counter left set), a wrong output or a wrong attention fails the check."""
+    import argparse
+
+    import bench_decode_step as bds
+
+    torch = pytest.importorskip("torch")
+    torch.set_grad_enabled(False)
+    w = bds.World(bds.TINY, 1024, 1, 2, "cpu")
+    res = bds.time_variant(w, 256, bds.NEW, argparse.Namespace(graphs=False, reps=1))
+    assert res["check"]["ok"] and res["check"]["block"]["ok"] and res["check"]["steady"]["ok"]
+    assert res["check"]["steady"]["counters_set"] == dict.fromkeys(bds.COUNTERS, 0)
+    st, outs = bds.ServedStep(w, 256, False, block_step=False), {}
+    bds.time_ms(st.step, False, 1, outs, st.last_selected)
+    assert bds.check_variant(st, outs)["ok"]
+    st.step_obj.fused_ws.attend_counters[0] = 1  # a split's merge that never ran
+    bad = bds.check_variant(st, outs)
+    assert not bad["ok"] and bad["counters_set"]["attend_counters"] == 1
+    st.step_obj.fused_ws.attend_counters.zero_()
+    wrong = dict(outs, last=outs["last"] + 0.1)  # the replay computed something else than the eager step
+    assert not bds.check_variant(st, wrong)["ok"]
+    sel = outs["selected"]  # attention over blocks the step did not select
+    other = torch.tensor([[[b for b in range(w.max_blocks) if b not in row.tolist()][: sel.shape[-1]] for row in r]
+                          for r in sel], dtype=sel.dtype)
+    assert not bds.check_variant(st, dict(outs, selected=other))["ok"]
+    assert bds.check_variant(st, {})["ok"] is False  # nothing kept: unchecked is not ok
+
+
+def test_only_checked_variants_can_win():
+    """chosen_settings adopts the fastest variant that passed its check at every point: a faster variant whose
+    check failed (PDL here), one never checked, or one that raised (a refused capture) never wins."""
+    import bench_decode_step as bds
+
+    def v(speedup, check):
+        return {"speedup": speedup, "amortized_ms": 1.0 / speedup, "ms": 1.0, "steady_ms": 1.0,
+                **({"check": {"ok": check}} if check is not None else {})}
+
+    variants = {bds.NEW.name: v(1.1, True), "new: fused, PDL": v(3.0, False),
+                "new: fused, bf16 summaries": v(2.5, None),
+                "new: fused, attend 8 warps": {"error": "RuntimeError: capture refused", "device_ok_after": True},
+                "new: fused, 132 programs": v(1.5, True)}
+    rows = [{"context": c, "batch": 1, "dense_ms": 1.0, "sas": {}, "variants": {"2048": dict(variants)}}
+            for c in (8192, 32768)]
+    rows[1]["variants"]["2048"]["new: fused, 132 programs"] = v(1.6, False)  # failed at one point: out
+    record = {"budgets": [2048], "mode": "full", "environment": {"device": "NVIDIA H200"}, "rows": rows}
+    chosen = bds.chosen_settings(record, "H200")
+    assert "'new: fused, triton attend'" in chosen["source"], chosen["source"]
+    for r in rows:
+        r["variants"]["2048"][bds.NEW.name]["check"]["ok"] = False
+    assert bds.chosen_settings(record, "H200") == {}  # nothing checked: nothing adopted
+    md = bds.markdown({**record, "geometry_name": "x", "graphs": True, "peak_gbs": 1, "weights_floor_ms": 0,
+                       "checks": [], "geometry": {"layers": 36}, "environment": _env()})
+    assert "| new: fused, PDL | 8192 | 1 | 2048 |" in md and "FAILED" in md and "unchecked" in md
+
+
+def _env():
+    from sas_backend.testing.report import environment
+
+    return environment()
