@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gate", help="gate checkpoint (default: serve/default_gate.py's choice)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 6144])
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--points", nargs="+", metavar="CTXxBS",
+                    help="(context, batch) points instead of every context x batch, e.g. 8192x1 32768x8")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--shared-prefix", action="store_true", help="prompts of a point share all but 64 tokens")
@@ -86,6 +88,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = ap.parse_args(argv)
 
+    points = [(c, b) for c in args.contexts for b in args.batch]
+    if args.points:
+        try:
+            points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points]
+        except ValueError:
+            ap.error(f"--points takes CONTEXTxBATCH, got {args.points}")
+        args.contexts, args.batch = sorted({c for c, _ in points}), sorted({b for _, b in points})
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -112,7 +121,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         for name, (backend, flags) in backends.items():
             print(f"[bench] would start {name}: --attention-backend {backend} {' '.join(map(str, flags + args.extra))}")
-        print(f"[bench] points (context x batch): {[(c, b) for c in args.contexts for b in args.batch]}, "
+        print(f"[bench] points (context x batch): {points}, "
               f"{args.new_tokens} new tokens, vocab {vocab}, shared prefix {args.shared_prefix}")
         return 0
     import sglang
@@ -147,13 +156,11 @@ def main(argv=None) -> int:
         print(f"[bench] starting {name} ({backend}) ...", flush=True)
         with Server(args.model, backend=backend, extra_args=flags + args.extra) as server:
             measure(server.url, 256, 1, 4, vocab, seed=0)  # warm-up
-            for ctx in args.contexts:
-                for bs in args.batch:
-                    ms = measure(server.url, ctx, bs, args.new_tokens, vocab, seed=ctx,
-                                 shared_prefix=args.shared_prefix)
-                    results.setdefault((ctx, bs), {})[name] = ms
-                    print(f"[bench] {name:5s} context {ctx:7d} batch {bs:3d}: {ms:8.2f} ms/token", flush=True)
-                    save()
+            for ctx, bs in points:
+                ms = measure(server.url, ctx, bs, args.new_tokens, vocab, seed=ctx, shared_prefix=args.shared_prefix)
+                results.setdefault((ctx, bs), {})[name] = ms
+                print(f"[bench] {name:5s} context {ctx:7d} batch {bs:3d}: {ms:8.2f} ms/token", flush=True)
+                save()
 
     print(f"\nDecode latency per token, {pathlib.Path(args.model).name}, budget {args.budget}, {device}")
     print("| context | batch | dense ms/token | sas ms/token | sas / dense |")

@@ -38,7 +38,13 @@ layer reads what the previous one left in L2). Recorded per point.
     python gpu_kit/bench_decode_step.py --quick --out DIR    # 8K 32K, batch 1 8, budget 2048
     python gpu_kit/bench_decode_step.py --dry-run --out DIR  # CPU: the same steps, tiny, fused kernels interpreted
 
-Writes DIR/decode-step.json, DIR/decode-step.md, DIR/decode-step.png, DIR/chosen-settings.json.
+The GPU session splits it (gpu_kit/run.py): `--checks-only --name kernel-checks` (every check, the served CUDA
+configuration's included: `check_served`), `--variants core --points 8192x1 ...` (the new step vs dense and the
+old one), `--variants tournament --name tournament` (the variants, chosen-settings.json). The world's slot table
+is as wide as the server's (context + 4, SGLang's), so select gets the server's grid and merge tile.
+
+Writes DIR/<name>.json, .md, .png (--name, default decode-step; the JSON and Markdown after every check, point and
+variant) and DIR/chosen-settings.json.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ import torch
 from sas_backend.testing.report import env_markdown, environment, md_table, pyplot, write_atomic, write_json_atomic
 
 BLOCK = 64
+SLOT_PAD = 4  # SGLang's slot table (req_to_token) is context_length + 4 tokens wide
+ANCHORS = 4  # prompt anchors per (request, kv head) of the Qwen gate's serve default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +105,9 @@ class World:
     Request r owns `ctx // 64 (+1)` random pages; seq_len = ctx for every request, so each
     request's newest token completes a block (the summary update does real work: the block step);
     `seq_lens_steady` (ctx - 1) is what the summary update sees in a steady step (no block completes).
+    The slot table is as wide as a server's whose context length is ctx (SGLang: context_length + 4), so the
+    served step sizes its select grid and merge tile as that server does; `anchors` `[bs, H_kv, 4]` int32 is a
+    prompt-anchor pool (random candidate blocks, some -1) as the Qwen gate's serve default reads.
     """
 
     def __init__(self, geo: Geometry, ctx: int, bs: int, distinct: int, device, seed: int = 0):
@@ -112,7 +123,8 @@ class World:
         self.block_table = (self.pages[:, : self.max_blocks + 1] * BLOCK).long().to(dev)
         # SGLang's slot table for these requests (the decode step object reads its block table from it)
         offs = torch.arange(BLOCK, dtype=torch.int32)
-        self.req_to_token = (self.pages.to(torch.int32)[:, :, None] * BLOCK + offs).reshape(bs, -1).to(dev)
+        full = (self.pages.to(torch.int32)[:, :, None] * BLOCK + offs).reshape(bs, -1)
+        self.req_to_token = full[:, : ctx + SLOT_PAD].contiguous().to(dev)
         self.req_pool_indices = torch.arange(bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((bs,), ctx, dtype=torch.int64, device=dev)
         self.seq_lens_cpu = torch.full((bs,), ctx, dtype=torch.int64)
@@ -138,6 +150,8 @@ class World:
         pos = (self.seq_lens - 1).long()
         self.model_rows, self.gate_rows = self.model_table[pos], self.gate_table[pos]
         self.q = torch.randn(bs, geo.q_heads, geo.head_dim, generator=g).to(dev, torch.bfloat16)
+        self.anchors = torch.randint(-1, max(self.max_blocks, 1), (bs, geo.kv_heads, ANCHORS), generator=g,
+                                     dtype=torch.int32).to(dev)
         self.scale = geo.head_dim**-0.5
 
     def _dev_gen(self, seed):
@@ -196,6 +210,7 @@ class Variant:
     target_programs: int | None = None
     chunk: int | None = None
     launch: tuple = ()
+    anchors: bool = False  # select reads the world's prompt-anchor pool (World.anchors)
 
     def launch_options(self):
         from sas_backend.ops.decode_step import LaunchOptions
@@ -214,6 +229,10 @@ class Variant:
 # select chunk, PDL, per-launch warps.
 OLD = Variant("old: per-op kernels + flashinfer", kernels="torch", attention="flashinfer")
 NEW = Variant("new: fused, triton attend")
+# The CUDA default shipped in sas_backend/backend/gpu_settings.json, with the Qwen gate's prompt anchors: checked
+# (check_served) before anything is timed, never timed itself (its parts are the bf16 variants below).
+SERVED = Variant("served: bf16 summaries + bf16 gate weights + anchors", summary_dtype="bf16", gate_dtype="bf16",
+                 anchors=True)
 VARIANTS = (
     NEW,
     Variant("new: fused, flashinfer attention", attention="flashinfer"),
@@ -275,7 +294,7 @@ class ServedStep(LayerStack):
         w = self.w
         k, v = w.kv(layer)
         return self.step_obj.run(self.plan, w.gates[layer], w.q, k, v, w.summaries_of(layer, self.dtype),
-                                 w.model_table, w.gate_table)
+                                 w.model_table, w.gate_table, anchors=w.anchors if self.variant.anchors else None)
 
     def step(self):
         if self.graphs:  # as in the server: the step's device state is recomputed inside the graph
@@ -788,6 +807,63 @@ def _check_branches(w: World, budget: int, record) -> None:
         del g, br
 
 
+def check_served(w: World, budget: int, graphs: bool) -> list:
+    """The served CUDA configuration (bf16 summaries, bf16 gate weights) with prompt anchors on and off, on layer 0
+    and as a whole step: the fused front against the torch reference on the same bf16 weights and pool, the fused
+    select against the reference selection with those anchors (blocks outside rounding ties), and the served step's
+    last layer against the oracle over the blocks it selected; with graphs, its replay equals its eager step.
+    Returns check rows as check_point's."""
+    from sas_backend.ops import decode_step as fused
+    from sas_backend.ops.decode_step import naive as fused_ref
+
+    out = []
+
+    def record(op, err, tol):
+        out.append({"op": f"served: {op}", "context": w.ctx, "batch": w.bs, "budget": budget, "max_abs_err": err,
+                    "tol": tol, "ok": bool(err <= tol)})
+
+    k_top = budget // BLOCK
+    st = ServedStep(w, budget, graphs=False, variant=SERVED)
+    ws, gate = st.step_obj.fused_ws, w.gates[0]
+    w_q, q_norm, w_k, k_norm = st.step_obj.front_weights(gate)  # the bf16 copies the server's front reads
+    pool = w.summaries_of(0, torch.bfloat16)
+    before = pool.clone()
+    summ_fused, summ_ref = before.clone(), before.clone()
+    gq = fused.front(ws, w.q, w.model_rows, w.gate_rows, w_q, q_norm, w.k[0], w.model_table, w.gate_table, w_k, k_norm,
+                     summ_fused, w.block_table, w.seq_lens).clone()
+    gq_want = fused_ref.front(w.q, w.model_rows, w.gate_rows, w_q, q_norm, w.k[0], w.model_table, w.gate_table, w_k,
+                              k_norm, summ_ref, w.block_table, w.seq_lens, BLOCK)
+    record("fused front, bf16 weights: gate query", _err(gq, gq_want), 1e-3)
+    record("fused front, bf16 weights: bf16 summaries", _err(summ_fused, summ_ref), 1.6e-2)  # one bf16 ulp at 2
+    for anchors in (None, w.anchors):
+        tag = "anchors on" if anchors is not None else "anchors off"
+        sel = fused.select(ws, gq, summ_ref, w.block_table, w.num_candidates, w.max_blocks, anchors=anchors).clone()
+        scores = fused_ref.scores(gq, summ_ref, w.block_table, w.num_candidates, BLOCK, w.max_blocks, anchors)
+        want = fused_ref.select(gq, summ_ref, w.block_table, w.num_candidates, BLOCK, w.max_blocks, k_top,
+                                anchors=anchors)
+        record(f"fused select, bf16 summaries, {tag} (blocks outside rounding ties)",
+               _selection_misses(sel, want, scores), 0.0)
+    del st
+    for variant in (SERVED, dataclasses.replace(SERVED, anchors=False)):
+        tag = "anchors on" if variant.anchors else "anchors off"
+        step = ServedStep(w, budget, graphs=graphs and w.device.type == "cuda", variant=variant)
+        eager = step.step().clone()
+        last = w.geo.layers - 1
+        record(f"step ({tag}): last layer vs oracle", _err(eager, reference_attention(w, last, step.last_selected())),
+               2e-2)
+        if step.graphs:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                res = step.step()
+            graph.replay()
+            torch.cuda.synchronize()
+            record(f"step ({tag}): graph replay == eager step (exact)", _err(res, eager), 0.0)
+            del graph
+        del step
+    return out
+
+
 # ---------------------------------------------------------------------------------------- main
 def distinct_sets(geo: Geometry, ctx: int, bs: int, mem_fraction: float) -> int:
     """Buffer sets that fit `mem_fraction` of free device memory (2 .. layers)."""
@@ -870,6 +946,11 @@ def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = Non
         for b in budgets:
             checks.extend(check_point(w, b, args.graphs, branches=b == budgets[len(budgets) // 2]))
             save()
+        checks.extend(check_served(w, budgets[len(budgets) // 2], args.graphs))
+        save()
+    if args.checks_only:
+        del w
+        return {"context": ctx, "batch": bs, "sas": {}, "variants": {}, "complete": True}
     dense = DenseStep(w, args.graphs)
     row = {"context": ctx, "batch": bs, "distinct_layers": w.distinct,
            "dense_ms": time_ms(dense.step, args.graphs, args.reps), "dense_bytes": step_bytes(geo, ctx, bs, None),
@@ -881,7 +962,8 @@ def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = Non
     middle = budgets[len(budgets) // 2]
     for b in budgets:
         # The old step and the new one at every budget; the variants the tournament decides at the middle one.
-        variants = [NEW, OLD] + (list(VARIANTS[1:]) if b == middle and not args.quick else [])
+        tournament = list(VARIANTS[1:]) if b == middle and args.variants != "core" else []
+        variants = [NEW] + ([OLD] if args.variants != "tournament" else []) + tournament
         row["variants"][str(b)] = {}
         for variant in variants:
             try:
@@ -897,10 +979,10 @@ def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = Non
         res["bytes"] = step_bytes(geo, ctx, bs, b)
         if "error" not in res:
             res["speedup_block_step"] = row["dense_ms"] / res["ms"]
-            old = row["variants"][str(b)][OLD.name]
+            old = row["variants"][str(b)].get(OLD.name, {"error": "not run"})
             res["vs_old"] = old["amortized_ms"] / res["amortized_ms"] if "error" not in old else None
         res["roofline_speedup"] = row["dense_bytes"] / res["bytes"]
-        if b == middle:  # the branch cost of --sas-dense-below
+        if b == middle and args.branches:  # the branch cost of --sas-dense-below
             try:
                 br = BranchStep(w, b, args.graphs)
                 res["branch"] = time_branches(br, args.reps)
@@ -1105,12 +1187,22 @@ def main(argv=None) -> int:
     ap.add_argument("--check-max-context", type=int, default=131072)
     ap.add_argument("--mem-fraction", type=float, default=0.4, help="of free memory for the K/V buffer sets")
     ap.add_argument("--peak-gbs", type=float, default=None, help="peak HBM GB/s (default: from the device name)")
-    ap.add_argument("--quick", action="store_true", help="8K and 32K, batch 1 and 8, budget 2048")
+    ap.add_argument("--quick", action="store_true", help="8K and 32K, batch 1 and 8, budget 2048, no tournament")
+    ap.add_argument("--points", nargs="+", metavar="CTXxBS",
+                    help="(context, batch) points instead of every context x batch, e.g. 8192x1 32768x8")
+    ap.add_argument("--variants", choices=("all", "core", "tournament"), default=None,
+                    help="core: the new and the old step; tournament: the new one and its variants at the middle "
+                    "budget; all (default; --quick: core): both")
+    ap.add_argument("--checks-only", action="store_true",
+                    help="only the checks (every kernel vs its reference, the served configuration), nothing timed")
+    ap.add_argument("--no-branches", dest="branches", action="store_false",
+                    help="skip the IF-node branch timing at the middle budget")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="skip the profiler trace summary of one SAS step")
     ap.add_argument("--dry-run", action="store_true",
                     help="no CUDA needed: a tiny geometry through the torch paths (proves the plumbing only)")
     ap.add_argument("--out", default="bench/out/gpu")
+    ap.add_argument("--name", default="decode-step", help="stem of the files written under --out")
     args = ap.parse_args(argv)
     geo, name = dataclasses.replace(QWEN3_4B, layers=args.layers), "Qwen3-4B shape"
     mode = "full"
@@ -1131,6 +1223,16 @@ def main(argv=None) -> int:
     for k, v in given.items():
         if v:
             setattr(args, k, v)
+    args.variants = args.variants or ("core" if args.quick else "all")
+    points = [(c, b) for c in args.contexts for b in args.batches]
+    if args.points:
+        try:
+            points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points]
+        except ValueError:
+            ap.error(f"--points takes CONTEXTxBATCH, got {args.points}")
+        args.contexts = sorted({c for c, _ in points})
+    if args.checks_only:
+        args.check, args.profile = True, False
     args.graphs = args.graphs and torch.cuda.is_available()  # CPU: nothing to capture
     if args.peak_gbs is None and torch.cuda.is_available():
         args.peak_gbs = peak_gbs(torch.cuda.get_device_name())
@@ -1146,7 +1248,8 @@ def main(argv=None) -> int:
         "what": "attention part of one decode step over all layers: dense FlashInfer vs the full SAS step",
         "profile": None,
         "mode": mode, "geometry_name": name, "geometry": dataclasses.asdict(geo), "graphs": args.graphs,
-        "budgets": args.budgets, "peak_gbs": args.peak_gbs,
+        "budgets": args.budgets, "points": [list(p) for p in points], "variants": args.variants,
+        "checks_only": args.checks_only, "peak_gbs": args.peak_gbs,
         "weights_floor_ms": round(geo.params * 2 / args.peak_gbs / 1e6, 3) if args.peak_gbs else None,
         "environment": env, "checks": checks, "rows": rows,
         "complete": False,  # True once every point, the profile and the chosen settings are in
@@ -1154,34 +1257,34 @@ def main(argv=None) -> int:
 
     def save():  # the record as measured so far, rewritten whole after every check, point and variant
         record["wall_s"] = round(time.time() - t0, 1)
-        write_json_atomic(out / "decode-step.json", record)
+        write_json_atomic(out / f"{args.name}.json", record)
         try:
-            write_atomic(out / "decode-step.md", markdown(record))
+            write_atomic(out / f"{args.name}.md", markdown(record))
         except Exception as e:  # noqa: BLE001 - the JSON is the record; a summary that cannot be drawn must not end it
-            write_atomic(out / "decode-step.md", f"# Decode step\n\nsummary not drawn: {type(e).__name__}: {e}\n")
+            write_atomic(out / f"{args.name}.md", f"# Decode step\n\nsummary not drawn: {type(e).__name__}: {e}\n")
 
     torch.set_grad_enabled(False)
     save()
-    for ctx in args.contexts:
-        for bs in args.batches:
-            row = run_point(geo, ctx, bs, args.budgets, args, checks, rows, save)
-            sas = "  ".join(f"b{b} {s['amortized_ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items()
-                            if "error" not in s)
-            print(f"[step] ctx {ctx:7d} bs {bs}: dense {row['dense_ms']:.3f} ms  {sas}", flush=True)
+    for ctx, bs in points:
+        row = run_point(geo, ctx, bs, args.budgets, args, checks, None if args.checks_only else rows, save)
+        sas = "  ".join(f"b{b} {s['amortized_ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items()
+                        if "error" not in s)
+        print(f"[step] ctx {ctx:7d} bs {bs}: dense {row.get('dense_ms', '-')} ms  {sas}", flush=True)
     if args.profile:
         record["profile"] = profile_point(geo, max(args.contexts), 1, args.budgets[0], args)
         print(profile_markdown(record["profile"]), flush=True)
     device = env.get("device") or ""
     key = next((k for k in PEAK_GBS if k in device), device or "default")
-    record["chosen_settings"] = chosen_settings(record, key)
+    # The tournament decides (the core run's one new-step variant decides nothing)
+    record["chosen_settings"] = chosen_settings(record, key) if args.variants != "core" else {}
     if record["chosen_settings"]:
         write_json_atomic(out / "chosen-settings.json", record["chosen_settings"])
     record["complete"] = True
     save()
-    drew = plot(record, out / "decode-step.png")
+    drew = plot(record, out / f"{args.name}.png")
     failed = [c for c in checks if not c["ok"]]
     print(markdown(record))
-    print(f"[step] wrote decode-step.json/.md{'/.png' if drew else ''} under {out}")
+    print(f"[step] wrote {args.name}.json/.md{'/.png' if drew else ''} under {out}")
     if failed:
         print(f"[step] {len(failed)} check(s) FAILED", file=sys.stderr)
         return 1

@@ -196,36 +196,71 @@ def fake_site_kit(tmp_path_factory):
 
 
 def test_session_holds_every_tier_step():
-    """The session runs every step of tiers 0-2 (so its dry run below covers tiers 1 and 2, whose own dry
-    runs would repeat the same scripts: a minute of CI each), with tier 2's quick 32K end-to-end point."""
-    session = {s.name: s for s in gpu_run.tier_steps("session", quick=False)}
+    """The session's two commands run every step of tiers 0-2 (so their dry run below covers tiers 1 and 2, whose own
+    dry runs would repeat the same scripts: a minute of CI each); the first command's decode-step, e2e-decode and
+    gated-attention run at the points issue 64 names, not the tiers' sizes."""
+    first = {s.name: s for s in gpu_run.tier_steps("session", quick=False)}
+    session = {**first, **{s.name: s for s in gpu_run.tier_steps("session2", quick=False)}}
+    assert len(session) == len(first) + len(gpu_run.tier_steps("session2", quick=False))  # no step in both
     for tier in ("tier0", "tier1", "tier2"):
         for step in gpu_run.tier_steps(tier, quick=False):
             assert step.name in session, (tier, step.name)
-            assert step.dry_argv == session[step.name].dry_argv or step.name in ("gated-attention", "e2e-decode")
-    quick2 = {s.name: s for s in gpu_run.tier_steps("tier2", quick=True)}
-    assert session["e2e-decode"].argv == quick2["e2e-decode"].argv
+            assert step.dry_argv == session[step.name].dry_argv or step.name in ("gated-attention", "e2e-decode",
+                                                                               "decode-step")
+    quick1 = {s.name: s for s in gpu_run.tier_steps("tier1", quick=True)}
+    assert session["gated-attention"].argv == quick1["gated-attention"].argv
+
+
+def test_the_first_command_measures_what_matters_most_and_fits_at_factor_one():
+    """Issue 64 item 2: the first command's steps, in order, at the served configuration and the points that decide
+    the fused step, add up to at most the call's --budget-min with every step at its full expected minutes (not
+    FIT_FACTOR of them): nothing in it is planned to be skipped or killed."""
+    steps = gpu_run.tier_steps("session", quick=False)
+    assert [s.name for s in steps] == ["preflight", "kernel-checks", "decode-step", "make-bench-model", "e2e-decode",
+                                       "tournament"]
+    total = sum(s.minutes for s in steps)
+    assert total <= gpu_run.BUDGET_MIN, total
+    left = gpu_run.BUDGET_MIN * 60
+    for s in steps:  # the runner's own rule starts each of them, at factor 1.0
+        assert left >= s.minutes * 60 and gpu_run.fits(left, s.minutes), (s.name, left)
+        left -= s.minutes * 60
+    by = {s.name: " ".join(s.argv) for s in steps}
+    assert "--checks-only" in by["kernel-checks"] and "--points 8192x1 32768x1 131072x1 32768x8" in by["kernel-checks"]
+    assert "--points 8192x1 32768x1 131072x1 262144x1 32768x8" in by["decode-step"]
+    assert "--variants core" in by["decode-step"] and "--budgets 2048" in by["decode-step"]
+    assert "--points 8192x1 32768x1 32768x8" in by["e2e-decode"]
+    assert "--variants tournament" in by["tournament"] and "--points 8192x1 32768x1 131072x1 262144x1 32768x8" \
+        in by["tournament"]
+    # the rest, second
+    assert {s.name for s in gpu_run.tier_steps("session2", quick=False)} == {
+        "make-test-model", "server-tests", "topk-sweep", "gated-attention", "kernel-tests"}
 
 
 def test_session_dry_run(fake_site_kit, tmp_path):
-    """The session's dry run, which holds every step of tiers 0-2 (test_session_holds_every_tier_step): tier 0's
-    own dry run ran the same preflight again (half a minute of CI). With an hour's --budget-min: at the GPU's
-    9.3 minutes a CPU loaded by the rest of the suite may run the interpreted rehearsal past a step's share, and a
-    step killed or skipped for time (the budget's own rules, tested below) is not what this test is about."""
+    """The session's dry run, both commands (the second with --no-install on the first one's site), which hold every
+    step of tiers 0-2 (test_session_holds_every_tier_step): tier 0's own dry run ran the same preflight again (half a
+    minute of CI). With an hour's --budget-min: at the GPU's 9.3 minutes a CPU loaded by the rest of the suite may
+    run the interpreted rehearsal past a step's share, and a step killed or skipped for time (the budget's own
+    rules, tested below) is not what this test is about."""
     tier = "session"
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "gpu_kit/run.py", tier, "--dry-run", "--kit", str(fake_site_kit), "--site",
-         str(tmp_path / "site"), "--work", str(tmp_path / "work"), "--out", str(out), "--aot-record",
-         str(fake_site_kit / "aot-record.json"), "--budget-min", "60"],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
+    out, out2 = tmp_path / "out", tmp_path / "out2"
+    common = ["--dry-run", "--kit", str(fake_site_kit), "--site", str(tmp_path / "site"), "--work",
+              str(tmp_path / "work"), "--aot-record", str(fake_site_kit / "aot-record.json"), "--budget-min", "60"]
+    proc = subprocess.run([sys.executable, "gpu_kit/run.py", tier, *common, "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc2 = subprocess.run([sys.executable, "gpu_kit/run.py", "session2", *common, "--no-install", "--out", str(out2)],
+                           cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc2.returncode == 0, proc2.stdout[-3000:] + proc2.stderr[-3000:]
     rec = json.loads((out / f"{tier}-dry.json").read_text())
     assert rec["stopped"].startswith("dry run") and "CUDA" in rec["stopped"]
     assert rec["imports"]["sas_backend"]["ok"] and rec["imports"]["sas_backend"]["from_site"]
     steps = {s["name"]: s for s in rec["steps"]}
     assert set(steps) == {s.name for s in gpu_run.tier_steps(tier, quick=False)}
     assert all(s["rc"] == 0 for s in steps.values()), steps
+    steps2 = {s["name"]: s for s in json.loads((out2 / "session2-dry.json").read_text())["steps"]}
+    assert set(steps2) == {s.name for s in gpu_run.tier_steps("session2", quick=False)}
+    assert all(s["rc"] == 0 for s in steps2.values()), steps2
     md = (out / f"{tier}-dry.md").read_text()
     assert rec["environment"]["git"]["commit"] in md
     assert rec["kit"]["aot"]["archive"] == "flashinfer-aot-0.6.12-sm90a.tar.xz"
@@ -235,12 +270,12 @@ def test_session_dry_run(fake_site_kit, tmp_path):
     assert checks["triton"]["ok"] and checks["triton"]["interpreted"]  # the kernel == its reference
     assert checks["gpu"]["ok"] is None and "dry run" in checks["gpu"]["skipped"]
     assert "Preflight" in md
-    # One call does it all, in the order of importance, and returns what the device tool takes back.
-    assert list(steps)[:4] == ["preflight", "decode-step", "make-bench-model", "e2e-decode"]
-    assert steps["kernel-tests"]["counts"]["tests collected"] > 100
-    assert steps["server-tests"]["counts"]["tests collected"] >= 5
+    # One call does what matters most, in that order, and returns what the device tool takes back.
+    assert list(steps) == [s.name for s in gpu_run.tier_steps(tier, quick=False)]
+    assert steps2["kernel-tests"]["counts"]["tests collected"] > 100
+    assert steps2["server-tests"]["counts"]["tests collected"] >= 5
     assert "would start sas" in (out / "session-dry.log").read_text()
-    assert "--contexts 32768 --batch" in steps["e2e-decode"]["command"]  # the quick end-to-end point
+    assert "--points 8192x1 32768x1 32768x8" in steps["e2e-decode"]["command"]  # the end-to-end points
     assert len(list(out.iterdir())) <= 8  # the device tool returns at most 8 files
     # committed records name no folder of the machine they ran on (the first GPU run's did)
     summary = (out / "session-dry.json").read_text() + md
@@ -248,36 +283,38 @@ def test_session_dry_run(fake_site_kit, tmp_path):
         at = summary.find(path)
         assert at < 0, f"a machine path in the summary: ...{summary[max(0, at - 300):at + 200]}..."
     assert "<site>" in summary
-    checks = steps["decode-step"]["results"]["decode-step"]["checks"]
+    # the kernels checked first, the served CUDA configuration (bf16 pool and weights, anchors on and off) included
+    checks = steps["kernel-checks"]["results"]["kernel-checks"]["checks"]
     assert checks and all(c["ok"] for c in checks)
-    profile = steps["decode-step"]["results"]["decode-step"]["profile"]  # the trace summary comes back
-    assert profile["eager"]["kernels"] > 10 and profile["eager"]["top"] and "Profile of one steady SAS step" in md
+    served = {c["op"] for c in checks if c["op"].startswith("served")}
+    assert any("anchors on" in op for op in served) and any("anchors off" in op for op in served), served
+    step_rec = steps["decode-step"]["results"]["decode-step"]
     # the first GPU run timed only the block step (1 in 64): steady and amortized come back too
-    for row in steps["decode-step"]["results"]["decode-step"]["rows"]:
+    for row in step_rec["rows"]:
         for sas in row["sas"].values():
             assert sas["amortized_ms"] == (63 * sas["steady_ms"] + sas["ms"]) / 64
             assert sas["speedup"] == row["dense_ms"] / sas["amortized_ms"]
             assert set(sas["breakdown_ms"]) == {"front", "front_block", "select", "attend"}  # the fused launches
             assert sas["vs_old"] > 0  # the old step timed beside the new one
-        variants = row["variants"][str(max(map(int, row["sas"])))]
-        assert {"new: fused, triton attend", "old: per-op kernels + flashinfer"} <= set(variants)
-    # the tournament's variants at the middle budget, and the settings table it chose (dry run: unmeasured)
-    names = {n for r in steps["decode-step"]["results"]["decode-step"]["rows"] for vs in r["variants"].values()
-             for n in vs}
-    assert len(names) == 12, names  # bench_decode_step.VARIANTS (11) and the old step
-    # every variant checked after its timed calls (issue 64 item 3): output == eager == oracle, counters zero
-    assert all(v["check"]["ok"] for r in steps["decode-step"]["results"]["decode-step"]["rows"]
-               for vs in r["variants"].values() for v in vs.values())
-    chosen = steps["decode-step"]["results"]["decode-step"]["chosen_settings"]
+        assert set(row["variants"][str(max(map(int, row["sas"])))]) == {
+            "new: fused, triton attend", "old: per-op kernels + flashinfer"}
+    # the IF-node branch timing (dense or sparse chosen per replay), at the middle budget
+    branch = [s["branch"] for r in step_rec["rows"] for s in r["sas"].values() if "branch" in s]
+    assert branch and all(b["sparse_ms"] > 0 and b["dense_ms"] > 0 for b in branch)
+    assert "IF nodes" in md
+    # the tournament's variants, each checked, and the settings table it chose (dry run: unmeasured)
+    tour = steps["tournament"]["results"]["tournament"]
+    names = {n for r in tour["rows"] for vs in r["variants"].values() for n in vs}
+    assert len(names) == 11, names  # bench_decode_step.VARIANTS (11): the old step is the decode-step's
+    assert all(v["check"]["ok"] for r in tour["rows"] for vs in r["variants"].values() for v in vs.values())
+    chosen = tour["chosen_settings"]
+    assert steps["tournament"]["results"]["chosen-settings"] == chosen
     assert chosen["measured"] is False and "default" in chosen["devices"]
     assert set(chosen["devices"]["default"]) == {"kernels", "attention", "summary_dtype", "gate_dtype",
                                                  "select_chunk", "target_programs", "launch", "dense_below"}
     assert not (chosen["devices"]["default"]["launch"] or {}).get("pdl")  # as run: the interpreter has no PDL
-    # the IF-node branch timing (dense or sparse chosen per replay), at the middle budget
-    branch = [s["branch"] for r in steps["decode-step"]["results"]["decode-step"]["rows"] for s in r["sas"].values()
-              if "branch" in s]
-    assert branch and all(b["sparse_ms"] > 0 and b["dense_ms"] > 0 for b in branch)
-    assert "IF nodes" in md
+    profile = tour["profile"]  # the trace summary comes back
+    assert profile["eager"]["kernels"] > 10 and profile["eager"]["top"] and "Profile of one steady SAS step" in md
     # the plot needs matplotlib (the `bench` extra; CI installs test,train only)
     assert (out / "decode-step.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
