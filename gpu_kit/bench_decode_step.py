@@ -1009,11 +1009,59 @@ def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = Non
     return row
 
 
-def chosen_settings(record: dict, device_key: str) -> dict:
+def branch_costs(record: dict) -> dict:
+    """{(context, batch): {"if_dense_ms", "if_sparse_over_steady"}} of the IF-node timings in `record` at its middle
+    budget (the decode-step record's; a tournament runs without them): the branched graph's dense replay, and its
+    sparse replay over the plain steady step's (what the IF nodes add to the sparse side)."""
+    budget = str(record["budgets"][len(record["budgets"]) // 2])
+    out = {}
+    for r in record.get("rows", []):
+        s = r.get("sas", {}).get(budget) or {}
+        br = s.get("branch") or {}
+        if br.get("dense_ms") and br.get("sparse_ms") and s.get("steady_ms"):
+            out[(r["context"], r["batch"])] = {"if_dense_ms": br["dense_ms"],
+                                               "if_sparse_over_steady": br["sparse_ms"] / s["steady_ms"]}
+    return out
+
+
+def decide_dense_below(points: list) -> dict:
+    """`--sas-dense-below` from measured points, each {"context", "batch", "dense_ms", "sparse_ms", "if_dense_ms",
+    "if_sparse_ms"} (ms per step; sparse: the chosen variant's amortized step; if_*: the same step in the branched
+    graph, dense and sparse replays, None where not measured).
+
+    The server sends a step dense when its requests hold at most T tokens in all (context x batch), so one
+    threshold must serve every (context, batch): T = 0 runs the plain sparse graph (no IF nodes) at every point; T > 0
+    runs the branched graph everywhere and pays its own cost (if_dense at or below T, if_sparse above). Candidates
+    are 0 and each point's tokens (all points' branches measured); the one with the least geometric-mean step time
+    over the points wins (ties: the smaller). Per point the record says which side the branched graph runs faster
+    and which one T gives it. {"dense_below", "geomean_ms": {T: ms}, "points": [...]}."""
+    import math
+
+    if not points:
+        return {"dense_below": 0, "geomean_ms": {}, "points": []}
+    tokens = [p["context"] * p["batch"] for p in points]
+    cands = {0: [p["sparse_ms"] for p in points]}
+    if all(p.get("if_dense_ms") and p.get("if_sparse_ms") for p in points):
+        for t in sorted(set(tokens)):
+            cands[t] = [p["if_dense_ms"] if n <= t else p["if_sparse_ms"] for p, n in zip(points, tokens)]
+    geo = {t: math.exp(sum(math.log(x) for x in xs) / len(xs)) for t, xs in cands.items()}
+    best = min(geo, key=lambda t: (geo[t], t))
+    rows = []
+    for p, n, ms in zip(points, tokens, cands[best]):
+        faster = None if not p.get("if_dense_ms") else "dense" if p["if_dense_ms"] < p["if_sparse_ms"] else "sparse"
+        rows.append({"context": p["context"], "batch": p["batch"], "tokens": n, "faster_branched": faster,
+                     "runs": "dense" if best and n <= best else "sparse", "ms": ms,
+                     "plain_sparse_ms": p["sparse_ms"], "plain_dense_ms": p["dense_ms"]})
+    return {"dense_below": best, "geomean_ms": {str(t): v for t, v in geo.items()}, "points": rows}
+
+
+def chosen_settings(record: dict, device_key: str, branches: dict | None = None) -> dict:
     """The settings table the backend reads at startup, from this run: the new-step variant with the best
-    geometric-mean speedup over every (context, batch) at the middle budget, and `dense_below` = the most tokens
-    in a step (context x batch) at which dense attention still beat that variant (0: never). A variant competes
-    only where it ran and passed its check (`check_variant`) at every point: failed, errored or unchecked never win."""
+    geometric-mean speedup over every (context, batch) at the middle budget, and `dense_below` decided per (context,
+    batch) from the points with the branched mode's own cost (`decide_dense_below`; branches: `branch_costs` of the
+    record that timed the IF nodes, default this one's; without them 0: a branched graph nobody timed is not adopted).
+    A variant competes only where it ran and passed its check (`check_variant`) at every point: failed, errored or
+    unchecked never win."""
     import math
 
     budget = str(record["budgets"][len(record["budgets"]) // 2])
@@ -1028,14 +1076,20 @@ def chosen_settings(record: dict, device_key: str) -> dict:
     best = max(complete, key=complete.get)
     as_run = record["rows"][0]["variants"][budget][best].get("settings")
     settings = as_run or next(v for v in VARIANTS if v.name == best).settings()
-    slower = [r["context"] * r["batch"] for r in record["rows"]
-              if r["variants"][budget][best]["amortized_ms"] > r["dense_ms"]]
-    entry = {**settings, "dense_below": max(slower, default=0)}
+    branches = branch_costs(record) if branches is None else branches
+    points = []
+    for r in record["rows"]:
+        v, br = r["variants"][budget][best], branches.get((r["context"], r["batch"]), {})
+        points.append({"context": r["context"], "batch": r["batch"], "dense_ms": r["dense_ms"],
+                       "sparse_ms": v["amortized_ms"], "if_dense_ms": br.get("if_dense_ms"),
+                       "if_sparse_ms": v["amortized_ms"] * br["if_sparse_over_steady"] if br else None})
+    decision = decide_dense_below(points)
+    entry = {**settings, "dense_below": decision["dense_below"]}
     measured = record["mode"] != "dry run"
     return {"measured": measured, "source": f"gpu_kit/bench_decode_step.py on {record['environment'].get('device')}, "
                                         f"budget {budget}, variant {best!r} (geometric-mean speedup "
                                         f"{math.exp(complete[best]):.2f}x over {len(record['rows'])} points)",
-            "devices": {device_key: entry, "default": entry}}
+            "dense_below_decision": decision, "devices": {device_key: entry, "default": entry}}
 
 
 def markdown(record: dict) -> str:
@@ -1203,6 +1257,8 @@ def main(argv=None) -> int:
                     help="no CUDA needed: a tiny geometry through the torch paths (proves the plumbing only)")
     ap.add_argument("--out", default="bench/out/gpu")
     ap.add_argument("--name", default="decode-step", help="stem of the files written under --out")
+    ap.add_argument("--branches-from", help="a decode-step JSON whose IF-node timings decide dense_below (the "
+                    "tournament runs without them)")
     args = ap.parse_args(argv)
     geo, name = dataclasses.replace(QWEN3_4B, layers=args.layers), "Qwen3-4B shape"
     mode = "full"
@@ -1276,7 +1332,10 @@ def main(argv=None) -> int:
     device = env.get("device") or ""
     key = next((k for k in PEAK_GBS if k in device), device or "default")
     # The tournament decides (the core run's one new-step variant decides nothing)
-    record["chosen_settings"] = chosen_settings(record, key) if args.variants != "core" else {}
+    branches = None
+    if args.branches_from and pathlib.Path(args.branches_from).is_file():  # the IF-node timings of another run
+        branches = branch_costs(json.loads(pathlib.Path(args.branches_from).read_text()))
+    record["chosen_settings"] = chosen_settings(record, key, branches) if args.variants != "core" else {}
     if record["chosen_settings"]:
         write_json_atomic(out / "chosen-settings.json", record["chosen_settings"])
     record["complete"] = True

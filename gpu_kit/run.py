@@ -127,6 +127,9 @@ STEP_POINTS = ["8192x1", "32768x1", "131072x1", "262144x1", "32768x8"]
 CHECK_POINTS = ["8192x1", "32768x1", "131072x1", "32768x8"]
 E2E_POINTS = ["8192x1", "32768x1", "32768x8"]
 STEP = ["{py}", "gpu_kit/bench_decode_step.py", "--out", "{work}"]
+# The variants, each checked, deciding chosen-settings.json; dense_below from the decode-step's IF-node timings.
+TOURNAMENT = [*STEP, "--name", "tournament", "--variants", "tournament", "--no-check", "--no-branches",
+              "--branches-from", "{work}/decode-step.json"]
 
 
 def first_command_steps() -> list:
@@ -146,9 +149,8 @@ def first_command_steps() -> list:
         Step("e2e-decode", e2e_argv(BENCH_MODEL, None, points=E2E_POINTS), 3.5,
              e2e_argv("{work}/models/tiny-dummy", None, dry=True, points=E2E_POINTS), produces=("e2e",),
              needs=("make-bench-model",)),
-        Step("tournament", [*STEP, "--name", "tournament", "--variants", "tournament", "--no-check", "--no-branches",
-                            "--budgets", "2048", "--points", *STEP_POINTS], 2.0,
-             [*STEP, "--name", "tournament", "--variants", "tournament", "--no-check", "--no-branches", "--dry-run"],
+        Step("tournament", [*TOURNAMENT, "--budgets", "2048", "--points", *STEP_POINTS], 2.0,
+             [*TOURNAMENT, "--dry-run"],
              produces=("tournament.json", "tournament.png", "chosen-settings.json")),
     ]
 

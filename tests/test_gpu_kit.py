@@ -705,3 +705,58 @@ def _env():
     from sas_backend.testing.report import environment
 
     return environment()
+
+
+def _pt(ctx, bs, dense, sparse, if_dense=None, if_sparse=None):
+    return {"context": ctx, "batch": bs, "dense_ms": dense, "sparse_ms": sparse, "if_dense_ms": if_dense,
+            "if_sparse_ms": if_sparse}
+
+
+def test_dense_below_is_decided_per_point_not_by_the_most_tokens_dense_won():
+    """Issue 64 item 7, first case: a slow 8K x 8 point (65536 tokens, dense 2.0 vs sparse 2.2 ms) must not send
+    64K batch-1 steps (also 65536 tokens, where sparse is 3x faster) dense. The old rule took the most tokens at which
+    dense won (65536); the decision weighs every point: 8192."""
+    import bench_decode_step as bds
+
+    points = [_pt(8192, 1, 0.60, 0.90, 0.65, 0.95), _pt(65536, 1, 3.0, 1.0, 3.1, 1.05),
+              _pt(8192, 8, 2.0, 2.2, 2.1, 2.3)]
+    d = bds.decide_dense_below(points)
+    assert d["dense_below"] == 8192, d["geomean_ms"]
+    assert [p["runs"] for p in d["points"]] == ["dense", "sparse", "sparse"]
+    assert [p["faster_branched"] for p in d["points"]] == ["dense", "sparse", "dense"]
+
+
+def test_dense_below_pays_for_the_branched_mode():
+    """Item 7, second case: dense beats the plain sparse graph at 8K (0.60 vs 0.62 ms), but the branched graph's IF
+    nodes cost more than that everywhere (0.70 dense, and the sparse side 0.70 / 0.80 where plain is 0.62 / 0.70):
+    no branching (0). Unmeasured branches: never adopted (0)."""
+    import bench_decode_step as bds
+
+    points = [_pt(8192, 1, 0.60, 0.62, 0.70, 0.70), _pt(32768, 1, 2.0, 0.70, 2.1, 0.80)]
+    assert bds.decide_dense_below(points)["dense_below"] == 0
+    cheap = [_pt(8192, 1, 0.60, 0.62, 0.605, 0.625), _pt(32768, 1, 2.0, 0.70, 2.1, 0.705)]
+    assert bds.decide_dense_below(cheap)["dense_below"] == 8192  # cheap IF nodes: worth it
+    assert bds.decide_dense_below([_pt(8192, 1, 0.60, 0.62), _pt(32768, 1, 2.0, 0.70)])["dense_below"] == 0
+
+
+def test_chosen_settings_reads_the_branch_costs_of_the_decode_step_record():
+    """The tournament runs without IF-node timings; chosen_settings takes them from the decode-step record (scaling
+    the branched sparse side by its IF / plain ratio) and writes the decision beside the table."""
+    import bench_decode_step as bds
+
+    name = bds.NEW.name
+    ok = {"check": {"ok": True}, "ms": 1.0, "steady_ms": 1.0}
+    tour = {"budgets": [2048], "mode": "full", "environment": {"device": "NVIDIA H200"}, "rows": [
+        {"context": 8192, "batch": 1, "dense_ms": 0.6, "sas": {}, "variants": {"2048": {name: {
+            **ok, "amortized_ms": 0.9, "speedup": 0.6 / 0.9}}}},
+        {"context": 65536, "batch": 1, "dense_ms": 3.0, "sas": {}, "variants": {"2048": {name: {
+            **ok, "amortized_ms": 1.0, "speedup": 3.0}}}}]}
+    step = {"budgets": [2048], "rows": [
+        {"context": 8192, "batch": 1, "sas": {"2048": {"steady_ms": 0.9, "branch": {"dense_ms": 0.62,
+                                                                                   "sparse_ms": 0.95}}}},
+        {"context": 65536, "batch": 1, "sas": {"2048": {"steady_ms": 1.0, "branch": {"dense_ms": 3.1,
+                                                                                    "sparse_ms": 1.02}}}}]}
+    chosen = bds.chosen_settings(tour, "H200", bds.branch_costs(step))
+    assert chosen["devices"]["H200"]["dense_below"] == 8192
+    assert chosen["dense_below_decision"]["points"][1]["ms"] == pytest.approx(1.02)
+    assert bds.chosen_settings(tour, "H200")["devices"]["H200"]["dense_below"] == 0  # no IF timings: not adopted
