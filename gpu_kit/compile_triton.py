@@ -232,9 +232,10 @@ def served_cases() -> dict[str, list[dict]]:
         for v in [{}] + ([dict(programs=p) for p in SERVED_PROGRAMS] if k == sg["k"] else []):
             ws, seen = workspace(k, **{"target_programs": v["programs"]} if v else {}), set()
             for bs in range(1, SERVED_ROWS + 1):
-                splits_p = max(2, 1 << max(0, ws.attend_splits(bs) - 1).bit_length())  # attend's SPLITS_P
-                if splits_p not in seen:
-                    seen.add(splits_p)
+                splits = ws.attend_splits(bs)
+                cls = (max(2, 1 << max(0, splits - 1).bit_length()), splits == 1)  # attend's SPLITS_P, ONE_SPLIT
+                if cls not in seen:
+                    seen.add(cls)
                     out["decode_attend"].append(dict(spec, bs=bs, dtype="bf16", k=k, **v))
     return out
 

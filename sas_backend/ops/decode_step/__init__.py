@@ -359,7 +359,7 @@ def attend(
         D=d, DV=dv, BLOCK_SIZE=geo.block_size, TOK=tok, TOK_TILE=min(tok, 16) if wide else tok, GP=ws.gp,
         BLOCK_D=max(16, _pow2(d)), BLOCK_DV=ws.block_dv, SPLITS_P=max(2, _pow2(splits)),
         IEEE=q.dtype == torch.float32,
-        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
+        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(), ONE_SPLIT=splits == 1,
         **ws.launch.kwargs(ws.launch.attend_warps, 8 if wide else 4),
     )
     return out
