@@ -244,10 +244,13 @@ VARIANTS = (
     Variant("new: fused, select chunk 256", chunk=256),
     Variant("new: fused, select 8 warps", launch=(("select_warps", 8),)),
     Variant("new: fused, attend 8 warps", launch=(("attend_warps", 8),)),
-    # Last: CUDA may refuse a PDL launch in a captured graph (the front follows StepBuffers.fill's copies); the
-    # failure is caught and recorded (with whether the device still works), and no variant comes after it.
+    # Deferred: CUDA may refuse a PDL launch in a captured graph (the front follows StepBuffers.fill's copies).
     Variant("new: fused, PDL", launch=(("pdl", True),)),
 )
+# Variants whose failure might leave the device unusable (a refused PDL capture): timed after every other variant
+# of every point (`run_deferred`), their errors caught and recorded with whether the device still works, so none
+# of them can sink another variant.
+DEFERRED = frozenset({"new: fused, PDL"})
 
 
 class ServedStep(LayerStack):
@@ -936,6 +939,36 @@ def device_ok() -> bool:
         return False
 
 
+def measure_variant(w: World, budget: int, variant: Variant, args, row: dict) -> dict:
+    """`time_variant` into row["variants"][budget][name], with its speedup; an exception (a refused capture) is
+    recorded as the variant's error, with whether the device still works, and ends nothing else."""
+    try:
+        timed = time_variant(w, budget, variant, args, breakdown=variant is NEW)
+    except Exception as e:  # noqa: BLE001 - one variant failing (a refused PDL capture) must not lose the others
+        timed = {"error": f"{type(e).__name__}: {e}"[:500], "device_ok_after": device_ok()}
+        print(f"[step] {variant.name} at ctx {w.ctx} bs {w.bs} b{budget} failed: {timed['error']}", flush=True)
+    if "error" not in timed:
+        timed["speedup"] = row["dense_ms"] / timed["amortized_ms"]
+    row["variants"].setdefault(str(budget), {})[variant.name] = timed
+    return timed
+
+
+def run_deferred(geo, rows: list, budgets, args, save=lambda: None) -> None:
+    """The DEFERRED variants at every measured point's middle budget, after every other variant of every point."""
+    middle = budgets[len(budgets) // 2]
+    deferred = [v for v in VARIANTS if v.name in DEFERRED]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for row in rows:
+        if str(middle) not in row.get("variants", {}):
+            continue
+        w = World(geo, row["context"], row["batch"], distinct_sets(geo, row["context"], row["batch"],
+                                                                   args.mem_fraction), dev)
+        for variant in deferred:
+            measure_variant(w, middle, variant, args, row)
+            save()
+        del w
+
+
 def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = None, save=lambda: None) -> dict:
     """Check (up to --check-max-context) and time one (context, batch) for dense and every budget. The row joins
     `rows` as soon as dense is timed and `save()` runs after every check and variant, so a step killed at its
@@ -962,18 +995,12 @@ def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = Non
     middle = budgets[len(budgets) // 2]
     for b in budgets:
         # The old step and the new one at every budget; the variants the tournament decides at the middle one.
-        tournament = list(VARIANTS[1:]) if b == middle and args.variants != "core" else []
+        tournament = [v for v in VARIANTS[1:] if v.name not in DEFERRED] if b == middle and args.variants != "core" \
+            else []
         variants = [NEW] + ([OLD] if args.variants != "tournament" else []) + tournament
         row["variants"][str(b)] = {}
         for variant in variants:
-            try:
-                timed = time_variant(w, b, variant, args, breakdown=variant is NEW)
-            except Exception as e:  # noqa: BLE001 - one variant failing (a refused PDL capture) must not lose the others
-                timed = {"error": f"{type(e).__name__}: {e}"[:500], "device_ok_after": device_ok()}
-                print(f"[step] {variant.name} at ctx {ctx} bs {bs} b{b} failed: {timed['error']}", flush=True)
-            if "error" not in timed:
-                timed["speedup"] = row["dense_ms"] / timed["amortized_ms"]
-            row["variants"][str(b)][variant.name] = timed
+            measure_variant(w, b, variant, args, row)
             save()
         res = dict(row["variants"][str(b)][NEW.name])
         res["bytes"] = step_bytes(geo, ctx, bs, b)
@@ -1326,6 +1353,8 @@ def main(argv=None) -> int:
         sas = "  ".join(f"b{b} {s['amortized_ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items()
                         if "error" not in s)
         print(f"[step] ctx {ctx:7d} bs {bs}: dense {row.get('dense_ms', '-')} ms  {sas}", flush=True)
+    if args.variants != "core" and not args.checks_only:
+        run_deferred(geo, rows, args.budgets, args, save)
     if args.profile:
         record["profile"] = profile_point(geo, max(args.contexts), 1, args.budgets[0], args)
         print(profile_markdown(record["profile"]), flush=True)

@@ -760,3 +760,36 @@ def test_chosen_settings_reads_the_branch_costs_of_the_decode_step_record():
     assert chosen["devices"]["H200"]["dense_below"] == 8192
     assert chosen["dense_below_decision"]["points"][1]["ms"] == pytest.approx(1.02)
     assert bds.chosen_settings(tour, "H200")["devices"]["H200"]["dense_below"] == 0  # no IF timings: not adopted
+
+
+def test_a_refused_pdl_capture_sinks_no_other_variant(tmp_path, monkeypatch):
+    """Issue 64 item 3: PDL (DEFERRED) is timed after every other variant of every point, its failure (here: the
+    capture refused) is recorded with whether the device still works, every other variant is measured at every
+    point, and the tournament chooses among those that ran and passed their check."""
+    import bench_decode_step as bds
+
+    order = []
+
+    def fake_time_variant(w, budget, variant, args, breakdown=False):
+        order.append((w.ctx, variant.name))
+        if variant.name in bds.DEFERRED:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        ms = 1.0 if variant is bds.NEW else 2.0
+        return {"ms": ms, "steady_ms": ms, "amortized_ms": ms, "breakdown_ms": {}, "check": {"ok": True},
+                "settings": variant.settings(), "block_over_steady": 1.0}
+
+    monkeypatch.setattr(bds, "time_variant", fake_time_variant)
+    rc = bds.main(["--dry-run", "--variants", "tournament", "--points", "1024x1", "2048x1", "--no-check",
+                   "--no-branches", "--no-profile", "--name", "tournament", "--out", str(tmp_path)])
+    assert rc == 0
+    others = [v.name for v in bds.VARIANTS if v.name not in bds.DEFERRED]
+    deferred = [v.name for v in bds.VARIANTS if v.name in bds.DEFERRED]
+    assert deferred and order == [(c, n) for c in (1024, 2048) for n in others] + [(c, n) for c in (1024, 2048)
+                                                                                   for n in deferred]
+    rec = json.loads((tmp_path / "tournament.json").read_text())
+    assert rec["complete"]
+    for row in rec["rows"]:
+        vs = row["variants"]["256"]
+        assert all("error" not in vs[n] for n in others)
+        assert vs[deferred[0]]["error"].startswith("RuntimeError") and vs[deferred[0]]["device_ok_after"] is True
+    assert "'new: fused, triton attend'" in rec["chosen_settings"]["source"]
