@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import json
 import pathlib
 import platform
 import random
@@ -32,6 +31,7 @@ import time
 
 import requests
 
+from sas_backend.testing.report import write_json_atomic
 from sas_backend.testing.server import DEFAULT_MODEL, Server
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gate", help="gate checkpoint (default: serve/default_gate.py's choice)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 6144])
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--points", nargs="+", metavar="CTXxBS",
+                    help="(context, batch) points instead of every context x batch, e.g. 8192x1 32768x8")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--shared-prefix", action="store_true", help="prompts of a point share all but 64 tokens")
@@ -86,6 +88,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = ap.parse_args(argv)
 
+    points = [(c, b) for c in args.contexts for b in args.batch]
+    if args.points:
+        try:
+            points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points]
+        except ValueError:
+            ap.error(f"--points takes CONTEXTxBATCH, got {args.points}")
+        args.contexts, args.batch = sorted({c for c, _ in points}), sorted({b for _, b in points})
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -112,63 +121,82 @@ def main(argv=None) -> int:
     if args.dry_run:
         for name, (backend, flags) in backends.items():
             print(f"[bench] would start {name}: --attention-backend {backend} {' '.join(map(str, flags + args.extra))}")
-        print(f"[bench] points (context x batch): {[(c, b) for c in args.contexts for b in args.batch]}, "
+        print(f"[bench] points (context x batch): {points}, "
               f"{args.new_tokens} new tokens, vocab {vocab}, shared prefix {args.shared_prefix}")
         return 0
-    results = {}
-    for name, (backend, flags) in backends.items():
-        print(f"[bench] starting {name} ({backend}) ...", flush=True)
-        with Server(args.model, backend=backend, extra_args=flags + args.extra) as server:
-            measure(server.url, 256, 1, 4, vocab, seed=0)  # warm-up
-            for ctx in args.contexts:
-                for bs in args.batch:
-                    ms = measure(server.url, ctx, bs, args.new_tokens, vocab, seed=ctx,
-                                 shared_prefix=args.shared_prefix)
-                    results.setdefault((ctx, bs), {})[name] = ms
-                    print(f"[bench] {name:5s} context {ctx:7d} batch {bs:3d}: {ms:8.2f} ms/token", flush=True)
-
-    device = torch.cuda.get_device_name() if on_gpu else f"CPU ({platform.processor() or platform.machine()})"
-    print(f"\nDecode latency per token, {pathlib.Path(args.model).name}, budget {args.budget}, {device}")
-    print("| context | batch | dense ms/token | sas ms/token | sas / dense |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
-    rows = []
-    for (ctx, bs), r in sorted(results.items()):
-        ratio = r["sas"] / r["dense"]
-        print(f"| {ctx} | {bs} | {r['dense']:.2f} | {r['sas']:.2f} | {ratio:.2f} |")
-        rows.append({"context": ctx, "batch": bs, "dense_ms": r["dense"], "sas_ms": r["sas"], "ratio": ratio})
     import sglang
 
     import sas_backend
 
+    device = torch.cuda.get_device_name() if on_gpu else f"CPU ({platform.processor() or platform.machine()})"
     record = {
         "date": datetime.date.today().isoformat(), "device": device, "model": pathlib.Path(args.model).name,
         "gate": pathlib.Path(gate).name, "budget": args.budget, "new_tokens": args.new_tokens,
         "shared_prefix": args.shared_prefix, "server_flags": [str(f) for f in common + args.extra],
-        "sglang": sglang.__version__, "torch": torch.__version__, "sas_backend": sas_backend.__version__, "rows": rows,
+        "sglang": sglang.__version__, "torch": torch.__version__, "sas_backend": sas_backend.__version__, "rows": [],
+        "complete": False,  # True once both servers ran every point
     }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-{'gpu' if on_gpu else 'cpu'}-{record['date']}.json"
     if args.report:
-        write_report(record, path)
-    path.write_text(json.dumps(record, indent=2))
+        from sas_backend.testing.report import environment
+
+        record["environment"] = environment()
+    out = pathlib.Path(args.out)
+    path = out / f"decode-{'gpu' if on_gpu else 'cpu'}-{record['date']}.json"
+    results = {}
+
+    def save():
+        """The record as measured so far (a point's row before the sas server reached it has sas_ms None),
+        rewritten whole after every point: a run killed at its deadline keeps what it measured."""
+        record["rows"] = rows_of(results)
+        write_json_atomic(path, record)
+        if args.report:
+            write_report(record, path, plot=record["complete"])
+
+    for name, (backend, flags) in backends.items():
+        print(f"[bench] starting {name} ({backend}) ...", flush=True)
+        with Server(args.model, backend=backend, extra_args=flags + args.extra) as server:
+            measure(server.url, 256, 1, 4, vocab, seed=0)  # warm-up
+            for ctx, bs in points:
+                ms = measure(server.url, ctx, bs, args.new_tokens, vocab, seed=ctx, shared_prefix=args.shared_prefix)
+                results.setdefault((ctx, bs), {})[name] = ms
+                print(f"[bench] {name:5s} context {ctx:7d} batch {bs:3d}: {ms:8.2f} ms/token", flush=True)
+                save()
+
+    print(f"\nDecode latency per token, {pathlib.Path(args.model).name}, budget {args.budget}, {device}")
+    print("| context | batch | dense ms/token | sas ms/token | sas / dense |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for r in rows_of(results):
+        print(f"| {r['context']} | {r['batch']} | {r['dense_ms']:.2f} | {r['sas_ms']:.2f} | {r['ratio']:.2f} |")
+    record["complete"] = True
+    save()
     print(f"[bench] wrote {path}")
     return 0
 
 
-def write_report(record: dict, path: pathlib.Path) -> None:
-    """Add the environment to `record`; write `path` with .md and .png (sas/dense per context)."""
-    from sas_backend.testing.report import env_markdown, environment, md_table, pyplot
+def rows_of(results: dict) -> list:
+    """{(context, batch): {"dense": ms, "sas": ms}} -> the record's rows, sorted; a backend not yet measured at a
+    point has None (and so has the ratio)."""
+    rows = []
+    for (ctx, bs), r in sorted(results.items()):
+        dense, sas = r.get("dense"), r.get("sas")
+        rows.append({"context": ctx, "batch": bs, "dense_ms": dense, "sas_ms": sas,
+                     "ratio": sas / dense if sas is not None and dense else None})
+    return rows
 
-    record["environment"] = environment()
+
+def write_report(record: dict, path: pathlib.Path, plot: bool = True) -> None:
+    """The .md (and with `plot` the .png: sas/dense per context) of `record` (its environment in) beside `path`."""
+    from sas_backend.testing.report import env_markdown, md_table, pyplot, write_atomic
+
     rows = record["rows"]
     table = md_table(["context", "batch", "dense ms/token", "sas ms/token", "sas / dense"],
                      [[r["context"], r["batch"], r["dense_ms"], r["sas_ms"], r["ratio"]] for r in rows])
-    path.with_suffix(".md").write_text(
-        f"# End-to-end decode latency, {record['model']}, budget {record['budget']}\n\n"
-        f"{env_markdown(record['environment'])}\n- server flags (both): {' '.join(record['server_flags'])}\n\n"
-        f"{table}\n")
-    plt = pyplot()
+    partial = "" if record.get("complete", True) else "- **partial record**: the run ended before its last point\n"
+    write_atomic(path.with_suffix(".md"),
+                 f"# End-to-end decode latency, {record['model']}, budget {record['budget']}\n\n"
+                 f"{env_markdown(record['environment'])}\n- server flags (both): {' '.join(record['server_flags'])}\n"
+                 f"{partial}\n{table}\n")
+    plt = pyplot() if plot else None
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -14,9 +14,15 @@ paper follows the code. The cost model, calibrated on the first H200 run (bench/
 - one program streams at PROGRAM_GBS: the old gate-query kernel read 256 KB of fp32 weights per program in
   10.7 us (24 GB/s) with 4 serial loads in flight; the same per-program rate is assumed for every program here;
   a program that finishes a row (the last to arrive) adds the partials it reads, at the same rate;
-- the radix select of a merge costs MERGE_PASS_US per pass over each 1024 survivors (4 passes at most).
+- the radix select of a merge costs MERGE_PASS_US per pass over each 1024 survivors (4 passes at most; the old
+  step's separate merge kernel took 5.0 us a layer at 256K in the trace, ~2 of them its node);
+- every program of a split launch pays FENCE_US for its barrier, fence and arrival atomic before it can finish
+  (issue 64's review; a fence plus an L2 atomic is ~1 us on H100/H200);
+- the merge (the last program to arrive reads every partial and finishes the row) starts only after the
+  bandwidth phase has ended: it is a serial tail, so it adds to the launch's time instead of hiding under it.
 
-Time = max(FLOOR_US, bytes / DEVICE_GBS, longest program's bytes / PROGRAM_GBS + its merge) per kernel.
+Time = max(FLOOR_US, bytes / DEVICE_GBS, longest program's bytes / PROGRAM_GBS + FENCE_US) + its merge, per kernel
+(until 2026-12-05 the merge sat inside the max and no fence was counted: 1.5-2x optimistic).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ DOC = REPO / "docs" / "launch-budget.md"
 FLOOR_US = 3.0
 DEVICE_GBS = 3000.0
 PROGRAM_GBS = 24.0
-MERGE_PASS_US = 0.6
+MERGE_PASS_US = 0.75  # 2026-11-27: the merge-select kernel's 5.0 us less a graph node's ~2 us, over its 4 passes
+FENCE_US = 1.0
 # Qwen3-4B attention: 36 layers, 32 q / 8 kv heads, d 128, gate dim 128, block 64, bf16 K/V, fp32 gate weights.
 LAYERS, H_KV, G, D, DG, B = 36, 8, 4, 128, 128, 64
 CONTEXTS = (8192, 32768, 65536, 131072, 262144)
@@ -64,13 +71,15 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     wq = H_KV * G * D * DG * weight_bytes
     unit = 2 * ws.qchunk * DG * weight_bytes + 2 * ws.qchunk * 2 * 4  # w rows of both halves + q and cos/sin
     finish = ws.uq * DG * 4
-    t = max(FLOOR_US, _us(wq + bs * H_KV * G * D * 2, DEVICE_GBS), _us(unit + finish, PROGRAM_GBS))
+    t = max(FLOOR_US, _us(wq + bs * H_KV * G * D * 2, DEVICE_GBS), _us(unit, PROGRAM_GBS) + FENCE_US) \
+        + _us(finish, PROGRAM_GBS)
     rows.append(("front (steady)", (bs, H_KV, ws.uq + ws.uk), wq, f"{unit // 1024} KB + finish {finish // 1024} KB",
                  t))
     # front, block step: + UK programs pooling 64 tokens x 8 dims per half, their w_k rows, and one finish.
     wk = H_KV * 3 * D * DG * weight_bytes
     kunit = 2 * B * ws.kchunk * 2 + 2 * B * ws.kchunk * 4 + 6 * ws.kchunk * DG * weight_bytes
-    t_block = max(t, _us(wq + wk, DEVICE_GBS), _us(kunit + ws.uk * DG * 4, PROGRAM_GBS))
+    t_block = max(t, max(FLOOR_US, _us(wq + wk, DEVICE_GBS), _us(kunit, PROGRAM_GBS) + FENCE_US)
+                  + _us(ws.uk * DG * 4, PROGRAM_GBS))
     rows.append(("front (block step)", (bs, H_KV, ws.uq + ws.uk), wq + wk, f"{kunit // 1024} KB + finish", t_block))
     # select: NC chunk programs per (row, kv head); the active ones score `chunk` blocks' summaries.
     cand = (ctx - 1) // B
@@ -80,7 +89,7 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     prog = min(cand, ws.chunk) * (DG * summary_bytes + 8)
     survivors = active * ws.slots
     merge = 0.0 if active == 1 else _us(survivors * 8 * 5, PROGRAM_GBS) + 4 * MERGE_PASS_US * max(1, survivors / 1024)
-    t = max(FLOOR_US, _us(summ, DEVICE_GBS), _us(prog, PROGRAM_GBS) + merge)
+    t = max(FLOOR_US, _us(summ, DEVICE_GBS), _us(prog, PROGRAM_GBS) + FENCE_US) + merge
     rows.append(("select", (bs, H_KV, nc), summ,
                  f"{min(cand, ws.chunk)} blocks ({prog // 1024} KB)" + (f" + merge of {survivors}" if merge else ""),
                  t))
@@ -90,7 +99,7 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     kv = bs * H_KV * (min(k, cand) + 1) * B * D * 2 * 2
     prog = per * B * D * 2 * 2
     merge_b = 0 if splits == 1 else splits * G * D * 4 + splits * 2 * G * 4
-    t = max(FLOOR_US, _us(kv, DEVICE_GBS), _us(prog + merge_b, PROGRAM_GBS))
+    t = max(FLOOR_US, _us(kv, DEVICE_GBS), _us(prog, PROGRAM_GBS) + FENCE_US) + _us(merge_b, PROGRAM_GBS)
     rows.append(("attend", (bs, H_KV, splits), kv, f"{per} blocks ({prog // 1024} KB) + merge {merge_b // 1024} KB", t))
     return rows
 

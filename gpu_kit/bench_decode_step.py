@@ -38,7 +38,13 @@ layer reads what the previous one left in L2). Recorded per point.
     python gpu_kit/bench_decode_step.py --quick --out DIR    # 8K 32K, batch 1 8, budget 2048
     python gpu_kit/bench_decode_step.py --dry-run --out DIR  # CPU: the same steps, tiny, fused kernels interpreted
 
-Writes DIR/decode-step.json, DIR/decode-step.md, DIR/decode-step.png, DIR/chosen-settings.json.
+The GPU session splits it (gpu_kit/run.py): `--checks-only --name kernel-checks` (every check, the served CUDA
+configuration's included: `check_served`), `--variants core --points 8192x1 ...` (the new step vs dense and the
+old one), `--variants tournament --name tournament` (the variants, chosen-settings.json). The world's slot table
+is as wide as the server's (context + 4, SGLang's), so select gets the server's grid and merge tile.
+
+Writes DIR/<name>.json, .md, .png (--name, default decode-step; the JSON and Markdown after every check, point and
+variant) and DIR/chosen-settings.json.
 """
 
 from __future__ import annotations
@@ -53,9 +59,11 @@ import time
 
 import torch
 
-from sas_backend.testing.report import env_markdown, environment, md_table, pyplot
+from sas_backend.testing.report import env_markdown, environment, md_table, pyplot, write_atomic, write_json_atomic
 
 BLOCK = 64
+SLOT_PAD = 4  # SGLang's slot table (req_to_token) is context_length + 4 tokens wide
+ANCHORS = 4  # prompt anchors per (request, kv head) of the Qwen gate's serve default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +105,9 @@ class World:
     Request r owns `ctx // 64 (+1)` random pages; seq_len = ctx for every request, so each
     request's newest token completes a block (the summary update does real work: the block step);
     `seq_lens_steady` (ctx - 1) is what the summary update sees in a steady step (no block completes).
+    The slot table is as wide as a server's whose context length is ctx (SGLang: context_length + 4), so the
+    served step sizes its select grid and merge tile as that server does; `anchors` `[bs, H_kv, 4]` int32 is a
+    prompt-anchor pool (random candidate blocks, some -1) as the Qwen gate's serve default reads.
     """
 
     def __init__(self, geo: Geometry, ctx: int, bs: int, distinct: int, device, seed: int = 0):
@@ -112,7 +123,8 @@ class World:
         self.block_table = (self.pages[:, : self.max_blocks + 1] * BLOCK).long().to(dev)
         # SGLang's slot table for these requests (the decode step object reads its block table from it)
         offs = torch.arange(BLOCK, dtype=torch.int32)
-        self.req_to_token = (self.pages.to(torch.int32)[:, :, None] * BLOCK + offs).reshape(bs, -1).to(dev)
+        full = (self.pages.to(torch.int32)[:, :, None] * BLOCK + offs).reshape(bs, -1)
+        self.req_to_token = full[:, : ctx + SLOT_PAD].contiguous().to(dev)
         self.req_pool_indices = torch.arange(bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((bs,), ctx, dtype=torch.int64, device=dev)
         self.seq_lens_cpu = torch.full((bs,), ctx, dtype=torch.int64)
@@ -138,6 +150,8 @@ class World:
         pos = (self.seq_lens - 1).long()
         self.model_rows, self.gate_rows = self.model_table[pos], self.gate_table[pos]
         self.q = torch.randn(bs, geo.q_heads, geo.head_dim, generator=g).to(dev, torch.bfloat16)
+        self.anchors = torch.randint(-1, max(self.max_blocks, 1), (bs, geo.kv_heads, ANCHORS), generator=g,
+                                     dtype=torch.int32).to(dev)
         self.scale = geo.head_dim**-0.5
 
     def _dev_gen(self, seed):
@@ -196,6 +210,7 @@ class Variant:
     target_programs: int | None = None
     chunk: int | None = None
     launch: tuple = ()
+    anchors: bool = False  # select reads the world's prompt-anchor pool (World.anchors)
 
     def launch_options(self):
         from sas_backend.ops.decode_step import LaunchOptions
@@ -214,6 +229,10 @@ class Variant:
 # select chunk, PDL, per-launch warps.
 OLD = Variant("old: per-op kernels + flashinfer", kernels="torch", attention="flashinfer")
 NEW = Variant("new: fused, triton attend")
+# The CUDA default shipped in sas_backend/backend/gpu_settings.json, with the Qwen gate's prompt anchors: checked
+# (check_served) before anything is timed, never timed itself (its parts are the bf16 variants below).
+SERVED = Variant("served: bf16 summaries + bf16 gate weights + anchors", summary_dtype="bf16", gate_dtype="bf16",
+                 anchors=True)
 VARIANTS = (
     NEW,
     Variant("new: fused, flashinfer attention", attention="flashinfer"),
@@ -223,10 +242,15 @@ VARIANTS = (
     Variant("new: fused, 528 programs", target_programs=528),
     Variant("new: fused, select chunk 64", chunk=64),
     Variant("new: fused, select chunk 256", chunk=256),
-    Variant("new: fused, PDL", launch=(("pdl", True),)),
     Variant("new: fused, select 8 warps", launch=(("select_warps", 8),)),
     Variant("new: fused, attend 8 warps", launch=(("attend_warps", 8),)),
+    # Deferred: CUDA may refuse a PDL launch in a captured graph (the front follows StepBuffers.fill's copies).
+    Variant("new: fused, PDL", launch=(("pdl", True),)),
 )
+# Variants whose failure might leave the device unusable (a refused PDL capture): timed after every other variant
+# of every point (`run_deferred`), their errors caught and recorded with whether the device still works, so none
+# of them can sink another variant.
+DEFERRED = frozenset({"new: fused, PDL"})
 
 
 class ServedStep(LayerStack):
@@ -273,12 +297,16 @@ class ServedStep(LayerStack):
         w = self.w
         k, v = w.kv(layer)
         return self.step_obj.run(self.plan, w.gates[layer], w.q, k, v, w.summaries_of(layer, self.dtype),
-                                 w.model_table, w.gate_table)
+                                 w.model_table, w.gate_table, anchors=w.anchors if self.variant.anchors else None)
 
     def step(self):
         if self.graphs:  # as in the server: the step's device state is recomputed inside the graph
             self.step_obj.fill(self.plan, self.w.model_table, self.w.gate_table)
         return super().step()
+
+    def last_selected(self) -> torch.Tensor:
+        """`[bs, H_kv, K]` the blocks the last layer of the last step selected."""
+        return self.step_obj.last_selected
 
     # The breakdown: each fused launch alone over all layers (the new step), on the plan's step tensors.
     OPS = ("front", "select", "attend")
@@ -379,15 +407,18 @@ def all_blocks(w: World) -> torch.Tensor:
     return sel.expand(w.bs, w.geo.kv_heads, w.max_blocks).contiguous()
 
 
-def reference_attention(w: World, layer: int, selected: torch.Tensor) -> torch.Tensor:
-    """The torch oracle: plain SDPA over the selected blocks + the current block (all blocks = dense)."""
+def reference_attention(w: World, layer: int, selected: torch.Tensor, seq_lens: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """The torch oracle: plain SDPA over the selected blocks + the current block (all blocks = dense).
+    seq_lens `[bs]`: the step's lengths (default the world's block step, every row at ctx)."""
     from sas_backend.ops.gather.torch_path import build_kv_indices, kv_indptr_for
     from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
 
     k, v = w.kv(layer)
-    indptr = kv_indptr_for(w.seq_lens_cpu, selected.shape[-1], BLOCK, w.geo.kv_heads).to(w.device)
+    seq_lens = w.seq_lens if seq_lens is None else seq_lens
+    indptr = kv_indptr_for(seq_lens.cpu(), selected.shape[-1], BLOCK, w.geo.kv_heads).to(w.device)
     idx = torch.zeros(int(indptr[-1]), dtype=torch.int32, device=w.device)
-    build_kv_indices(selected, w.block_table, w.seq_lens, BLOCK, indptr, idx)
+    build_kv_indices(selected, w.block_table, seq_lens, BLOCK, indptr, idx)
     return sparse_decode_attention(w.q, k, v, indptr, idx, scale=w.scale)
 
 
@@ -430,32 +461,52 @@ class DenseStep(LayerStack):
 
 
 # ------------------------------------------------------------------------------------- timing
-def time_ms(fn, graphs: bool, reps: int) -> float:
+def time_ms(fn, graphs: bool, reps: int, outputs: dict | None = None, selected=None) -> float:
     """Median ms of fn: captured once in a CUDA graph and replayed (graphs), or called eagerly.
-    On CPU: wall clock over `reps` calls."""
+    On CPU: wall clock over `reps` calls. outputs: filled with copies of fn's result from its eager warm-up
+    ("eager") and from the last timed replay or call ("last"), and of `selected()` (the step's last selection)
+    as that replay left it ("selected"), for `check_variant`."""
+    keep = outputs if outputs is not None else {}
+
+    def last(res):
+        if outputs is not None:
+            keep["last"] = res.clone()
+            if selected is not None:
+                keep["selected"] = selected().clone()
+
     if not torch.cuda.is_available():
-        fn()
+        res = fn()
+        if outputs is not None:
+            keep["eager"] = res.clone()
         t = time.perf_counter()
         for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps * 1e3
+            res = fn()
+        ms = (time.perf_counter() - t) / reps * 1e3
+        last(res)
+        return ms
     from triton.testing import do_bench
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up off the default stream: compiles, autotunes, JIT
         fn()
-        fn()
+        res = fn()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+    if outputs is not None:
+        keep["eager"] = res.clone()
     if not graphs:
-        return do_bench(fn, warmup=5, rep=max(reps, 20), return_mode="median")
+        ms = do_bench(fn, warmup=5, rep=max(reps, 20), return_mode="median")
+        last(fn())
+        return ms
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        res = fn()
     graph.replay()
     torch.cuda.synchronize()
     ms = do_bench(graph.replay, warmup=5, rep=max(reps, 20), return_mode="median")
+    torch.cuda.synchronize()
+    last(res)  # the graph's buffers as the last timed replay left them (before the graph and its pool go)
     del graph
     return ms
 
@@ -759,6 +810,63 @@ def _check_branches(w: World, budget: int, record) -> None:
         del g, br
 
 
+def check_served(w: World, budget: int, graphs: bool) -> list:
+    """The served CUDA configuration (bf16 summaries, bf16 gate weights) with prompt anchors on and off, on layer 0
+    and as a whole step: the fused front against the torch reference on the same bf16 weights and pool, the fused
+    select against the reference selection with those anchors (blocks outside rounding ties), and the served step's
+    last layer against the oracle over the blocks it selected; with graphs, its replay equals its eager step.
+    Returns check rows as check_point's."""
+    from sas_backend.ops import decode_step as fused
+    from sas_backend.ops.decode_step import naive as fused_ref
+
+    out = []
+
+    def record(op, err, tol):
+        out.append({"op": f"served: {op}", "context": w.ctx, "batch": w.bs, "budget": budget, "max_abs_err": err,
+                    "tol": tol, "ok": bool(err <= tol)})
+
+    k_top = budget // BLOCK
+    st = ServedStep(w, budget, graphs=False, variant=SERVED)
+    ws, gate = st.step_obj.fused_ws, w.gates[0]
+    w_q, q_norm, w_k, k_norm = st.step_obj.front_weights(gate)  # the bf16 copies the server's front reads
+    pool = w.summaries_of(0, torch.bfloat16)
+    before = pool.clone()
+    summ_fused, summ_ref = before.clone(), before.clone()
+    gq = fused.front(ws, w.q, w.model_rows, w.gate_rows, w_q, q_norm, w.k[0], w.model_table, w.gate_table, w_k, k_norm,
+                     summ_fused, w.block_table, w.seq_lens).clone()
+    gq_want = fused_ref.front(w.q, w.model_rows, w.gate_rows, w_q, q_norm, w.k[0], w.model_table, w.gate_table, w_k,
+                              k_norm, summ_ref, w.block_table, w.seq_lens, BLOCK)
+    record("fused front, bf16 weights: gate query", _err(gq, gq_want), 1e-3)
+    record("fused front, bf16 weights: bf16 summaries", _err(summ_fused, summ_ref), 1.6e-2)  # one bf16 ulp at 2
+    for anchors in (None, w.anchors):
+        tag = "anchors on" if anchors is not None else "anchors off"
+        sel = fused.select(ws, gq, summ_ref, w.block_table, w.num_candidates, w.max_blocks, anchors=anchors).clone()
+        scores = fused_ref.scores(gq, summ_ref, w.block_table, w.num_candidates, BLOCK, w.max_blocks, anchors)
+        want = fused_ref.select(gq, summ_ref, w.block_table, w.num_candidates, BLOCK, w.max_blocks, k_top,
+                                anchors=anchors)
+        record(f"fused select, bf16 summaries, {tag} (blocks outside rounding ties)",
+               _selection_misses(sel, want, scores), 0.0)
+    del st
+    for variant in (SERVED, dataclasses.replace(SERVED, anchors=False)):
+        tag = "anchors on" if variant.anchors else "anchors off"
+        step = ServedStep(w, budget, graphs=graphs and w.device.type == "cuda", variant=variant)
+        eager = step.step().clone()
+        last = w.geo.layers - 1
+        record(f"step ({tag}): last layer vs oracle", _err(eager, reference_attention(w, last, step.last_selected())),
+               2e-2)
+        if step.graphs:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                res = step.step()
+            graph.replay()
+            torch.cuda.synchronize()
+            record(f"step ({tag}): graph replay == eager step (exact)", _err(res, eager), 0.0)
+            del graph
+        del step
+    return out
+
+
 # ---------------------------------------------------------------------------------------- main
 def distinct_sets(geo: Geometry, ctx: int, bs: int, mem_fraction: float) -> int:
     """Buffer sets that fit `mem_fraction` of free device memory (2 .. layers)."""
@@ -769,16 +877,46 @@ def distinct_sets(geo: Geometry, ctx: int, bs: int, mem_fraction: float) -> int:
     return max(2, min(geo.layers, int(free * mem_fraction // per)))
 
 
+# A variant's last timed replay against its own eager step and against the oracle over the blocks it selected:
+# bf16 outputs (one ulp near 1 is 2**-7), the tolerance of check_point's attention checks.
+VARIANT_TOL = 2e-2
+COUNTERS = ("front_counters", "select_counters", "attend_counters")
+
+
+def check_variant(st: ServedStep, outputs: dict, tol: float = VARIANT_TOL) -> dict:
+    """Whether a variant's timed replays computed the step: the last replay's output (the last layer's attention)
+    equals the eager step's within `tol`, equals the torch oracle over the blocks that replay selected within
+    `tol`, and every arrival counter of the fused workspace is back to zero (a merge that never ran, or ran twice,
+    leaves one set). {"ok", "replay_vs_eager", "vs_oracle", "counters_set", "tol"}; ok False with "why" when an
+    output is missing. Only a checked variant may win the tournament (`chosen_settings`)."""
+    eager, last, selected = outputs.get("eager"), outputs.get("last"), outputs.get("selected")
+    if eager is None or last is None or selected is None:
+        return {"ok": False, "why": "no output of the timed step was kept", "tol": tol}
+    w = st.w
+    res = {"tol": tol, "replay_vs_eager": _err(last, eager),
+           "vs_oracle": _err(last, reference_attention(w, w.geo.layers - 1, selected, st.seq_lens))}
+    ws = st.step_obj.fused_ws
+    res["counters_set"] = {} if ws is None else {n: int((getattr(ws, n) != 0).sum()) for n in COUNTERS}
+    res["ok"] = bool(max(res["replay_vs_eager"], res["vs_oracle"]) <= tol and not any(res["counters_set"].values()))
+    return res
+
+
 def time_variant(w: World, budget: int, variant: Variant, args, breakdown: bool = False) -> dict:
-    """Block, steady and amortized ms of one served-step variant; with `breakdown`, each fused launch alone."""
+    """Block, steady and amortized ms of one served-step variant; with `breakdown`, each fused launch alone. Both
+    steps are checked after their timed replays (`check_variant`): "check" {"block", "steady", "ok"}."""
     st = ServedStep(w, budget, args.graphs, block_step=True, variant=variant)
     # The settings as run (a CPU dry run drops what the interpreter cannot run: FlashInfer, PDL).
-    res = {"ms": time_ms(st.step, args.graphs, args.reps), "breakdown_ms": {}, "settings": st.variant.settings()}
+    outs = {}
+    res = {"ms": time_ms(st.step, args.graphs, args.reps, outs, st.last_selected), "breakdown_ms": {},
+           "settings": st.variant.settings()}
+    res["check"] = {"block": check_variant(st, outs)}
     if breakdown and st.plan.fused:
         res["breakdown_ms"]["front_block"] = time_ms(st.op_over_layers("front"), args.graphs, args.reps)
     del st
-    steady = ServedStep(w, budget, args.graphs, block_step=False, variant=variant)
-    res["steady_ms"] = time_ms(steady.step, args.graphs, args.reps)
+    steady, outs = ServedStep(w, budget, args.graphs, block_step=False, variant=variant), {}
+    res["steady_ms"] = time_ms(steady.step, args.graphs, args.reps, outs, steady.last_selected)
+    res["check"]["steady"] = check_variant(steady, outs)
+    res["check"]["ok"] = res["check"]["block"]["ok"] and res["check"]["steady"]["ok"]
     if breakdown and steady.plan.fused:
         for op in ServedStep.OPS:
             res["breakdown_ms"][op] = time_ms(steady.op_over_layers(op), args.graphs, args.reps)
@@ -788,40 +926,90 @@ def time_variant(w: World, budget: int, variant: Variant, args, breakdown: bool 
     return res
 
 
-def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
-    """Check (up to --check-max-context) and time one (context, batch) for dense and every budget."""
+def device_ok() -> bool:
+    """After a variant failed: whether the device still runs work (False: a sticky CUDA error; every later
+    measurement of this process will fail, and the record says so)."""
+    if not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+        return True
+    except Exception:  # noqa: BLE001 - the answer is the finding
+        return False
+
+
+def measure_variant(w: World, budget: int, variant: Variant, args, row: dict) -> dict:
+    """`time_variant` into row["variants"][budget][name], with its speedup; an exception (a refused capture) is
+    recorded as the variant's error, with whether the device still works, and ends nothing else."""
+    try:
+        timed = time_variant(w, budget, variant, args, breakdown=variant is NEW)
+    except Exception as e:  # noqa: BLE001 - one variant failing (a refused PDL capture) must not lose the others
+        timed = {"error": f"{type(e).__name__}: {e}"[:500], "device_ok_after": device_ok()}
+        print(f"[step] {variant.name} at ctx {w.ctx} bs {w.bs} b{budget} failed: {timed['error']}", flush=True)
+    if "error" not in timed:
+        timed["speedup"] = row["dense_ms"] / timed["amortized_ms"]
+    row["variants"].setdefault(str(budget), {})[variant.name] = timed
+    return timed
+
+
+def run_deferred(geo, rows: list, budgets, args, save=lambda: None) -> None:
+    """The DEFERRED variants at every measured point's middle budget, after every other variant of every point."""
+    middle = budgets[len(budgets) // 2]
+    deferred = [v for v in VARIANTS if v.name in DEFERRED]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for row in rows:
+        if str(middle) not in row.get("variants", {}):
+            continue
+        w = World(geo, row["context"], row["batch"], distinct_sets(geo, row["context"], row["batch"],
+                                                                   args.mem_fraction), dev)
+        for variant in deferred:
+            measure_variant(w, middle, variant, args, row)
+            save()
+        del w
+
+
+def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = None, save=lambda: None) -> dict:
+    """Check (up to --check-max-context) and time one (context, batch) for dense and every budget. The row joins
+    `rows` as soon as dense is timed and `save()` runs after every check and variant, so a step killed at its
+    deadline (or ended by a sticky CUDA error) leaves everything measured before it in the record."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     w = World(geo, ctx, bs, distinct_sets(geo, ctx, bs, args.mem_fraction), dev)
     if args.check and ctx <= args.check_max_context:
         for b in budgets:
             checks.extend(check_point(w, b, args.graphs, branches=b == budgets[len(budgets) // 2]))
+            save()
+        checks.extend(check_served(w, budgets[len(budgets) // 2], args.graphs))
+        save()
+    if args.checks_only:
+        del w
+        return {"context": ctx, "batch": bs, "sas": {}, "variants": {}, "complete": True}
     dense = DenseStep(w, args.graphs)
     row = {"context": ctx, "batch": bs, "distinct_layers": w.distinct,
            "dense_ms": time_ms(dense.step, args.graphs, args.reps), "dense_bytes": step_bytes(geo, ctx, bs, None),
-           "sas": {}, "variants": {}}
+           "sas": {}, "variants": {}, "complete": False}
     del dense
+    if rows is not None:
+        rows.append(row)
+    save()
     middle = budgets[len(budgets) // 2]
     for b in budgets:
         # The old step and the new one at every budget; the variants the tournament decides at the middle one.
-        variants = [NEW, OLD] + (list(VARIANTS[1:]) if b == middle and not args.quick else [])
+        tournament = [v for v in VARIANTS[1:] if v.name not in DEFERRED] if b == middle and args.variants != "core" \
+            else []
+        variants = [NEW] + ([OLD] if args.variants != "tournament" else []) + tournament
         row["variants"][str(b)] = {}
         for variant in variants:
-            try:
-                timed = time_variant(w, b, variant, args, breakdown=variant is NEW)
-            except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
-                timed = {"error": f"{type(e).__name__}: {e}"[:500]}
-                print(f"[step] {variant.name} at ctx {ctx} bs {bs} b{b} failed: {timed['error']}", flush=True)
-            if "error" not in timed:
-                timed["speedup"] = row["dense_ms"] / timed["amortized_ms"]
-            row["variants"][str(b)][variant.name] = timed
+            measure_variant(w, b, variant, args, row)
+            save()
         res = dict(row["variants"][str(b)][NEW.name])
         res["bytes"] = step_bytes(geo, ctx, bs, b)
         if "error" not in res:
             res["speedup_block_step"] = row["dense_ms"] / res["ms"]
-            old = row["variants"][str(b)][OLD.name]
+            old = row["variants"][str(b)].get(OLD.name, {"error": "not run"})
             res["vs_old"] = old["amortized_ms"] / res["amortized_ms"] if "error" not in old else None
         res["roofline_speedup"] = row["dense_bytes"] / res["bytes"]
-        if b == middle:  # the branch cost of --sas-dense-below
+        if b == middle and args.branches:  # the branch cost of --sas-dense-below
             try:
                 br = BranchStep(w, b, args.graphs)
                 res["branch"] = time_branches(br, args.reps)
@@ -830,6 +1018,7 @@ def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
                 res["branch"] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 print(f"[step] IF-node branch timing failed: {res['branch']['error']}", flush=True)
         row["sas"][str(b)] = res
+        save()
     peak = args.peak_gbs
     if peak:
         row["dense_roofline_ms"] = row["dense_bytes"] / peak / 1e6
@@ -839,23 +1028,74 @@ def run_point(geo, ctx, bs, budgets, args, checks: list) -> dict:
                 continue
             res["roofline_ms"] = res["bytes"] / peak / 1e6
             res["achieved_gbs"] = res["bytes"] / res["amortized_ms"] / 1e6
+    row["complete"] = True
+    save()
     del w
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
 
 
-def chosen_settings(record: dict, device_key: str) -> dict:
+def branch_costs(record: dict) -> dict:
+    """{(context, batch): {"if_dense_ms", "if_sparse_over_steady"}} of the IF-node timings in `record` at its middle
+    budget (the decode-step record's; a tournament runs without them): the branched graph's dense replay, and its
+    sparse replay over the plain steady step's (what the IF nodes add to the sparse side)."""
+    budget = str(record["budgets"][len(record["budgets"]) // 2])
+    out = {}
+    for r in record.get("rows", []):
+        s = r.get("sas", {}).get(budget) or {}
+        br = s.get("branch") or {}
+        if br.get("dense_ms") and br.get("sparse_ms") and s.get("steady_ms"):
+            out[(r["context"], r["batch"])] = {"if_dense_ms": br["dense_ms"],
+                                               "if_sparse_over_steady": br["sparse_ms"] / s["steady_ms"]}
+    return out
+
+
+def decide_dense_below(points: list) -> dict:
+    """`--sas-dense-below` from measured points, each {"context", "batch", "dense_ms", "sparse_ms", "if_dense_ms",
+    "if_sparse_ms"} (ms per step; sparse: the chosen variant's amortized step; if_*: the same step in the branched
+    graph, dense and sparse replays, None where not measured).
+
+    The server sends a step dense when its requests hold at most T tokens in all (context x batch), so one
+    threshold must serve every (context, batch): T = 0 runs the plain sparse graph (no IF nodes) at every point; T > 0
+    runs the branched graph everywhere and pays its own cost (if_dense at or below T, if_sparse above). Candidates
+    are 0 and each point's tokens (all points' branches measured); the one with the least geometric-mean step time
+    over the points wins (ties: the smaller). Per point the record says which side the branched graph runs faster
+    and which one T gives it. {"dense_below", "geomean_ms": {T: ms}, "points": [...]}."""
+    import math
+
+    if not points:
+        return {"dense_below": 0, "geomean_ms": {}, "points": []}
+    tokens = [p["context"] * p["batch"] for p in points]
+    cands = {0: [p["sparse_ms"] for p in points]}
+    if all(p.get("if_dense_ms") and p.get("if_sparse_ms") for p in points):
+        for t in sorted(set(tokens)):
+            cands[t] = [p["if_dense_ms"] if n <= t else p["if_sparse_ms"] for p, n in zip(points, tokens)]
+    geo = {t: math.exp(sum(math.log(x) for x in xs) / len(xs)) for t, xs in cands.items()}
+    best = min(geo, key=lambda t: (geo[t], t))
+    rows = []
+    for p, n, ms in zip(points, tokens, cands[best]):
+        faster = None if not p.get("if_dense_ms") else "dense" if p["if_dense_ms"] < p["if_sparse_ms"] else "sparse"
+        rows.append({"context": p["context"], "batch": p["batch"], "tokens": n, "faster_branched": faster,
+                     "runs": "dense" if best and n <= best else "sparse", "ms": ms,
+                     "plain_sparse_ms": p["sparse_ms"], "plain_dense_ms": p["dense_ms"]})
+    return {"dense_below": best, "geomean_ms": {str(t): v for t, v in geo.items()}, "points": rows}
+
+
+def chosen_settings(record: dict, device_key: str, branches: dict | None = None) -> dict:
     """The settings table the backend reads at startup, from this run: the new-step variant with the best
-    geometric-mean speedup over every (context, batch) at the middle budget, and `dense_below` = the most tokens
-    in a step (context x batch) at which dense attention still beat that variant (0: never)."""
+    geometric-mean speedup over every (context, batch) at the middle budget, and `dense_below` decided per (context,
+    batch) from the points with the branched mode's own cost (`decide_dense_below`; branches: `branch_costs` of the
+    record that timed the IF nodes, default this one's; without them 0: a branched graph nobody timed is not adopted).
+    A variant competes only where it ran and passed its check (`check_variant`) at every point: failed, errored or
+    unchecked never win."""
     import math
 
     budget = str(record["budgets"][len(record["budgets"]) // 2])
     scores = {}
     for r in record["rows"]:
         for name, v in r.get("variants", {}).get(budget, {}).items():
-            if name.startswith("new") and "error" not in v:
+            if name.startswith("new") and "error" not in v and (v.get("check") or {}).get("ok") is True:
                 scores.setdefault(name, []).append(math.log(v["speedup"]))
     complete = {n: sum(x) / len(x) for n, x in scores.items() if len(x) == len(record["rows"])}
     if not complete:
@@ -863,14 +1103,20 @@ def chosen_settings(record: dict, device_key: str) -> dict:
     best = max(complete, key=complete.get)
     as_run = record["rows"][0]["variants"][budget][best].get("settings")
     settings = as_run or next(v for v in VARIANTS if v.name == best).settings()
-    slower = [r["context"] * r["batch"] for r in record["rows"]
-              if r["variants"][budget][best]["amortized_ms"] > r["dense_ms"]]
-    entry = {**settings, "dense_below": max(slower, default=0)}
+    branches = branch_costs(record) if branches is None else branches
+    points = []
+    for r in record["rows"]:
+        v, br = r["variants"][budget][best], branches.get((r["context"], r["batch"]), {})
+        points.append({"context": r["context"], "batch": r["batch"], "dense_ms": r["dense_ms"],
+                       "sparse_ms": v["amortized_ms"], "if_dense_ms": br.get("if_dense_ms"),
+                       "if_sparse_ms": v["amortized_ms"] * br["if_sparse_over_steady"] if br else None})
+    decision = decide_dense_below(points)
+    entry = {**settings, "dense_below": decision["dense_below"]}
     measured = record["mode"] != "dry run"
     return {"measured": measured, "source": f"gpu_kit/bench_decode_step.py on {record['environment'].get('device')}, "
                                         f"budget {budget}, variant {best!r} (geometric-mean speedup "
                                         f"{math.exp(complete[best]):.2f}x over {len(record['rows'])} points)",
-            "devices": {device_key: entry, "default": entry}}
+            "dense_below_decision": decision, "devices": {device_key: entry, "default": entry}}
 
 
 def markdown(record: dict) -> str:
@@ -881,8 +1127,12 @@ def markdown(record: dict) -> str:
              f"- graphs: {record['graphs']}; peak bandwidth used for the roofline: {record['peak_gbs']} GB/s; "
              f"whole-model weight floor {record['weights_floor_ms']} ms/step (not in the times below)",
              f"- checks vs torch references: {len(record['checks']) - len(bad)}/{len(record['checks'])} ok"
-             + ("" if not bad else "; FAILED: " + ", ".join(f"{c['op']}@{c['context']}x{c['batch']}" for c in bad)),
-             ""]
+             + ("" if not bad else "; FAILED: " + ", ".join(f"{c['op']}@{c['context']}x{c['batch']}" for c in bad))]
+    if not record.get("complete", True):
+        done = sum(r.get("complete", True) for r in record["rows"])
+        lines.append(f"- **partial record** (written as measured; the run ended or was killed after {done} complete "
+                     f"point(s), {record.get('wall_s')} s)")
+    lines.append("")
     head = ["context", "batch", "budget", "dense ms", "new steady ms", "new block ms", "new amortized ms", "speedup",
             "x old", "block/steady", "steady us/layer", "roofline x", "dense GB/s", "sas GB/s", "front", "front block",
             "select", "attend"]
@@ -911,14 +1161,18 @@ def markdown(record: dict) -> str:
         for b, vs in r.get("variants", {}).items():
             for name, v in vs.items():
                 if "error" in v:
-                    vrows.append([name, r["context"], r["batch"], int(b), f"failed: {v['error'][:60]}", "-", "-", "-"])
+                    vrows.append([name, r["context"], r["batch"], int(b), f"failed: {v['error'][:60]}", "-", "-", "-",
+                                  "not run"])
                 else:
                     vrows.append([name, r["context"], r["batch"], int(b), v["steady_ms"], v["ms"], v["amortized_ms"],
-                                  v["speedup"]])
+                                  v["speedup"], check_cell(v.get("check"))])
     if vrows:
         lines += ["", "## Every variant (the tournament)", "",
                   md_table(["variant", "context", "batch", "budget", "steady ms", "block ms", "amortized ms",
-                            "speedup"], vrows)]
+                            "speedup", "checked"], vrows), "",
+                  f"checked: the last timed replay of the block and the steady step vs the eager step and the oracle "
+                  f"(tolerance {VARIANT_TOL}), every workspace counter zero after it; only variants ok at every point "
+                  f"compete."]
     chosen = record.get("chosen_settings")
     if chosen:
         lines += ["", "## Chosen settings (`chosen-settings.json`, "
@@ -930,13 +1184,25 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_cell(check: dict | None) -> str:
+    """A variant's check in the tournament table: ok, FAILED (with its largest error), or unchecked."""
+    if not check:
+        return "unchecked"
+    if check.get("ok"):
+        return "ok"
+    parts = [check.get(k) or {} for k in ("block", "steady")]
+    worst = max((p.get(k, 0) for p in parts for k in ("replay_vs_eager", "vs_oracle")), default=0)
+    counters = sum(n for p in parts for n in (p.get("counters_set") or {}).values())
+    return f"FAILED (err {worst:.3g}, {counters} counters set)"
+
+
 def branch_markdown(record: dict) -> list:
     """The IF-node table: what choosing dense or sparse per replay costs on either side."""
     rows, notes = [], set()
     for r in record["rows"]:
         for b, s in r["sas"].items():
             br = s.get("branch")
-            if not br:
+            if not br or "error" in s:
                 continue
             if "unsupported" in br or "error" in br:
                 notes.add(br.get("unsupported") or f"failed: {br['error']}")
@@ -992,9 +1258,9 @@ def plot(record: dict, path: pathlib.Path) -> bool:
 def main(argv=None) -> int:
     """CLI (see the module doc); exit 1 if a check failed, 2 without CUDA and --dry-run."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072, 262144])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--contexts", type=int, nargs="+", help="default 8K 32K 128K 256K (dry run: 1024)")
+    ap.add_argument("--batches", type=int, nargs="+", help="default 1 8 (dry run: 1)")
+    ap.add_argument("--budgets", type=int, nargs="+", help="default 1024 2048 4096 (dry run: 256)")
     ap.add_argument("--layers", type=int, default=QWEN3_4B.layers)
     ap.add_argument("--reps", type=int, default=50, help="do_bench rep time in ms (CPU: calls)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="time eagerly instead")
@@ -1002,15 +1268,29 @@ def main(argv=None) -> int:
     ap.add_argument("--check-max-context", type=int, default=131072)
     ap.add_argument("--mem-fraction", type=float, default=0.4, help="of free memory for the K/V buffer sets")
     ap.add_argument("--peak-gbs", type=float, default=None, help="peak HBM GB/s (default: from the device name)")
-    ap.add_argument("--quick", action="store_true", help="8K and 32K, batch 1 and 8, budget 2048")
+    ap.add_argument("--quick", action="store_true", help="8K and 32K, batch 1 and 8, budget 2048, no tournament")
+    ap.add_argument("--points", nargs="+", metavar="CTXxBS",
+                    help="(context, batch) points instead of every context x batch, e.g. 8192x1 32768x8")
+    ap.add_argument("--variants", choices=("all", "core", "tournament"), default=None,
+                    help="core: the new and the old step; tournament: the new one and its variants at the middle "
+                    "budget; all (default; --quick: core): both")
+    ap.add_argument("--checks-only", action="store_true",
+                    help="only the checks (every kernel vs its reference, the served configuration), nothing timed")
+    ap.add_argument("--no-branches", dest="branches", action="store_false",
+                    help="skip the IF-node branch timing at the middle budget")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="skip the profiler trace summary of one SAS step")
     ap.add_argument("--dry-run", action="store_true",
                     help="no CUDA needed: a tiny geometry through the torch paths (proves the plumbing only)")
     ap.add_argument("--out", default="bench/out/gpu")
+    ap.add_argument("--name", default="decode-step", help="stem of the files written under --out")
+    ap.add_argument("--branches-from", help="a decode-step JSON whose IF-node timings decide dense_below (the "
+                    "tournament runs without them)")
     args = ap.parse_args(argv)
     geo, name = dataclasses.replace(QWEN3_4B, layers=args.layers), "Qwen3-4B shape"
     mode = "full"
+    given = {k: getattr(args, k) for k in ("contexts", "batches", "budgets")}  # given sizes win in every mode
+    args.contexts, args.batches, args.budgets = [8192, 32768, 131072, 262144], [1, 8], [1024, 2048, 4096]
     if args.quick:
         args.contexts, args.budgets, mode = [8192, 32768], [2048], "quick"
     if args.dry_run:
@@ -1023,6 +1303,19 @@ def main(argv=None) -> int:
         print("bench_decode_step: needs a CUDA GPU (FlashInfer, compiled Triton, CUDA graphs); "
               "--dry-run rehearses the plumbing on CPU.")
         return 2
+    for k, v in given.items():
+        if v:
+            setattr(args, k, v)
+    args.variants = args.variants or ("core" if args.quick else "all")
+    points = [(c, b) for c in args.contexts for b in args.batches]
+    if args.points:
+        try:
+            points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points]
+        except ValueError:
+            ap.error(f"--points takes CONTEXTxBATCH, got {args.points}")
+        args.contexts = sorted({c for c, _ in points})
+    if args.checks_only:
+        args.check, args.profile = True, False
     args.graphs = args.graphs and torch.cuda.is_available()  # CPU: nothing to capture
     if args.peak_gbs is None and torch.cuda.is_available():
         args.peak_gbs = peak_gbs(torch.cuda.get_device_name())
@@ -1034,37 +1327,52 @@ def main(argv=None) -> int:
     t0 = time.time()
     env = environment()
     checks, rows = [], []
-    torch.set_grad_enabled(False)
-    for ctx in args.contexts:
-        for bs in args.batches:
-            row = run_point(geo, ctx, bs, args.budgets, args, checks)
-            rows.append(row)
-            sas = "  ".join(f"b{b} {s['amortized_ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items()
-                            if "error" not in s)
-            print(f"[step] ctx {ctx:7d} bs {bs}: dense {row['dense_ms']:.3f} ms  {sas}", flush=True)
-    profile_rec = None
-    if args.profile:
-        profile_rec = profile_point(geo, max(args.contexts), 1, args.budgets[0], args)
-        print(profile_markdown(profile_rec), flush=True)
     record = {
         "what": "attention part of one decode step over all layers: dense FlashInfer vs the full SAS step",
-        "profile": profile_rec,
+        "profile": None,
         "mode": mode, "geometry_name": name, "geometry": dataclasses.asdict(geo), "graphs": args.graphs,
-        "budgets": args.budgets, "peak_gbs": args.peak_gbs,
+        "budgets": args.budgets, "points": [list(p) for p in points], "variants": args.variants,
+        "checks_only": args.checks_only, "peak_gbs": args.peak_gbs,
         "weights_floor_ms": round(geo.params * 2 / args.peak_gbs / 1e6, 3) if args.peak_gbs else None,
-        "environment": env, "checks": checks, "rows": rows, "wall_s": round(time.time() - t0, 1),
+        "environment": env, "checks": checks, "rows": rows,
+        "complete": False,  # True once every point, the profile and the chosen settings are in
     }
+
+    def save():  # the record as measured so far, rewritten whole after every check, point and variant
+        record["wall_s"] = round(time.time() - t0, 1)
+        write_json_atomic(out / f"{args.name}.json", record)
+        try:
+            write_atomic(out / f"{args.name}.md", markdown(record))
+        except Exception as e:  # noqa: BLE001 - the JSON is the record; a summary that cannot be drawn must not end it
+            write_atomic(out / f"{args.name}.md", f"# Decode step\n\nsummary not drawn: {type(e).__name__}: {e}\n")
+
+    torch.set_grad_enabled(False)
+    save()
+    for ctx, bs in points:
+        row = run_point(geo, ctx, bs, args.budgets, args, checks, None if args.checks_only else rows, save)
+        sas = "  ".join(f"b{b} {s['amortized_ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items()
+                        if "error" not in s)
+        print(f"[step] ctx {ctx:7d} bs {bs}: dense {row.get('dense_ms', '-')} ms  {sas}", flush=True)
+    if args.variants != "core" and not args.checks_only:
+        run_deferred(geo, rows, args.budgets, args, save)
+    if args.profile:
+        record["profile"] = profile_point(geo, max(args.contexts), 1, args.budgets[0], args)
+        print(profile_markdown(record["profile"]), flush=True)
     device = env.get("device") or ""
     key = next((k for k in PEAK_GBS if k in device), device or "default")
-    record["chosen_settings"] = chosen_settings(record, key)
+    # The tournament decides (the core run's one new-step variant decides nothing)
+    branches = None
+    if args.branches_from and pathlib.Path(args.branches_from).is_file():  # the IF-node timings of another run
+        branches = branch_costs(json.loads(pathlib.Path(args.branches_from).read_text()))
+    record["chosen_settings"] = chosen_settings(record, key, branches) if args.variants != "core" else {}
     if record["chosen_settings"]:
-        (out / "chosen-settings.json").write_text(json.dumps(record["chosen_settings"], indent=2) + "\n")
-    (out / "decode-step.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / "decode-step.md").write_text(markdown(record))
-    drew = plot(record, out / "decode-step.png")
+        write_json_atomic(out / "chosen-settings.json", record["chosen_settings"])
+    record["complete"] = True
+    save()
+    drew = plot(record, out / f"{args.name}.png")
     failed = [c for c in checks if not c["ok"]]
     print(markdown(record))
-    print(f"[step] wrote decode-step.json/.md{'/.png' if drew else ''} under {out}")
+    print(f"[step] wrote {args.name}.json/.md{'/.png' if drew else ''} under {out}")
     if failed:
         print(f"[step] {len(failed)} check(s) FAILED", file=sys.stderr)
         return 1

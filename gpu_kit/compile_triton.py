@@ -176,8 +176,77 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
     out["decode_front"].append(dict(spec_front, pdl=True))
     for op, base in (("decode_select", spec_select), ("decode_attend", spec_attend)):
         out[op] += [dict(base, pdl=True), dict(base, warps=8)]
+    for op, ps in served_cases().items():  # what the CUDA path launches, in both grids
+        out[op] += ps
     # BASE's runtime ints where a case leaves them out, in a fixed key order for the labels.
     return {op: [{**{k: BASE[k] for k in RUNTIME_KEYS[op]}, **p} for p in ps] for op, ps in out.items()}
+
+
+# What the CUDA path launches (issue 64 item 4): the fused step at Qwen3-4B's geometry as `DecodeStep` runs it on a
+# GPU (ops.decode_step.default_sizes(cuda=True): the front's QCHUNK / KCHUNK, the attend splits), with the shipped
+# default (bf16 summaries, bf16 gate weights, the Qwen gate's 4 prompt anchors) and fp32, every budget, every batch
+# size up to the fused workspace's rows and every width up to 256K tokens (an eager step's width is its longest
+# request's, a captured one's the server's: SGLang's context_length + 4), and the benchmark's variants (select chunk,
+# programs, warps, PDL). A configuration is what decides the machine code's registers and spills: the kernel, its
+# declared constexprs, its pointer dtypes and its options (num_warps, PDL) - not the "== 1" / "% 16"
+# specializations of runtime ints (widths, strides), which vary with every width and change no tile. Each axis is
+# reduced to one value per configuration (`config_key`); tests/test_triton_sm90_compile.py::
+# test_every_configuration_the_cuda_path_launches_is_compiled records the launches densely and fails on a
+# configuration the CI grid never compiles.
+SERVED_ROWS = 256  # sas_backend.backend.decode_step.FUSED_MAX_ROWS (not imported: that module imports SGLang-side code)
+SERVED_MAX_BLOCKS = 262144 // BLOCK + 1
+SERVED_FORCED = (1, 1)  # sink and local blocks of the shipped gates
+SERVED_ANCHORS = 4  # the Qwen gate's serve default (0 is compiled by the spec sweep above)
+SERVED_DTYPES = ("bf16", "fp32")  # summaries and gate weights together: the CUDA default, then fp32
+SERVED_CHUNKS = (64, 256)  # bench_decode_step.VARIANTS' select chunks (beside each K's default)
+SERVED_PROGRAMS = (132, 528)  # and programs per launch (beside GPU_TARGET_PROGRAMS)
+
+
+def served_cases() -> dict[str, list[dict]]:
+    """{op: [params]} of the fused step's launches on the CUDA path, one per configuration (see above): select per
+    (merge tile, warps) of the widths 1 .. 256K tokens (a multiple of 16 blocks where the class has one, as the
+    server's width is), attend per (splits padded to a power of two) of the batch sizes 1 .. SERVED_ROWS."""
+    from sas_backend.ops import decode_step as fused
+
+    sg = SPEC_GEOMETRY
+    spec = dict(h_kv=8, d=sg["d"], dg=sg["dg"], g=sg["g"])
+    out = {"decode_front": [dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl)
+                            for dt in SERVED_DTYPES for pdl in (False, True) for bs in (1, 8)],
+           "decode_select": [], "decode_attend": []}
+
+    def workspace(k, **kw):
+        geo = fused.StepGeometry(8, sg["g"], sg["d"], sg["d"], sg["dg"], k, BLOCK)
+        return fused.DecodeStepWorkspace(geo, 1, 1, "cpu", **{**fused.default_sizes(cuda=True), **kw})
+
+    for k in [b // BLOCK for b in BUDGETS]:
+        for v in [{}] + ([dict(chunk=c) for c in SERVED_CHUNKS] if k == sg["k"] else []):
+            ws, widths = workspace(k, **v), {}
+            for m in range(1, SERVED_MAX_BLOCKS + 1):
+                cls = (ws.merge_tile(m), ws.select_warps(m))
+                if cls not in widths or (m % 16 == 0 and widths[cls] % 16):
+                    widths[cls] = m
+            dtypes = SERVED_DTYPES if k == sg["k"] and not v else SERVED_DTYPES[:1]
+            out["decode_select"] += [dict(h_kv=8, dg=sg["dg"], k=k, bs=1, m=m, anchors=SERVED_ANCHORS, summaries=dt,
+                                          sink=SERVED_FORCED[0], local=SERVED_FORCED[1], **v)
+                                     for m in widths.values() for dt in dtypes]
+        for v in [{}] + ([dict(programs=p) for p in SERVED_PROGRAMS] if k == sg["k"] else []):
+            ws, seen = workspace(k, **{"target_programs": v["programs"]} if v else {}), set()
+            for bs in range(1, SERVED_ROWS + 1):
+                splits = ws.attend_splits(bs)
+                cls = (max(2, 1 << max(0, splits - 1).bit_length()), splits == 1)  # attend's SPLITS_P, ONE_SPLIT
+                if cls not in seen:
+                    seen.add(cls)
+                    out["decode_attend"].append(dict(spec, bs=bs, dtype="bf16", k=k, **v))
+    return out
+
+
+def config_key(fn, signature: dict, constexprs: dict, options) -> str:
+    """What decides a launch's machine code beyond the int specializations (see served_cases): the kernel, its
+    declared constexprs by name, its pointer and float argument types, and its options."""
+    names = {p.num: p.name for p in fn.params if p.is_constexpr}
+    declared = sorted((names[k[0]], repr(v)) for k, v in constexprs.items() if k and k[0] in names)
+    types = sorted((n, t) for n, t in signature.items() if isinstance(t, str) and (t.startswith("*") or "fp" in t))
+    return json.dumps([_kernel_id(fn), declared, types, sorted((k, repr(v)) for k, v in vars(options).items())])
 
 
 # ----------------------------------------------------------------------------------- launches
@@ -187,8 +256,9 @@ def _dt(name: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def launch(op: str, p: dict) -> None:
-    """Call the op's Triton launcher once with the server's (or trainer's) argument layout."""
+def launch(op: str, p: dict, sizes: dict | None = None) -> None:
+    """Call the op's Triton launcher once with the server's (or trainer's) argument layout. sizes: the fused step's
+    workspace split sizes (default: a CUDA workspace's, `ops.decode_step.default_sizes(cuda=True)`)."""
     import torch
 
     f32, i64, i32 = torch.float32, torch.int64, torch.int32
@@ -247,8 +317,11 @@ def launch(op: str, p: dict) -> None:
         k = p.get("k", 32)
         geo = fused.StepGeometry(h_kv, g, d, d, dg, k, BLOCK)
         warps = {f"{op[len('decode_'):]}_warps": p["warps"]} if "warps" in p else {}
-        # The GPU's split sizes: the CPU default would size the attend splits for the interpreter.
-        ws = fused.DecodeStepWorkspace(geo, bs, m, "cpu", target_programs=fused.GPU_TARGET_PROGRAMS,
+        # The GPU's split sizes (front units, attend splits), as a CUDA workspace takes them: the CPU defaults would
+        # compile the front with one unit per head (QCHUNK = KCHUNK = D/2), a kernel no GPU launches.
+        sizes = {**(sizes or fused.default_sizes(cuda=True)),
+                 **({"target_programs": p["programs"]} if "programs" in p else {})}
+        ws = fused.DecodeStepWorkspace(geo, bs, m, "cpu", chunk=p.get("chunk"), **sizes,
                                        launch=fused.LaunchOptions(pdl=p.get("pdl", False), **warps))
         dt = _dt(p.get("dtype", "bf16"))
         k_buffer = torch.empty(pages * BLOCK, h_kv, d, dtype=dt)

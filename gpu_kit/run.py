@@ -3,7 +3,8 @@
     python3 gpu_kit/run.py tier0 --kit .whl/site # preflight, < 2 min: GPU, kit, imports, toolchain, kernels
     python3 gpu_kit/run.py tier1 [--quick]       # torch + Triton + FlashInfer (no SGLang)
     python3 gpu_kit/run.py tier2 [--quick]       # the real SGLang server, dense vs sas
-    python3 gpu_kit/run.py session --kit .whl/site  # one call for a 15-minute device session (below)
+    python3 gpu_kit/run.py session --kit .whl/site  # the first call of a 15-minute device session (below)
+    python3 gpu_kit/run.py session2 --no-install    # its second call, on the warm machine: the rest
     python3 gpu_kit/run.py tier1 --dry-run       # on a CPU machine: everything up to where CUDA is needed
 
 Steps of every tier: (1) the kit in `.whl/` (gpu_kit/kit.py) is checked against SHA256SUMS,
@@ -40,12 +41,17 @@ reservation; tests/gpu/test_decode_step_gpu.py: no host sync, launches per layer
 prefill and a radix-cache prefix; then end-to-end decode latency dense vs sas at 32K..128K, batch
 1 and 8 (bench/bench_decode.py).
 
-Session (a device session has 15 minutes in all, a call at most 10, a machine start 1-2): the steps of
-the three tiers from the site kit in one call, most important first: the preflight (nothing else runs
-if it fails), the decode-step benchmark, end-to-end decode through the server at 32K, the server
-tests, the gated-kernel benchmark at 4K-8K, the kernel tests. A step whose expected minutes do not
-fit in what is left of --budget-min is skipped (recorded why), so the call returns inside its
-limit; a second call on the still-warm machine runs the skipped ones with --no-install --skip ...
+Session (a device session has 15 minutes in all, a call at most 10, a machine start 1-2), first call, planned to
+fit --budget-min (9.3) with every step at its full expected minutes (tests/test_gpu_kit.py), most important first:
+the preflight (nothing else runs if it fails); `kernel-checks`: every kernel against its reference and the served
+CUDA configuration (bf16 summaries, bf16 gate weights, prompt anchors on and off) at 8K, 32K, 128K batch 1 and 32K
+batch 8; `decode-step`: the fused step against dense and the old step at 8K, 32K, 128K, 256K batch 1 and 32K batch 8,
+budget 2048 (steady, block, amortized; the server's slot-table width); `e2e-decode`: dense and sas servers at 8K
+and 32K batch 1 and 32K batch 8; `tournament`: the new step's variants at those points, each checked, and
+chosen-settings.json. `session2 --no-install` (the second call): the server tests, the top-k sweep, the gated
+kernel at 4K-8K, the kernel tests. A step whose expected minutes do not fit in what is left of --budget-min (at
+FIT_FACTOR) is skipped (recorded why), so the call returns inside its limit; every benchmark writes its record
+after each point, so a step killed at the limit keeps what it measured.
 
 --dry-run (any machine, no CUDA): the same kit steps into a scratch site, imports of what needs no
 CUDA (the kit's compiled packages only where this Python matches the kit's), `pytest --collect-only`
@@ -105,17 +111,55 @@ E2E_FLAGS = ["--load-format", "dummy", "--grammar-backend", "none", "--cuda-grap
              "--mem-fraction-static", "0.85"]
 
 
-def e2e_argv(model: str, contexts, dry: bool = False) -> list:
-    """bench/bench_decode.py on `model` and its `-gate`; dry: the same flags, nothing started."""
-    return ["{py}", "bench/bench_decode.py", "--model", model, "--gate", model + "-gate", "--contexts", *contexts,
-            "--batch", "1", "8", "--budget", "2048", "--new-tokens", "64", "--shared-prefix", "--report",
+def e2e_argv(model: str, contexts, dry: bool = False, points=None) -> list:
+    """bench/bench_decode.py on `model` and its `-gate` (every context at batch 1 and 8, or `points`); dry: the same
+    flags, nothing started."""
+    where = ["--points", *points] if points else ["--contexts", *contexts, "--batch", "1", "8"]
+    return ["{py}", "bench/bench_decode.py", "--model", model, "--gate", model + "-gate", *where,
+            "--budget", "2048", "--new-tokens", "64", "--shared-prefix", "--report",
             "--out", "{work}/e2e", *(["--dry-run"] if dry else []), "--extra", *E2E_FLAGS]
+
+
+# The first command's measurements (issue 64 item 2), at the served configuration and the server's slot-table width:
+# the points the fused step is judged at, those the kernels are checked at (up to 128K: the references' memory), and
+# the end-to-end ones.
+STEP_POINTS = ["8192x1", "32768x1", "131072x1", "262144x1", "32768x8"]
+CHECK_POINTS = ["8192x1", "32768x1", "131072x1", "32768x8"]
+E2E_POINTS = ["8192x1", "32768x1", "32768x8"]
+STEP = ["{py}", "gpu_kit/bench_decode_step.py", "--out", "{work}"]
+# The variants, each checked, deciding chosen-settings.json; dense_below from the decode-step's IF-node timings.
+TOURNAMENT = [*STEP, "--name", "tournament", "--variants", "tournament", "--no-check", "--no-branches",
+              "--branches-from", "{work}/decode-step.json"]
+
+
+def first_command_steps() -> list:
+    """The session's first command after the preflight, in the order of what matters most: the kernels checked at the
+    served CUDA configuration, the fused step against dense and the old one, end to end through the servers, then
+    the tournament of variants (which writes chosen-settings.json)."""
+    return [
+        Step("kernel-checks", [*STEP, "--name", "kernel-checks", "--checks-only", "--budgets", "2048", "--points",
+                               *CHECK_POINTS], 0.8,
+             [*STEP, "--name", "kernel-checks", "--checks-only", "--dry-run"], produces=("kernel-checks.json",)),
+        Step("decode-step", [*STEP, "--variants", "core", "--no-check", "--no-profile", "--budgets", "2048",
+                             "--points", *STEP_POINTS], 1.5,
+             [*STEP, "--variants", "core", "--no-check", "--no-profile", "--dry-run"],
+             produces=("decode-step.json", "decode-step.png")),
+        Step("make-bench-model", ["{py}", "gpu_kit/make_model.py", "--out", BENCH_MODEL], 0.3,
+             ["{py}", "gpu_kit/make_model.py", "--out", "{work}/models/tiny-dummy", "--tiny", "--check"]),
+        Step("e2e-decode", e2e_argv(BENCH_MODEL, None, points=E2E_POINTS), 3.5,
+             e2e_argv("{work}/models/tiny-dummy", None, dry=True, points=E2E_POINTS), produces=("e2e",),
+             needs=("make-bench-model",)),
+        Step("tournament", [*TOURNAMENT, "--budgets", "2048", "--points", *STEP_POINTS], 2.0,
+             [*TOURNAMENT, "--dry-run"],
+             produces=("tournament.json", "tournament.png", "chosen-settings.json")),
+    ]
 
 
 # A step skipped for time when its expected minutes exceed what is left by this factor (the estimates
 # are not measured yet; a step that overruns is killed at the budget anyway)
 FIT_FACTOR = 0.6
-TIERS = ("tier0", "tier1", "tier2", "session")
+TIERS = ("tier0", "tier1", "tier2", "session", "session2")
+BUDGET_MIN = 9.3  # wall minutes of one command (a call has 10; the rest is the start and the transfers)
 
 
 def fits(left_s: float, minutes: float) -> bool:
@@ -126,12 +170,13 @@ def fits(left_s: float, minutes: float) -> bool:
 def tier_steps(tier: str, quick: bool) -> list:
     """The steps of a tier (quick: smaller sizes, for a first look within a few minutes). "session":
     those of tiers 0-2 in the order a 15-minute device session should spend its minutes."""
-    if tier == "session":
-        by_name = {s.name: s for t in ("tier0", "tier1", "tier2") for s in tier_steps(t, quick)}
-        small = tier_steps("tier1", quick=True) + tier_steps("tier2", quick=True)  # gated 4K-8K, e2e 32K
-        by_name.update({s.name: s for s in small if s.name in ("gated-attention", "e2e-decode")})
-        order = ("preflight", "decode-step", "make-bench-model", "e2e-decode", "make-test-model", "server-tests",
-                 "topk-sweep", "gated-attention", "kernel-tests")
+    if tier == "session":  # the first command: what matters most, planned to fit BUDGET_MIN at factor 1.0
+        return tier_steps("tier0", quick) + first_command_steps()
+    if tier == "session2":  # the second command on the warm machine (--no-install): the rest
+        by_name = {s.name: s for t in ("tier1", "tier2") for s in tier_steps(t, quick)}
+        small = tier_steps("tier1", quick=True)  # gated 4K-8K
+        by_name.update({s.name: s for s in small if s.name == "gated-attention"})
+        order = ("make-test-model", "server-tests", "topk-sweep", "gated-attention", "kernel-tests")
         return [by_name[n] for n in order]
     if tier == "tier0":
         return [Step("preflight", ["{py}", "gpu_kit/preflight.py", "--site", "{site}", "--out", "{work}",
@@ -280,6 +325,7 @@ TIER_MODULES = {
               ["sgl_kernel"]),
 }
 TIER_MODULES["session"] = tuple(sorted({m for t in ("tier1", "tier2") for m in TIER_MODULES[t][i]}) for i in range(3))
+TIER_MODULES["session2"] = TIER_MODULES["session"]
 
 
 def check_imports(tier, site, env, dry: bool) -> dict:
@@ -340,8 +386,9 @@ def summary_markdown(rec: dict) -> str:
         lines.append(f"- **stopped**: {rec['stopped']}")
     lines.append("")
     rows = [[s["name"], s["rc"], s["seconds"], s["expected_minutes"], json.dumps(s.get("counts", {})) or "",
-             s.get("command", "")[:90]] for s in rec["steps"]]
-    lines.append(md_table(["step", "rc", "seconds", "expected min", "counts", "command"], rows))
+             ("partial: " + ", ".join(s["partial"]) if s.get("partial") else ""), s.get("command", "")[:90]]
+            for s in rec["steps"]]
+    lines.append(md_table(["step", "rc", "seconds", "expected min", "counts", "record", "command"], rows))
     for s in rec["steps"]:
         if s.get("markdown"):
             lines += ["", s["markdown"]]
@@ -367,7 +414,9 @@ def gated_markdown(result: dict) -> str:
 
 def collect(step: Step, work: pathlib.Path, out: pathlib.Path, rec: dict) -> None:
     """Embed the step's JSON and Markdown in its record and copy its PNGs to out. A produced name
-    is a file (its .md and .png siblings count too) or a directory (all its files)."""
+    is a file (its .md and .png siblings count too) or a directory (all its files). Whatever exists is
+    taken, from a finished step or one killed at its deadline: the benchmarks rewrite their records after
+    every point (`complete` false until the end), so a killed step's record names it `partial`."""
     for name in step.produces:
         path = work / name
         files = sorted(path.iterdir()) if path.is_dir() else [path, path.with_suffix(".md"), path.with_suffix(".png")]
@@ -375,8 +424,14 @@ def collect(step: Step, work: pathlib.Path, out: pathlib.Path, rec: dict) -> Non
             if not f.is_file():
                 continue
             if f.suffix == ".json":
-                data = json.loads(f.read_text())
+                try:
+                    data = json.loads(f.read_text())
+                except ValueError as e:  # a writer older than write_json_atomic, killed mid-write
+                    rec.setdefault("unreadable", []).append(f"{f.name}: {e}"[:200])
+                    continue
                 rec.setdefault("results", {})[f.stem] = data
+                if isinstance(data, dict) and data.get("complete") is False:
+                    rec.setdefault("partial", []).append(f.stem)
                 if f.stem == "gated-attention":
                     rec["markdown"] = gated_markdown(data)
             elif f.suffix == ".md":
@@ -433,7 +488,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None, help="scratch for models and step outputs (default /tmp/sas-gpu[-dry])")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "out" / "gpu"))
     ap.add_argument("--aot-record", default=AOT_RECORD, help="the record of the kit's pre-built FlashInfer modules")
-    ap.add_argument("--budget-min", type=float, default=9.3, help="wall minutes the whole tier may take")
+    ap.add_argument("--budget-min", type=float, default=BUDGET_MIN, help="wall minutes the whole tier may take")
     args = ap.parse_args(argv)
     args.kit = args.kit or str(default_kit(args.tier))
     t_start = time.time()
@@ -457,7 +512,8 @@ def main(argv=None) -> int:
         if not args.no_install:
             if site.exists():
                 shutil.rmtree(site)
-            rec["kit"] = kit.prepare_site(pathlib.Path(args.kit), site, need_sglang=args.tier in ("tier2", "session"))
+            rec["kit"] = kit.prepare_site(pathlib.Path(args.kit), site,
+                                          need_sglang=args.tier in ("tier2", "session", "session2"))
             print(f"[gpu] kit ready in {rec['kit']['seconds']} s: {rec['kit']}", flush=True)
     except kit.KitError as e:
         rec["stopped"] = f"kit: {e}"
@@ -525,7 +581,7 @@ def main(argv=None) -> int:
             rc_all = 1
             if step.stop_on_fail:
                 stop = step.name
-        if not dry or step.name in ("decode-step", "preflight"):  # the dry run's results still prove the report path
+        if not dry or step.name in ("decode-step", "preflight", "kernel-checks", "tournament"):  # the report path
             collect(step, work, out, srec)
         rec["steps"].append(srec)
         save()

@@ -196,36 +196,71 @@ def fake_site_kit(tmp_path_factory):
 
 
 def test_session_holds_every_tier_step():
-    """The session runs every step of tiers 0-2 (so its dry run below covers tiers 1 and 2, whose own dry
-    runs would repeat the same scripts: a minute of CI each), with tier 2's quick 32K end-to-end point."""
-    session = {s.name: s for s in gpu_run.tier_steps("session", quick=False)}
+    """The session's two commands run every step of tiers 0-2 (so their dry run below covers tiers 1 and 2, whose own
+    dry runs would repeat the same scripts: a minute of CI each); the first command's decode-step, e2e-decode and
+    gated-attention run at the points issue 64 names, not the tiers' sizes."""
+    first = {s.name: s for s in gpu_run.tier_steps("session", quick=False)}
+    session = {**first, **{s.name: s for s in gpu_run.tier_steps("session2", quick=False)}}
+    assert len(session) == len(first) + len(gpu_run.tier_steps("session2", quick=False))  # no step in both
     for tier in ("tier0", "tier1", "tier2"):
         for step in gpu_run.tier_steps(tier, quick=False):
             assert step.name in session, (tier, step.name)
-            assert step.dry_argv == session[step.name].dry_argv or step.name in ("gated-attention", "e2e-decode")
-    quick2 = {s.name: s for s in gpu_run.tier_steps("tier2", quick=True)}
-    assert session["e2e-decode"].argv == quick2["e2e-decode"].argv
+            assert step.dry_argv == session[step.name].dry_argv or step.name in ("gated-attention", "e2e-decode",
+                                                                               "decode-step")
+    quick1 = {s.name: s for s in gpu_run.tier_steps("tier1", quick=True)}
+    assert session["gated-attention"].argv == quick1["gated-attention"].argv
+
+
+def test_the_first_command_measures_what_matters_most_and_fits_at_factor_one():
+    """Issue 64 item 2: the first command's steps, in order, at the served configuration and the points that decide
+    the fused step, add up to at most the call's --budget-min with every step at its full expected minutes (not
+    FIT_FACTOR of them): nothing in it is planned to be skipped or killed."""
+    steps = gpu_run.tier_steps("session", quick=False)
+    assert [s.name for s in steps] == ["preflight", "kernel-checks", "decode-step", "make-bench-model", "e2e-decode",
+                                       "tournament"]
+    total = sum(s.minutes for s in steps)
+    assert total <= gpu_run.BUDGET_MIN, total
+    left = gpu_run.BUDGET_MIN * 60
+    for s in steps:  # the runner's own rule starts each of them, at factor 1.0
+        assert left >= s.minutes * 60 and gpu_run.fits(left, s.minutes), (s.name, left)
+        left -= s.minutes * 60
+    by = {s.name: " ".join(s.argv) for s in steps}
+    assert "--checks-only" in by["kernel-checks"] and "--points 8192x1 32768x1 131072x1 32768x8" in by["kernel-checks"]
+    assert "--points 8192x1 32768x1 131072x1 262144x1 32768x8" in by["decode-step"]
+    assert "--variants core" in by["decode-step"] and "--budgets 2048" in by["decode-step"]
+    assert "--points 8192x1 32768x1 32768x8" in by["e2e-decode"]
+    assert "--variants tournament" in by["tournament"] and "--points 8192x1 32768x1 131072x1 262144x1 32768x8" \
+        in by["tournament"]
+    # the rest, second
+    assert {s.name for s in gpu_run.tier_steps("session2", quick=False)} == {
+        "make-test-model", "server-tests", "topk-sweep", "gated-attention", "kernel-tests"}
 
 
 def test_session_dry_run(fake_site_kit, tmp_path):
-    """The session's dry run, which holds every step of tiers 0-2 (test_session_holds_every_tier_step): tier 0's
-    own dry run ran the same preflight again (half a minute of CI). With an hour's --budget-min: at the GPU's
-    9.3 minutes a CPU loaded by the rest of the suite may run the interpreted rehearsal past a step's share, and a
-    step killed or skipped for time (the budget's own rules, tested below) is not what this test is about."""
+    """The session's dry run, both commands (the second with --no-install on the first one's site), which hold every
+    step of tiers 0-2 (test_session_holds_every_tier_step): tier 0's own dry run ran the same preflight again (half a
+    minute of CI). With an hour's --budget-min: at the GPU's 9.3 minutes a CPU loaded by the rest of the suite may
+    run the interpreted rehearsal past a step's share, and a step killed or skipped for time (the budget's own
+    rules, tested below) is not what this test is about."""
     tier = "session"
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "gpu_kit/run.py", tier, "--dry-run", "--kit", str(fake_site_kit), "--site",
-         str(tmp_path / "site"), "--work", str(tmp_path / "work"), "--out", str(out), "--aot-record",
-         str(fake_site_kit / "aot-record.json"), "--budget-min", "60"],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
+    out, out2 = tmp_path / "out", tmp_path / "out2"
+    common = ["--dry-run", "--kit", str(fake_site_kit), "--site", str(tmp_path / "site"), "--work",
+              str(tmp_path / "work"), "--aot-record", str(fake_site_kit / "aot-record.json"), "--budget-min", "60"]
+    proc = subprocess.run([sys.executable, "gpu_kit/run.py", tier, *common, "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc2 = subprocess.run([sys.executable, "gpu_kit/run.py", "session2", *common, "--no-install", "--out", str(out2)],
+                           cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc2.returncode == 0, proc2.stdout[-3000:] + proc2.stderr[-3000:]
     rec = json.loads((out / f"{tier}-dry.json").read_text())
     assert rec["stopped"].startswith("dry run") and "CUDA" in rec["stopped"]
     assert rec["imports"]["sas_backend"]["ok"] and rec["imports"]["sas_backend"]["from_site"]
     steps = {s["name"]: s for s in rec["steps"]}
     assert set(steps) == {s.name for s in gpu_run.tier_steps(tier, quick=False)}
     assert all(s["rc"] == 0 for s in steps.values()), steps
+    steps2 = {s["name"]: s for s in json.loads((out2 / "session2-dry.json").read_text())["steps"]}
+    assert set(steps2) == {s.name for s in gpu_run.tier_steps("session2", quick=False)}
+    assert all(s["rc"] == 0 for s in steps2.values()), steps2
     md = (out / f"{tier}-dry.md").read_text()
     assert rec["environment"]["git"]["commit"] in md
     assert rec["kit"]["aot"]["archive"] == "flashinfer-aot-0.6.12-sm90a.tar.xz"
@@ -235,12 +270,12 @@ def test_session_dry_run(fake_site_kit, tmp_path):
     assert checks["triton"]["ok"] and checks["triton"]["interpreted"]  # the kernel == its reference
     assert checks["gpu"]["ok"] is None and "dry run" in checks["gpu"]["skipped"]
     assert "Preflight" in md
-    # One call does it all, in the order of importance, and returns what the device tool takes back.
-    assert list(steps)[:4] == ["preflight", "decode-step", "make-bench-model", "e2e-decode"]
-    assert steps["kernel-tests"]["counts"]["tests collected"] > 100
-    assert steps["server-tests"]["counts"]["tests collected"] >= 5
+    # One call does what matters most, in that order, and returns what the device tool takes back.
+    assert list(steps) == [s.name for s in gpu_run.tier_steps(tier, quick=False)]
+    assert steps2["kernel-tests"]["counts"]["tests collected"] > 100
+    assert steps2["server-tests"]["counts"]["tests collected"] >= 5
     assert "would start sas" in (out / "session-dry.log").read_text()
-    assert "--contexts 32768 --batch" in steps["e2e-decode"]["command"]  # the quick end-to-end point
+    assert "--points 8192x1 32768x1 32768x8" in steps["e2e-decode"]["command"]  # the end-to-end points
     assert len(list(out.iterdir())) <= 8  # the device tool returns at most 8 files
     # committed records name no folder of the machine they ran on (the first GPU run's did)
     summary = (out / "session-dry.json").read_text() + md
@@ -248,33 +283,38 @@ def test_session_dry_run(fake_site_kit, tmp_path):
         at = summary.find(path)
         assert at < 0, f"a machine path in the summary: ...{summary[max(0, at - 300):at + 200]}..."
     assert "<site>" in summary
-    checks = steps["decode-step"]["results"]["decode-step"]["checks"]
+    # the kernels checked first, the served CUDA configuration (bf16 pool and weights, anchors on and off) included
+    checks = steps["kernel-checks"]["results"]["kernel-checks"]["checks"]
     assert checks and all(c["ok"] for c in checks)
-    profile = steps["decode-step"]["results"]["decode-step"]["profile"]  # the trace summary comes back
-    assert profile["eager"]["kernels"] > 10 and profile["eager"]["top"] and "Profile of one steady SAS step" in md
+    served = {c["op"] for c in checks if c["op"].startswith("served")}
+    assert any("anchors on" in op for op in served) and any("anchors off" in op for op in served), served
+    step_rec = steps["decode-step"]["results"]["decode-step"]
     # the first GPU run timed only the block step (1 in 64): steady and amortized come back too
-    for row in steps["decode-step"]["results"]["decode-step"]["rows"]:
+    for row in step_rec["rows"]:
         for sas in row["sas"].values():
             assert sas["amortized_ms"] == (63 * sas["steady_ms"] + sas["ms"]) / 64
             assert sas["speedup"] == row["dense_ms"] / sas["amortized_ms"]
             assert set(sas["breakdown_ms"]) == {"front", "front_block", "select", "attend"}  # the fused launches
             assert sas["vs_old"] > 0  # the old step timed beside the new one
-        variants = row["variants"][str(max(map(int, row["sas"])))]
-        assert {"new: fused, triton attend", "old: per-op kernels + flashinfer"} <= set(variants)
-    # the tournament's variants at the middle budget, and the settings table it chose (dry run: unmeasured)
-    names = {n for r in steps["decode-step"]["results"]["decode-step"]["rows"] for vs in r["variants"].values()
-             for n in vs}
-    assert len(names) == 12, names  # bench_decode_step.VARIANTS (11) and the old step
-    chosen = steps["decode-step"]["results"]["decode-step"]["chosen_settings"]
+        assert set(row["variants"][str(max(map(int, row["sas"])))]) == {
+            "new: fused, triton attend", "old: per-op kernels + flashinfer"}
+    # the IF-node branch timing (dense or sparse chosen per replay), at the middle budget
+    branch = [s["branch"] for r in step_rec["rows"] for s in r["sas"].values() if "branch" in s]
+    assert branch and all(b["sparse_ms"] > 0 and b["dense_ms"] > 0 for b in branch)
+    assert "IF nodes" in md
+    # the tournament's variants, each checked, and the settings table it chose (dry run: unmeasured)
+    tour = steps["tournament"]["results"]["tournament"]
+    names = {n for r in tour["rows"] for vs in r["variants"].values() for n in vs}
+    assert len(names) == 11, names  # bench_decode_step.VARIANTS (11): the old step is the decode-step's
+    assert all(v["check"]["ok"] for r in tour["rows"] for vs in r["variants"].values() for v in vs.values())
+    chosen = tour["chosen_settings"]
+    assert steps["tournament"]["results"]["chosen-settings"] == chosen
     assert chosen["measured"] is False and "default" in chosen["devices"]
     assert set(chosen["devices"]["default"]) == {"kernels", "attention", "summary_dtype", "gate_dtype",
                                                  "select_chunk", "target_programs", "launch", "dense_below"}
     assert not (chosen["devices"]["default"]["launch"] or {}).get("pdl")  # as run: the interpreter has no PDL
-    # the IF-node branch timing (dense or sparse chosen per replay), at the middle budget
-    branch = [s["branch"] for r in steps["decode-step"]["results"]["decode-step"]["rows"] for s in r["sas"].values()
-              if "branch" in s]
-    assert branch and all(b["sparse_ms"] > 0 and b["dense_ms"] > 0 for b in branch)
-    assert "IF nodes" in md
+    profile = tour["profile"]  # the trace summary comes back
+    assert profile["eager"]["kernels"] > 10 and profile["eager"]["top"] and "Profile of one steady SAS step" in md
     # the plot needs matplotlib (the `bench` extra; CI installs test,train only)
     assert (out / "decode-step.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
@@ -547,3 +587,209 @@ def test_timeline_summary_counts_busy_time_once_and_the_gaps():
     assert [t["name"] for t in r["top"]] == ["a", "b", "c"]
     assert r["top"][0] == {"name": "a", "count": 2, "total_us": 20.0}
     assert bench_decode_step.timeline_summary([]) == {"kernels": 0}
+
+
+def test_a_step_killed_after_its_first_point_keeps_that_point(tmp_path):
+    """Issue 64 item 1: the decode-step benchmark rewrites its record after every check, point and variant, so
+    a step the runner kills at its deadline (here: SIGKILL to its process group as soon as the first of two
+    points is complete) leaves that point in decode-step.json, marked partial, and the runner's summary embeds
+    it. Before, the record was written once, after the last point and the profile: nothing survived."""
+    import signal
+    import time
+
+    out = tmp_path / "work"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "gpu_kit/bench_decode_step.py", "--dry-run", "--quick", "--contexts",
+                             "1024", "2048", "--no-check", "--no-profile", "--out", str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    path, first = out / "decode-step.json", None
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None:
+            if path.exists():
+                rows = json.loads(path.read_text())["rows"]  # whole or absent: written by os.replace
+                if rows and rows[0]["complete"]:
+                    first = rows[0]
+                    break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert first is not None, "no complete point was ever written"
+    rec = json.loads(path.read_text())
+    assert rec["complete"] is False and rec["rows"][0]["context"] == 1024
+    assert rec["rows"][0]["sas"]["256"]["amortized_ms"] > 0 and rec["rows"][0]["dense_ms"] > 0
+    assert "partial record" in (out / "decode-step.md").read_text()
+    step = gpu_run.Step("decode-step", [], 1.0, produces=("decode-step.json", "decode-step.png"))
+    srec = {"name": "decode-step", "rc": 124, "seconds": 1.0, "expected_minutes": 1.0}
+    gpu_run.collect(step, out, tmp_path, srec)
+    assert srec["partial"] == ["decode-step"] and srec["results"]["decode-step"]["rows"][0]["context"] == 1024
+    assert "partial record" in srec["markdown"]
+
+
+def test_the_end_to_end_record_is_rewritten_after_every_point(tmp_path):
+    """bench/bench_decode.py's rows as measured: a point only the dense server reached has sas_ms None."""
+    import bench_decode
+
+    rows = bench_decode.rows_of({(8192, 1): {"dense": 2.0, "sas": 1.0}, (32768, 1): {"dense": 4.0}})
+    assert rows == [{"context": 8192, "batch": 1, "dense_ms": 2.0, "sas_ms": 1.0, "ratio": 0.5},
+                    {"context": 32768, "batch": 1, "dense_ms": 4.0, "sas_ms": None, "ratio": None}]
+    from sas_backend.testing.report import environment
+
+    rec = {"model": "m", "budget": 2048, "server_flags": [], "environment": environment(), "rows": rows,
+           "complete": False}
+    bench_decode.write_report(rec, tmp_path / "decode.json", plot=False)
+    md = (tmp_path / "decode.md").read_text()
+    assert "partial record" in md and "| 32768 | 1 | 4 | None | None |" in md
+
+
+def test_a_variant_is_checked_after_its_timed_replays():
+    """Issue 64 item 3: after a variant's timed calls (replays on CUDA) its last output must equal the eager step's
+    and the oracle's over the blocks that call selected, and every fused workspace counter must be zero again;
+    a merge that never ran (a counter left set), a wrong output or a wrong attention fails the check."""
+    import argparse
+
+    import bench_decode_step as bds
+
+    torch = pytest.importorskip("torch")
+    torch.set_grad_enabled(False)
+    w = bds.World(bds.TINY, 1024, 1, 2, "cpu")
+    res = bds.time_variant(w, 256, bds.NEW, argparse.Namespace(graphs=False, reps=1))
+    assert res["check"]["ok"] and res["check"]["block"]["ok"] and res["check"]["steady"]["ok"]
+    assert res["check"]["steady"]["counters_set"] == dict.fromkeys(bds.COUNTERS, 0)
+    st, outs = bds.ServedStep(w, 256, False, block_step=False), {}
+    bds.time_ms(st.step, False, 1, outs, st.last_selected)
+    assert bds.check_variant(st, outs)["ok"]
+    st.step_obj.fused_ws.attend_counters[0] = 1  # a split's merge that never ran
+    bad = bds.check_variant(st, outs)
+    assert not bad["ok"] and bad["counters_set"]["attend_counters"] == 1
+    st.step_obj.fused_ws.attend_counters.zero_()
+    wrong = dict(outs, last=outs["last"] + 0.1)  # the replay computed something else than the eager step
+    assert not bds.check_variant(st, wrong)["ok"]
+    sel = outs["selected"]  # attention over blocks the step did not select
+    other = torch.tensor([[[b for b in range(w.max_blocks) if b not in row.tolist()][: sel.shape[-1]] for row in r]
+                          for r in sel], dtype=sel.dtype)
+    assert not bds.check_variant(st, dict(outs, selected=other))["ok"]
+    assert bds.check_variant(st, {})["ok"] is False  # nothing kept: unchecked is not ok
+
+
+def test_only_checked_variants_can_win():
+    """chosen_settings adopts the fastest variant that passed its check at every point: a faster variant whose
+    check failed (PDL here), one never checked, or one that raised (a refused capture) never wins."""
+    import bench_decode_step as bds
+
+    def v(speedup, check):
+        return {"speedup": speedup, "amortized_ms": 1.0 / speedup, "ms": 1.0, "steady_ms": 1.0,
+                **({"check": {"ok": check}} if check is not None else {})}
+
+    variants = {bds.NEW.name: v(1.1, True), "new: fused, PDL": v(3.0, False),
+                "new: fused, bf16 summaries": v(2.5, None),
+                "new: fused, attend 8 warps": {"error": "RuntimeError: capture refused", "device_ok_after": True},
+                "new: fused, 132 programs": v(1.5, True)}
+    rows = [{"context": c, "batch": 1, "dense_ms": 1.0, "sas": {}, "variants": {"2048": dict(variants)}}
+            for c in (8192, 32768)]
+    rows[1]["variants"]["2048"]["new: fused, 132 programs"] = v(1.6, False)  # failed at one point: out
+    record = {"budgets": [2048], "mode": "full", "environment": {"device": "NVIDIA H200"}, "rows": rows}
+    chosen = bds.chosen_settings(record, "H200")
+    assert "'new: fused, triton attend'" in chosen["source"], chosen["source"]
+    for r in rows:
+        r["variants"]["2048"][bds.NEW.name]["check"]["ok"] = False
+    assert bds.chosen_settings(record, "H200") == {}  # nothing checked: nothing adopted
+    md = bds.markdown({**record, "geometry_name": "x", "graphs": True, "peak_gbs": 1, "weights_floor_ms": 0,
+                       "checks": [], "geometry": {"layers": 36}, "environment": _env()})
+    assert "| new: fused, PDL | 8192 | 1 | 2048 |" in md and "FAILED" in md and "unchecked" in md
+
+
+def _env():
+    from sas_backend.testing.report import environment
+
+    return environment()
+
+
+def _pt(ctx, bs, dense, sparse, if_dense=None, if_sparse=None):
+    return {"context": ctx, "batch": bs, "dense_ms": dense, "sparse_ms": sparse, "if_dense_ms": if_dense,
+            "if_sparse_ms": if_sparse}
+
+
+def test_dense_below_is_decided_per_point_not_by_the_most_tokens_dense_won():
+    """Issue 64 item 7, first case: a slow 8K x 8 point (65536 tokens, dense 2.0 vs sparse 2.2 ms) must not send
+    64K batch-1 steps (also 65536 tokens, where sparse is 3x faster) dense. The old rule took the most tokens at which
+    dense won (65536); the decision weighs every point: 8192."""
+    import bench_decode_step as bds
+
+    points = [_pt(8192, 1, 0.60, 0.90, 0.65, 0.95), _pt(65536, 1, 3.0, 1.0, 3.1, 1.05),
+              _pt(8192, 8, 2.0, 2.2, 2.1, 2.3)]
+    d = bds.decide_dense_below(points)
+    assert d["dense_below"] == 8192, d["geomean_ms"]
+    assert [p["runs"] for p in d["points"]] == ["dense", "sparse", "sparse"]
+    assert [p["faster_branched"] for p in d["points"]] == ["dense", "sparse", "dense"]
+
+
+def test_dense_below_pays_for_the_branched_mode():
+    """Item 7, second case: dense beats the plain sparse graph at 8K (0.60 vs 0.62 ms), but the branched graph's IF
+    nodes cost more than that everywhere (0.70 dense, and the sparse side 0.70 / 0.80 where plain is 0.62 / 0.70):
+    no branching (0). Unmeasured branches: never adopted (0)."""
+    import bench_decode_step as bds
+
+    points = [_pt(8192, 1, 0.60, 0.62, 0.70, 0.70), _pt(32768, 1, 2.0, 0.70, 2.1, 0.80)]
+    assert bds.decide_dense_below(points)["dense_below"] == 0
+    cheap = [_pt(8192, 1, 0.60, 0.62, 0.605, 0.625), _pt(32768, 1, 2.0, 0.70, 2.1, 0.705)]
+    assert bds.decide_dense_below(cheap)["dense_below"] == 8192  # cheap IF nodes: worth it
+    assert bds.decide_dense_below([_pt(8192, 1, 0.60, 0.62), _pt(32768, 1, 2.0, 0.70)])["dense_below"] == 0
+
+
+def test_chosen_settings_reads_the_branch_costs_of_the_decode_step_record():
+    """The tournament runs without IF-node timings; chosen_settings takes them from the decode-step record (scaling
+    the branched sparse side by its IF / plain ratio) and writes the decision beside the table."""
+    import bench_decode_step as bds
+
+    name = bds.NEW.name
+    ok = {"check": {"ok": True}, "ms": 1.0, "steady_ms": 1.0}
+    tour = {"budgets": [2048], "mode": "full", "environment": {"device": "NVIDIA H200"}, "rows": [
+        {"context": 8192, "batch": 1, "dense_ms": 0.6, "sas": {}, "variants": {"2048": {name: {
+            **ok, "amortized_ms": 0.9, "speedup": 0.6 / 0.9}}}},
+        {"context": 65536, "batch": 1, "dense_ms": 3.0, "sas": {}, "variants": {"2048": {name: {
+            **ok, "amortized_ms": 1.0, "speedup": 3.0}}}}]}
+    step = {"budgets": [2048], "rows": [
+        {"context": 8192, "batch": 1, "sas": {"2048": {"steady_ms": 0.9, "branch": {"dense_ms": 0.62,
+                                                                                   "sparse_ms": 0.95}}}},
+        {"context": 65536, "batch": 1, "sas": {"2048": {"steady_ms": 1.0, "branch": {"dense_ms": 3.1,
+                                                                                    "sparse_ms": 1.02}}}}]}
+    chosen = bds.chosen_settings(tour, "H200", bds.branch_costs(step))
+    assert chosen["devices"]["H200"]["dense_below"] == 8192
+    assert chosen["dense_below_decision"]["points"][1]["ms"] == pytest.approx(1.02)
+    assert bds.chosen_settings(tour, "H200")["devices"]["H200"]["dense_below"] == 0  # no IF timings: not adopted
+
+
+def test_a_refused_pdl_capture_sinks_no_other_variant(tmp_path, monkeypatch):
+    """Issue 64 item 3: PDL (DEFERRED) is timed after every other variant of every point, its failure (here: the
+    capture refused) is recorded with whether the device still works, every other variant is measured at every
+    point, and the tournament chooses among those that ran and passed their check."""
+    import bench_decode_step as bds
+
+    order = []
+
+    def fake_time_variant(w, budget, variant, args, breakdown=False):
+        order.append((w.ctx, variant.name))
+        if variant.name in bds.DEFERRED:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        ms = 1.0 if variant is bds.NEW else 2.0
+        return {"ms": ms, "steady_ms": ms, "amortized_ms": ms, "breakdown_ms": {}, "check": {"ok": True},
+                "settings": variant.settings(), "block_over_steady": 1.0}
+
+    monkeypatch.setattr(bds, "time_variant", fake_time_variant)
+    rc = bds.main(["--dry-run", "--variants", "tournament", "--points", "1024x1", "2048x1", "--no-check",
+                   "--no-branches", "--no-profile", "--name", "tournament", "--out", str(tmp_path)])
+    assert rc == 0
+    others = [v.name for v in bds.VARIANTS if v.name not in bds.DEFERRED]
+    deferred = [v.name for v in bds.VARIANTS if v.name in bds.DEFERRED]
+    assert deferred and order == [(c, n) for c in (1024, 2048) for n in others] + [(c, n) for c in (1024, 2048)
+                                                                                   for n in deferred]
+    rec = json.loads((tmp_path / "tournament.json").read_text())
+    assert rec["complete"]
+    for row in rec["rows"]:
+        vs = row["variants"]["256"]
+        assert all("error" not in vs[n] for n in others)
+        assert vs[deferred[0]]["error"].startswith("RuntimeError") and vs[deferred[0]]["device_ok_after"] is True
+    assert "'new: fused, triton attend'" in rec["chosen_settings"]["source"]

@@ -14,3 +14,21 @@ def test_budget_rows_follow_the_workspace():
     assert rows["front (steady)"] == (1, 8, 16 + 8)  # G * 64/16 gate-query units + 64/8 summary units
     assert rows["select"] == (1, 8, 4096 // 128)  # chunks of 4 * K = 128 blocks over the graph width
     assert rows["attend"][2] > 1  # batch 1 splits the K + 1 blocks
+
+
+def test_merge_tails_add_and_every_program_pays_its_fence(monkeypatch):
+    """Issue 64 item 6: the merge starts after the bandwidth phase (it adds), and a split launch's programs each pay
+    FENCE_US. With the device made bandwidth-bound (1 GB/s), attend at 8K batch 1 costs its bytes plus its merge
+    tail; with bandwidth free, its longest program plus the fence plus the tail."""
+    rows = {n: (g, b, t) for n, g, b, _, t in launch_budget.kernel_rows(8192, 1)}
+    grid, kv, fast = rows["attend"]
+    splits = grid[2]
+    assert splits > 1
+    merge_us = (splits * launch_budget.G * launch_budget.D * 4 + splits * 2 * launch_budget.G * 4) \
+        / launch_budget.PROGRAM_GBS / 1e3
+    prog_us = launch_budget.B * launch_budget.D * 2 * 2 / launch_budget.PROGRAM_GBS / 1e3  # one block a split
+    assert fast == max(launch_budget.FLOOR_US, kv / launch_budget.DEVICE_GBS / 1e3,
+                       prog_us + launch_budget.FENCE_US) + merge_us
+    monkeypatch.setattr(launch_budget, "DEVICE_GBS", 1.0)
+    slow = {n: t for n, _, _, _, t in launch_budget.kernel_rows(8192, 1)}["attend"]
+    assert slow == kv / 1.0 / 1e3 + merge_us  # the tail is not hidden under the bandwidth phase

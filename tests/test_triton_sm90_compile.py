@@ -210,3 +210,69 @@ def _full_id(short: str) -> str:
     mod = mod.replace("training.fused", "training.ops.gated_attention.fused") if mod.startswith("training") \
         else mod + ".triton"
     return f"sas_backend.{mod}.{name}"
+
+
+SERVED_PROBE = '''
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import compile_triton as ct
+from sas_backend.ops import decode_step as fused
+
+
+def configs(op_params, sizes=None):
+    """{config_key: (op, params)} of the recorded launches (nothing compiled)."""
+    out, calls = {}, []
+    with ct.recording(calls):  # one recorder: its binders are made once per kernel
+        for op, p in op_params:
+            start = len(calls)
+            ct.launch(op, p, sizes)
+            for fn, sig, cx, attrs, opt in calls[start:]:
+                out.setdefault(ct.config_key(fn, sig, cx, opt), (op, p))
+    return out
+
+
+compiled = configs((op, p) for op, ps in ct.cases("ci").items() if op.startswith("decode_") for p in ps)
+sg = ct.SPEC_GEOMETRY
+spec = dict(h_kv=8, d=sg["d"], dg=sg["dg"], g=sg["g"])
+ks = [b // ct.BLOCK for b in ct.BUDGETS]
+launched = []
+# The front: both served dtypes, PDL on and off, any batch.
+launched += [("decode_front", dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl))
+             for dt in ct.SERVED_DTYPES for pdl in (False, True) for bs in (1, 3, 8, 64, 256)]
+# Select: every budget at widths from 1 block to 256K tokens (every 31st width: a chunk is at least 64 wide, so every
+# chunk count; and the servers' own:
+# SGLang's context_length + 4 for context lengths of every 4K), the benchmark's chunks at the spec K.
+widths = sorted(set(range(1, ct.SERVED_MAX_BLOCKS + 1, 31)) | {(c * 1024 + 4) // 64 for c in range(4, 257, 4)})
+for k in ks:
+    for v in [{}] + ([dict(chunk=c) for c in ct.SERVED_CHUNKS] if k == sg["k"] else []):
+        launched += [("decode_select", dict(h_kv=8, dg=sg["dg"], k=k, bs=1, m=m, anchors=4, summaries="bf16",
+                                            sink=1, local=1, **v)) for m in widths]
+launched += [("decode_select", dict(h_kv=8, dg=sg["dg"], k=sg["k"], bs=1, m=m, anchors=4, summaries="fp32", sink=1,
+                                    local=1)) for m in widths]
+# Attend: every budget at every batch size of the fused workspace, the benchmark's programs at the spec K.
+for k in ks:
+    for v in [{}] + ([dict(programs=p) for p in ct.SERVED_PROGRAMS] if k == sg["k"] else []):
+        launched += [("decode_attend", dict(spec, bs=bs, dtype="bf16", k=k, **v))
+                     for bs in range(1, ct.SERVED_ROWS + 1)]
+t0 = time.time()
+got = configs(launched, fused.default_sizes(cuda=True))  # a CUDA workspace's split sizes, whatever the grid uses
+missing = [got[k] for k in got if k not in compiled]
+print(json.dumps(dict(launched=len(launched), configs=len(got), compiled=len(compiled), missing=missing[:20],
+                      n_missing=len(missing), seconds=round(time.time() - t0, 1))))
+'''
+
+
+def test_every_configuration_the_cuda_path_launches_is_compiled(tmp_path):
+    """Issue 64 item 4: the fused step's launches as the CUDA path makes them (the GPU's front units from
+    ops.decode_step.default_sizes, its attend splits at every batch size up to the fused workspace's rows, select at
+    every budget over widths up to 256K tokens, both served dtypes, the benchmark's variants) are recorded densely,
+    nothing compiled, and each configuration (`compile_triton.config_key`: kernel, constexprs, dtypes, options) must
+    be one the CI grid compiles. Before, the grid built the front with the CPU's one unit per head (QCHUNK 64)."""
+    (tmp_path / "probe.py").write_text(SERVED_PROBE)
+    env = {**_env(), "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, str(tmp_path / "probe.py"), str(TOOL.parent)], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["launched"] > 2500 and out["configs"] > 30, out
+    assert out["n_missing"] == 0, out

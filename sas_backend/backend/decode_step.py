@@ -33,7 +33,7 @@ from sas_backend.ops.sparse_decode import make_sparse_decode
 
 KERNELS = ("triton", "torch")
 ATTENTIONS = ("triton", "flashinfer", "torch")
-# Most rows the fused path serves in one step: its workspace grows with it (~45 MiB at Qwen3-4B shapes and
+# Most rows the fused path serves in one step: its workspace grows with it (~57.5 MiB at Qwen3-4B shapes and
 # 256K context); larger batches fill the device with the per-op kernels' own grids.
 FUSED_MAX_ROWS = 256
 

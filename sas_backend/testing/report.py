@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import importlib
+import json
 import os
 import pathlib
 import platform
@@ -102,6 +103,21 @@ def md_table(header: list, rows: list) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + " ---: |" * len(header)]
     out += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def write_atomic(path, text: str) -> None:
+    """Write `text` to `path` whole or not at all (a temporary file beside it, then os.replace): a benchmark
+    rewrites its record after every point, and a step killed mid-write must leave the previous record."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path, obj) -> None:
+    """`obj` as indented JSON with a trailing newline, written by `write_atomic`."""
+    write_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def pyplot():

@@ -277,3 +277,22 @@ def test_whole_step_matches_reference_chain(paged_case):
         out = fused.attend(ws, c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, c.d**-0.5)
         assert torch.equal(sel, sel_ref)
         torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_with_one_split_writes_its_output_directly(paged_case):
+    """Issue 64 item 6: with one split (a batch that fills the device alone) attend stores no partials and takes no
+    arrival counter: the partial buffers keep a sentinel, the counters stay zero, and the output is the reference's
+    and bit-identical to the merged path's answer for one split (acc / l)."""
+    c = StepCase(paged_case, LENS + [70], 4, seed=41)
+    ws = c.workspace(top_k=3, target_programs=1)
+    assert ws.attend_splits(len(c.lens)) == 1
+    sel = naive.select(c.gate_cs[:, None, :].expand(-1, c.h_kv, -1).contiguous(), c.summaries, c.table, c.n_cand,
+                       c.b, c.max_blocks, 3)
+    ws.attend_stats.fill_(float("nan"))
+    ws.attend_partials.fill_(float("nan"))
+    got = fused.attend(ws, c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, c.d**-0.5)
+    ref = naive.attend(c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, c.b, c.d**-0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    if DEVICE.type == "cpu":  # the interpreter runs the kernel as written: nothing stored beside out
+        assert bool(ws.attend_stats.isnan().all()) and bool(ws.attend_partials.isnan().all())
+    assert int(ws.attend_counters.abs().sum()) == 0

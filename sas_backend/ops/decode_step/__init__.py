@@ -30,6 +30,15 @@ GPU_QCHUNK = 16  # w_q rows per RoPE half per front unit (16 KB of fp32 at Dg 12
 GPU_KCHUNK = 8  # head dims per RoPE half per summary unit (24 KB of fp32 w_k at D = Dg = 128)
 
 
+def default_sizes(cuda: bool) -> dict:
+    """The split sizes a workspace takes unless told otherwise: on CUDA the GPU's (the ones the sm_90 compile must
+    build: gpu_kit/compile_triton.py reads them here), on CPU the interpreter's (qchunk / kchunk None: D/2, one
+    front unit per query head and one summary unit)."""
+    if cuda:
+        return dict(target_programs=GPU_TARGET_PROGRAMS, qchunk=GPU_QCHUNK, kchunk=GPU_KCHUNK)
+    return dict(target_programs=CPU_TARGET_PROGRAMS, qchunk=None, kchunk=None)
+
+
 def _interpreting() -> bool:
     """Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1): the kernels then work around its
     wrong bf16 `tl.dot` (seen with Triton 3.6 and 3.9) by computing that dot in fp32."""
@@ -121,15 +130,15 @@ class DecodeStepWorkspace:
                              + "".join(map(str, torch.cuda.get_device_capability(self.device))))
         self.max_bs = int(max_bs)
         self.max_blocks = int(max_blocks)
-        cuda = self.device.type == "cuda"
-        self.target_programs = int(target_programs or (GPU_TARGET_PROGRAMS if cuda else CPU_TARGET_PROGRAMS))
+        sizes = default_sizes(self.device.type == "cuda")
+        self.target_programs = int(target_programs or sizes["target_programs"])
         half_d = geo.head_dim // 2
         # On CPU (the interpreter runs one program at a time, each op costing far more than its bytes) the front
         # is cut coarsely: one unit per query head and one summary unit; the tests pass the GPU's sizes.
-        self.qchunk = min(qchunk or (GPU_QCHUNK if cuda else half_d), _pow2(half_d))
+        self.qchunk = min(qchunk or sizes["qchunk"] or half_d, _pow2(half_d))
         self.uq_per_head = -(-half_d // self.qchunk)
         self.uq = geo.group * self.uq_per_head
-        self.kchunk = min(kchunk or (GPU_KCHUNK if cuda else half_d), _pow2(half_d))
+        self.kchunk = min(kchunk or sizes["kchunk"] or half_d, _pow2(half_d))
         self.uk = -(-half_d // self.kchunk)
         k = geo.top_k
         self.chunk = int(chunk or max(64, 4 * _pow2(max(k, 1))))
@@ -158,6 +167,14 @@ class DecodeStepWorkspace:
     def select_chunks(self, width: int) -> int:
         """Programs per (row, kv head) of the select launch for rows of `width` candidate blocks."""
         return max(1, -(-max(int(width), 1) // self.chunk))
+
+    def merge_tile(self, width: int) -> int:
+        """The select merge's tile (survivors of every chunk of a row of `width` blocks, padded to a power of two)."""
+        return max(16, min(4096, _pow2(self.select_chunks(width) * self.slots)))
+
+    def select_warps(self, width: int) -> int:
+        """The select launch's default num_warps: 8 for the wide chunk and merge tiles, else 4."""
+        return 8 if self.chunk >= 512 or self.merge_tile(width) >= 2048 else 4
 
     def attend_splits(self, bs: int) -> int:
         """Splits of the K + 1 attended blocks for a batch of bs rows (a function of bs only, so a
@@ -280,7 +297,7 @@ def select(
         rows_t = anchor_rows if anchor_rows is not None else out
     nc = ws.select_chunks(max_blocks)
     m = max(int(max_blocks), 0)
-    merge_tile = max(16, min(4096, _pow2(nc * ws.slots)))
+    merge_tile = ws.merge_tile(max_blocks)
     kernels._select_kernel[(bs, h_kv, nc)](
         gate_q, summaries, block_table, num_candidates, anchors_t, rows_t, out, ws.select_partials,
         ws.select_counters,
@@ -291,7 +308,7 @@ def select(
         dg**-0.5,
         DG=dg, BLOCK_DG=_pow2(dg), DG_TILE=min(32, _pow2(dg)), BLOCK_SIZE=geo.block_size, CHUNK=ws.chunk,
         SLOT_TILE=max(16, _pow2(ws.slots)), MERGE_TILE=merge_tile, K_TILE=max(16, _pow2(k)),
-        **ws.launch.kwargs(ws.launch.select_warps, 8 if ws.chunk >= 512 or merge_tile >= 2048 else 4),
+        **ws.launch.kwargs(ws.launch.select_warps, ws.select_warps(max_blocks)),
     )
     return out
 
@@ -342,10 +359,10 @@ def attend(
         D=d, DV=dv, BLOCK_SIZE=geo.block_size, TOK=tok, TOK_TILE=min(tok, 16) if wide else tok, GP=ws.gp,
         BLOCK_D=max(16, _pow2(d)), BLOCK_DV=ws.block_dv, SPLITS_P=max(2, _pow2(splits)),
         IEEE=q.dtype == torch.float32,
-        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(),
+        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(), ONE_SPLIT=splits == 1,
         **ws.launch.kwargs(ws.launch.attend_warps, 8 if wide else 4),
     )
     return out
 
 
-__all__ = ["DecodeStepWorkspace", "LaunchOptions", "StepGeometry", "attend", "front", "select"]
+__all__ = ["DecodeStepWorkspace", "LaunchOptions", "StepGeometry", "attend", "default_sizes", "front", "select"]

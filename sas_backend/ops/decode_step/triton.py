@@ -19,7 +19,8 @@ atomic counter per row, reset by that program), so no second launch merges:
 - attend, grid `(bs, H_kv, SPLITS)`: split s attends blocks `[s*BPS, (s+1)*BPS)` of the row's K selected
   blocks followed by its current block, read through the block table (token o of block m at slot
   `block_table[r, m] + o`), the G query heads of the kv group as one `tl.dot` tile (padded to 16 rows),
-  online softmax; the last split to arrive merges the splits' (max, sum, acc) -> out.
+  online softmax; the last split to arrive merges the splits' (max, sum, acc) -> out. With one split (a batch
+  that fills the device alone) the program writes out directly: no partials, fence, atomic or merge.
 
 With PDL (programmatic dependent launch, sm_90+; `LaunchOptions.pdl`) each kernel is launched before its
 predecessor ends: it first waits for it (`gdc_wait` returns once the predecessor grid has completed and its
@@ -240,7 +241,7 @@ def _attend_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOK: tl.constexpr, TOK_TILE: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_P: tl.constexpr, IEEE: tl.constexpr,
-    DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, PDL: tl.constexpr, ONE_SPLIT: tl.constexpr = False,
 ):
     _after_predecessor(PDL)
     r = tl.program_id(0).to(tl.int64)
@@ -290,28 +291,33 @@ def _attend_kernel(
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
                 m_i = m_new
-    # Partials [row_h, split, G] of (max, sum) and [row_h, split, G, DV] of acc; only the G real heads.
-    row_h = r * H_KV + h
-    wm = wsm_ptr + (row_h * SPLITS + s) * (2 * GP)
-    tl.store(wm + g, m_i, mask=gm)
-    tl.store(wm + GP + g, l_i, mask=gm)
-    wa = wsa_ptr + ((row_h * SPLITS + s) * GP) * BLOCK_DV
-    tl.store(wa + g[:, None] * BLOCK_DV + dv[None, :], acc, mask=gm[:, None])
-    if _arrive(cnt_ptr + row_h, SPLITS):
-        sp = tl.arange(0, SPLITS_P)
-        spm = sp < SPLITS
-        base_m = wsm_ptr + (row_h * SPLITS + sp) * (2 * GP)
-        base_a = wsa_ptr + ((row_h * SPLITS + sp) * GP) * BLOCK_DV
-        for gg in range(G):
-            ms = tl.load(base_m + gg, mask=spm, other=float("-inf"), cache_modifier=".cg")
-            ls = tl.load(base_m + GP + gg, mask=spm, other=0.0, cache_modifier=".cg")
-            top = tl.max(ms, axis=0)
-            w = tl.where(ms > float("-inf"), tl.exp(ms - top), 0.0)
-            a = tl.load(base_a[:, None] + gg * BLOCK_DV + dv[None, :], mask=spm[:, None], other=0.0,
-                        cache_modifier=".cg")
-            o = tl.sum(w[:, None] * a, axis=0) / tl.sum(w * ls, axis=0)
-            tl.store(out_ptr + r * stride_on + (h * G + gg) * stride_oh + dv, o.to(out_ptr.dtype.element_ty),
-                     mask=dv < DV)
+    if ONE_SPLIT:  # the whole row in this program: no partials, no fence or atomic, no merge (bit-identical to it)
+        o_row = acc / l_i[:, None]
+        tl.store(out_ptr + r * stride_on + (h * G + g)[:, None] * stride_oh + dv[None, :],
+                 o_row.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (dv < DV)[None, :])
+    else:
+        # Partials [row_h, split, G] of (max, sum) and [row_h, split, G, DV] of acc; only the G real heads.
+        row_h = r * H_KV + h
+        wm = wsm_ptr + (row_h * SPLITS + s) * (2 * GP)
+        tl.store(wm + g, m_i, mask=gm)
+        tl.store(wm + GP + g, l_i, mask=gm)
+        wa = wsa_ptr + ((row_h * SPLITS + s) * GP) * BLOCK_DV
+        tl.store(wa + g[:, None] * BLOCK_DV + dv[None, :], acc, mask=gm[:, None])
+        if _arrive(cnt_ptr + row_h, SPLITS):
+            sp = tl.arange(0, SPLITS_P)
+            spm = sp < SPLITS
+            base_m = wsm_ptr + (row_h * SPLITS + sp) * (2 * GP)
+            base_a = wsa_ptr + ((row_h * SPLITS + sp) * GP) * BLOCK_DV
+            for gg in range(G):
+                ms = tl.load(base_m + gg, mask=spm, other=float("-inf"), cache_modifier=".cg")
+                ls = tl.load(base_m + GP + gg, mask=spm, other=0.0, cache_modifier=".cg")
+                top = tl.max(ms, axis=0)
+                w = tl.where(ms > float("-inf"), tl.exp(ms - top), 0.0)
+                a = tl.load(base_a[:, None] + gg * BLOCK_DV + dv[None, :], mask=spm[:, None], other=0.0,
+                            cache_modifier=".cg")
+                o = tl.sum(w[:, None] * a, axis=0) / tl.sum(w * ls, axis=0)
+                tl.store(out_ptr + r * stride_on + (h * G + gg) * stride_oh + dv, o.to(out_ptr.dtype.element_ty),
+                         mask=dv < DV)
 
 
 __all__ = ["INT32_MIN", "_attend_kernel", "_front_kernel", "_select_kernel"]
