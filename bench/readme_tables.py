@@ -596,6 +596,65 @@ def block_ruler(page: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
+RETRIEVAL_DIR = "2026-12-05-retrieval"
+# one study a row: its records (haystack seeds run side by side into separate files), their rows read together
+RETRIEVAL = ((f"{RETRIEVAL_DIR}/qwen-16k.json",),)
+SUB_PPL = ((f"{RETRIEVAL_DIR}/smollm2-sub4-handbook-ood.json", "2026-11-27-free-gate/quality-handbook-ood.json",
+            "prose"),
+           (f"{RETRIEVAL_DIR}/smollm2-sub4-site-packages-ood.json",
+            "2026-11-27-free-gate/quality-site-packages-ood.json", "code"))
+
+
+def block_retrieval(page: pathlib.Path) -> str:
+    """docs/quality.md's RULER-kind retrieval tables (bench/retrieval.py's own table of each record), with what each
+    record holds (haystacks, questions) and its command."""
+    retrieval = _bench_script("retrieval")
+    out = []
+    for rels in RETRIEVAL:
+        recs = [record(rel) for rel in rels]
+        rows = retrieval.read_rows([RESULTS / rel for rel in rels])
+        hays = sorted({(r["length"], r["seed"]) for r in rows})
+        lengths = sorted({length for length, _ in hays})
+        files = ", ".join(f"[{pathlib.Path(rel).name}]({link(rel, page)}) (`{rec['command']}`)"
+                          for rel, rec in zip(rels, recs))
+        out += [f"**{MODEL_NAMES.get(recs[0]['key']['model'], recs[0]['key']['model'])}, "
+                f"{' / '.join(str(x) for x in lengths)} tokens, {len(hays)} haystack(s)** "
+                f"({len({(r['length'], r['seed'], r['qid']) for r in rows})} questions; records {files})", "",
+                retrieval.markdown(rows), ""]
+    return "\n".join(out)
+
+
+def block_sub_blocks_ppl(page: pathlib.Path) -> str:
+    """docs/quality.md's perplexity of sub-block summaries: the shipped SmolLM2 gate and quest with 4 summaries a
+    block against one (the 2026-11-27 records, same windows), each as its loss over dense and as a multiple of the
+    oracle's loss."""
+    lines = ["| text | selector | summaries a block | " + " | ".join(f"B = {b}" for b in (256, 512, 1024, 2048))
+             + " |", "|---|---|---:|" + "---:|" * 4]
+    for new_rel, old_rel, text in SUB_PPL:
+        new, old = record(new_rel), record(old_rel)
+        dense = old["dense"]
+        assert abs(new["dense"] - dense) / dense < 1e-6, (new_rel, old_rel)  # the same windows
+
+        def cells(res):
+            out = []
+            for b in (256, 512, 1024, 2048):
+                loss, oracle = res[str(b)] / dense - 1, old["results"]["oracle"][str(b)] / dense - 1
+                out.append(f"{100 * loss:+.1f}% ({loss / oracle:.1f}x)")
+            return out
+
+        for name, label in (("shipped+s1l1", "gate (shipped), sink 1 + local 1"), ("quest", "quest")):
+            lines.append(f"| {text} | {label} | 1 | " + " | ".join(cells(old["results"][name])) + " |")
+            lines.append(f"| {text} | {label} | 4 | " + " | ".join(cells(new["results"][name])) + " |")
+        lines.append(f"| {text} | oracle | | " + " | ".join(cells(old["results"]["oracle"])) + " |")
+    new_links = ", ".join(f"[{pathlib.Path(r).name}]({link(r, page)})" for r, _, _ in SUB_PPL)
+    old_links = ", ".join(f"[{pathlib.Path(r).name}]({link(r, page)})" for _, r, _ in SUB_PPL)
+    lines += ["", "Perplexity change vs dense over the last 512 tokens of 4 windows of 4096 tokens (prose: the Debian "
+              "handbook; code: site-packages; both out of every training set), and in brackets that loss as a "
+              f"multiple of the oracle's. Records: {new_links} (4 a block; `{record(SUB_PPL[0][0])['command']}` and "
+              f"the same for code), against {old_links} (1 a block)."]
+    return "\n".join(lines)
+
+
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 # name -> (page, generator(page) -> Markdown)
@@ -616,6 +675,8 @@ BLOCKS: Dict[str, Tuple[pathlib.Path, Callable[[pathlib.Path], str]]] = {
     "qwen-prose": (DOCS / "quality.md", block_qwen_prose),
     "smollm2-quality-report": (DOCS / "quality.md", block_smollm2_quality_report),
     "ruler": (DOCS / "quality.md", block_ruler),
+    "retrieval": (DOCS / "quality.md", block_retrieval),
+    "sub-blocks-ppl": (DOCS / "quality.md", block_sub_blocks_ppl),
 }
 
 

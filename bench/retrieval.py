@@ -176,6 +176,24 @@ def markdown(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def read_rows(paths) -> List[dict]:
+    """The rows of several records of one study (the same key: model, gate, filler, forced blocks), e.g. haystack
+    seeds run side by side into separate files; a (haystack, question, config) measured twice is refused."""
+    rows, key, seen = [], None, set()
+    for p in paths:
+        rec = json.loads(pathlib.Path(p).read_text())
+        if key is not None and rec["key"] != key:
+            raise ValueError(f"{p} was measured with {rec['key']}, not {key}")
+        key = rec["key"]
+        for r in rec["rows"]:
+            ident = (r["length"], r["seed"], r["qid"], r["label"])
+            if ident in seen:
+                raise ValueError(f"{p}: {ident} is in two records")
+            seen.add(ident)
+            rows.append(r)
+    return rows
+
+
 def write_record(path: pathlib.Path, record: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
@@ -189,6 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gate", default=None, help="gate checkpoint (for gate and gatesub<S> configs)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[16384], help="haystack tokens")
     ap.add_argument("--haystacks", type=int, default=4, help="haystacks per length (seeds 0..N-1)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="only these haystack seeds (default: 0..--haystacks - 1); runs on other seeds can go to other "
+                         "--out files side by side, their rows read together (`read_rows`)")
     ap.add_argument("--configs", nargs="+", default=["dense", "oracle", "gate", "gate@a4", "quest", "exactmax",
                                                       "pairs4", "gatesub16"])
     ap.add_argument("--budgets", type=int, nargs="+", default=[2048])
@@ -255,7 +276,7 @@ def main(argv=None) -> int:
     stop_ids = {tok.eos_token_id, *tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])} - {None}
     t_start = time.time()
     for length in args.lengths:
-        for seed in range(args.haystacks):
+        for seed in (args.seeds if args.seeds is not None else range(args.haystacks)):
             hay = make_haystack(tok, filler, length, seed)
             questions = [q for q in hay.questions if q.task in args.tasks]
             parts = [prompt_parts(tok, hay, q) for q in questions]

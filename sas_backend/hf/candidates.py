@@ -132,3 +132,42 @@ def candidate_scores(name: str, layer_idx: int, q_post, k_post, positions, block
             raise ValueError(f"{name}: the calibration holds {pairs.shape[-1]} pairs a kv head")
         return token_max_scores(q_post, k_post, positions, block_size, pair_dims(pairs, q_post.shape[-1]))
     raise ValueError(f"{name} runs as its server selector with sub-blocks (sub_block_alias)")
+
+
+CALIB_ATTN_NAME = "sas_calibrate_pairs"
+
+
+def _recording_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Dense causal attention that keeps this layer's post-RoPE q `[T, H_q, D]` and k `[T, H_kv, D]`."""
+    from sas_backend.hf.sparse_eval import causal_sdpa
+
+    module._sas_calib[module.layer_idx] = (query[0].transpose(0, 1).float(), key[0].transpose(0, 1).float())
+    return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
+
+
+@torch.no_grad()
+def calibrate_model_pairs(model, ids: torch.Tensor) -> Dict[int, torch.Tensor]:
+    """`{layer: [H_kv, D/2]}` spread of every RoPE pair (`pair_spread`; `top_pairs` picks R of them) from one dense
+    forward of `ids` `[T]` through a transformers Llama / Qwen2 / Qwen3 model (calibration text: keep it out of
+    any evaluation)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CALIB_ATTN_NAME, _recording_attention)
+    seen: Dict[int, tuple] = {}
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+    for m in modules:
+        m._sas_calib = seen
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CALIB_ATTN_NAME)
+    try:
+        model(torch.as_tensor(ids)[None], use_cache=False, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
+        for m in modules:
+            del m._sas_calib
+    return {layer: pair_spread(q, k) for layer, (q, k) in seen.items()}
+
+
+def top_pairs(spread: Dict[int, torch.Tensor], num_pairs: int) -> Dict[int, torch.Tensor]:
+    """`{layer: [H_kv, num_pairs]}` (ascending): each kv head's most spreading pairs of `calibrate_model_pairs`."""
+    return {layer: s.topk(num_pairs, dim=-1).indices.sort(dim=-1).values for layer, s in spread.items()}

@@ -173,6 +173,24 @@ def test_sub_block_decode_update_writes_only_completed_blocks():
         assert pool[[1, 2, 3, 4]].abs().sum() == 0
 
 
+def test_pairs_calibrated_from_a_model_forward():
+    """calibrate_model_pairs records every layer's post-RoPE q / k in one dense forward; top_pairs takes each kv
+    head's R most spreading pairs, ascending."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sas_backend.hf.candidates import calibrate_model_pairs, top_pairs
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    spread = calibrate_model_pairs(model, torch.randint(0, 64, (96,)))
+    assert sorted(spread) == [0, 1] and spread[0].shape == (2, 8) and (spread[0] >= 0).all()
+    pairs = top_pairs(spread, 3)
+    assert pairs[1].shape == (2, 3) and (pairs[1].diff(dim=-1) > 0).all()
+    assert set(pairs[0][0].tolist()) == set(spread[0][0].topk(3).indices.tolist())
+
+
 def test_candidates_through_the_harness():
     """Served by `sparse_eval`: at a budget covering the context every candidate is dense attention; below it
     exactmax changes the logits, and pairs<R> with every pair is exactmax."""
