@@ -107,3 +107,20 @@ def test_bench_summary_pairs_by_question():
     assert s["dense"]["single"]["vs_dense"] == 0.0
     table = bench.markdown(rows)
     assert "gate/b512" in table and "-33" in table
+
+
+def test_bench_reads_a_studys_records_together(tmp_path):
+    import json
+
+    bench = _bench()
+    key = {"model": "m"}
+    row = {"length": 4096, "seed": 0, "qid": 0, "label": "dense"}
+    (tmp_path / "a.json").write_text(json.dumps({"key": key, "rows": [row]}))
+    (tmp_path / "b.json").write_text(json.dumps({"key": key, "rows": [{**row, "seed": 1}]}))
+    assert [r["seed"] for r in bench.read_rows([tmp_path / "a.json", tmp_path / "b.json"])] == [0, 1]
+    (tmp_path / "c.json").write_text(json.dumps({"key": key, "rows": [row]}))
+    with pytest.raises(ValueError, match="two records"):
+        bench.read_rows([tmp_path / "a.json", tmp_path / "c.json"])
+    (tmp_path / "d.json").write_text(json.dumps({"key": {"model": "other"}, "rows": []}))
+    with pytest.raises(ValueError, match="measured with"):
+        bench.read_rows([tmp_path / "a.json", tmp_path / "d.json"])
