@@ -159,6 +159,13 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
         )
     if getattr(args, "enable_hierarchical_cache", None):
         raise SASConfigError("the sas backend does not support the hierarchical (host) KV cache yet; drop that flag")
+    if getattr(args, "disaggregation_mode", None) == "decode":
+        # A transferred request's KV lands in pages this server allocated without an extend through sas, so
+        # its blocks have no summaries (zeros, or a previous owner's): selection over them would be wrong.
+        raise SASConfigError(
+            "the sas backend cannot serve a prefill-decode disaggregation decode server yet "
+            "(--disaggregation-mode decode): transferred KV pages arrive without block summaries. Serve the decode "
+            "side with a dense backend; a prefill server (--disaggregation-mode prefill) may use sas")
     from sas_backend.speculative import check_launch
 
     if getattr(args, "speculative_algorithm", None):  # the CUDA query only where it decides something

@@ -96,6 +96,7 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--sas-prompt-anchors", "2", "--enable-mixed-chunk"], "--enable-mixed-chunk"),
         (["--sas-prompt-anchors", "31", "--sas-budget", "2048", "--sas-sink-blocks", "1", "--sas-local-blocks", "1"],
          "prompt anchor"),
+        (["--disaggregation-mode", "decode"], "prefill-decode disaggregation decode server"),
         (["--sas-sub-blocks", "3"], "power of two dividing the block size 64"),
         (["--sas-sub-blocks", "128"], "power of two dividing the block size 64"),
         (["--sas-sub-blocks", "4", "--sas-kernels", "triton"], "fused kernels summarize and score whole blocks"),
@@ -106,6 +107,11 @@ def test_refusals_are_messages(parse, clean_env, gate, argv, needle):
     with pytest.raises(SystemExit) as e:
         parse("--attention-backend", "sas", "--sas-gate", gate, *argv)
     assert needle in str(e.value)
+
+
+def test_pd_prefill_server_is_accepted(parse, clean_env, gate):
+    """A PD prefill server's extend is dense and sends KV only: sas may serve it (the decode side is refused)."""
+    assert parse("--attention-backend", "sas", "--sas-gate", gate, "--disaggregation-mode", "prefill").page_size == 64
 
 
 def test_ngram_chain_launch_is_accepted(parse, clean_env, gate):
