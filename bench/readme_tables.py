@@ -601,8 +601,9 @@ RETRIEVAL_DIR = "2026-12-05-retrieval"
 RETRIEVAL = ((f"{RETRIEVAL_DIR}/qwen-16k.json",),)
 SUB_PPL = ((f"{RETRIEVAL_DIR}/smollm2-sub4-handbook-ood.json", "2026-11-27-free-gate/quality-handbook-ood.json",
             "prose"),
+           # @site-packages follows the venv's pinned packages: this venv's windows differ from 2026-11-27's
            (f"{RETRIEVAL_DIR}/smollm2-sub4-site-packages-ood.json",
-            "2026-11-27-free-gate/quality-site-packages-ood.json", "code"))
+            f"{RETRIEVAL_DIR}/smollm2-sub1-site-packages-ood.json", "code"))
 
 
 def block_retrieval(page: pathlib.Path) -> str:
