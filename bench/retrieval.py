@@ -195,8 +195,12 @@ def read_rows(paths) -> List[dict]:
 
 
 def write_record(path: pathlib.Path, record: dict) -> None:
+    """The record rewritten whole (atomically), one row a line (compact: every committed byte travels in each GPU
+    device call), and its table beside it."""
+    head = {k: v for k, v in record.items() if k != "rows"}
+    rows = ",\n".join(json.dumps(r, separators=(",", ":")) for r in record["rows"])
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.write_text(json.dumps(head, separators=(",", ":"))[:-1] + ',"rows":[\n' + rows + "\n]}\n")
     os.replace(tmp, path)
     path.with_suffix(".md").write_text(markdown(record["rows"]) + "\n")
 

@@ -9,6 +9,7 @@ each tier's --dry-run goes as far as a CPU machine can and leaves its summary fi
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import importlib.util
 import json
@@ -644,7 +645,7 @@ def test_the_end_to_end_record_is_rewritten_after_every_point(tmp_path):
     assert "partial record" in md and "| 32768 | 1 | 4 | None | None |" in md
 
 
-def test_a_variant_is_checked_after_its_timed_replays():
+def test_a_variant_is_checked_after_its_timed_replays(request):
     """Issue 64 item 3: after a variant's timed calls (replays on CUDA) its last output must equal the eager step's
     and the oracle's over the blocks that call selected, and every fused workspace counter must be zero again;
     a merge that never ran (a counter left set), a wrong output or a wrong attention fails the check."""
@@ -653,6 +654,8 @@ def test_a_variant_is_checked_after_its_timed_replays():
     import bench_decode_step as bds
 
     torch = pytest.importorskip("torch")
+    # as bench_decode_step.main runs; restored after, or every later test in this worker loses autograd
+    request.addfinalizer(functools.partial(torch.set_grad_enabled, torch.is_grad_enabled()))
     torch.set_grad_enabled(False)
     w = bds.World(bds.TINY, 1024, 1, 2, "cpu")
     res = bds.time_variant(w, 256, bds.NEW, argparse.Namespace(graphs=False, reps=1))
