@@ -651,8 +651,9 @@ def block_sub_blocks_ppl(page: pathlib.Path) -> str:
     old_links = ", ".join(f"[{pathlib.Path(r).name}]({link(r, page)})" for _, r, _ in SUB_PPL)
     lines += ["", "Perplexity change vs dense over the last 512 tokens of 4 windows of 4096 tokens (prose: the Debian "
               "handbook; code: site-packages; both out of every training set), and in brackets that loss as a "
-              f"multiple of the oracle's. Records: {new_links} (4 a block; `{record(SUB_PPL[0][0])['command']}` and "
-              f"the same for code), against {old_links} (1 a block)."]
+              f"multiple of the oracle's. Records (each names its command): {new_links} (4 a block; the prose run "
+              f"reuses the oracle of the 2026-11-27 record on the same windows), against {old_links} (1 a block; "
+              "@site-packages follows the venv's pinned packages, so code was measured again here at both)."]
     return "\n".join(lines)
 
 
