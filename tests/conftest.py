@@ -49,6 +49,16 @@ HEAVY_MODULES = (
 )
 
 
+@pytest.fixture(autouse=True)
+def _grad_mode_restored():
+    """Every test starts and ends with the autograd mode it found: a test that runs a benchmark's main() in-process
+    (gpu_kit/bench_decode_step.main turns autograd off, as a script may) must not take it from the tests an xdist
+    worker runs after it (2026-12-05: 29 training tests failed that way, 'does not require grad')."""
+    mode = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(mode)
+
+
 def _module(item) -> str:
     return item.nodeid.split("::", 1)[0]
 
