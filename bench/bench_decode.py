@@ -31,7 +31,7 @@ import time
 
 import requests
 
-from sas_backend.testing.report import write_json_atomic
+from sas_backend.testing.report import parse_points, write_json_atomic
 from sas_backend.testing.server import DEFAULT_MODEL, Server
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     points = [(c, b) for c in args.contexts for b in args.batch]
     if args.points:
         try:
-            points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points]
+            points = parse_points(args.points)
         except ValueError:
             ap.error(f"--points takes CONTEXTxBATCH, got {args.points}")
         args.contexts, args.batch = sorted({c for c, _ in points}), sorted({b for _, b in points})

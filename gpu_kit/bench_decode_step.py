@@ -59,7 +59,9 @@ import time
 
 import torch
 
-from sas_backend.testing.report import env_markdown, environment, md_table, pyplot, write_atomic, write_json_atomic
+from sas_backend.testing.report import (
+    env_markdown, environment, md_table, parse_points, pyplot, write_atomic, write_json_atomic,
+)
 
 BLOCK = 64
 SLOT_PAD = 4  # SGLang's slot table (req_to_token) is context_length + 4 tokens wide
@@ -1310,7 +1312,7 @@ def main(argv=None) -> int:
     points = [(c, b) for c in args.contexts for b in args.batches]
     if args.points:
         try:
-            points = [tuple(int(x) for x in p.lower().split("x")) for p in args.points]
+            points = parse_points(args.points)
         except ValueError:
             ap.error(f"--points takes CONTEXTxBATCH, got {args.points}")
         args.contexts = sorted({c for c, _ in points})

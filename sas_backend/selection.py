@@ -24,7 +24,6 @@ Vocabulary (the ops' docstrings use it too): a page is one block of b tokens; `b
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -33,6 +32,7 @@ from sas_backend.ops.anchors import force_anchors
 from sas_backend.ops.gate import gate_query_post_rope
 from sas_backend.ops.quest import key_bounds, quest_scores, update_key_bounds
 from sas_backend.ops.score import score_blocks
+from sas_backend.ops.score.torch_path import score_blocks as score_blocks_torch  # a run is a column slice
 from sas_backend.ops.summary import completed_blocks, summarize_pages, update_summaries
 from sas_backend.ops.topk import select_blocks
 
@@ -118,9 +118,12 @@ class Selector:
         summ = self.summarize(gate, k_buffer, pages, starts, model_table, gate_table)
         summaries.index_copy_(0, torch.where(done, pages, 0), summ.to(summaries.dtype))
 
-    def _pages(self, block_table: torch.Tensor, max_blocks: int) -> torch.Tensor:
-        """`[bs, max_blocks]` physical page of each logical block."""
-        return torch.div(block_table[:, :max_blocks].long(), self.rule.block_size, rounding_mode="floor")
+    def _best_run(self, score, summaries: torch.Tensor) -> torch.Tensor:
+        """max over the n runs of `score(run summaries [num_pages, H_kv, S])`: each run's columns scored by the
+        one-summary statement (its own gather and -inf past the candidates), the block taking its best run."""
+        width = summaries.shape[-1] // self.rule.sub_blocks
+        return torch.stack([score(summaries[..., j * width:(j + 1) * width])
+                            for j in range(self.rule.sub_blocks)]).amax(dim=0)
 
     def pick(self, scores: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
         r = self.rule
@@ -170,11 +173,8 @@ class GateSelector(Selector):
         )
         if self.rule.sub_blocks == 1:
             return score_blocks(gate_q, summaries, block_table, num_candidates, self.rule.block_size, max_blocks)
-        # s[r,h,m] = max_j gate_q[r,h] . run_j(page(r,m), h) / sqrt(Dg)
-        bs, h_kv, dg = gate_q.shape
-        runs = summaries[self._pages(block_table, max_blocks)].float().view(bs, max_blocks, h_kv, -1, dg)
-        scores = torch.einsum("bhd,bmhjd->bhmj", gate_q.float(), runs).amax(dim=-1) / math.sqrt(dg)
-        return _mask_past(scores, num_candidates)
+        return self._best_run(lambda runs: score_blocks_torch(gate_q, runs, block_table, num_candidates,
+                                                              self.rule.block_size, max_blocks), summaries)
 
 
 class QuestSelector(Selector):
@@ -198,15 +198,8 @@ class QuestSelector(Selector):
     def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
         if self.rule.sub_blocks == 1:
             return quest_scores(q_post, summaries, block_table, num_candidates, self.rule.block_size, max_blocks)
-        # the bound of each run (quest_scores' statement), max over a block's runs
-        bs, h_q, d = q_post.shape
-        h_kv = summaries.shape[1]
-        runs = summaries[self._pages(block_table, max_blocks)].float().view(bs, max_blocks, h_kv, -1, 2 * d)
-        kmin, kmax = runs.split(d, dim=-1)  # [bs, M, H_kv, n, D]
-        q = q_post.float().view(bs, h_kv, h_q // h_kv, d)
-        bound = (torch.einsum("rhgd,rmhjd->rhgmj", q.clamp_min(0), kmax)
-                 + torch.einsum("rhgd,rmhjd->rhgmj", q.clamp_max(0), kmin))
-        return _mask_past(bound.amax(dim=(2, 4)), num_candidates)
+        return self._best_run(lambda runs: quest_scores(q_post, runs, block_table, num_candidates,
+                                                        self.rule.block_size, max_blocks), summaries)
 
 
 class SinkLocalSelector(Selector):
@@ -230,12 +223,6 @@ class SinkLocalSelector(Selector):
     def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
         # Every candidate is forced or unranked: equal scores, so only the forced tiers decide.
         return torch.zeros(q_post.shape[0], summaries.shape[1], max_blocks, device=q_post.device)
-
-
-def _mask_past(scores: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
-    """`scores` `[bs, H_kv, M]` with -inf at m >= num_candidates[r]."""
-    valid = torch.arange(scores.shape[-1], device=scores.device)[None, :] < num_candidates[:, None]
-    return scores.masked_fill(~valid[:, None, :], float("-inf"))
 
 
 def make_selector(name: str, rule: SelectionRule) -> Selector:

@@ -796,3 +796,13 @@ def test_a_refused_pdl_capture_sinks_no_other_variant(tmp_path, monkeypatch):
         assert all("error" not in vs[n] for n in others)
         assert vs[deferred[0]]["error"].startswith("RuntimeError") and vs[deferred[0]]["device_ok_after"] is True
     assert "'new: fused, triton attend'" in rec["chosen_settings"]["source"]
+
+
+def test_points_are_context_by_batch():
+    """The benchmarks' one --points parser: CONTEXTxBATCH, case-insensitive; anything else refused."""
+    from sas_backend.testing.report import parse_points
+
+    assert parse_points(["8192x1", "32768X8"]) == [(8192, 1), (32768, 8)]
+    for bad in ("8192", "8192x1x2", "ax1"):
+        with pytest.raises(ValueError):
+            parse_points([bad])

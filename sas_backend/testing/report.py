@@ -131,3 +131,15 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def parse_points(specs) -> list:
+    """`[(context, batch)]` from `CONTEXTxBATCH` strings (`8192x1`); ValueError on anything else. The benchmarks'
+    `--points` (bench/bench_decode.py, gpu_kit/bench_decode_step.py)."""
+    points = []
+    for spec in specs:
+        parts = spec.lower().split("x")
+        if len(parts) != 2:
+            raise ValueError(f"{spec!r} is not CONTEXTxBATCH")
+        points.append((int(parts[0]), int(parts[1])))
+    return points
