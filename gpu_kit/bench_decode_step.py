@@ -139,6 +139,8 @@ class World:
         self.summaries = torch.randn(distinct, self.num_pages, geo.kv_heads, geo.gate_dim, device=dev,
                                      generator=self._dev_gen(seed + 3))
         self._summaries_bf16 = None
+        self._run_summaries = {}  # (sub_blocks, dtype) -> [distinct, pages, H_kv, sub_blocks * Dg], made on first use
+        self._seed = seed
         from sas_backend.gate.module import AttnGate
         from sas_backend.ops.rope import rope_cos_sin_table
 
@@ -159,8 +161,16 @@ class World:
     def _dev_gen(self, seed):
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def summaries_of(self, layer: int, dtype=torch.float32) -> torch.Tensor:
-        """`[pages, H_kv, Dg]` summary pool of the buffer set `layer` uses, fp32 or a bf16 copy."""
+    def summaries_of(self, layer: int, dtype=torch.float32, sub_blocks: int = 1) -> torch.Tensor:
+        """`[pages, H_kv, sub_blocks * Dg]` summary pool of the buffer set `layer` uses, fp32 or bf16 (sub-block
+        pools: random, their own tensor per dtype, allocated when a variant first reads one)."""
+        if sub_blocks > 1:
+            key = (sub_blocks, dtype)
+            if key not in self._run_summaries:
+                shape = (self.distinct, self.num_pages, self.geo.kv_heads, sub_blocks * self.geo.gate_dim)
+                self._run_summaries[key] = torch.randn(shape, device=self.device,
+                                                       generator=self._dev_gen(self._seed + 4)).to(dtype)
+            return self._run_summaries[key][layer % self.distinct]
         if dtype == torch.float32:
             return self.summaries[layer % self.distinct]
         if self._summaries_bf16 is None:
@@ -213,6 +223,7 @@ class Variant:
     chunk: int | None = None
     launch: tuple = ()
     anchors: bool = False  # select reads the world's prompt-anchor pool (World.anchors)
+    sub_blocks: int = 1  # run summaries a block (--sas-sub-blocks): a quality setting, timed for its cost only
 
     def launch_options(self):
         from sas_backend.ops.decode_step import LaunchOptions
@@ -253,6 +264,13 @@ VARIANTS = (
 # of every point (`run_deferred`), their errors caught and recorded with whether the device still works, so none
 # of them can sink another variant.
 DEFERRED = frozenset({"new: fused, PDL"})
+# What a selector setting costs (not a speed variant: never "new", so `chosen_settings` never adopts one): the served
+# configuration with one summary a block and with 4 sub-block summaries (issue 63's candidate), side by side at the
+# middle budget of every point; docs/launch-budget.md expects 1.1-1.5x at batch 1 and up to 2.2x at 256K batch 8.
+COSTS = (
+    dataclasses.replace(SERVED, name="cost: served, one summary a block"),
+    dataclasses.replace(SERVED, name="cost: served, 4 sub-block summaries", sub_blocks=4),
+)
 
 
 class ServedStep(LayerStack):
@@ -279,8 +297,9 @@ class ServedStep(LayerStack):
         self.seq_lens_cpu = self.seq_lens.cpu()
         self.dtype = torch.bfloat16 if variant.summary_dtype == "bf16" else torch.float32
         self.step_obj = DecodeStep(
-            make_selector("gate", SelectionRule(self.top_k, BLOCK)),
-            StepGeometry(geo.kv_heads, geo.group, geo.head_dim, geo.head_dim, geo.gate_dim, self.top_k, BLOCK),
+            make_selector("gate", SelectionRule(self.top_k, BLOCK, sub_blocks=variant.sub_blocks)),
+            StepGeometry(geo.kv_heads, geo.group, geo.head_dim, geo.head_dim, geo.gate_dim, self.top_k, BLOCK,
+                         variant.sub_blocks),
             w.req_to_token, w.device, torch.bfloat16, w.k.dtype, w.scale, kernels=variant.kernels,
             attention=variant.attention, chunk=variant.chunk, target_programs=variant.target_programs,
             launch=variant.launch_options(),
@@ -298,8 +317,9 @@ class ServedStep(LayerStack):
     def layer(self, layer):
         w = self.w
         k, v = w.kv(layer)
-        return self.step_obj.run(self.plan, w.gates[layer], w.q, k, v, w.summaries_of(layer, self.dtype),
-                                 w.model_table, w.gate_table, anchors=w.anchors if self.variant.anchors else None)
+        summaries = w.summaries_of(layer, self.dtype, self.variant.sub_blocks)
+        return self.step_obj.run(self.plan, w.gates[layer], w.q, k, v, summaries, w.model_table, w.gate_table,
+                                 anchors=w.anchors if self.variant.anchors else None)
 
     def step(self):
         if self.graphs:  # as in the server: the step's device state is recomputed inside the graph
@@ -999,7 +1019,8 @@ def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = Non
         # The old step and the new one at every budget; the variants the tournament decides at the middle one.
         tournament = [v for v in VARIANTS[1:] if v.name not in DEFERRED] if b == middle and args.variants != "core" \
             else []
-        variants = [NEW] + ([OLD] if args.variants != "tournament" else []) + tournament
+        costs = list(COSTS) if b == middle and args.variants != "tournament" else []
+        variants = [NEW] + ([OLD] if args.variants != "tournament" else []) + tournament + costs
         row["variants"][str(b)] = {}
         for variant in variants:
             measure_variant(w, b, variant, args, row)

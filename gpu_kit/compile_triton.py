@@ -129,7 +129,9 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
         + [dict(d=sg["d"], dg=sg["dg"], g=sg["g"], dtype=sg["dtype"], split=True, **s) for s in spec],
         "summarize_pages": product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=DTYPES)
         + [dict(d=sg["d"], dg=sg["dg"], dtype=sg["dtype"], **s)
-           for s in product(h_kv=SPEC_KV_HEADS, n=SPEC_PAGES)],
+           for s in product(h_kv=SPEC_KV_HEADS, n=SPEC_PAGES)]
+        # sub-block runs (BLOCK / SUB tokens a run) at extend and in the per-op decode update
+        + product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=("bf16", "fp32"), sub=SERVED_SUB_BLOCKS),
         # The CI grid: every (d, dg) in bf16 and every dtype at the spec geometry, not their product.
         "summary_update": (product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=DTYPES, summaries=("fp32", "bf16")) if full else
                            product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=("bf16",), summaries=("fp32",))
@@ -139,6 +141,8 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
         # takes other float dtypes, compiled at the base width.
         "score": product(dg=GATE_DIMS, m=WIDTHS, gate_q=("fp32",), summaries=("fp32",))
         + product(dg=GATE_DIMS, gate_q=DTYPES, summaries=("fp32", "bf16"))
+        # sub-block summaries: the per-op gate path past the fused rows scores the best of SUB runs
+        + product(dg=(sg["dg"],), m=WIDTHS[:8], gate_q=("fp32",), summaries=("fp32", "bf16"), sub=SERVED_SUB_BLOCKS)
         + [dict(dg=sg["dg"], gate_q="fp32", summaries="fp32", **s) for s in width_spec],
         # The CI grid: every width at the spec K, every K at CI_TOPK_WIDTHS (one chunk and two-phase), not the product.
         "topk": (product(k=ks, m=WIDTHS) if full else
@@ -200,6 +204,9 @@ SERVED_ANCHORS = 4  # the Qwen gate's serve default (0 is compiled by the spec s
 SERVED_DTYPES = ("bf16", "fp32")  # summaries and gate weights together: the CUDA default, then fp32
 SERVED_CHUNKS = (64, 256)  # bench_decode_step.VARIANTS' select chunks (beside each K's default)
 SERVED_PROGRAMS = (132, 528)  # and programs per launch (beside GPU_TARGET_PROGRAMS)
+# Sub-block summaries (--sas-sub-blocks, issue 63): the fused front and select take a SUB constexpr, the per-op path
+# scores with it and summarizes runs of BLOCK / SUB tokens; served at the default select chunk and split sizes.
+SERVED_SUB_BLOCKS = (4,)
 
 
 def served_cases() -> dict[str, list[dict]]:
@@ -210,8 +217,9 @@ def served_cases() -> dict[str, list[dict]]:
 
     sg = SPEC_GEOMETRY
     spec = dict(h_kv=8, d=sg["d"], dg=sg["dg"], g=sg["g"])
-    out = {"decode_front": [dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl)
-                            for dt in SERVED_DTYPES for pdl in (False, True) for bs in (1, 8)],
+    out = {"decode_front": [dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl, **sub)
+                            for dt in SERVED_DTYPES for pdl in (False, True) for bs in (1, 8)
+                            for sub in [{}] + [dict(sub=n) for n in SERVED_SUB_BLOCKS]],
            "decode_select": [], "decode_attend": []}
 
     def workspace(k, **kw):
@@ -219,13 +227,14 @@ def served_cases() -> dict[str, list[dict]]:
         return fused.DecodeStepWorkspace(geo, 1, 1, "cpu", **{**fused.default_sizes(cuda=True), **kw})
 
     for k in [b // BLOCK for b in BUDGETS]:
-        for v in [{}] + ([dict(chunk=c) for c in SERVED_CHUNKS] if k == sg["k"] else []):
-            ws, widths = workspace(k, **v), {}
+        variants = [{}] + ([dict(chunk=c) for c in SERVED_CHUNKS] if k == sg["k"] else [])
+        for v in variants + [dict(sub=n) for n in SERVED_SUB_BLOCKS]:
+            ws, widths = workspace(k, **{n: x for n, x in v.items() if n != "sub"}), {}
             for m in range(1, SERVED_MAX_BLOCKS + 1):
                 cls = (ws.merge_tile(m), ws.select_warps(m))
                 if cls not in widths or (m % 16 == 0 and widths[cls] % 16):
                     widths[cls] = m
-            dtypes = SERVED_DTYPES if k == sg["k"] and not v else SERVED_DTYPES[:1]
+            dtypes = SERVED_DTYPES if k == sg["k"] and set(v) <= {"sub"} else SERVED_DTYPES[:1]
             out["decode_select"] += [dict(h_kv=8, dg=sg["dg"], k=k, bs=1, m=m, anchors=SERVED_ANCHORS, summaries=dt,
                                           sink=SERVED_FORCED[0], local=SERVED_FORCED[1], **v)
                                      for m in widths.values() for dt in dtypes]
@@ -285,7 +294,7 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
         if op == "summarize_pages":
             n = p["n"]
             st.summarize_pages_triton(k_buffer, torch.zeros(n, dtype=i64), torch.zeros(n, dtype=i64),
-                                      model_t, gate_t, w_k, k_norm, BLOCK)
+                                      model_t, gate_t, w_k, k_norm, BLOCK // p.get("sub", 1))
         else:
             summaries = torch.empty(pages + 1, h_kv, dg, dtype=_dt(p["summaries"]))
             st.summary_update_decode_triton(k_buffer, summaries, table, seq_lens, BLOCK, model_t, gate_t,
@@ -294,9 +303,10 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
         from sas_backend.ops.score.triton import score_blocks_triton
 
         dg = p["dg"]
+        sub = p.get("sub", 1)
         score_blocks_triton(torch.empty(bs, h_kv, dg, dtype=_dt(p["gate_q"])),
-                            torch.empty(pages + 1, h_kv, dg, dtype=_dt(p["summaries"])), table,
-                            torch.full((bs,), m, dtype=i64), BLOCK, m)
+                            torch.empty(pages + 1, h_kv, sub * dg, dtype=_dt(p["summaries"])), table,
+                            torch.full((bs,), m, dtype=i64), BLOCK, m, sub_blocks=sub)
     elif op == "topk":
         from sas_backend.ops.topk.triton import select_blocks_triton
 
@@ -315,7 +325,8 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
 
         d, dg, g = p.get("d", 128), p.get("dg", 128), p.get("g", 4)
         k = p.get("k", 32)
-        geo = fused.StepGeometry(h_kv, g, d, d, dg, k, BLOCK)
+        sub = p.get("sub", 1)
+        geo = fused.StepGeometry(h_kv, g, d, d, dg, k, BLOCK, sub)
         warps = {f"{op[len('decode_'):]}_warps": p["warps"]} if "warps" in p else {}
         # The GPU's split sizes (front units, attend splits), as a CUDA workspace takes them: the CPU defaults would
         # compile the front with one unit per head (QCHUNK = KCHUNK = D/2), a kernel no GPU launches.
@@ -325,7 +336,7 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
                                        launch=fused.LaunchOptions(pdl=p.get("pdl", False), **warps))
         dt = _dt(p.get("dtype", "bf16"))
         k_buffer = torch.empty(pages * BLOCK, h_kv, d, dtype=dt)
-        summaries = torch.empty(pages + 1, h_kv, dg, dtype=_dt(p.get("summaries", "fp32")))
+        summaries = torch.empty(pages + 1, h_kv, sub * dg, dtype=_dt(p.get("summaries", "fp32")))
         if op == "decode_front":
             wt = _dt(p["weights"])
             fused.front(ws, torch.empty(bs, h_kv * g, d, dtype=dt), torch.ones(bs, d), torch.ones(bs, dg),

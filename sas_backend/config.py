@@ -206,9 +206,6 @@ class SASConfig:
         if (sub or 1) > 1 and self.selector == "sink-local":
             raise SASConfigError("--sas-sub-blocks sets how the gate and quest summarize a block; sink-local keeps no "
                                  "summaries")
-        if (sub or 1) > 1 and self.kernels == "triton":
-            raise SASConfigError(f"--sas-sub-blocks {sub} runs on the per-op path (--sas-kernels torch, or auto): the "
-                                 "fused kernels summarize and score whole blocks")
         forced = (self.sink_blocks or 0) + (self.local_blocks or 0)
         if self.budget is not None and forced > self.top_k:
             raise SASConfigError(

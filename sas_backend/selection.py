@@ -32,7 +32,6 @@ from sas_backend.ops.anchors import force_anchors
 from sas_backend.ops.gate import gate_query_post_rope
 from sas_backend.ops.quest import key_bounds, quest_scores, update_key_bounds
 from sas_backend.ops.score import score_blocks
-from sas_backend.ops.score.torch_path import score_blocks as score_blocks_torch  # a run is a column slice
 from sas_backend.ops.summary import completed_blocks, summarize_pages, update_summaries
 from sas_backend.ops.topk import select_blocks
 
@@ -120,7 +119,8 @@ class Selector:
 
     def _best_run(self, score, summaries: torch.Tensor) -> torch.Tensor:
         """max over the n runs of `score(run summaries [num_pages, H_kv, S])`: each run's columns scored by the
-        one-summary statement (its own gather and -inf past the candidates), the block taking its best run."""
+        one-summary statement (its own gather and -inf past the candidates), the block taking its best run
+        (quest; the gate's `ops.score` takes the runs itself)."""
         width = summaries.shape[-1] // self.rule.sub_blocks
         return torch.stack([score(summaries[..., j * width:(j + 1) * width])
                             for j in range(self.rule.sub_blocks)]).amax(dim=0)
@@ -171,10 +171,8 @@ class GateSelector(Selector):
         gate_q = gate_query_post_rope(
             q_post, model_cos_sin, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, gate_cos_sin
         )
-        if self.rule.sub_blocks == 1:
-            return score_blocks(gate_q, summaries, block_table, num_candidates, self.rule.block_size, max_blocks)
-        return self._best_run(lambda runs: score_blocks_torch(gate_q, runs, block_table, num_candidates,
-                                                              self.rule.block_size, max_blocks), summaries)
+        return score_blocks(gate_q, summaries, block_table, num_candidates, self.rule.block_size, max_blocks,
+                            sub_blocks=self.rule.sub_blocks)
 
 
 class QuestSelector(Selector):

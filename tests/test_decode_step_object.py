@@ -56,7 +56,7 @@ def launches():
 class World:
     """A paged cache with requests on random pages, a gate per layer, summaries of the complete blocks."""
 
-    def __init__(self, budget_blocks=3, sink=1, local=1, anchors=0, seed=0):
+    def __init__(self, budget_blocks=3, sink=1, local=1, anchors=0, seed=0, sub_blocks=1):
         g = self.g = torch.Generator().manual_seed(seed)
         pages = MAX_REQS * MAX_CTX // B + 1
         self.req_to_token = torch.zeros(MAX_REQS, MAX_CTX, dtype=torch.int32)
@@ -82,16 +82,19 @@ class World:
         all_pages = torch.arange(1, pages, device=DEVICE)
         starts = pos_of_slot.to(DEVICE)[all_pages * B]
         for lid in range(LAYERS):
-            s = torch.zeros(pages, H_KV, DG, device=DEVICE)
+            s = torch.zeros(pages, H_KV, sub_blocks * DG, device=DEVICE)
             w = self.gates[lid]
-            s[all_pages] = summarize_pages(self.k[lid], all_pages, starts, self.model_table, self.gate_table,
-                                           w.attngate_linear_k.weight, w.attngate_knorm.weight, B)
+            size = B // sub_blocks
+            for j in range(sub_blocks):  # run j of page p: slots p*b + j*S .. (a "page" p*n + j of S slots)
+                s[all_pages, :, j * DG:(j + 1) * DG] = summarize_pages(
+                    self.k[lid], all_pages * sub_blocks + j, starts + j * size, self.model_table, self.gate_table,
+                    w.attngate_linear_k.weight, w.attngate_knorm.weight, size)
             self.summaries.append(s)
         self.anchors = None
         if anchors:
             self.anchors = torch.randint(-1, 20, (MAX_REQS, H_KV, anchors), generator=g).to(DEVICE, torch.int32)
-        self.rule = SelectionRule(budget_blocks, B, sink, local)
-        self.geo = StepGeometry(H_KV, G, D, D, DG, budget_blocks, B)
+        self.rule = SelectionRule(budget_blocks, B, sink, local, sub_blocks)
+        self.geo = StepGeometry(H_KV, G, D, D, DG, budget_blocks, B, sub_blocks)
 
     def step(self, kernels, attention, **kw):
         return DecodeStep(make_selector("gate", self.rule), self.geo, self.req_to_token, DEVICE, torch.float32,
@@ -159,11 +162,13 @@ def test_fused_step_replays_fixed_grids_over_fixed_buffers():
     assert int(ws.front_counters.abs().sum() + ws.select_counters.abs().sum() + ws.attend_counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("budget,sink,local,anchors", [(3, 1, 1, 0), (4, 0, 0, 2), (40, 0, 0, 0)])
-def test_fused_step_equals_the_per_op_step(budget, sink, local, anchors):
+@pytest.mark.parametrize("budget,sink,local,anchors,sub", [(3, 1, 1, 0, 1), (4, 0, 0, 2, 1), (40, 0, 0, 0, 1),
+                                                         (3, 1, 1, 0, 4), (4, 0, 0, 2, 2)])
+def test_fused_step_equals_the_per_op_step(budget, sink, local, anchors, sub):
     """Same batch, same state: the fused kernels and the per-op torch path select the same blocks, attend to
-    the same result and leave the same summaries (blocks completed by this step's tokens included)."""
-    world = World(budget, sink, local, anchors, seed=budget)
+    the same result and leave the same summaries (blocks completed by this step's tokens included), with one
+    summary a block and with sub-block summaries (the per-op path: `selection`'s runs as blocks of b / n)."""
+    world = World(budget, sink, local, anchors, seed=budget + sub, sub_blocks=sub)
     lens, rows = [64, 257, 9, 130, 200], [0, 1, 2, 3, 4]
     inp, q = world.batch(lens, rows)
     results = {}

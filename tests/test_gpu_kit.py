@@ -677,6 +677,30 @@ def test_a_variant_is_checked_after_its_timed_replays(request):
     assert bds.check_variant(st, {})["ok"] is False  # nothing kept: unchecked is not ok
 
 
+def test_the_sub_block_cost_variant_runs_checked_and_never_wins(request):
+    """Issue 63's candidate timed for its cost (bench_decode_step.COSTS): the served step with 4 sub-block summaries
+    runs the fused kernels over a 4x-wide pool and passes the same check as every variant; a "cost:" name is never
+    adopted as the CUDA default, however fast."""
+    import argparse
+
+    import bench_decode_step as bds
+
+    torch = pytest.importorskip("torch")
+    request.addfinalizer(functools.partial(torch.set_grad_enabled, torch.is_grad_enabled()))
+    torch.set_grad_enabled(False)
+    w = bds.World(bds.TINY, 1024, 1, 2, "cpu")
+    sub = next(v for v in bds.COSTS if v.sub_blocks == 4)
+    res = bds.time_variant(w, 256, sub, argparse.Namespace(graphs=False, reps=1))
+    assert res["check"]["ok"], res["check"]
+    assert w.summaries_of(0, torch.bfloat16, 4).shape[-1] == 4 * bds.TINY.gate_dim
+    assert all(not v.name.startswith("new") for v in bds.COSTS)
+    row = {"context": 1024, "batch": 1, "dense_ms": 1.0, "variants": {"256": {
+        bds.NEW.name: {"speedup": 1.0, "amortized_ms": 1.0, "check": {"ok": True}, "settings": bds.NEW.settings()},
+        sub.name: {"speedup": 9.0, "amortized_ms": 0.1, "check": {"ok": True}, "settings": sub.settings()}}}}
+    record = {"budgets": [256], "rows": [row], "mode": "dry run", "environment": {"device": "cpu"}}
+    assert bds.NEW.name in bds.chosen_settings(record, "cpu", branches={})["source"]
+
+
 def test_only_checked_variants_can_win():
     """chosen_settings adopts the fastest variant that passed its check at every point: a faster variant whose
     check failed (PDL here), one never checked, or one that raised (a refused capture) never wins."""

@@ -269,9 +269,10 @@ def test_cpu_reservation_equals_what_the_backend_allocates(sas_env, caplog):
     assert "for 16384 tokens" in caplog.text  # the log names the pool that is built
 
 
-@pytest.mark.parametrize("on_cuda", [False, True])
-def test_decode_step_workspace_figure_matches_the_step_object(on_cuda):
-    """The reservation for the fused kernels' workspace equals what `DecodeStep` allocates (on `meta`)."""
+@pytest.mark.parametrize("on_cuda,sub", [(False, 1), (True, 1), (True, 4)])
+def test_decode_step_workspace_figure_matches_the_step_object(on_cuda, sub):
+    """The reservation for the fused kernels' workspace equals what `DecodeStep` allocates (on `meta`); with
+    sub-block summaries the front's per-run partials are counted too."""
     from sas_backend.backend.decode_step import FUSED_MAX_ROWS, DecodeStep
     from sas_backend.backend.memory import decode_step_workspace_bytes
     from sas_backend.ops.decode_step import (
@@ -281,15 +282,20 @@ def test_decode_step_workspace_figure_matches_the_step_object(on_cuda):
 
     h, g, d, dg, k, b, max_reqs, ctx = 8, 4, 128, 128, 32, 64, 300, 256 * 1024
     req_to_token = torch.empty(max_reqs + 1, ctx, dtype=torch.int32, device="meta")
-    step = DecodeStep(make_selector("gate", SelectionRule(k, b)), StepGeometry(h, g, d, d, dg, k, b), req_to_token,
-                      "meta", torch.bfloat16, torch.bfloat16, 0.1, kernels="triton", attention="triton",
+    step = DecodeStep(make_selector("gate", SelectionRule(k, b, sub_blocks=sub)),
+                      StepGeometry(h, g, d, d, dg, k, b, sub), req_to_token, "meta", torch.bfloat16, torch.bfloat16,
+                      0.1, kernels="triton", attention="triton",
                       target_programs=GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS)
     if on_cuda:  # the workspace on `meta` standing in for CUDA: the GPU's front units
         step.fused_ws.__init__(step.geo, FUSED_MAX_ROWS, step.max_blocks, "meta", target_programs=GPU_TARGET_PROGRAMS,
                                qchunk=GPU_QCHUNK, kchunk=GPU_KCHUNK)
     assert step.fused_ws.max_bs == FUSED_MAX_ROWS
-    got = decode_step_workspace_bytes(h, g, d, dg, k, b, max_reqs, ctx, on_cuda)
+    got = decode_step_workspace_bytes(h, g, d, dg, k, b, max_reqs, ctx, on_cuda, sub_blocks=sub)
     assert got == step.device_nbytes
+    if sub > 1:  # the front's summary partials per run: rows x H_kv x units x (sub - 1) x Dg fp32 more
+        grown = FUSED_MAX_ROWS * h * step.fused_ws.uk * (sub - 1) * dg * 4
+        assert got - decode_step_workspace_bytes(h, g, d, dg, k, b, max_reqs, ctx, on_cuda) == grown
+        return
     assert got < 64 * 2**20  # Qwen3-4B shapes at 256K: tens of MiB, not hundreds
     mem = sas_memory(**GEO, max_reqs=max_reqs, on_cuda=True, decode_step_bytes=got, flashinfer_attention=False,
                      summary_bytes=2)

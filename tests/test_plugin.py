@@ -99,7 +99,6 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--disaggregation-mode", "decode"], "prefill-decode disaggregation decode server"),
         (["--sas-sub-blocks", "3"], "power of two dividing the block size 64"),
         (["--sas-sub-blocks", "128"], "power of two dividing the block size 64"),
-        (["--sas-sub-blocks", "4", "--sas-kernels", "triton"], "fused kernels summarize and score whole blocks"),
         (["--sas-sub-blocks", "4", "--sas-selector", "sink-local"], "sink-local keeps no summaries"),
     ],
 )

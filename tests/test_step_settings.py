@@ -30,14 +30,15 @@ def test_shipped_table_parses_and_says_whether_it_was_measured():
     assert ("not yet measured" in source) == (not table["measured"])
 
 
-def test_sub_block_summaries_run_the_per_op_path():
-    """The fused kernels summarize whole blocks: with --sas-sub-blocks above 1, auto picks the per-op path on CUDA
-    (the table's triton is for one summary a block) and an explicit triton is refused at validation."""
-    s = resolve(_cfg(sub_blocks=4), torch.device("cuda"), "NVIDIA H200", TABLE_H)
-    assert s.kernels == "torch" and s.gate_dtype == torch.float32
-    assert resolve(_cfg(sub_blocks=1), torch.device("cuda"), "NVIDIA H200", TABLE_H).kernels == "triton"
-    with pytest.raises(SASConfigError, match="fused kernels summarize and score whole blocks"):
-        _cfg(sub_blocks=4, kernels="triton")
+def test_sub_block_summaries_take_the_fused_kernels():
+    """The fused front and select summarize and score sub-block runs (ops.decode_step, StepGeometry.sub_blocks):
+    --sas-sub-blocks keeps the table's fused path on CUDA, and an explicit --sas-kernels triton is accepted."""
+    for sub in (1, 4):
+        s = resolve(_cfg(sub_blocks=sub), torch.device("cuda"), "NVIDIA H200", TABLE_H)
+        assert s.kernels == "triton"
+    assert resolve(_cfg(sub_blocks=4, kernels="triton"), torch.device("cpu")).kernels == "triton"
+    assert resolve(_cfg(sub_blocks=4, selector="quest"), torch.device("cuda"), "NVIDIA H200", TABLE_H).kernels == \
+        "torch"  # quest's runs stay per op
 
 
 def test_auto_follows_the_table_on_cuda_and_flags_win():

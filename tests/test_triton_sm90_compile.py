@@ -237,8 +237,9 @@ spec = dict(h_kv=8, d=sg["d"], dg=sg["dg"], g=sg["g"])
 ks = [b // ct.BLOCK for b in ct.BUDGETS]
 launched = []
 # The front: both served dtypes, PDL on and off, any batch.
-launched += [("decode_front", dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl))
-             for dt in ct.SERVED_DTYPES for pdl in (False, True) for bs in (1, 3, 8, 64, 256)]
+launched += [("decode_front", dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl, **sub))
+             for dt in ct.SERVED_DTYPES for pdl in (False, True) for bs in (1, 3, 8, 64, 256)
+             for sub in [{}] + [dict(sub=n) for n in ct.SERVED_SUB_BLOCKS]]
 # Select: every budget at widths from 1 block to 256K tokens (every 31st width: a chunk is at least 64 wide, so every
 # chunk count; and the servers' own:
 # SGLang's context_length + 4 for context lengths of every 4K), the benchmark's chunks at the spec K.
@@ -249,6 +250,12 @@ for k in ks:
                                             sink=1, local=1, **v)) for m in widths]
 launched += [("decode_select", dict(h_kv=8, dg=sg["dg"], k=sg["k"], bs=1, m=m, anchors=4, summaries="fp32", sink=1,
                                     local=1)) for m in widths]
+# Sub-block summaries (--sas-sub-blocks): every budget in bf16, the spec K in fp32 too, at the default chunk.
+for n in ct.SERVED_SUB_BLOCKS:
+    for k in ks:
+        launched += [("decode_select", dict(h_kv=8, dg=sg["dg"], k=k, bs=1, m=m, anchors=4, summaries=dt, sink=1,
+                                            local=1, sub=n))
+                     for m in widths for dt in (ct.SERVED_DTYPES if k == sg["k"] else ct.SERVED_DTYPES[:1])]
 # Attend: every budget at every batch size of the fused workspace, the benchmark's programs at the spec K.
 for k in ks:
     for v in [{}] + ([dict(programs=p) for p in ct.SERVED_PROGRAMS] if k == sg["k"] else []):

@@ -65,9 +65,9 @@ class DecodeStep:
         if kernels == "triton" and selector.name != "gate":
             raise ValueError(f"the fused kernels compute the gate's query and summaries; the {selector.name} "
                              "selector runs the per-op path (kernels='torch')")
-        if kernels == "triton" and selector.rule.sub_blocks > 1:
-            raise ValueError("the fused kernels summarize and score whole blocks; sub-block summaries "
-                             f"(sub_blocks={selector.rule.sub_blocks}) run the per-op path (kernels='torch')")
+        if geometry.sub_blocks != selector.rule.sub_blocks:
+            raise ValueError(f"geometry.sub_blocks {geometry.sub_blocks} differs from the selector's "
+                             f"{selector.rule.sub_blocks}: the fused kernels would misread the summary rows")
         self.selector = selector
         self.geo = geometry.check()
         self.req_to_token = req_to_token

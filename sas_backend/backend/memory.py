@@ -147,14 +147,14 @@ def sas_memory(
 def decode_step_workspace_bytes(num_kv_heads: int, group_size: int, head_dim: int, gate_dim: int, top_k: int,
                                 block_size: int, max_reqs: int, context_len: int, on_cuda: bool,
                                 chunk: Optional[int] = None, target_programs: Optional[int] = None,
-                                rows_per_request: int = 1) -> int:
+                                rows_per_request: int = 1, sub_blocks: int = 1) -> int:
     """Device bytes of the fused decode step's workspace (`backend.decode_step.DecodeStep.fused_ws`), sized as the
     backend sizes it (built on `meta`: nothing is allocated)."""
     from sas_backend.backend.decode_step import FUSED_MAX_ROWS
     from sas_backend.ops.decode_step import (CPU_TARGET_PROGRAMS, GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS,
                                              DecodeStepWorkspace, StepGeometry)
 
-    geo = StepGeometry(num_kv_heads, group_size, head_dim, head_dim, max(gate_dim, 2), top_k, block_size)
+    geo = StepGeometry(num_kv_heads, group_size, head_dim, head_dim, max(gate_dim, 2), top_k, block_size, sub_blocks)
     programs = target_programs or (GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS)
     ws = DecodeStepWorkspace(geo, min((max_reqs + 1) * rows_per_request, FUSED_MAX_ROWS), context_len // block_size,
                              "meta", chunk=chunk, target_programs=programs,
@@ -293,7 +293,8 @@ def memory_for_sglang(owner) -> tuple:
     if settings.kernels == "triton" or settings.attention == "triton":
         fused_bytes = decode_step_workspace_bytes(kv_heads, geo.group_size, geo.head_dim, gate_dim, cfg.top_k,
                                                   cfg.block_size, max_reqs, context_len, on_cuda,
-                                                  settings.select_chunk, settings.target_programs, rows_per_request)
+                                                  settings.select_chunk, settings.target_programs, rows_per_request,
+                                                  selector.rule.sub_blocks)
     mem = sas_memory(
         num_sparse_layers=geo.num_layers - cfg.first_sparse_layer,
         num_kv_heads=kv_heads,

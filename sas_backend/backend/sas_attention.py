@@ -145,7 +145,8 @@ class SASAttnBackend(AttentionBackend):
         self._extend_last = None
         v_dim = self.token_to_kv_pool.get_value_buffer(min(gates)).shape[-1]
         geometry = StepGeometry(num_kv_heads, num_q_heads // num_kv_heads, head_dim, v_dim,
-                                max(gate_rope_table.shape[-1], 2), self.top_k, self.block_size)
+                                max(gate_rope_table.shape[-1], 2), self.top_k, self.block_size,
+                                selector.rule.sub_blocks)
         # The decode step: selection and sparse attention of every sparse layer (backend/decode_step.py).
         self.step = DecodeStep(
             selector, geometry, self.req_to_token_pool.req_to_token, self.device, runner.dtype,

@@ -59,8 +59,7 @@ def resolve(cfg, device: torch.device, device_name: str = "", table: Optional[di
     "auto" on CUDA, the CPU defaults otherwise. cfg: a validated `SASConfig`."""
     cuda = torch.device(device).type == "cuda"
     entry, source = table_entry(device_name, table) if cuda else ({}, "CPU defaults")
-    # The fused kernels summarize and score whole blocks: sub-block summaries run per op.
-    gate = cfg.selector == "gate" and (getattr(cfg, "sub_blocks", None) or 1) == 1
+    gate = cfg.selector == "gate"
     kernels = cfg.kernels if cfg.kernels != "auto" else (entry.get("kernels", "triton") if cuda and gate else "torch")
     if kernels == "triton" and not gate:
         kernels = "torch"  # the table's choice covers the gate; training-free selectors run per op

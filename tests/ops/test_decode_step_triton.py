@@ -20,10 +20,10 @@ class StepCase:
     the positions their slots hold, values, summaries of every complete block, and the batch's RoPE rows."""
 
     def __init__(self, paged_case, lens, group, d=16, dg=16, b=4, h_kv=2, kv_dtype=torch.float32, seed=0,
-                 weight_dtype=torch.float32, summary_dtype=torch.float32, integer_summaries=False):
+                 weight_dtype=torch.float32, summary_dtype=torch.float32, integer_summaries=False, sub_blocks=1):
         self.case = case = paged_case(lens, b, h_kv, d, seed=seed)
         g = case.gen
-        self.b, self.h_kv, self.d, self.dg, self.group = b, h_kv, d, dg, group
+        self.b, self.h_kv, self.d, self.dg, self.group, self.sub = b, h_kv, d, dg, group, sub_blocks
         self.lens = lens
 
         def randn(*shape):
@@ -48,16 +48,18 @@ class StepCase:
         self.seq_lens = case.seq_lens
         self.n_cand = candidate_counts(case.seq_lens, b)
         self.max_blocks = case.max_blocks
-        summ = torch.zeros(case.num_pages + 1, h_kv, dg, device=DEVICE)
+        summ = torch.zeros(case.num_pages + 1, h_kv, sub_blocks * dg, device=DEVICE)
         pages, starts = [], []
         for r, n in enumerate(lens):
             for m in range(n // b):
                 pages.append(int(case.req_to_token[int(case.req_pool_indices[r]), m * b]) // b)
                 starts.append(m * b)
-        if pages:
+        size = b // sub_blocks
+        for j in range(sub_blocks if pages else 0):  # run j of page p: S = b / n slots from p*b + j*S
             pages_t, starts_t = torch.tensor(pages, device=DEVICE), torch.tensor(starts, device=DEVICE)
-            summ[pages_t] = summarize_pages(self.k_buf, pages_t, starts_t, self.model_table, self.gate_table,
-                                            self.w_k.float(), self.k_norm, b)
+            summ[pages_t, :, j * dg:(j + 1) * dg] = summarize_pages(
+                self.k_buf, pages_t * sub_blocks + j, starts_t + j * size, self.model_table, self.gate_table,
+                self.w_k.float(), self.k_norm, size)
         if integer_summaries:  # exact scores in any summation order: ties are real ties on both sides
             summ = torch.randint(-2, 3, summ.shape, generator=g).float().to(DEVICE)
         self.summaries = summ.to(summary_dtype)
@@ -66,7 +68,7 @@ class StepCase:
         # Several front units per (row, kv head), as on a GPU (the CPU default is one of each).
         kw.setdefault("qchunk", 4 if self.d <= 16 else 16)
         kw.setdefault("kchunk", 2 if self.d <= 16 else 8)
-        geo = fused.StepGeometry(self.h_kv, self.group, self.d, self.d, self.dg, top_k, self.b)
+        geo = fused.StepGeometry(self.h_kv, self.group, self.d, self.d, self.dg, top_k, self.b, self.sub)
         return fused.DecodeStepWorkspace(geo, len(self.lens), self.max_blocks, DEVICE, **kw)
 
 
@@ -296,3 +298,130 @@ def test_attend_with_one_split_writes_its_output_directly(paged_case):
     if DEVICE.type == "cpu":  # the interpreter runs the kernel as written: nothing stored beside out
         assert bool(ws.attend_stats.isnan().all()) and bool(ws.attend_partials.isnan().all())
     assert int(ws.attend_counters.abs().sum()) == 0
+
+
+# ------------------------------------------------------------------ sub-block summaries (issue 63)
+def _runs_statement(c, gq, summaries, sub):
+    """The best-run rule stated from the one-summary score: each run's columns scored alone, max over runs."""
+    from sas_backend.ops.score.torch_path import score_blocks
+
+    dg = c.dg
+    return torch.stack([score_blocks(gq, summaries[..., j * dg:(j + 1) * dg].float(), c.table, c.n_cand, c.b,
+                                     c.max_blocks) for j in range(sub)]).amax(dim=0)
+
+
+@pytest.mark.parametrize("group,sub", [(1, 2), (3, 4), (7, 2), (8, 4)])
+def test_front_sub_blocks_matches_reference(paged_case, group, sub):
+    """With n sub-block summaries the front writes each run of b / n tokens' summary (its pooling, RoPE undone at
+    the run's positions, gate RoPE at its start) into columns j*Dg.. of the page's row, every run equal to the
+    whole-block summary of a block of b / n tokens; split front units (several per row) merge per run."""
+    c = StepCase(paged_case, LENS, group, seed=50 + group, sub_blocks=sub)
+    ws = c.workspace(top_k=2)
+    ref_summ = c.summaries.clone()
+    ref_gq = naive.front(c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table, c.w_k,
+                         c.k_norm, ref_summ, c.table, c.seq_lens, c.b, sub_blocks=sub)
+    summ = c.summaries.clone()
+    summ[1:] += 1.0
+    summ_before = summ.clone()
+    gq = fused.front(ws, c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table,
+                     c.w_k, c.k_norm, summ, c.table, c.seq_lens)
+    torch.testing.assert_close(gq, ref_gq, rtol=1e-5, atol=1e-5)
+    written = {int(c.table[r, n // c.b - 1]) // c.b for r, n in enumerate(LENS) if n % c.b == 0}
+    assert written and ws.uk > 1
+    for page in written:
+        torch.testing.assert_close(summ[page], ref_summ[page], rtol=1e-5, atol=1e-5)
+        assert not torch.equal(summ[page, :, :c.dg], summ[page, :, c.dg:2 * c.dg])  # the runs differ
+    others = [p for p in range(summ.shape[0]) if p not in written]
+    assert torch.equal(summ[others], summ_before[others])
+    assert int(ws.front_counters.abs().sum()) == 0
+
+
+def test_front_sub_blocks_served_geometry(paged_case):
+    """Block 64, head dim 64, gate dim 128, 4 runs of 16 tokens, bf16 K/V, weights and pool (the Qwen gate's)."""
+    b = 64
+    lens = [2 * b, b + 1, 4 * b, 3]
+    c = StepCase(paged_case, lens, 7, d=64, dg=128, b=b, kv_dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
+                 summary_dtype=torch.bfloat16, seed=77, sub_blocks=4)
+    ws = c.workspace(top_k=1)
+    ref_summ = c.summaries.clone()
+    naive.front(c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table, c.w_k,
+                c.k_norm, ref_summ, c.table, c.seq_lens, c.b, sub_blocks=4)
+    summ = c.summaries.clone()
+    summ[1:] += 1.0
+    fused.front(ws, c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table,
+                c.w_k, c.k_norm, summ, c.table, c.seq_lens)
+    for r in (0, 2):
+        page = int(c.table[r, lens[r] // b - 1]) // b
+        torch.testing.assert_close(summ[page].float(), ref_summ[page].float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("sub,anchors", [(2, 0), (4, 2), (4, 0)])
+def test_select_sub_blocks_with_ties_and_anchors(paged_case, sub, anchors):
+    """Integer run summaries and queries (exact scores, many ties): the fused select takes the best run of each
+    block, as the stated rule (`_runs_statement`) ranks them, over several chunks and the in-kernel merge."""
+    lens = [1, 5, 64, 65, 130, 260, 77]
+    c = StepCase(paged_case, lens, 3, integer_summaries=True, seed=60 + sub + anchors, sub_blocks=sub)
+    gq = torch.randint(-2, 3, (len(lens), c.h_kv, c.dg), generator=c.case.gen).float().to(DEVICE)
+    anc = (torch.randint(-1, 60, (len(lens), c.h_kv, anchors), generator=c.case.gen).to(DEVICE, torch.int32)
+           if anchors else None)
+    ws = c.workspace(top_k=5, chunk=16)
+    torch.testing.assert_close(naive.scores(gq, c.summaries, c.table, c.n_cand, c.b, c.max_blocks, sub_blocks=sub),
+                               _runs_statement(c, gq, c.summaries, sub))
+    ref = naive.select(gq, c.summaries, c.table, c.n_cand, c.b, c.max_blocks, 5, 1, 1, anchors=anc, sub_blocks=sub)
+    got = fused.select(ws, gq, c.summaries, c.table, c.n_cand, c.max_blocks, 1, 1, anchors=anc)
+    assert ws.select_chunks(c.max_blocks) > 1
+    assert torch.equal(got, ref)
+    assert int(ws.select_counters.abs().sum()) == 0
+
+
+def test_select_sub_blocks_keeps_a_needle_run(paged_case):
+    """One run of one block scores high and that block's other runs very low: the best-run rule selects it (its
+    mean over runs would rank it last), where every other block's runs are all middling."""
+    lens = [40 * 4 + 1]
+    c = StepCase(paged_case, lens, 2, seed=5, sub_blocks=4)
+    gq = torch.ones(1, c.h_kv, c.dg, device=DEVICE)
+    summ = torch.zeros_like(c.summaries)
+    needle_block = 17
+    page = int(c.table[0, needle_block]) // c.b
+    summ[page] = -5.0
+    summ[page, :, 2 * c.dg:3 * c.dg] = 3.0  # run 2: the needle
+    for m in range(40):
+        if m != needle_block:
+            summ[int(c.table[0, m]) // c.b] = 1.0
+    ws = c.workspace(top_k=3, chunk=16)
+    got = fused.select(ws, gq, summ, c.table, c.n_cand, c.max_blocks)
+    assert needle_block in got[0, 0].tolist() and needle_block in got[0, 1].tolist()
+    mean_rule = summ.view(summ.shape[0], c.h_kv, 4, c.dg).mean(2)  # one pooled summary would lose it
+    assert float(mean_rule[page, 0].sum()) < float(mean_rule[int(c.table[0, 0]) // c.b, 0].sum())
+
+
+def test_whole_step_sub_blocks_matches_reference_chain(paged_case):
+    """front -> select -> attend with 4 sub-block summaries, twice over one workspace, equals the reference chain."""
+    lens = [64, 129, 1, 200]
+    c = StepCase(paged_case, lens, 4, seed=19, sub_blocks=4)
+    ws = c.workspace(top_k=5, chunk=16, target_programs=8)
+    for _ in range(2):
+        ref_summ, summ = c.summaries.clone(), c.summaries.clone()
+        gq_ref = naive.front(c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table,
+                             c.w_k, c.k_norm, ref_summ, c.table, c.seq_lens, c.b, sub_blocks=4)
+        sel_ref = naive.select(gq_ref, ref_summ, c.table, c.n_cand, c.b, c.max_blocks, 5, 1, 1, sub_blocks=4)
+        out_ref = naive.attend(c.q, c.k_buf, c.v_buf, sel_ref, c.table, c.seq_lens, c.b, c.d**-0.5)
+        gq = fused.front(ws, c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table,
+                         c.w_k, c.k_norm, summ, c.table, c.seq_lens)
+        sel = fused.select(ws, gq, summ, c.table, c.n_cand, c.max_blocks, 1, 1)
+        out = fused.attend(ws, c.q, c.k_buf, c.v_buf, sel, c.table, c.seq_lens, c.d**-0.5)
+        torch.testing.assert_close(summ, ref_summ, rtol=1e-5, atol=1e-5)
+        assert torch.equal(sel, sel_ref)
+        torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sub_blocks_shape_is_checked(paged_case):
+    """A pool one summary wide given to a sub-block geometry (or the reverse) is refused by name, not misread."""
+    c = StepCase(paged_case, [9, 13], 2, seed=1)
+    geo = fused.StepGeometry(c.h_kv, c.group, c.d, c.d, c.dg, 2, c.b, sub_blocks=2)
+    ws = fused.DecodeStepWorkspace(geo, 2, c.max_blocks, DEVICE)
+    gq = torch.zeros(2, c.h_kv, c.dg, device=DEVICE)
+    with pytest.raises(ValueError, match="n \\* Dg"):
+        fused.select(ws, gq, c.summaries, c.table, c.n_cand, c.max_blocks)
+    with pytest.raises(ValueError, match="sub_blocks must be a power of two"):
+        fused.StepGeometry(c.h_kv, c.group, c.d, c.d, c.dg, 2, c.b, sub_blocks=3).check()

@@ -8,15 +8,15 @@ from sas_backend.ops.score.triton import score_blocks_triton
 from tests.devices import DEVICE
 
 
-def _check(case, dg, q_dtype=torch.float32, s_dtype=torch.float32, max_blocks=None):
+def _check(case, dg, q_dtype=torch.float32, s_dtype=torch.float32, max_blocks=None, sub_blocks=1):
     bs, h = len(case.seq_lens), case.num_kv_heads
     gate_q = case.randn(bs, h, dg, dtype=q_dtype)
-    summaries = case.randn(case.num_pages + 1, h, dg, dtype=s_dtype)
+    summaries = case.randn(case.num_pages + 1, h, sub_blocks * dg, dtype=s_dtype)
     max_blocks = case.max_blocks if max_blocks is None else max_blocks
     args = (gate_q, summaries, case.block_table(), case.num_candidates, case.block_size)
     args = args + (max_blocks,)
-    ref = score_blocks(*args)
-    out = score_blocks_triton(*args)
+    ref = score_blocks(*args, sub_blocks=sub_blocks)
+    out = score_blocks_triton(*args, sub_blocks=sub_blocks)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     assert torch.equal(torch.isinf(out), torch.isinf(ref))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -82,3 +82,27 @@ def test_score_tiles_past_candidates_write_neg_inf(paged_case):
     ref = score_blocks(*args)
     assert torch.equal(torch.isinf(out), torch.isinf(ref))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sub_blocks,dg", [(2, 16), (4, 32), (4, 24)])
+def test_score_sub_blocks(paged_case, sub_blocks, dg):
+    """n run summaries a block (`[num_pages, H_kv, n * Dg]`): a block scores its best run, in the kernel as in the
+    torch path, and both as the one-summary score of each run's columns, max over runs (the rule stated apart)."""
+    case = paged_case([1, 8, 9, 23, 61], 4, 2, 16, seed=sub_blocks + dg)
+    out = _check(case, dg, sub_blocks=sub_blocks)
+    summaries = case.randn(case.num_pages + 1, 2, sub_blocks * dg)
+    gate_q = case.randn(5, 2, dg)
+    args = (case.block_table(), case.num_candidates, case.block_size, case.max_blocks)
+    per_run = torch.stack([score_blocks(gate_q, summaries[..., j * dg:(j + 1) * dg], *args)
+                           for j in range(sub_blocks)])
+    torch.testing.assert_close(score_blocks(gate_q, summaries, *args, sub_blocks=sub_blocks), per_run.amax(dim=0))
+    torch.testing.assert_close(score_blocks_triton(gate_q, summaries, *args, sub_blocks=sub_blocks),
+                               per_run.amax(dim=0), rtol=1e-5, atol=1e-6)
+    assert bool(torch.isfinite(out).any())
+
+
+def test_score_sub_blocks_width_is_checked(paged_case):
+    case = paged_case([9, 13], 4, 2, 16, seed=2)
+    with pytest.raises(ValueError, match="do not match"):
+        score_blocks_triton(case.randn(2, 2, 16), case.randn(case.num_pages + 1, 2, 16), case.block_table(),
+                            case.num_candidates, 4, case.max_blocks, sub_blocks=2)

@@ -2,7 +2,7 @@
 oracle (tests/server/oracle.py, which reads the pre-RoPE query and key after the model's q_norm / k_norm in
 transformers' own forward). A small random-weight Qwen3 (2 layers, 4 q / 2 kv heads, head dim 64) with the default
 model's tokenizer, a seeded gate for it, budget 256 from a 1278-token prompt (a decode-made block ranked); with one
-summary a block and with --sas-sub-blocks 4."""
+summary a block and with --sas-sub-blocks 4, the latter also through the fused Triton kernels."""
 
 from __future__ import annotations
 
@@ -58,10 +58,14 @@ def qwen3_gate(qwen3_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("sub_blocks", [1, 4])
-def test_qwen3_decode_matches_the_oracle(qwen3_dir, qwen3_gate, essay_ids, tmp_path, sub_blocks):
+@pytest.mark.parametrize("sub_blocks,kernels", [(1, "auto"), (4, "auto"), (4, "triton")])
+def test_qwen3_decode_matches_the_oracle(qwen3_dir, qwen3_gate, essay_ids, tmp_path, sub_blocks, kernels):
+    """kernels "triton": the fused front / select / attend (Triton's interpreter on CPU) summarize each decode-made
+    block's 4 runs and rank by the best run, as the oracle states it."""
+    if kernels == "triton" and ON_GPU:
+        pytest.skip("on a GPU the fused kernels are the default path (the auto cases)")
     args = ["--sas-gate", str(qwen3_gate), "--sas-budget", str(BUDGET), "--sas-sink-blocks", "1",
-            "--sas-local-blocks", "1", "--sas-sub-blocks", str(sub_blocks),
+            "--sas-local-blocks", "1", "--sas-sub-blocks", str(sub_blocks), "--sas-kernels", kernels,
             "--dtype", "bfloat16" if ON_GPU else "float32"]
     if ON_GPU:
         args.append("--disable-cuda-graph")  # the selection log reads the host each step

@@ -52,7 +52,8 @@ def _pow2(x: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class StepGeometry:
     """Per-rank geometry of a sparse layer: H_kv kv heads, G query heads each, head dims D (keys) and
-    Dv (values), gate dim Dg, K selected blocks of b tokens."""
+    Dv (values), gate dim Dg, K selected blocks of b tokens; sub_blocks n: summaries a block keeps, one per run
+    of b / n tokens (`selection.SelectionRule.sub_blocks`), so a summary row is n * Dg wide."""
 
     num_kv_heads: int
     group: int
@@ -61,12 +62,21 @@ class StepGeometry:
     gate_dim: int
     top_k: int
     block_size: int
+    sub_blocks: int = 1
+
+    @property
+    def summary_width(self) -> int:
+        """Columns of a summary row: the n run summaries side by side."""
+        return self.sub_blocks * self.gate_dim
 
     def check(self) -> "StepGeometry":
         if self.head_dim % 2 or self.gate_dim % 2:
             raise ValueError(f"RoPE needs even dims, got D={self.head_dim}, Dg={self.gate_dim}")
         if self.block_size & (self.block_size - 1) or self.block_size <= 0:
             raise ValueError(f"block size must be a power of two, got {self.block_size}")
+        n = self.sub_blocks
+        if n < 1 or n & (n - 1) or self.block_size % n:
+            raise ValueError(f"sub_blocks must be a power of two dividing the block size {self.block_size}, got {n}")
         if self.top_k < 0 or self.num_kv_heads <= 0 or self.group <= 0:
             raise ValueError(f"bad geometry {self}")
         return self
@@ -151,7 +161,7 @@ class DecodeStepWorkspace:
         self.gate_q = torch.zeros(self.max_bs, geo.num_kv_heads, dg, **f32)
         self.selected = torch.full((self.max_bs, geo.num_kv_heads, max(k, 0)), -1, **i32)
         self.front_partials_q = torch.zeros(rows * self.uq * dg, **f32)
-        self.front_partials_k = torch.zeros(rows * self.uk * dg, **f32)
+        self.front_partials_k = torch.zeros(rows * self.uk * geo.summary_width, **f32)  # per run
         self.front_counters = torch.zeros(rows * 2, **i32)
         nc = self.select_chunks(self.max_blocks)
         self.select_partials = torch.zeros(rows * 2 * nc * self.slots if nc > 1 else 1, **i32)
@@ -211,8 +221,9 @@ def front(
     q: `[bs, H_q, D]` after the model's RoPE (last axis contiguous); model_cos_sin `[bs, D]`, gate_cos_sin
     `[bs, Dg]`: fp32 table rows at each row's position; w_q `[H_kv, G, D, Dg]`, q_norm `[Dg]`; k_buffer
     `[slots, H_kv, D]` holding the new key already; model_table `[max_pos, D]`, gate_table `[max_pos, Dg]`
-    fp32; w_k `[H_kv, 3D, Dg]`, k_norm `[Dg]` (weights fp32 or bf16); summaries `[num_pages, H_kv, Dg]`
-    (fp32 or bf16) written in place for rows whose seq_len is a positive multiple of b; block_table
+    fp32; w_k `[H_kv, 3D, Dg]`, k_norm `[Dg]` (weights fp32 or bf16); summaries `[num_pages, H_kv, n * Dg]`
+    (fp32 or bf16; n = geometry.sub_blocks run summaries side by side, each pooled over its b / n tokens with the
+    gate RoPE at its first position) written in place for rows whose seq_len is a positive multiple of b; block_table
     `[bs, >= M + 1]` int; seq_lens `[bs]`. Returns `ws.gate_q[:bs]` `[bs, H_kv, Dg]` fp32
     (= `naive.front`'s gate query; the summaries as `ops.summary.update_summaries` leaves them).
     """
@@ -227,8 +238,9 @@ def front(
                          f"heads of {geo.head_dim})")
     if w_q.shape != (h_kv, geo.group, d, dg) or w_k.shape != (h_kv, 3 * d, dg):
         raise ValueError(f"gate weights {tuple(w_q.shape)} / {tuple(w_k.shape)} do not fit the geometry {geo}")
-    if summaries.shape[1:] != (h_kv, dg) or summaries.stride(-1) != 1 or k_buffer.stride(-1) != 1:
-        raise ValueError("summaries must be [num_pages, H_kv, Dg] and k_buffer [slots, H_kv, D], last axes contiguous")
+    if summaries.shape[1:] != (h_kv, geo.summary_width) or summaries.stride(-1) != 1 or k_buffer.stride(-1) != 1:
+        raise ValueError(f"summaries must be [num_pages, H_kv, {geo.summary_width}] (n * Dg) and k_buffer "
+                         f"[slots, H_kv, D], last axes contiguous; got {tuple(summaries.shape)}")
     for name, t in (("model_cos_sin", model_cos_sin), ("gate_cos_sin", gate_cos_sin), ("model_table", model_table),
                     ("gate_table", gate_table)):
         if t.dtype != torch.float32 or t.stride(-1) != 1:
@@ -248,7 +260,7 @@ def front(
         summaries.stride(0), summaries.stride(1), block_table.stride(0),
         h_kv, geo.group, ws.uq, ws.uq_per_head, ws.uk, GATE_NORM_EPS,
         HALF_D=d // 2, HALF_DG=dg // 2, QCHUNK=ws.qchunk, KCHUNK=ws.kchunk, BLOCK_HDG=_pow2(dg // 2),
-        BLOCK_SIZE=geo.block_size, **ws.launch.kwargs(ws.launch.front_warps, 4),
+        BLOCK_SIZE=geo.block_size, SUB=geo.sub_blocks, **ws.launch.kwargs(ws.launch.front_warps, 4),
     )
     return gq
 
@@ -267,7 +279,8 @@ def select(
 ) -> torch.Tensor:
     """One launch: the K blocks of each (row, kv head), as `naive.select`.
 
-    gate_q `[bs, H_kv, Dg]` fp32; summaries `[num_pages, H_kv, Dg]`; block_table `[bs, >= max_blocks]` int;
+    gate_q `[bs, H_kv, Dg]` fp32; summaries `[num_pages, H_kv, n * Dg]` (a block scores its best of the n =
+    geometry.sub_blocks run summaries); block_table `[bs, >= max_blocks]` int;
     num_candidates `[bs]` int (complete blocks before the current one); max_blocks: the plan's width M
     (the grid follows it, never a row's length); anchors: optional `[rows, H_kv, R]` int32 (-1 none), row
     `anchor_rows[r]` for batch row r (`[bs]` int, e.g. the batch's req pool indices: the server's anchor
@@ -284,6 +297,9 @@ def select(
     out = ws.selected[:bs]
     if max_blocks > ws.max_blocks:
         raise ValueError(f"width {max_blocks} exceeds the workspace's {ws.max_blocks} blocks")
+    if summaries.shape[1:] != (h_kv, geo.summary_width) or summaries.stride(-1) != 1:
+        raise ValueError(f"summaries must be [num_pages, H_kv, {geo.summary_width}] (n * Dg) with a contiguous last "
+                         f"axis; got {tuple(summaries.shape)}")
     if bs == 0 or k == 0:
         return out
     if anchors is None:
@@ -306,7 +322,8 @@ def select(
         h_kv, m, k, ws.slots, nc, anchor_rows is not None, min(max(sink_blocks, 0), m), min(max(local_blocks, 0), m),
         r_count,
         dg**-0.5,
-        DG=dg, BLOCK_DG=_pow2(dg), DG_TILE=min(32, _pow2(dg)), BLOCK_SIZE=geo.block_size, CHUNK=ws.chunk,
+        DG=dg, BLOCK_DG=_pow2(dg), DG_TILE=min(32, _pow2(dg)), BLOCK_SIZE=geo.block_size, SUB=geo.sub_blocks,
+        CHUNK=ws.chunk,
         SLOT_TILE=max(16, _pow2(ws.slots)), MERGE_TILE=merge_tile, K_TILE=max(16, _pow2(k)),
         **ws.launch.kwargs(ws.launch.select_warps, ws.select_warps(max_blocks)),
     )

@@ -21,24 +21,26 @@ from sas_backend.ops.topk.naive import select_blocks
 
 
 def front(q, model_cos_sin, gate_cos_sin, w_q, q_norm, k_buffer, model_table, gate_table, w_k, k_norm, summaries,
-          block_table, seq_lens, block_size) -> torch.Tensor:
-    """Gate query `[bs, H_kv, Dg]` fp32; summaries updated in place (shapes as `ops.decode_step.front`)."""
+          block_table, seq_lens, block_size, sub_blocks: int = 1) -> torch.Tensor:
+    """Gate query `[bs, H_kv, Dg]` fp32; summaries `[num_pages, H_kv, sub_blocks * Dg]` updated in place (shapes as
+    `ops.decode_step.front`)."""
     summary_update_decode(k_buffer, summaries, block_table, seq_lens, block_size, model_table, gate_table,
-                          w_k.float(), k_norm.float())
+                          w_k.float(), k_norm.float(), sub_blocks)
     return gate_query_post_rope(q, model_cos_sin, w_q.float(), q_norm.float(), gate_cos_sin)
 
 
 def scores(gate_q, summaries, block_table, num_candidates, block_size, max_blocks,
-           anchors: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`[bs, H_kv, max_blocks]` fp32 scores with anchored candidates raised to +inf."""
-    s = score_blocks(gate_q, summaries.float(), block_table, num_candidates, block_size, max_blocks)
+           anchors: Optional[torch.Tensor] = None, sub_blocks: int = 1) -> torch.Tensor:
+    """`[bs, H_kv, max_blocks]` fp32 scores (a block's best of its sub_blocks runs) with anchored candidates
+    raised to +inf."""
+    s = score_blocks(gate_q, summaries.float(), block_table, num_candidates, block_size, max_blocks, sub_blocks)
     return s if anchors is None else force_anchors(s, anchors, num_candidates)
 
 
 def select(gate_q, summaries, block_table, num_candidates, block_size, max_blocks, top_k, sink_blocks=0,
-           local_blocks=0, anchors=None) -> torch.Tensor:
+           local_blocks=0, anchors=None, sub_blocks: int = 1) -> torch.Tensor:
     """`[bs, H_kv, K]` int32 ascending, -1 padded (as `ops.decode_step.select`)."""
-    s = scores(gate_q, summaries, block_table, num_candidates, block_size, max_blocks, anchors)
+    s = scores(gate_q, summaries, block_table, num_candidates, block_size, max_blocks, anchors, sub_blocks)
     return select_blocks(s, num_candidates, top_k, sink_blocks, local_blocks)
 
 

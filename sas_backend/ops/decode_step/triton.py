@@ -10,9 +10,12 @@ atomic counter per row, reset by that program), so no second launch merges:
   half) of the gate query; the last of a row's UQ sums the partials in unit order, RMSNorm, gate RoPE ->
   `gate_q[r, h]`. Programs u >= UQ each pool and project one slice of head dims of the block the newest
   token completed (all 64 tokens at once, RoPE undone), the last of the UK sums, RMSNorm, gate RoPE at the
-  block start -> `summaries[page, h]`; rows that completed no block return at once (63 of 64 steps).
+  block start -> `summaries[page, h]`; rows that completed no block return at once (63 of 64 steps). With
+  SUB sub-block summaries (`StepGeometry.sub_blocks`) the same is done per run of b / SUB tokens (gate RoPE
+  at the run's start), the runs' summaries side by side in the row.
 - select, grid `(bs, H_kv, NC)`, NC from the plan's width, not the context: program c scores blocks
-  `[c*CHUNK, (c+1)*CHUNK)` against the row's summaries (forced sink / local blocks and prompt anchors by
+  `[c*CHUNK, (c+1)*CHUNK)` against the row's summaries (the best of a block's SUB run summaries; forced
+  sink / local blocks and prompt anchors by
   their keys, `ops.topk.triton.score_keys`) and keeps their local top K (the radix threshold select of
   `ops.topk.triton`); the last active chunk of a row merges the survivors -> the row's K block ids.
   A row whose candidates fit one chunk is selected by that chunk alone.
@@ -82,7 +85,7 @@ def _front_kernel(
     stride_sp, stride_sh, stride_bt,
     H_KV, G, UQ, UQ_PER_HEAD, UK, eps,
     HALF_D: tl.constexpr, HALF_DG: tl.constexpr, QCHUNK: tl.constexpr, KCHUNK: tl.constexpr,
-    BLOCK_HDG: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_HDG: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr = 1,
 ):
     _after_predecessor(PDL)
     n = tl.program_id(0).to(tl.int64)
@@ -112,62 +115,67 @@ def _front_kernel(
             norm_rope_store(p1, p2, qn_ptr, gcs_ptr + n * stride_gcs, gq_ptr + n * stride_gqn + h * stride_gqh,
                              eps, HALF_DG, BLOCK_HDG)
     else:
-        # --- summary of the completed block, unit uk = head dims [uk*KCHUNK, (uk+1)*KCHUNK) of each half ---
+        # --- summary of the completed block, unit uk = head dims [uk*KCHUNK, (uk+1)*KCHUNK) of each half; with
+        # SUB run summaries a block, each run of b / SUB tokens is pooled, projected and stored on its own ---
         seq_len = tl.load(seq_ptr + n).to(tl.int64)
         if (seq_len > 0) & (seq_len % BLOCK_SIZE == 0):
             uk = u - UQ
             block = seq_len // BLOCK_SIZE - 1
             slot0 = tl.load(bt_ptr + n * stride_bt + block).to(tl.int64)
-            t = tl.arange(0, BLOCK_SIZE)
             i = uk * KCHUNK + tl.arange(0, KCHUNK)
             im = (i < HALF_D)[None, :]
-            kp = k_ptr + ((slot0 + t) * stride_ks + h * stride_kh)[:, None] + i[None, :]
-            x1 = tl.load(kp, mask=im, other=0.0).to(tl.float32)  # [b, KCHUNK]: every token at once
-            x2 = tl.load(kp + HALF_D, mask=im, other=0.0).to(tl.float32)
-            cp = mtab_ptr + ((block * BLOCK_SIZE + t) * stride_mtab)[:, None] + i[None, :]
-            c = tl.load(cp, mask=im, other=1.0)
-            s = tl.load(cp + HALF_D, mask=im, other=0.0)
-            inv_m2 = 1.0 / (c * c + s * s)  # exact inverse, a magnitude (YaRN) included
-            y1 = (x1 * c + x2 * s) * inv_m2
-            y2 = (x2 * c - x1 * s) * inv_m2
-            # cat(max, min, mean) [3D] rows of w_k: statistic st, half hh -> row st*2*HALF_D + hh*HALF_D + i.
             w_h = wk_ptr + h * stride_wkh
             ik = i < HALF_D
-            mean1 = tl.sum(y1, axis=0) / BLOCK_SIZE
-            mean2 = tl.sum(y2, axis=0) / BLOCK_SIZE
-            p1 = tl.zeros([BLOCK_HDG], tl.float32)
-            p2 = tl.zeros([BLOCK_HDG], tl.float32)
-            p1, p2 = _seg_dot(tl.max(y1, axis=0), p1, p2, w_h, 0 * HALF_D + i, ik, stride_wkr, stride_wkc,
-                              HALF_DG, BLOCK_HDG)
-            p1, p2 = _seg_dot(tl.max(y2, axis=0), p1, p2, w_h, 1 * HALF_D + i, ik, stride_wkr, stride_wkc,
-                              HALF_DG, BLOCK_HDG)
-            p1, p2 = _seg_dot(tl.min(y1, axis=0), p1, p2, w_h, 2 * HALF_D + i, ik, stride_wkr, stride_wkc,
-                              HALF_DG, BLOCK_HDG)
-            p1, p2 = _seg_dot(tl.min(y2, axis=0), p1, p2, w_h, 3 * HALF_D + i, ik, stride_wkr, stride_wkc,
-                              HALF_DG, BLOCK_HDG)
-            p1, p2 = _seg_dot(mean1, p1, p2, w_h, 4 * HALF_D + i, ik, stride_wkr, stride_wkc, HALF_DG, BLOCK_HDG)
-            p1, p2 = _seg_dot(mean2, p1, p2, w_h, 5 * HALF_D + i, ik, stride_wkr, stride_wkc, HALF_DG, BLOCK_HDG)
-            ws = wsk_ptr + (row_h * UK + uk) * (2 * HALF_DG)
-            tl.store(ws + j, p1, mask=jm)
-            tl.store(ws + HALF_DG + j, p2, mask=jm)
+            ws = wsk_ptr + (row_h * UK + uk) * SUB * (2 * HALF_DG)
+            for run in tl.static_range(SUB):
+                t = run * (BLOCK_SIZE // SUB) + tl.arange(0, BLOCK_SIZE // SUB)
+                kp = k_ptr + ((slot0 + t) * stride_ks + h * stride_kh)[:, None] + i[None, :]
+                x1 = tl.load(kp, mask=im, other=0.0).to(tl.float32)  # [b / SUB, KCHUNK]: the run's tokens at once
+                x2 = tl.load(kp + HALF_D, mask=im, other=0.0).to(tl.float32)
+                cp = mtab_ptr + ((block * BLOCK_SIZE + t) * stride_mtab)[:, None] + i[None, :]
+                c = tl.load(cp, mask=im, other=1.0)
+                s = tl.load(cp + HALF_D, mask=im, other=0.0)
+                inv_m2 = 1.0 / (c * c + s * s)  # exact inverse, a magnitude (YaRN) included
+                y1 = (x1 * c + x2 * s) * inv_m2
+                y2 = (x2 * c - x1 * s) * inv_m2
+                # cat(max, min, mean) [3D] rows of w_k: statistic st, half hh -> row st*2*HALF_D + hh*HALF_D + i.
+                mean1 = tl.sum(y1, axis=0) / (BLOCK_SIZE // SUB)
+                mean2 = tl.sum(y2, axis=0) / (BLOCK_SIZE // SUB)
+                p1 = tl.zeros([BLOCK_HDG], tl.float32)
+                p2 = tl.zeros([BLOCK_HDG], tl.float32)
+                p1, p2 = _seg_dot(tl.max(y1, axis=0), p1, p2, w_h, 0 * HALF_D + i, ik, stride_wkr, stride_wkc,
+                                  HALF_DG, BLOCK_HDG)
+                p1, p2 = _seg_dot(tl.max(y2, axis=0), p1, p2, w_h, 1 * HALF_D + i, ik, stride_wkr, stride_wkc,
+                                  HALF_DG, BLOCK_HDG)
+                p1, p2 = _seg_dot(tl.min(y1, axis=0), p1, p2, w_h, 2 * HALF_D + i, ik, stride_wkr, stride_wkc,
+                                  HALF_DG, BLOCK_HDG)
+                p1, p2 = _seg_dot(tl.min(y2, axis=0), p1, p2, w_h, 3 * HALF_D + i, ik, stride_wkr, stride_wkc,
+                                  HALF_DG, BLOCK_HDG)
+                p1, p2 = _seg_dot(mean1, p1, p2, w_h, 4 * HALF_D + i, ik, stride_wkr, stride_wkc, HALF_DG, BLOCK_HDG)
+                p1, p2 = _seg_dot(mean2, p1, p2, w_h, 5 * HALF_D + i, ik, stride_wkr, stride_wkc, HALF_DG, BLOCK_HDG)
+                tl.store(ws + run * (2 * HALF_DG) + j, p1, mask=jm)
+                tl.store(ws + run * (2 * HALF_DG) + HALF_DG + j, p2, mask=jm)
             if _arrive(cnt_ptr + 2 * row_h + 1, UK):
-                base = wsk_ptr + row_h * UK * (2 * HALF_DG)
-                a1 = tl.zeros([BLOCK_HDG], tl.float32)
-                a2 = tl.zeros([BLOCK_HDG], tl.float32)
-                for v in range(UK):
-                    a1 += tl.load(base + v * (2 * HALF_DG) + j, mask=jm, other=0.0, cache_modifier=".cg")
-                    a2 += tl.load(base + v * (2 * HALF_DG) + HALF_DG + j, mask=jm, other=0.0, cache_modifier=".cg")
-                var = (tl.sum(a1 * a1, axis=0) + tl.sum(a2 * a2, axis=0)) / (2 * HALF_DG)
-                inv = tl.rsqrt(var + eps)
-                n1 = a1 * inv * tl.load(kn_ptr + j, mask=jm, other=0.0).to(tl.float32)
-                n2 = a2 * inv * tl.load(kn_ptr + HALF_DG + j, mask=jm, other=0.0).to(tl.float32)
-                gp = gtab_ptr + block * BLOCK_SIZE * stride_gtab  # gate RoPE at the block's first position
-                gc = tl.load(gp + j, mask=jm, other=0.0)
-                gs = tl.load(gp + HALF_DG + j, mask=jm, other=0.0)
+                base = wsk_ptr + row_h * UK * SUB * (2 * HALF_DG)
                 page = slot0 // BLOCK_SIZE
-                o = summ_ptr + page * stride_sp + h * stride_sh
-                tl.store(o + j, (n1 * gc - n2 * gs).to(summ_ptr.dtype.element_ty), mask=jm)
-                tl.store(o + HALF_DG + j, (n2 * gc + n1 * gs).to(summ_ptr.dtype.element_ty), mask=jm)
+                for run in tl.static_range(SUB):
+                    a1 = tl.zeros([BLOCK_HDG], tl.float32)
+                    a2 = tl.zeros([BLOCK_HDG], tl.float32)
+                    for v in range(UK):
+                        part = base + (v * SUB + run) * (2 * HALF_DG)
+                        a1 += tl.load(part + j, mask=jm, other=0.0, cache_modifier=".cg")
+                        a2 += tl.load(part + HALF_DG + j, mask=jm, other=0.0, cache_modifier=".cg")
+                    var = (tl.sum(a1 * a1, axis=0) + tl.sum(a2 * a2, axis=0)) / (2 * HALF_DG)
+                    inv = tl.rsqrt(var + eps)
+                    n1 = a1 * inv * tl.load(kn_ptr + j, mask=jm, other=0.0).to(tl.float32)
+                    n2 = a2 * inv * tl.load(kn_ptr + HALF_DG + j, mask=jm, other=0.0).to(tl.float32)
+                    # gate RoPE at the run's first position
+                    gp = gtab_ptr + (block * BLOCK_SIZE + run * (BLOCK_SIZE // SUB)) * stride_gtab
+                    gc = tl.load(gp + j, mask=jm, other=0.0)
+                    gs = tl.load(gp + HALF_DG + j, mask=jm, other=0.0)
+                    o = summ_ptr + page * stride_sp + h * stride_sh + run * (2 * HALF_DG)
+                    tl.store(o + j, (n1 * gc - n2 * gs).to(summ_ptr.dtype.element_ty), mask=jm)
+                    tl.store(o + HALF_DG + j, (n2 * gc + n1 * gs).to(summ_ptr.dtype.element_ty), mask=jm)
 
 
 @triton.jit
@@ -188,6 +196,7 @@ def _select_kernel(
     H_KV, M, K, SLOTS, NC, ROWS_GIVEN: tl.constexpr, sink_blocks, local_blocks, R, inv_sqrt_dg,
     DG: tl.constexpr, BLOCK_DG: tl.constexpr, DG_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
     SLOT_TILE: tl.constexpr, MERGE_TILE: tl.constexpr, K_TILE: tl.constexpr, PDL: tl.constexpr,
+    SUB: tl.constexpr = 1,
 ):
     _after_predecessor(PDL)
     r = tl.program_id(0).to(tl.int64)
@@ -200,13 +209,18 @@ def _select_kernel(
         valid = idx < n
         pages = tl.load(bt_ptr + r * stride_bt + idx, mask=valid, other=0).to(tl.int64) // BLOCK_SIZE
         # Dg in tiles of DG_TILE columns: a [CHUNK, DG_TILE] summary tile at a time stays in registers.
-        x = tl.zeros([CHUNK], tl.float32)
+        # SUB run summaries a block, DG columns each side by side: the block scores its best run.
+        x = tl.full([CHUNK], float("-inf"), tl.float32)
         s_row = summ_ptr + (pages * stride_sp + h * stride_sh)[:, None]
-        for j0 in tl.static_range(0, BLOCK_DG, DG_TILE):
-            j = j0 + tl.arange(0, DG_TILE)
-            kg = tl.load(s_row + j[None, :], mask=valid[:, None] & (j < DG)[None, :], other=0.0).to(tl.float32)
-            gq = tl.load(gq_ptr + r * stride_gqn + h * stride_gqh + j, mask=j < DG, other=0.0)
-            x += tl.sum(kg * gq[None, :], axis=1)
+        for run in tl.static_range(SUB):
+            x_run = tl.zeros([CHUNK], tl.float32)
+            for j0 in tl.static_range(0, BLOCK_DG, DG_TILE):
+                j = j0 + tl.arange(0, DG_TILE)
+                kg = tl.load(s_row + run * DG + j[None, :], mask=valid[:, None] & (j < DG)[None, :],
+                             other=0.0).to(tl.float32)
+                gq = tl.load(gq_ptr + r * stride_gqn + h * stride_gqh + j, mask=j < DG, other=0.0)
+                x_run += tl.sum(kg * gq[None, :], axis=1)
+            x = tl.maximum(x, x_run)
         x = x * inv_sqrt_dg
         # Prompt anchors rank as +inf (`ops.anchors.force_anchors`), under the forced sink / local keys.
         if R > 0:

@@ -23,19 +23,22 @@ def score_blocks(
     block_size: int,
     max_blocks: int,
     out: Optional[torch.Tensor] = None,
+    sub_blocks: int = 1,
 ) -> torch.Tensor:
     """Scores `[bs, H_kv, max_blocks]` fp32 of every candidate block, `-inf` elsewhere.
 
-    gate_q: `[bs, H_kv, Dg]`; summaries: `[num_pages, H_kv, Dg]` (row = physical page);
+    gate_q: `[bs, H_kv, Dg]`; summaries: `[num_pages, H_kv, n * Dg]` (row = physical page; n = sub_blocks run
+    summaries of each block side by side, the block scoring its best run);
     block_table: `[bs, >= max_blocks]` KV slot of each logical block's first token;
     num_candidates: `[bs]`; out: optional `[bs, H_kv, max_blocks]` fp32 buffer (CUDA graphs).
-    `s[r,h,m] = gate_q[r,h] . summaries[block_table[r,m] // b, h] / sqrt(Dg)` for m < num_candidates[r].
+    `s[r,h,m] = max_j gate_q[r,h] . summaries[block_table[r,m] // b, h, run j] / sqrt(Dg)` for m < num_candidates[r].
     """
     if gate_q.is_cuda:
         from sas_backend.ops.score.triton import score_blocks_triton
 
-        return score_blocks_triton(gate_q, summaries, block_table, num_candidates, block_size, max_blocks, out=out)
-    res = torch_path.score_blocks(gate_q, summaries, block_table, num_candidates, block_size, max_blocks)
+        return score_blocks_triton(gate_q, summaries, block_table, num_candidates, block_size, max_blocks, out=out,
+                                   sub_blocks=sub_blocks)
+    res = torch_path.score_blocks(gate_q, summaries, block_table, num_candidates, block_size, max_blocks, sub_blocks)
     return res if out is None else out.copy_(res)
 
 

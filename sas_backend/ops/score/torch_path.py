@@ -18,19 +18,20 @@ def candidate_counts(seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def score_blocks(
     gate_q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, num_candidates: torch.Tensor,
-    block_size: int, max_blocks: int,
+    block_size: int, max_blocks: int, sub_blocks: int = 1,
 ) -> torch.Tensor:
     """Scores of every candidate block, `-inf` elsewhere.
 
-    gate_q: `[bs, H_kv, Dg]`; summaries: `[num_pages, H_kv, Dg]` (row = physical page);
+    gate_q: `[bs, H_kv, Dg]`; summaries: `[num_pages, H_kv, n * Dg]` (row = physical page; n = sub_blocks
+    summaries of a block's runs side by side, run j in columns j*Dg .. (j+1)*Dg - 1);
     block_table: `[bs, >= max_blocks]` KV slot of each logical block's first token (a page is one
     block, so block m lives in page block_table[r, m] // b); num_candidates: `[bs]`.
-    Returns `[bs, H_kv, max_blocks]` fp32 with `s[r,h,m] = gate_q[r,h] . summaries[page(r,m),h] / sqrt(Dg)`
+    Returns `[bs, H_kv, max_blocks]` fp32 with `s[r,h,m] = max_j gate_q[r,h] . summaries[page(r,m),h,run j] / sqrt(Dg)`
     for m < num_candidates[r].
     """
     bs, h_kv, dg = gate_q.shape
     pages = torch.div(block_table[:, :max_blocks].long(), block_size, rounding_mode="floor")  # [bs, M]
-    kg = summaries[pages].float()  # [bs, M, H_kv, Dg]
-    scores = torch.einsum("bhd,bmhd->bhm", gate_q.float(), kg) / math.sqrt(dg)
+    kg = summaries[pages].float().unflatten(-1, (sub_blocks, dg))  # [bs, M, H_kv, n, Dg]
+    scores = torch.einsum("bhd,bmhnd->bhmn", gate_q.float(), kg).amax(dim=-1) / math.sqrt(dg)
     valid = torch.arange(max_blocks, device=gate_q.device)[None, :] < num_candidates[:, None]
     return scores.masked_fill(~valid[:, None, :], float("-inf"))

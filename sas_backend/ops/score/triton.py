@@ -37,6 +37,7 @@ def _score_blocks_kernel(
     BLOCK_DG: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SUB: tl.constexpr = 1,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -59,26 +60,27 @@ def _score_blocks_kernel(
     d = tl.arange(0, BLOCK_DG)
     dmask = d < DG
     q = tl.load(q_ptr + r * stride_qb + h * stride_qh + d * stride_qd, mask=dmask, other=0.0).to(tl.float32)
-    kg = tl.load(
-        summ_ptr + page[:, None] * stride_sp + h * stride_sh + d[None, :] * stride_sd,
-        mask=valid[:, None] & dmask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    s = tl.sum(kg * q[None, :], axis=1) * sm_scale
+    s_row = summ_ptr + page[:, None] * stride_sp + h * stride_sh
+    s = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for u in tl.static_range(SUB):  # the block scores its best run (SUB run summaries side by side, DG columns each)
+        kg = tl.load(s_row + (u * DG + d[None, :]) * stride_sd, mask=valid[:, None] & dmask[None, :],
+                     other=0.0).to(tl.float32)
+        s = tl.maximum(s, tl.sum(kg * q[None, :], axis=1))
+    s = s * sm_scale
     s = tl.where(valid, s, float("-inf"))
     tl.store(out_row + m, s, mask=m < max_blocks)
 
 
 def score_blocks_triton(
     gate_q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, num_candidates: torch.Tensor,
-    block_size: int, max_blocks: int, out: Optional[torch.Tensor] = None,
+    block_size: int, max_blocks: int, out: Optional[torch.Tensor] = None, sub_blocks: int = 1,
 ) -> torch.Tensor:
     """`ops.score.score_blocks` on CUDA (its docstring has the shapes and the rule).
 
     Kernel terms: gate_q any float dtype; summaries fp32 or bf16; block_table and out last axis contiguous;
     num_candidates read on device (no host sync)."""
     bs, h_kv, dg = gate_q.shape
-    if summaries.shape[1:] != (h_kv, dg):
+    if summaries.shape[1:] != (h_kv, sub_blocks * dg):
         raise ValueError(f"summaries {tuple(summaries.shape)} do not match gate_q {tuple(gate_q.shape)}")
     if block_table.stride(-1) != 1:
         raise ValueError("block_table must be contiguous along its last axis")
@@ -111,5 +113,6 @@ def score_blocks_triton(
         BLOCK_DG=triton.next_power_of_2(dg),
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
+        SUB=sub_blocks,
     )
     return out
