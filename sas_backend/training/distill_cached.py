@@ -14,6 +14,12 @@ many times.
         [--val-cache DIR [DIR ...]] [--eval-every 50] [--save-every 100] [--resume]
         [--coverage-weight 0] [--coverage-budgets 512 1024 2048] [--coverage-temperature 0.05] [--coverage-regret]
         [--layers I [I ...]]   # train only these layers' gates (needs --init-gate; the others are kept)
+        [--sub-blocks N]       # gates for --sas-sub-blocks N: runs of block / N tokens, a block scores its best run
+
+With `--sub-blocks N` the gate learns the serving rule of `selection.SelectionRule.sub_blocks`: each run of b / N
+tokens is summarized on its own (RoPE at its first position) and a block's score is its best run's, inside the
+softmax the KL fits (the gradient reaches that run). The caches must pool runs as fine or finer
+(`features --sub-blocks M`, N dividing M); the checkpoint's `serving.sub_blocks` says N, so a server serves it so.
 
 Several caches (e.g. prose, prose with recall rows, code) are one pool of rows; they must share
 model, seq len, tail, block size and target. Every row is loaded into memory (fp16; ~47 MB a
@@ -38,21 +44,26 @@ from sas_backend.training.loop import STATE_FILE, GateLoop, batch_rows, progress
 # Arguments a resumed run must share with the run that wrote the state.
 _RESUME_KEYS = ("model", "cache", "budget", "sink_blocks", "local_blocks", "steps", "rows_per_step", "lr",
                 "warmup", "min_lr_ratio", "weight_decay", "clip", "seed", "init_gate", "gate_dim", "coverage_weight",
-                "coverage_budgets", "coverage_temperature", "coverage_regret", "layers")
+                "coverage_budgets", "coverage_temperature", "coverage_regret", "layers", "sub_blocks")
 # What a state saved before a key existed ran with.
 _RESUME_DEFAULTS = {"coverage_weight": 0.0, "coverage_budgets": [512, 1024, 2048], "coverage_temperature": 0.05,
-                    "coverage_regret": False, "layers": None}
+                    "coverage_regret": False, "layers": None, "sub_blocks": 1}
 _SPEC_KEYS = ("model", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "seq_len", "tail",
               "block_size", "target")
 
 
 class RowBatch:
-    """Cached rows stacked for one layer: q `[R*N, Hq, D]`, pooled `[R*NBc, Hkv, 3D]`, target
-    `[Hkv, R*N, NB]` (fp32), with the packed bookkeeping `BlockLogGate` needs."""
+    """Cached rows stacked for one layer: q `[R*N, Hq, D]`, pooled `[R*NBc*n, Hkv, 3D]` (n = spec.sub_blocks runs a
+    block, regrouped from the cache's finer runs by `features.pool_runs`), target `[Hkv, R*N, NB]` (fp32), with the
+    packed bookkeeping `BlockLogGate` needs."""
 
     def __init__(self, rows: List[Dict[str, torch.Tensor]], layer: int, spec):
+        from sas_backend.training.features import pool_runs
+
+        full = spec.seq_len // spec.block_size
         self.q = torch.cat([r[f"q.{layer}"] for r in rows]).float()
-        self.pooled = torch.cat([r[f"pooled.{layer}"] for r in rows]).float()
+        self.pooled = torch.cat([pool_runs(r[f"pooled.{layer}"].float(), r[f"pooled.{layer}"].shape[0] // full,
+                                           spec.sub_blocks) for r in rows])
         self.target = torch.cat([r[f"target.{layer}"] for r in rows], dim=1).float()
         n, length = len(rows), spec.seq_len
         self.bounds = [(i * length, (i + 1) * length) for i in range(n)]
@@ -79,10 +90,12 @@ def layer_scores(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: i
     from sas_backend.training.model import target_over_candidates
     from sas_backend.training.scoring import candidate_blocks, score_with_summaries
 
-    b, nb, full = spec.block_size, spec.num_blocks, spec.seq_len // spec.block_size
+    b, nb, full, n = spec.block_size, spec.num_blocks, spec.seq_len // spec.block_size, spec.sub_blocks
     n_rows = len(batch.bounds)
-    starts = (torch.arange(full) * b).repeat(n_rows)
-    kg = gate.summarize_pooled(batch.pooled, gate_table[starts]).view(n_rows, full, gate.num_kv_heads, gate.gate_dim)
+    starts = (torch.arange(full)[:, None] * b + torch.arange(n) * (b // n)).reshape(-1).repeat(n_rows)  # each run's
+    kg = gate.summarize_pooled(batch.pooled, gate_table[starts]).view(n_rows, full, n, gate.num_kv_heads,
+                                                                      gate.gate_dim).transpose(2, 3)
+    kg = kg[:, :, :, 0] if n == 1 else kg  # [R, NBc, Hkv, Dg], or [R, NBc, Hkv, n, Dg]: a block scores its best run
     if nb > full:  # the incomplete last block never scores (zeros, as scoring.block_summaries pads)
         kg = torch.cat([kg, kg.new_zeros(n_rows, nb - full, *kg.shape[2:])], dim=1)
     scores = score_with_summaries(gate, batch.q, kg, batch.bounds, b, top_k, gate_table, query_chunk=spec.tail,
@@ -169,6 +182,8 @@ def check_compatible(caches) -> None:
     first = caches[0][1].manifest
     for path, cache in caches[1:]:
         diff = [k for k in _SPEC_KEYS if cache.manifest.get(k) != first.get(k)]
+        if cache.spec.sub_blocks != caches[0][1].spec.sub_blocks:
+            diff.append("sub_blocks")
         if diff:
             raise SystemExit(f"error: cache {path} differs from {caches[0][0]} in {', '.join(diff)}")
 
@@ -215,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coverage-regret", action="store_true",
                    help="the coverage term is the mean squared regret against the oracle's top k (the queries "
                         "that miss the most weigh most) instead of the mean missed mass")
+    p.add_argument("--sub-blocks", type=int, default=1,
+                   help="train gates for --sas-sub-blocks N (runs of block / N tokens, a block scores its best run; "
+                        "the caches must pool runs of block / M, N dividing M); the checkpoint serves with N")
     p.add_argument("--layers", type=int, nargs="+", default=None,
                    help="train only these layers' gates (the others are kept from --init-gate); default all")
     p.add_argument("--val-cache", nargs="*", default=[],
@@ -253,6 +271,11 @@ def main(argv: Optional[list] = None) -> int:
     _train_split_only(caches)
     manifest = caches[0][1].manifest
     spec = caches[0][1].spec
+    if args.sub_blocks < 1 or spec.sub_blocks % args.sub_blocks or args.sub_blocks & (args.sub_blocks - 1):
+        raise SystemExit(f"error: --sub-blocks {args.sub_blocks}: the caches pool runs of block / {spec.sub_blocks} "
+                         "tokens; train with a power of two dividing that (build caches with features --sub-blocks "
+                         "for finer runs)")
+    spec = dataclasses.replace(spec, sub_blocks=args.sub_blocks)  # the runs the gates score (RowBatch regroups)
     geometry = ModelGeometry.from_model_dir(args.model)
     got = (geometry.num_layers, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim)
     want = tuple(manifest[k] for k in _SPEC_KEYS[1:5])
@@ -328,6 +351,7 @@ def main(argv: Optional[list] = None) -> int:
                          **({"regret": True} if args.coverage_regret else {})} if args.coverage_weight > 0 else None,
             "budget": args.budget,
             "block_size": spec.block_size,
+            **({"sub_blocks": args.sub_blocks} if args.sub_blocks > 1 else {}),
             "top_k": top_k,
             "sink_blocks": args.sink_blocks,
             "local_blocks": args.local_blocks,
@@ -359,13 +383,16 @@ def main(argv: Optional[list] = None) -> int:
 
     def save(step: int, elapsed: float) -> None:
         loop.save_state(step, {"val": val_log})
-        save_gate_checkpoint(args.out, dataclasses.replace(gate_config, training=record(step, elapsed)), gates,
-                             dtype=torch.float32)
+        serving = {"sub_blocks": args.sub_blocks} if args.sub_blocks > 1 else gate_config.serving
+        save_gate_checkpoint(args.out, dataclasses.replace(gate_config, training=record(step, elapsed),
+                                                           serving=serving), gates, dtype=torch.float32)
 
     per_cache = ", ".join(f"{p}: {c.manifest['rows']}" for p, c in caches)
     print(f"[distill_cached] {len(rows)} cached rows ({per_cache}) "
           f"| tail {spec.tail} of {spec.seq_len} | target {spec.target} | budget {args.budget} (K={top_k}, "
-          f"sink {args.sink_blocks}, local {args.local_blocks}) | {len(val_rows)} held-out rows | steps {start}->{end}",
+          + (f"{args.sub_blocks} sub-block summaries a block, " if args.sub_blocks > 1 else "")
+          + f"sink {args.sink_blocks}, local {args.local_blocks}) | {len(val_rows)} held-out rows "
+          f"| steps {start}->{end}",
           flush=True)
     if val_rows:
         cov = oracle_coverage(gates, val_rows, spec, gate_table, top_k, args.sink_blocks, args.local_blocks,

@@ -6,7 +6,9 @@ backbone's work (almost all of a distill step's time on a CPU) can be done once 
 `build_feature_cache` runs the frozen model densely over each row and writes, per layer i:
 
     q.{i}       [N, Hq, D]     fp16  pre-RoPE queries of the row's last N positions (the tail)
-    pooled.{i}  [NB_c, Hkv, 3D] fp16  max|min|mean of every complete block's pre-RoPE keys
+    pooled.{i}  [NB_c * n, Hkv, 3D] fp16  max|min|mean of every complete block's pre-RoPE keys; with
+                                     --sub-blocks n, of each run of b / n tokens (run j of block m
+                                     in row m * n + j), from which any coarser runs can be pooled
     target.{i}  [Hkv, N, NB]   fp16  the distill target (`model.pooled_attention_target`): dense
                                      attention pooled per block ("mass": summed, the oracle's
                                      quantity; "max": SeerAttention-R), max over the kv group's
@@ -19,7 +21,7 @@ tail, block size, target, recall rows, the build command). A build resumes: rows
 per row instead of a full model forward).
 
     python -m sas_backend.training.features --model DIR --data @essays @stdlib --out DIR
-        [--seq-len 4096] [--tail 1024] [--block-size 64] [--target mass|max] [--split train|heldout]
+        [--seq-len 4096] [--tail 1024] [--block-size 64] [--sub-blocks 1] [--target mass|max] [--split train|heldout]
         [--seed 0] [--max-rows N] [--recall-rows FRACTION] [--recall-facts N] [--dtype float32|bfloat16]
 """
 
@@ -53,12 +55,14 @@ class FeatureCacheError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class FeatureSpec:
     """What a cache holds: the last `tail` positions of rows of `seq_len` tokens are the queries;
-    blocks of `block_size`; distill `target` "mass" or "max"."""
+    blocks of `block_size`, their keys pooled per run of block_size / sub_blocks tokens; distill `target` "mass"
+    or "max" (per block)."""
 
     seq_len: int = 4096
     tail: int = 1024
     block_size: int = 64
     target: str = "mass"
+    sub_blocks: int = 1
 
     def __post_init__(self):
         from sas_backend.training.model import DISTILL_TARGETS
@@ -67,6 +71,9 @@ class FeatureSpec:
             raise ValueError(f"target must be one of {DISTILL_TARGETS}, got {self.target!r}")
         if self.block_size < 1 or self.seq_len < 2 * self.block_size:
             raise ValueError(f"seq_len {self.seq_len} must hold at least two blocks of {self.block_size}")
+        n = self.sub_blocks
+        if n < 1 or n & (n - 1) or self.block_size % n:
+            raise ValueError(f"sub_blocks must be a power of two dividing the block size {self.block_size}, got {n}")
         if not 1 <= self.tail <= self.seq_len - self.block_size:
             raise ValueError(f"tail {self.tail} must be in [1, seq_len - block_size = "
                              f"{self.seq_len - self.block_size}] (a query needs a previous block)")
@@ -75,6 +82,30 @@ class FeatureSpec:
     def num_blocks(self) -> int:
         """NB = ceil(seq_len / block_size), the block axis of the targets."""
         return -(-self.seq_len // self.block_size)
+
+    @classmethod
+    def from_manifest(cls, m: dict) -> "FeatureSpec":
+        """The spec a manifest records (caches made before sub-block pooling: one run a block)."""
+        return cls(m["seq_len"], m["tail"], m["block_size"], m["target"], m.get("sub_blocks", 1))
+
+    def record(self) -> dict:
+        """The manifest's fields for this spec (sub_blocks only when above 1: older caches keep resuming)."""
+        d = dataclasses.asdict(self)
+        if d["sub_blocks"] == 1:
+            del d["sub_blocks"]
+        return d
+
+
+def pool_runs(pooled: torch.Tensor, have: int, want: int) -> torch.Tensor:
+    """`[NB * have, ..., 3D]` max|min|mean pooled per run of b / have tokens -> `[NB * want, ..., 3D]` per run of
+    b / want (want dividing have): the max of the maxes, the min of the mins, the mean of the means (equal runs)."""
+    if have % want:
+        raise ValueError(f"runs of b / {have} cannot be regrouped into b / {want} (want must divide have)")
+    if have == want:
+        return pooled
+    x = pooled.unflatten(0, (-1, have // want))  # [NB * want, have / want, ..., 3D]
+    mx, mn, mean = x.chunk(3, dim=-1)
+    return torch.cat([mx.amax(dim=1), mn.amin(dim=1), mean.mean(dim=1)], dim=-1)
 
 
 def row_file(i: int) -> str:
@@ -97,8 +128,8 @@ def _capture_attention(module, query, key, value, attention_mask, scaling, dropo
     start = length - spec.tail
     q_tail_pre = invert_rope(q[start:].float(), table[start:length])
     k_pre = invert_rope(k.float(), table[:length])
-    full = length // b
-    pooled = pool_block_keys(k_pre[: full * b].view(full, b, k.shape[1], k.shape[2]))  # [NB_c, Hkv, 3D]
+    full, n = length // b, spec.sub_blocks
+    pooled = pool_block_keys(k_pre[: full * b].view(full * n, b // n, k.shape[1], k.shape[2]))  # [NB_c * n, Hkv, 3D]
     target = pooled_attention_target(q[start:], k, [(0, length)], b, spec.num_blocks, scaling,
                                      query_start=start, pool=spec.target)
     ctx["out"][module.layer_idx] = {"q": q_tail_pre, "pooled": pooled, "target": target}
@@ -147,7 +178,7 @@ def _manifest(spec: FeatureSpec, model_dir: str, geometry, data_record: dict, re
         "num_attention_heads": geometry.num_q_heads,
         "num_key_value_heads": geometry.num_kv_heads,
         "head_dim": geometry.head_dim,
-        **dataclasses.asdict(spec),
+        **spec.record(),
         "rows": rows,
         "seed": seed,
         "data": data_record,
@@ -203,8 +234,7 @@ class FeatureCache:
 
     @property
     def spec(self) -> FeatureSpec:
-        m = self.manifest
-        return FeatureSpec(m["seq_len"], m["tail"], m["block_size"], m["target"])
+        return FeatureSpec.from_manifest(self.manifest)
 
     @property
     def num_layers(self) -> int:
@@ -249,9 +279,9 @@ def load_feature_cache(cache_dir: str, max_rows: Optional[int] = None, lazy: boo
     if manifest.get("format_version") != FORMAT_VERSION:
         raise FeatureCacheError(f"{path}: format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
     n = int(manifest["rows"]) if max_rows is None else min(max_rows, int(manifest["rows"]))
-    spec = FeatureSpec(manifest["seq_len"], manifest["tail"], manifest["block_size"], manifest["target"])
+    spec = FeatureSpec.from_manifest(manifest)
     h_q, h_kv, d = manifest["num_attention_heads"], manifest["num_key_value_heads"], manifest["head_dim"]
-    want = {"q": (spec.tail, h_q, d), "pooled": (spec.seq_len // spec.block_size, h_kv, 3 * d),
+    want = {"q": (spec.tail, h_q, d), "pooled": (spec.seq_len // spec.block_size * spec.sub_blocks, h_kv, 3 * d),
             "target": (h_kv, spec.tail, spec.num_blocks)}
     rows = []
     for i in range(n):
@@ -290,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per packed row")
     p.add_argument("--tail", type=int, default=1024, help="the last N positions of each row are the distilled queries")
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--sub-blocks", type=int, default=1,
+                   help="pool each block's keys per run of block-size / N tokens (distill_cached --sub-blocks M "
+                        "trains on runs of block-size / M for any M dividing N; 1: whole blocks)")
     p.add_argument("--target", choices=("mass", "max"), default="mass",
                    help="distill target: block attention mass (the oracle's quantity) or SeerAttention-R's max")
     p.add_argument("--split", choices=("train", "heldout", "all"), default="train",
@@ -327,7 +360,7 @@ def main(argv: Optional[list] = None) -> int:
     from sas_backend.training.model import check_supported
 
     try:
-        spec = FeatureSpec(args.seq_len, args.tail, args.block_size, args.target)
+        spec = FeatureSpec(args.seq_len, args.tail, args.block_size, args.target, args.sub_blocks)
         shard, shards = (int(x) for x in args.shard.split("/"))
         if not 0 <= shard < shards:
             raise ValueError
@@ -408,7 +441,7 @@ def command_line(argv) -> str:
 
 def _row_mb(spec: FeatureSpec, geometry) -> float:
     per_layer = (spec.tail * geometry.num_q_heads * geometry.head_dim
-                 + spec.seq_len // spec.block_size * geometry.num_kv_heads * 3 * geometry.head_dim
+                 + spec.seq_len // spec.block_size * spec.sub_blocks * geometry.num_kv_heads * 3 * geometry.head_dim
                  + geometry.num_kv_heads * spec.tail * spec.num_blocks)
     return per_layer * geometry.num_layers * 2 / 2**20
 

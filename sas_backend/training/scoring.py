@@ -140,12 +140,23 @@ def check_forced(top_k: int, sink_blocks: int, local_blocks: int) -> None:
                          "blocks to the gate: training needs sink + local < K")
 
 
+def _block_scores(qg: torch.Tensor, kgi: torch.Tensor, inv: float):
+    """(scores `[Hkv, C, NB]`, best run `[Hkv, C, NB]` int64 or None) of queries qg `[C, Hkv, Dg]` against one
+    sequence's summaries kgi `[Hkv, NB, Dg]`, or its sub-block run summaries `[Hkv, NB, n, Dg]`: a block scores
+    its best run (`selection.SelectionRule.sub_blocks`)."""
+    if kgi.dim() == 3:
+        return torch.einsum("chd,hmd->hcm", qg, kgi) * inv, None
+    s, best = torch.einsum("chd,hmnd->hcmn", qg, kgi).max(dim=-1)
+    return s * inv, best
+
+
 class BlockLogGate(torch.autograd.Function):
     """`(qg, kg) -> (log_g, threshold)`, chunked over queries, memory-bounded backward.
 
-    qg `[T, Hkv, Dg]` fp32, kg `[N, NB, Hkv, Dg]` fp32. Saves qg, kg and log_g only; backward
-    recomputes p = exp(log_g) per chunk: ds = (g - p * sum_candidates(g)) / sqrt(Dg). Forced blocks
-    (sink/local) get log_g 0 and no gradient (see the module docstring).
+    qg `[T, Hkv, Dg]` fp32, kg `[N, NB, Hkv, Dg]` fp32, or `[N, NB, Hkv, n, Dg]`: n sub-block run summaries a
+    block, the block scoring its best run (the gradient reaches that run's summary only, as a max does). Saves
+    qg, kg and log_g only; backward recomputes p = exp(log_g) per chunk: ds = (g - p * sum_candidates(g)) /
+    sqrt(Dg). Forced blocks (sink/local) get log_g 0 and no gradient (see the module docstring).
     """
 
     @staticmethod
@@ -156,12 +167,12 @@ class BlockLogGate(torch.autograd.Function):
         log_g = qg.new_full((h_kv, t, nb), float("-inf"))
         thr = qg.new_full((h_kv, t), float("-inf"))
         for i, (qbos, qeos) in enumerate(query_bounds(bounds, query_start)):
-            kgi = kg[i].transpose(0, 1)  # [Hkv, NB, Dg]
+            kgi = kg[i].transpose(0, 1)  # [Hkv, NB, (n,) Dg]
             for c0 in range(qbos, qeos, query_chunk):
                 c1 = min(qeos, c0 + query_chunk)
                 pos = torch.arange(c0 - qbos, c1 - qbos, device=qg.device) + query_start
                 cand, forced = candidate_blocks(pos, nb, block_size, sink_blocks, local_blocks)
-                s = torch.einsum("chd,hmd->hcm", qg[c0:c1], kgi) * inv
+                s, _ = _block_scores(qg[c0:c1], kgi, inv)
                 s = s.masked_fill(~cand, float("-inf"))
                 lg = s - torch.logsumexp(s, dim=-1, keepdim=True)
                 lg = lg.masked_fill(~cand, float("-inf"))  # also rows with no candidate (nan)
@@ -183,7 +194,7 @@ class BlockLogGate(torch.autograd.Function):
         if grad_log_g is None:
             return dqg, dkg, None, None, None, None, None, None, None
         for i, (qbos, qeos) in enumerate(query_bounds(ctx.bounds, ctx.query_start)):
-            kgi = kg[i].transpose(0, 1)  # [Hkv, NB, Dg]
+            kgi = kg[i].transpose(0, 1)  # [Hkv, NB, (n,) Dg]
             for c0 in range(qbos, qeos, ctx.query_chunk):
                 c1 = min(qeos, c0 + ctx.query_chunk)
                 pos = torch.arange(c0 - qbos, c1 - qbos, device=qg.device) + ctx.query_start
@@ -191,8 +202,14 @@ class BlockLogGate(torch.autograd.Function):
                 g = grad_log_g[:, c0:c1].float().masked_fill(~cand, 0.0)  # masked/forced entries are constants
                 p = log_g[:, c0:c1].exp().masked_fill(~cand, 0.0)  # forced entries hold exp(0)
                 ds = (g - p * g.sum(dim=-1, keepdim=True)) * inv  # [Hkv, C, NB]
-                dqg[c0:c1] = torch.einsum("hcm,hmd->chd", ds, kgi)
-                dkg[i] += torch.einsum("hcm,chd->mhd", ds, qg[c0:c1])
+                if kgi.dim() == 3:
+                    dqg[c0:c1] = torch.einsum("hcm,hmd->chd", ds, kgi)
+                    dkg[i] += torch.einsum("hcm,chd->mhd", ds, qg[c0:c1])
+                    continue
+                _, best = _block_scores(qg[c0:c1], kgi, inv)  # each block's best run, recomputed
+                dsn = ds.new_zeros(*ds.shape, kgi.shape[2]).scatter_(-1, best[..., None], ds[..., None])
+                dqg[c0:c1] = torch.einsum("hcmn,hmnd->chd", dsn, kgi)
+                dkg[i] += torch.einsum("hcmn,chd->mhnd", dsn, qg[c0:c1])
         return dqg, dkg, None, None, None, None, None, None, None
 
 

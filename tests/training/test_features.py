@@ -142,6 +142,78 @@ def test_row_batch_packs_rows():
     assert batch.bounds == [(0, SEQ), (SEQ, 2 * SEQ), (2 * SEQ, 3 * SEQ)] and batch.query_start == SEQ - TAIL
 
 
+def test_run_pooling_regroups_to_any_coarser_run():
+    """A cache pooled per run of b / 4 tokens holds what b / 2 and whole-block pooling hold (`pool_runs`: max of
+    maxes, min of mins, mean of means), and row r's runs sit at rows m * n + j."""
+    model = tiny_llama()
+    ids = _rows(1)[0]
+    by = {n: feats.row_features(model, ids, FeatureSpec(SEQ, TAIL, B, "mass", sub_blocks=n)) for n in (1, 2, 4)}
+    assert by[4]["pooled.0"].shape == (SEQ // B * 4, 2, 48)
+    for layer in range(2):
+        fine = by[4][f"pooled.{layer}"].float()
+        for n in (1, 2, 4):
+            torch.testing.assert_close(feats.pool_runs(fine, 4, n), by[n][f"pooled.{layer}"].float(), atol=2e-3,
+                                       rtol=1e-3)  # fp16 storage: the mean of fp16 means
+    assert torch.equal(by[4]["target.1"], by[1]["target.1"]) and torch.equal(by[4]["q.1"], by[1]["q.1"])
+    with pytest.raises(ValueError, match="must divide"):
+        feats.pool_runs(fine, 2, 4)
+    with pytest.raises(ValueError, match="sub_blocks"):
+        FeatureSpec(SEQ, TAIL, B, "mass", sub_blocks=3)
+
+
+@pytest.mark.parametrize("sink,local", [(0, 0), (1, 1)])
+def test_sub_block_loss_and_gradients_equal_the_stated_rule(monkeypatch, sink, local):
+    """`distill_cached` with n runs a block: the loss is the KL of the target to the gates' log-softmax over
+    blocks scored by their best run (each run summarized from its own pooled keys, RoPE at its first position),
+    stated here with plain autograd ops; loss and every gradient agree. n = 1 on a 4-run cache is the whole-block
+    loss of a 1-run cache."""
+    import math
+
+    from sas_backend.geometry import ModelGeometry, gate_rope_table
+    from sas_backend.training.model import distill_kl, target_over_candidates
+    from sas_backend.training.scoring import candidate_blocks
+
+    monkeypatch.setattr(feats, "STORE_DTYPE", torch.float32)
+    model = tiny_llama()
+    ids = _rows()
+    spec4 = FeatureSpec(SEQ, TAIL, B, "mass", sub_blocks=4)
+    cached = [feats.row_features(model, ids[i], spec4) for i in range(2)]
+    table = gate_rope_table(32, ModelGeometry.from_hf_config(model.config), SEQ)
+    whole = [feats.row_features(model, ids[i], FeatureSpec(SEQ, TAIL, B, "mass")) for i in range(2)]
+    one = mean_loss(_gates(), [dict(r) for r in cached], FeatureSpec(SEQ, TAIL, B, "mass", sub_blocks=1), table, 3,
+                    sink, local)
+    assert one == pytest.approx(mean_loss(_gates(), whole, FeatureSpec(SEQ, TAIL, B, "mass"), table, 3, sink, local),
+                                rel=1e-5)
+    n, spec2 = 2, FeatureSpec(SEQ, TAIL, B, "mass", sub_blocks=2)
+    gates = _gates()
+    got = mean_loss(gates, cached, spec2, table, 3, sink, local)
+    got_grads = {i: {k: p.grad.clone() for k, p in g.named_parameters()} for i, g in gates.items()}
+    ref_gates = _gates()
+    want = 0.0
+    full = SEQ // B
+    starts = (torch.arange(full)[:, None] * B + torch.arange(n) * (B // n)).reshape(-1)
+    pos = torch.arange(SEQ - TAIL, SEQ)
+    cand, forced = candidate_blocks(pos, full, B, sink, local)
+    for layer, gate in ref_gates.items():
+        loss = 0.0
+        for r in cached:
+            pooled = feats.pool_runs(r[f"pooled.{layer}"].float(), 4, n)  # [full * n, Hkv, 3D]
+            kg = gate.summarize_pooled(pooled, table[starts]).view(full, n, 2, 32)
+            qg = gate.query(r[f"q.{layer}"].float(), table[pos])  # [TAIL, Hkv, Dg]
+            s = torch.einsum("thd,mnhd->htmn", qg, kg).amax(-1) / math.sqrt(32)
+            lg = torch.log_softmax(s.masked_fill(~cand, float("-inf")), dim=-1)
+            lg = torch.where(cand, lg, torch.full_like(lg, float("-inf"))).masked_fill(forced, 0.0)
+            target = target_over_candidates(r[f"target.{layer}"].float(), pos, B, sink, local)
+            loss = loss + distill_kl(target, lg) * TAIL
+        loss = loss / (2 * TAIL)  # the per-query mean over both rows
+        loss.backward()
+        want += float(loss.detach())
+    assert got == pytest.approx(want, rel=1e-5)
+    for i, g in ref_gates.items():
+        for k, p in g.named_parameters():
+            torch.testing.assert_close(got_grads[i][k], p.grad, rtol=1e-4, atol=1e-6)
+
+
 # ---- the CLIs on a tiny model and the real essays -------------------------------------------
 
 
@@ -291,3 +363,33 @@ def test_cli_refuses_to_train_on_a_held_out_cache(cli_caches, tmp_path):
         main(["--model", model_dir, "--cache", str(root / "val"), "--out", str(tmp_path / "x"), "--budget", "192",
               "--steps", "1", "--no-progress"])
     assert not (tmp_path / "x" / "gate.safetensors").exists()
+
+
+def test_cli_sub_block_gates_train_and_serve_with_their_runs(cli_caches, tmp_path):
+    """`features --sub-blocks 2` pools runs of 32 tokens; `distill_cached --sub-blocks 2` trains gates that score a
+    block by its best run, lowers the held-out KL, and writes a checkpoint whose `serving.sub_blocks` makes a server
+    serve it so (and its record says so); a cache pooled per whole block is refused for it, by name."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+    from sas_backend.training.distill_cached import main as distill
+    from sas_backend.training.features import main
+
+    root, model_dir = cli_caches
+    common = ["--model", model_dir, "--data", ESSAYS_DIR, "--seq-len", "512", "--tail", "192", "--no-progress",
+              "--sub-blocks", "2"]
+    assert main(common + ["--out", str(tmp_path / "train2"), "--max-rows", "4"]) == 0
+    assert main(common + ["--out", str(tmp_path / "val2"), "--split", "heldout", "--max-rows", "2"]) == 0
+    assert json.load(open(tmp_path / "train2" / "manifest.json"))["sub_blocks"] == 2
+    assert "sub_blocks" not in json.load(open(root / "val" / "manifest.json"))  # whole blocks: as before the option
+    args = ["--model", model_dir, "--cache", str(tmp_path / "train2"), "--val-cache", str(tmp_path / "val2"),
+            "--out", str(tmp_path / "g"), "--budget", "192", "--steps", "20", "--rows-per-step", "2", "--lr", "1e-2",
+            "--warmup", "2", "--eval-every", "10", "--no-progress"]
+    assert distill(args + ["--sub-blocks", "2"]) == 0
+    config, _ = load_gate_checkpoint(str(tmp_path / "g"))
+    assert config.serving == {"sub_blocks": 2} and config.training["sub_blocks"] == 2
+    assert config.serve_defaults()["sub_blocks"] == 2
+    kl = [v["kl"] for v in config.training["heldout_kl"]]
+    assert kl[-1] < kl[0]
+    with pytest.raises(SystemExit, match="caches pool runs of block / 1"):
+        _distill(root, model_dir, tmp_path / "h", "--sub-blocks", "2")
+    with pytest.raises(SystemExit, match="differs.*sub_blocks"):  # a whole-block val cache beside run caches
+        distill(args[:4] + ["--val-cache", str(root / "val")] + args[6:] + ["--sub-blocks", "2"])

@@ -199,3 +199,53 @@ def test_forced_blocks_must_leave_the_gate_a_choice():
         score_gate(gate, q, k, cu, B, top_k=2, gate_table=table, sink_blocks=1, local_blocks=1)
     with pytest.raises(ValueError, match=">= 0"):
         score_gate(gate, q, k, cu, B, top_k=4, gate_table=table, sink_blocks=-1)
+
+
+# ---------------------------------------------------------------- sub-block run summaries (issue 63)
+def _runs_statement(qg, kg, bounds, block_size, sink=0, local=0):
+    """log_g of n run summaries a block stated with plain autograd ops: a block's score is the max over its runs
+    of qg . kg_run / sqrt(Dg), log-softmax over the candidate blocks (previous, not forced), 0 on forced ones."""
+    from sas_backend.training.scoring import candidate_blocks
+
+    t, h, dg = qg.shape
+    nb = kg.shape[1]
+    out = torch.full((h, t, nb), float("-inf"), dtype=qg.dtype)
+    for i, (bos, eos) in enumerate(bounds):
+        s = torch.einsum("chd,mhnd->hcmn", qg[bos:eos], kg[i]).amax(-1) / math.sqrt(dg)
+        cand, forced = candidate_blocks(torch.arange(eos - bos), nb, block_size, sink, local)
+        lg = torch.log_softmax(s.masked_fill(~cand, float("-inf")), dim=-1)
+        lg = torch.where(cand, lg, torch.full_like(lg, float("-inf")))
+        out[:, bos:eos] = torch.where(forced, torch.zeros_like(lg), lg)
+    return out
+
+
+@pytest.mark.parametrize("sink,local", [(0, 0), (1, 1)])
+def test_block_log_gate_best_run_matches_the_statement_and_its_gradients(sink, local):
+    """kg `[N, NB, Hkv, n, Dg]`: each block scores its best run (the server's --sas-sub-blocks rule); forward and
+    the memory-bounded backward equal autograd through the plain statement (max over runs, log-softmax)."""
+    g = torch.Generator().manual_seed(7)
+    bounds = [(0, 29), (29, 45)]
+    qg = torch.randn(45, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    kg = torch.randn(2, 8, 2, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    got, _ = BlockLogGate.apply(qg, kg, bounds, 4, 5, 7, 0, sink, local)
+    want = _runs_statement(qg, kg, bounds, 4, sink, local)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin])
+    w = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    gq, gk = torch.autograd.grad((torch.where(fin, got, 0) * w).sum(), (qg, kg))
+    wq, wk = torch.autograd.grad((torch.where(fin, want, 0) * w).sum(), (qg, kg))
+    torch.testing.assert_close(gq, wq, rtol=1e-4, atol=1e-6)  # the backward's softmax runs in fp32
+    torch.testing.assert_close(gk, wk, rtol=1e-4, atol=1e-6)
+    assert bool((gk.abs().sum(dim=(0, 2, 4)) > 0).sum() < gk[0, :, 0].numel())  # only best runs get gradient
+
+
+def test_block_log_gate_one_run_equals_whole_blocks():
+    """n = 1 run a block is today's rule: the 5-D path equals the 4-D one."""
+    g = torch.Generator().manual_seed(8)
+    bounds = [(0, 21)]
+    qg = torch.randn(21, 2, 8, generator=g)
+    kg = torch.randn(1, 6, 2, 8, generator=g)
+    a, ta = BlockLogGate.apply(qg, kg, bounds, 4, 3, 5)
+    b, tb = BlockLogGate.apply(qg, kg[:, :, :, None], bounds, 4, 3, 5)
+    assert torch.equal(a, b) and torch.equal(ta, tb)
