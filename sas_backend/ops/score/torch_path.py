@@ -31,7 +31,12 @@ def score_blocks(
     """
     bs, h_kv, dg = gate_q.shape
     pages = torch.div(block_table[:, :max_blocks].long(), block_size, rounding_mode="floor")  # [bs, M]
-    kg = summaries[pages].float().unflatten(-1, (sub_blocks, dg))  # [bs, M, H_kv, n, Dg]
-    scores = torch.einsum("bhd,bmhnd->bhmn", gate_q.float(), kg).amax(dim=-1) / math.sqrt(dg)
+    kg = summaries[pages].float()  # [bs, M, H_kv, n * Dg]
+    if sub_blocks == 1:
+        scores = torch.einsum("bhd,bmhd->bhm", gate_q.float(), kg)
+    else:  # a broadcast product: einsum's bmm would first copy the [bs, M, H_kv, n, Dg] runs into its layout
+        runs = (kg.unflatten(-1, (sub_blocks, dg)) * gate_q.float()[:, None, :, None, :]).sum(-1)  # [bs, M, H, n]
+        scores = runs.amax(dim=-1).transpose(1, 2)
+    scores = scores / math.sqrt(dg)
     valid = torch.arange(max_blocks, device=gate_q.device)[None, :] < num_candidates[:, None]
     return scores.masked_fill(~valid[:, None, :], float("-inf"))
