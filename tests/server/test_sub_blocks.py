@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from sas_backend.testing.server import ON_GPU, Server
-from tests.server.compare import generate
+from tests.server.compare import decode_from_response, generate
 from tests.server.oracle import Rule, oracle_check
 
 BLOCK = 64
@@ -60,3 +60,61 @@ def test_sub_blocks_are_reported_and_reserved(sub_run):
     assert info["config"]["sub_blocks"] == SUB_BLOCKS
     dims = {"gate": 128, "quest": 2 * 64}[sub_run["selector"]] * SUB_BLOCKS  # the seed gate: Dg 128; D 64
     assert f"{SUB_BLOCKS} summaries a block; summary pool" in log and f"x {dims} dims" in log, log[-3000:]
+
+
+# The candidate configuration of issue 63 (the gate, 4 sub-block summaries, 2 prompt anchors) under the serving
+# features a sub-block pool meets: tensor parallelism (--tp-size 3: each rank summarizes, anchors and selects its own
+# kv head's runs), chunked prefill (--chunked-prefill-size 256: a 1278-token prompt extends in 5 chunks, each
+# summarizing the blocks it completes) and the radix cache (a second prompt sharing the first's 16 leading blocks
+# reuses their pages and their sub-block summaries). Both requests' decodes, every rank's selections and anchors
+# equal the oracle's (one server; the ranks' logs merged per step into one record over the 3 kv heads).
+TP_BUDGET, TP_ANCHORS, SHARED = 384, 2, 1024
+
+
+def _merged_records(debug, skip: int = 0) -> list:
+    """Per decode step (after the first `skip` steps), one record over every kv head from the ranks' logs."""
+    by_rank = {}
+    for f in sorted(debug.glob("*.jsonl")):
+        recs = [json.loads(line) for line in f.open()]
+        by_rank[tuple(recs[0]["kv_heads"])] = recs
+    heads = sorted(by_rank)
+    steps = len(by_rank[heads[0]])
+    assert all(len(r) == steps for r in by_rank.values()), {h: len(r) for h, r in by_rank.items()}
+    merged = []
+    for i in range(skip, steps):
+        recs = [by_rank[h][i] for h in heads]
+        assert len({json.dumps(r["seq_lens"]) for r in recs}) == 1
+        merged.append(dict(recs[0], kv_heads=[h for hs in heads for h in hs],
+                           selected=[[row for r in recs for row in r["selected"][0]]],
+                           **({"anchors": [[row for r in recs for row in r["anchors"][0]]]} if "anchors" in recs[0]
+                              else {})))
+    return merged
+
+
+def test_sub_blocks_under_tp3_chunked_prefill_and_radix_match_the_oracle(model_dir, seed_gate, essay_ids, tmp_path):
+    if ON_GPU:
+        pytest.skip("one GPU here: the multi-GPU tier would run --tp on several GPUs")
+    from sas_backend.testing.server import cpu_threads_bind
+
+    args = ["--sas-gate", str(seed_gate), "--sas-budget", str(TP_BUDGET), "--sas-sink-blocks", "1",
+            "--sas-local-blocks", "1", "--sas-prompt-anchors", str(TP_ANCHORS), "--sas-sub-blocks", str(SUB_BLOCKS),
+            "--chunked-prefill-size", "256", "--tp-size", "3", "--dtype", "float32"]
+    env = {"SAS_DEBUG_DIR": str(tmp_path), "SGLANG_CPU_OMP_THREADS_BIND": cpu_threads_bind(3)}
+    first = essay_ids[9000: 9000 + PROMPT_LEN]
+    second = first[:SHARED] + essay_ids[20000: 20000 + PROMPT_LEN - SHARED]  # 16 shared blocks, then new text
+    rule = Rule(budget=TP_BUDGET, sparse_from=PROMPT_LEN, gate=seed_gate, sink_blocks=1, local_blocks=1,
+                prompt_anchors=TP_ANCHORS, block_size=BLOCK, sub_blocks=SUB_BLOCKS)
+    with Server(model_dir, backend="sas", extra_args=args, env=env) as server:
+        out_a = generate(server.url, first, NEW_TOKENS)
+        seen = len(_merged_records(tmp_path))
+        body = {"input_ids": second, "return_logprob": True, "top_logprobs_num": 2,
+                "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+        resp = requests.post(f"{server.url}/generate", json=body, timeout=900)
+        resp.raise_for_status()
+        out_b = decode_from_response(resp.json())
+        cached = resp.json()["meta_info"].get("cached_tokens", 0)
+        info = requests.get(f"{server.url}/sas/info", timeout=60).json()
+    assert cached >= SHARED, cached  # the shared blocks' pages (and their run summaries) came from the radix cache
+    assert info["config"]["sub_blocks"] == SUB_BLOCKS
+    oracle_check(first, out_a, _merged_records(tmp_path)[:seen], model_dir, rule, NEW_TOKENS)
+    oracle_check(second, out_b, _merged_records(tmp_path, skip=seen), model_dir, rule, NEW_TOKENS)
