@@ -76,13 +76,14 @@ def _verify(rig, inp):
     return outs, (seen[0] if seen else None), rig.backend._plan.dense
 
 
-@pytest.mark.parametrize("budget,sink,local,anchors,n,force", [
-    (2, 0, 0, 0, 4, False), (3, 1, 1, 0, 5, False), (5, 1, 1, 2, 3, False), (4, 0, 1, 0, 1, False),
-    (40, 0, 0, 0, 4, False), (40, 1, 1, 0, 4, True),
+@pytest.mark.parametrize("budget,sink,local,anchors,n,force,sub", [
+    (2, 0, 0, 0, 4, False, 1), (3, 1, 1, 0, 5, False, 1), (5, 1, 1, 2, 3, False, 1), (4, 0, 1, 0, 1, False, 1),
+    (40, 0, 0, 0, 4, False, 1), (40, 1, 1, 0, 4, True, 1), (3, 1, 1, 0, 5, False, 4), (5, 1, 1, 2, 3, False, 2),
 ])
-def test_verify_rows_decode_as_decode_steps_at_their_positions(budget, sink, local, anchors, n, force):
-    """force: SAS_FORCE_SPARSE, so a covering budget runs the selection and the sparse attention too."""
-    rig = Rig(budget, sink, local, anchors=anchors, draft_tokens=n, force_sparse=force)
+def test_verify_rows_decode_as_decode_steps_at_their_positions(budget, sink, local, anchors, n, force, sub):
+    """force: SAS_FORCE_SPARSE, so a covering budget runs the selection and the sparse attention too; sub: sub-block
+    summaries a block (a draft-completed block's runs summarized before any row selects from it)."""
+    rig = Rig(budget, sink, local, anchors=anchors, draft_tokens=n, force_sparse=force, sub_blocks=sub)
     for r, length in PROMPTS.items():
         rig.add_request(r, length)
     reqs = list(PROMPTS)
