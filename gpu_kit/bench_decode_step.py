@@ -266,7 +266,8 @@ VARIANTS = (
 DEFERRED = frozenset({"new: fused, PDL"})
 # What a selector setting costs (not a speed variant: never "new", so `chosen_settings` never adopts one): the served
 # configuration with one summary a block and with 4 sub-block summaries (issue 63's candidate), side by side at the
-# middle budget of every point; docs/launch-budget.md expects 1.1-1.5x at batch 1 and up to 2.2x at 256K batch 8.
+# middle budget of every point (`--variants costs`, or all); docs/launch-budget.md expects 1.1-1.5x at batch 1 and up
+# to 2.2x at 256K batch 8.
 COSTS = (
     dataclasses.replace(SERVED, name="cost: served, one summary a block"),
     dataclasses.replace(SERVED, name="cost: served, 4 sub-block summaries", sub_blocks=4),
@@ -1019,8 +1020,8 @@ def run_point(geo, ctx, bs, budgets, args, checks: list, rows: list | None = Non
         # The old step and the new one at every budget; the variants the tournament decides at the middle one.
         tournament = [v for v in VARIANTS[1:] if v.name not in DEFERRED] if b == middle and args.variants != "core" \
             else []
-        costs = list(COSTS) if b == middle and args.variants != "tournament" else []
-        variants = [NEW] + ([OLD] if args.variants != "tournament" else []) + tournament + costs
+        costs = list(COSTS) if b == middle and args.variants in ("costs", "all") else []
+        variants = [NEW] + ([OLD] if args.variants in ("core", "all") else []) + tournament + costs
         row["variants"][str(b)] = {}
         for variant in variants:
             measure_variant(w, b, variant, args, row)
@@ -1294,9 +1295,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="8K and 32K, batch 1 and 8, budget 2048, no tournament")
     ap.add_argument("--points", nargs="+", metavar="CTXxBS",
                     help="(context, batch) points instead of every context x batch, e.g. 8192x1 32768x8")
-    ap.add_argument("--variants", choices=("all", "core", "tournament"), default=None,
+    ap.add_argument("--variants", choices=("all", "core", "tournament", "costs"), default=None,
                     help="core: the new and the old step; tournament: the new one and its variants at the middle "
-                    "budget; all (default; --quick: core): both")
+                    "budget; costs: the new one and what a selector setting costs (COSTS: the served step with 1 "
+                    "and 4 sub-block summaries) at the middle budget; all (default; --quick: core): every one")
     ap.add_argument("--checks-only", action="store_true",
                     help="only the checks (every kernel vs its reference, the served configuration), nothing timed")
     ap.add_argument("--no-branches", dest="branches", action="store_false",
@@ -1376,7 +1378,7 @@ def main(argv=None) -> int:
         sas = "  ".join(f"b{b} {s['amortized_ms']:.3f} ms ({s['speedup']:.2f}x)" for b, s in row["sas"].items()
                         if "error" not in s)
         print(f"[step] ctx {ctx:7d} bs {bs}: dense {row.get('dense_ms', '-')} ms  {sas}", flush=True)
-    if args.variants != "core" and not args.checks_only:
+    if args.variants in ("tournament", "all") and not args.checks_only:
         run_deferred(geo, rows, args.budgets, args, save)
     if args.profile:
         record["profile"] = profile_point(geo, max(args.contexts), 1, args.budgets[0], args)
@@ -1387,7 +1389,8 @@ def main(argv=None) -> int:
     branches = None
     if args.branches_from and pathlib.Path(args.branches_from).is_file():  # the IF-node timings of another run
         branches = branch_costs(json.loads(pathlib.Path(args.branches_from).read_text()))
-    record["chosen_settings"] = chosen_settings(record, key, branches) if args.variants != "core" else {}
+    record["chosen_settings"] = (chosen_settings(record, key, branches) if args.variants in ("tournament", "all")
+                                 else {})
     if record["chosen_settings"]:
         write_json_atomic(out / "chosen-settings.json", record["chosen_settings"])
     record["complete"] = True

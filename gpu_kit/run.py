@@ -155,6 +155,16 @@ def first_command_steps() -> list:
     ]
 
 
+def sub_block_cost_step() -> Step:
+    """The served step with one and with 4 sub-block summaries side by side (bench_decode_step.COSTS, each checked;
+    issue 63's candidate selector setting): the second command's last step, at 32K and 256K batch 1 and 32K batch 8."""
+    return Step("sub-block-cost", [*STEP, "--name", "sub-block-cost", "--variants", "costs", "--no-check",
+                                   "--no-branches", "--no-profile", "--budgets", "2048", "--points", "32768x1",
+                                   "262144x1", "32768x8"], 0.8,
+                [*STEP, "--name", "sub-block-cost", "--variants", "costs", "--no-check", "--no-branches",
+                 "--no-profile", "--dry-run"], produces=("sub-block-cost.json",))
+
+
 # A step skipped for time when its expected minutes exceed what is left by this factor (the estimates
 # are not measured yet; a step that overruns is killed at the budget anyway)
 FIT_FACTOR = 0.6
@@ -177,7 +187,7 @@ def tier_steps(tier: str, quick: bool) -> list:
         small = tier_steps("tier1", quick=True)  # gated 4K-8K
         by_name.update({s.name: s for s in small if s.name == "gated-attention"})
         order = ("make-test-model", "server-tests", "topk-sweep", "gated-attention", "kernel-tests")
-        return [by_name[n] for n in order]
+        return [by_name[n] for n in order] + [sub_block_cost_step()]
     if tier == "tier0":
         return [Step("preflight", ["{py}", "gpu_kit/preflight.py", "--site", "{site}", "--out", "{work}",
                                    "--record", "{aot_record}"], 1.0,
@@ -581,7 +591,8 @@ def main(argv=None) -> int:
             rc_all = 1
             if step.stop_on_fail:
                 stop = step.name
-        if not dry or step.name in ("decode-step", "preflight", "kernel-checks", "tournament"):  # the report path
+        if not dry or step.name in ("decode-step", "preflight", "kernel-checks", "tournament",
+                                    "sub-block-cost"):  # the report path
             collect(step, work, out, srec)
         rec["steps"].append(srec)
         save()

@@ -234,7 +234,7 @@ def test_the_first_command_measures_what_matters_most_and_fits_at_factor_one():
         in by["tournament"]
     # the rest, second
     assert {s.name for s in gpu_run.tier_steps("session2", quick=False)} == {
-        "make-test-model", "server-tests", "topk-sweep", "gated-attention", "kernel-tests"}
+        "make-test-model", "server-tests", "topk-sweep", "gated-attention", "kernel-tests", "sub-block-cost"}
 
 
 def test_session_dry_run(fake_site_kit, tmp_path):
@@ -262,6 +262,12 @@ def test_session_dry_run(fake_site_kit, tmp_path):
     steps2 = {s["name"]: s for s in json.loads((out2 / "session2-dry.json").read_text())["steps"]}
     assert set(steps2) == {s.name for s in gpu_run.tier_steps("session2", quick=False)}
     assert all(s["rc"] == 0 for s in steps2.values()), steps2
+    cost_rows = steps2["sub-block-cost"]["results"]["sub-block-cost"]["rows"]  # the second call's last step
+    for row in cost_rows:  # the served step with 1 and 4 sub-block summaries, side by side and each checked
+        timed = row["variants"][str(max(map(int, row["sas"])))]
+        costs = {"cost: served, one summary a block", "cost: served, 4 sub-block summaries"}
+        assert costs <= set(timed) and all(timed[n]["check"]["ok"] for n in costs), timed.keys()
+        assert "old: per-op kernels + flashinfer" not in timed
     md = (out / f"{tier}-dry.md").read_text()
     assert rec["environment"]["git"]["commit"] in md
     assert rec["kit"]["aot"]["archive"] == "flashinfer-aot-0.6.12-sm90a.tar.xz"
