@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from sas_backend.ops.score import naive
 from sas_backend.ops.score.torch_path import score_blocks
 from sas_backend.ops.score.triton import score_blocks_triton
 from tests.devices import DEVICE
@@ -16,6 +17,7 @@ def _check(case, dg, q_dtype=torch.float32, s_dtype=torch.float32, max_blocks=No
     args = (gate_q, summaries, case.block_table(), case.num_candidates, case.block_size)
     args = args + (max_blocks,)
     ref = score_blocks(*args, sub_blocks=sub_blocks)
+    torch.testing.assert_close(ref, naive.score_blocks(*args, sub_blocks=sub_blocks), rtol=1e-5, atol=1e-6)  # stated
     out = score_blocks_triton(*args, sub_blocks=sub_blocks)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     assert torch.equal(torch.isinf(out), torch.isinf(ref))

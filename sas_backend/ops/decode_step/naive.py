@@ -14,7 +14,7 @@ import torch
 from sas_backend.ops.anchors.torch_path import force_anchors
 from sas_backend.ops.gate.naive import gate_query_post_rope
 from sas_backend.ops.gather.torch_path import build_kv_indices, kv_indptr_for
-from sas_backend.ops.score.torch_path import score_blocks
+from sas_backend.ops.score.naive import score_blocks
 from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
 from sas_backend.ops.summary.naive import summary_update_decode
 from sas_backend.ops.topk.naive import select_blocks
