@@ -159,6 +159,11 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
         )
     if getattr(args, "enable_hierarchical_cache", None):
         raise SASConfigError("the sas backend does not support the hierarchical (host) KV cache yet; drop that flag")
+    # KV pages loaded from an external store land without an extend through sas: no block summaries for them.
+    for flag, name in (("enable_lmcache", "--enable-lmcache"), ("hicache_storage_backend", "--hicache-storage-backend")):
+        if getattr(args, flag, None):
+            raise SASConfigError(f"the sas backend cannot serve KV pages loaded from an external cache yet ({name}): "
+                                 "they arrive without block summaries; drop that flag")
     if getattr(args, "disaggregation_mode", None) == "decode":
         # A transferred request's KV lands in pages this server allocated without an extend through sas, so
         # its blocks have no summaries (zeros, or a previous owner's): selection over them would be wrong.

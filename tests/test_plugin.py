@@ -97,6 +97,8 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--sas-prompt-anchors", "31", "--sas-budget", "2048", "--sas-sink-blocks", "1", "--sas-local-blocks", "1"],
          "prompt anchor"),
         (["--disaggregation-mode", "decode"], "prefill-decode disaggregation decode server"),
+        (["--enable-lmcache"], "external cache yet (--enable-lmcache)"),
+        (["--hicache-storage-backend", "file"], "external cache yet (--hicache-storage-backend)"),
         (["--sas-sub-blocks", "3"], "power of two dividing the block size 64"),
         (["--sas-sub-blocks", "128"], "power of two dividing the block size 64"),
         (["--sas-sub-blocks", "4", "--sas-selector", "sink-local"], "sink-local keeps no summaries"),
