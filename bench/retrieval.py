@@ -167,12 +167,14 @@ def markdown(rows: List[dict]) -> str:
     lines = ["| config | " + " | ".join(tasks) + " | mean | worst task vs dense | excess NLL over dense (nats) |",
              "|---" * (len(tasks) + 4) + "|"]
     for label, per in s.items():
-        cells = [f"{per[t]['score']:.0f} +- {per[t]['score_se']:.0f} (n={per[t]['n']})" for t in tasks]
-        mean = sum(per[t]["score"] for t in tasks) / max(len(tasks), 1)
-        worst = min((per[t]["vs_dense"] for t in tasks), default=float("nan"))
-        n_all = sum(per[t]["n"] for t in tasks)
-        dn = sum(per[t]["excess_nll"] * per[t]["n"] for t in tasks) / max(n_all, 1)
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {mean:.1f} | {worst:+.0f} | {dn:+.2f} |")
+        asked = [t for t in tasks if per[t]["n"]]  # a config run on fewer haystacks may miss a task
+        cells = [f"{per[t]['score']:.0f} +- {per[t]['score_se']:.0f} (n={per[t]['n']})" if per[t]["n"] else "-"
+                 for t in tasks]
+        mean = f"{sum(per[t]['score'] for t in tasks) / len(tasks):.1f}" if len(asked) == len(tasks) else "-"
+        worst = min((per[t]["vs_dense"] for t in asked), default=float("nan"))
+        n_all = sum(per[t]["n"] for t in asked)
+        dn = sum(per[t]["excess_nll"] * per[t]["n"] for t in asked) / max(n_all, 1)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {mean} | {worst:+.0f} | {dn:+.2f} |")
     return "\n".join(lines)
 
 
