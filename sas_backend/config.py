@@ -111,8 +111,8 @@ class SASConfig:
     sub_blocks: Optional[int] = _setting(
         None, "SAS_SUB_BLOCKS", "--sas-sub-blocks",
         "Summaries per block for the gate and quest selectors: each run of block-size / N tokens is summarized "
-        "on its own and a block scores its best run (keeps needle-like keys; N x the summary pool; the per-op "
-        "torch path). 1: one summary a block.",
+        "on its own and a block scores its best run (keeps needle-like keys; N x the summary pool and the bytes "
+        "selection reads). 1: one summary a block.",
         "default: the gate's record, else 1")
     dense_below: int = _setting(
         0, "SAS_DENSE_BELOW", "--sas-dense-below",
