@@ -160,7 +160,8 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
     if getattr(args, "enable_hierarchical_cache", None):
         raise SASConfigError("the sas backend does not support the hierarchical (host) KV cache yet; drop that flag")
     # KV pages loaded from an external store land without an extend through sas: no block summaries for them.
-    for flag, name in (("enable_lmcache", "--enable-lmcache"), ("hicache_storage_backend", "--hicache-storage-backend")):
+    for flag, name in (("enable_lmcache", "--enable-lmcache"),
+                       ("hicache_storage_backend", "--hicache-storage-backend")):
         if getattr(args, flag, None):
             raise SASConfigError(f"the sas backend cannot serve KV pages loaded from an external cache yet ({name}): "
                                  "they arrive without block summaries; drop that flag")

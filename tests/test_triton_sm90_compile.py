@@ -250,12 +250,10 @@ for k in ks:
                                             sink=1, local=1, **v)) for m in widths]
 launched += [("decode_select", dict(h_kv=8, dg=sg["dg"], k=sg["k"], bs=1, m=m, anchors=4, summaries="fp32", sink=1,
                                     local=1)) for m in widths]
-# Sub-block summaries (--sas-sub-blocks): every budget in bf16, the spec K in fp32 too, at the default chunk.
+# Sub-block summaries (--sas-sub-blocks) at the serve default budget (the spec K), both dtypes, the default chunk.
 for n in ct.SERVED_SUB_BLOCKS:
-    for k in ks:
-        launched += [("decode_select", dict(h_kv=8, dg=sg["dg"], k=k, bs=1, m=m, anchors=4, summaries=dt, sink=1,
-                                            local=1, sub=n))
-                     for m in widths for dt in (ct.SERVED_DTYPES if k == sg["k"] else ct.SERVED_DTYPES[:1])]
+    launched += [("decode_select", dict(h_kv=8, dg=sg["dg"], k=sg["k"], bs=1, m=m, anchors=4, summaries=dt, sink=1,
+                                        local=1, sub=n)) for m in widths for dt in ct.SERVED_DTYPES]
 # Attend: every budget at every batch size of the fused workspace, the benchmark's programs at the spec K.
 for k in ks:
     for v in [{}] + ([dict(programs=p) for p in ct.SERVED_PROGRAMS] if k == sg["k"] else []):
