@@ -13,6 +13,8 @@ import os
 import typing
 from typing import Optional
 
+from sas_backend.ops import sub_blocks_ok
+
 
 class SASConfigError(ValueError):
     """A SAS setting that cannot work; the message says which and how to fix it."""
@@ -200,7 +202,7 @@ class SASConfig:
             if (getattr(self, name) or 0) < 0:
                 raise SASConfigError(f"SAS {name} must be >= 0, got {getattr(self, name)}")
         sub = self.sub_blocks
-        if sub is not None and (sub < 1 or sub & (sub - 1) or self.block_size % sub):
+        if sub is not None and not sub_blocks_ok(sub, self.block_size):
             raise SASConfigError(f"--sas-sub-blocks must be a power of two dividing the block size {self.block_size} "
                                  f"(summaries of block-size / N tokens each), got {sub}")
         if (sub or 1) > 1 and self.selector == "sink-local":

@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 from sas_backend.gate.module import AttnGate
+from sas_backend.ops import sub_blocks_ok
 from sas_backend.ops.anchors import force_anchors
 from sas_backend.ops.gate import gate_query_post_rope
 from sas_backend.ops.quest import key_bounds, quest_scores, update_key_bounds
@@ -57,7 +58,7 @@ class SelectionRule:
 
     def __post_init__(self):
         n = self.sub_blocks
-        if n < 1 or n & (n - 1) or self.block_size % n:
+        if not sub_blocks_ok(n, self.block_size):
             raise ValueError(f"sub_blocks must be a power of two dividing the block size {self.block_size}, got {n}")
 
     @property

@@ -40,6 +40,7 @@ from typing import Any, Mapping
 import torch
 
 from sas_backend.gate.errors import GateCheckpointError
+from sas_backend.ops import sub_blocks_ok
 
 FORMAT_VERSION = 1
 
@@ -89,7 +90,7 @@ def _serving_problems(serving: Any, block_size: int) -> list[str]:
     if problems:
         return problems
     sub = serving.get("sub_blocks")
-    if sub is not None and (sub < 1 or sub & (sub - 1) or block_size % sub):
+    if sub is not None and not sub_blocks_ok(sub, block_size):
         problems.append(f"serving.sub_blocks {sub} is not a power of two dividing the block size {block_size}")
     budget = serving.get("budget")
     if budget is not None and (budget <= 0 or budget % block_size):

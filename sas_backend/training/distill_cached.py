@@ -39,6 +39,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from sas_backend.ops import sub_blocks_ok
+
 from sas_backend.training.loop import STATE_FILE, GateLoop, batch_rows, progress_bar
 
 # Arguments a resumed run must share with the run that wrote the state.
@@ -271,7 +273,7 @@ def main(argv: Optional[list] = None) -> int:
     _train_split_only(caches)
     manifest = caches[0][1].manifest
     spec = caches[0][1].spec
-    if args.sub_blocks < 1 or spec.sub_blocks % args.sub_blocks or args.sub_blocks & (args.sub_blocks - 1):
+    if not sub_blocks_ok(args.sub_blocks, spec.sub_blocks):
         raise SystemExit(f"error: --sub-blocks {args.sub_blocks}: the caches pool runs of block / {spec.sub_blocks} "
                          "tokens; train with a power of two dividing that (build caches with features --sub-blocks "
                          "for finer runs)")

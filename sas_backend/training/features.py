@@ -38,6 +38,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from sas_backend.hf.sparse_eval import causal_sdpa, model_rope_table
+from sas_backend.ops import sub_blocks_ok
 from sas_backend.ops.rope import invert_rope
 from sas_backend.ops.summary.torch_path import pool_block_keys
 
@@ -72,7 +73,7 @@ class FeatureSpec:
         if self.block_size < 1 or self.seq_len < 2 * self.block_size:
             raise ValueError(f"seq_len {self.seq_len} must hold at least two blocks of {self.block_size}")
         n = self.sub_blocks
-        if n < 1 or n & (n - 1) or self.block_size % n:
+        if not sub_blocks_ok(n, self.block_size):
             raise ValueError(f"sub_blocks must be a power of two dividing the block size {self.block_size}, got {n}")
         if not 1 <= self.tail <= self.seq_len - self.block_size:
             raise ValueError(f"tail {self.tail} must be in [1, seq_len - block_size = "

@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from sas_backend.ops import sub_blocks_ok
+
 # The GPU the kernels' splits are sized for: programs per launch at batch 1 (about two waves of an
 # H100/H200's 132 SMs). On CPU (the interpreter runs programs one by one) a handful, so that the split
 # paths still run; `DecodeStepWorkspace(target_programs=...)` overrides both.
@@ -75,7 +77,7 @@ class StepGeometry:
         if self.block_size & (self.block_size - 1) or self.block_size <= 0:
             raise ValueError(f"block size must be a power of two, got {self.block_size}")
         n = self.sub_blocks
-        if n < 1 or n & (n - 1) or self.block_size % n:
+        if not sub_blocks_ok(n, self.block_size):
             raise ValueError(f"sub_blocks must be a power of two dividing the block size {self.block_size}, got {n}")
         if self.top_k < 0 or self.num_kv_heads <= 0 or self.group <= 0:
             raise ValueError(f"bad geometry {self}")
