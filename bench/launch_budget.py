@@ -86,15 +86,16 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     rows.append(("front (block step)", (bs, H_KV, ws.uq + ws.uk), wq + wk, f"{kunit // 1024} KB + finish", t_block))
     # select: NC chunk programs per (row, kv head); the active ones score `chunk` blocks' summaries.
     cand = (ctx - 1) // B
-    active = max(1, -(-cand // ws.chunk))
-    nc = ws.select_chunks(GRAPH_WIDTH)
+    chunk = ws.select_chunk(bs)
+    active = max(1, -(-cand // chunk))
+    nc = ws.select_chunks(GRAPH_WIDTH, bs)
     summ = bs * H_KV * cand * sub_blocks * DG * summary_bytes + bs * cand * 8
-    prog = min(cand, ws.chunk) * (sub_blocks * DG * summary_bytes + 8)
-    survivors = active * ws.slots
+    prog = min(cand, chunk) * (sub_blocks * DG * summary_bytes + 8)
+    survivors = active * ws.slots(bs)
     merge = 0.0 if active == 1 else _us(survivors * 8 * 5, PROGRAM_GBS) + 4 * MERGE_PASS_US * max(1, survivors / 1024)
     t = max(FLOOR_US, _us(summ, DEVICE_GBS), _us(prog, PROGRAM_GBS) + FENCE_US) + merge
     rows.append(("select", (bs, H_KV, nc), summ,
-                 f"{min(cand, ws.chunk)} blocks ({prog // 1024} KB)" + (f" + merge of {survivors}" if merge else ""),
+                 f"{min(cand, chunk)} blocks ({prog // 1024} KB)" + (f" + merge of {survivors}" if merge else ""),
                  t))
     # attend: splits of the K + 1 blocks; each program reads its blocks' K and V, the last merges the splits.
     splits = ws.attend_splits(bs)

@@ -1106,6 +1106,42 @@ def decide_dense_below(points: list) -> dict:
     return {"dense_below": best, "geomean_ms": {str(t): v for t, v in geo.items()}, "points": rows}
 
 
+def decide_select_chunk(record: dict, budget: str) -> dict:
+    """The select chunk per batch size (issue 64 item 6), from the chunk variants of `record` at `budget`: NEW
+    (the default chunk for K = budget / 64) and each "select chunk N" variant differ only in the chunk, so at each
+    batch size of the points the one with the best geometric-mean speedup over that batch size's points wins, where
+    it ran and passed its check at every one of them. A batch size takes its chunk from the nearest measured batch
+    size at or below it ({min_bs: chunk}; the smallest measured covers everything below).
+    {"rule": None (the default everywhere) | chunk (one for all) | {"bs": chunk}, "per_batch": {bs: {...}}}."""
+    import math
+
+    from sas_backend.ops.decode_step import default_select_chunk
+
+    chunks = {NEW.name: default_select_chunk(int(budget) // BLOCK)}
+    chunks.update({v.name: v.chunk for v in VARIANTS if v.chunk and v.settings() == dataclasses.replace(
+        NEW, chunk=v.chunk).settings()})
+    per_batch = {}
+    for bs in sorted({r["batch"] for r in record["rows"]}):
+        rows = [r for r in record["rows"] if r["batch"] == bs]
+        logs = {}
+        for name, chunk in chunks.items():
+            vals = [r.get("variants", {}).get(budget, {}).get(name) or {} for r in rows]
+            if all("error" not in v and (v.get("check") or {}).get("ok") is True and v.get("speedup") for v in vals):
+                logs[chunk] = sum(math.log(v["speedup"]) for v in vals) / len(vals)
+        if logs:
+            best = max(logs, key=lambda c: (logs[c], c == chunks[NEW.name]))
+            per_batch[bs] = {"chunk": best, "geomean_speedup": {str(c): math.exp(x) for c, x in logs.items()}}
+    picks = {bs: d["chunk"] for bs, d in per_batch.items()}
+    if not picks or set(picks.values()) == {chunks[NEW.name]}:
+        rule = None
+    elif len(set(picks.values())) == 1:
+        rule = next(iter(picks.values()))
+    else:
+        ordered = sorted(picks)
+        rule = {"1" if bs == ordered[0] else str(bs): c for bs, c in picks.items()}
+    return {"rule": rule, "per_batch": {str(bs): d for bs, d in per_batch.items()}}
+
+
 def chosen_settings(record: dict, device_key: str, branches: dict | None = None) -> dict:
     """The settings table the backend reads at startup, from this run: the new-step variant with the best
     geometric-mean speedup over every (context, batch) at the middle budget, and `dense_below` decided per (context,
@@ -1126,7 +1162,12 @@ def chosen_settings(record: dict, device_key: str, branches: dict | None = None)
         return {}
     best = max(complete, key=complete.get)
     as_run = record["rows"][0]["variants"][budget][best].get("settings")
-    settings = as_run or next(v for v in VARIANTS if v.name == best).settings()
+    settings = dict(as_run or next(v for v in VARIANTS if v.name == best).settings())
+    chunk = decide_select_chunk(record, budget)
+    if settings.get("select_chunk") is None or chunk["rule"] is not None:
+        # The chunk variants differ from NEW in the chunk alone; their per-batch-size winner joins the best variant
+        # (whose own chunk is the default, or a chunk variant's that the rule measured against the others).
+        settings["select_chunk"] = chunk["rule"]
     branches = branch_costs(record) if branches is None else branches
     points = []
     for r in record["rows"]:
@@ -1140,7 +1181,8 @@ def chosen_settings(record: dict, device_key: str, branches: dict | None = None)
     return {"measured": measured, "source": f"gpu_kit/bench_decode_step.py on {record['environment'].get('device')}, "
                                         f"budget {budget}, variant {best!r} (geometric-mean speedup "
                                         f"{math.exp(complete[best]):.2f}x over {len(record['rows'])} points)",
-            "dense_below_decision": decision, "devices": {device_key: entry, "default": entry}}
+            "dense_below_decision": decision, "select_chunk_decision": chunk,
+            "devices": {device_key: entry, "default": entry}}
 
 
 def markdown(record: dict) -> str:

@@ -734,6 +734,40 @@ def test_only_checked_variants_can_win():
     assert "| new: fused, PDL | 8192 | 1 | 2048 |" in md and "FAILED" in md and "unchecked" in md
 
 
+def test_select_chunk_is_chosen_per_batch_size():
+    """Issue 64 item 6: the chunk variants differ from NEW only in the select chunk; at each batch size the
+    fastest checked one wins, so a batch-1 winner (chunk 64) and a batch-8 winner (chunk 256) make a rule
+    {"1": 64, "8": 256} joined to the best variant's settings (bf16 summaries here); the workspace reads it back.
+    A chunk variant that failed its check at one point of a batch size does not compete there; the default
+    chunk winning everywhere leaves the table's null."""
+    import bench_decode_step as bds
+
+    from sas_backend.ops import decode_step as fused
+
+    def v(speedup, ok=True):
+        return {"speedup": speedup, "amortized_ms": 1.0 / speedup, "ms": 1.0, "steady_ms": 1.0, "check": {"ok": ok}}
+
+    c64, c256, bf16 = "new: fused, select chunk 64", "new: fused, select chunk 256", "new: fused, bf16 summaries"
+    speeds = {1: {bds.NEW.name: 1.0, c64: 1.2, c256: 0.9, bf16: 1.3}, 8: {bds.NEW.name: 2.0, c64: 1.8, c256: 2.4,
+                                                                         bf16: 2.6}}
+    rows = [{"context": ctx, "batch": bs, "dense_ms": 1.0, "sas": {},
+             "variants": {"2048": {n: v(x) for n, x in speeds[bs].items()}}}
+            for ctx, bs in ((8192, 1), (32768, 1), (32768, 8))]
+    record = {"budgets": [2048], "mode": "full", "environment": {"device": "NVIDIA H200"}, "rows": rows}
+    chosen = bds.chosen_settings(record, "H200", branches={})
+    entry = chosen["devices"]["H200"]
+    assert entry["summary_dtype"] == "bf16" and entry["select_chunk"] == {"1": 64, "8": 256}, entry
+    assert chosen["select_chunk_decision"]["per_batch"]["8"]["chunk"] == 256
+    geo = fused.StepGeometry(8, 4, 128, 128, 128, 32, 64)
+    ws = fused.DecodeStepWorkspace(geo, 16, 4097, "meta", chunk=entry["select_chunk"])
+    assert [ws.select_chunk(bs) for bs in (1, 7, 8, 16)] == [64, 64, 256, 256]
+    rows[2]["variants"]["2048"][c256]["check"]["ok"] = False  # failed at batch 8: the default (128) wins there
+    assert bds.chosen_settings(record, "H200", branches={})["devices"]["H200"]["select_chunk"] == {"1": 64, "8": 128}
+    for r in rows:
+        r["variants"]["2048"][c64]["speedup"] = 0.5
+    assert bds.chosen_settings(record, "H200", branches={})["devices"]["H200"]["select_chunk"] is None
+
+
 def _env():
     from sas_backend.testing.report import environment
 

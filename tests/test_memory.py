@@ -269,10 +269,12 @@ def test_cpu_reservation_equals_what_the_backend_allocates(sas_env, caplog):
     assert "for 16384 tokens" in caplog.text  # the log names the pool that is built
 
 
-@pytest.mark.parametrize("on_cuda,sub", [(False, 1), (True, 1), (True, 4)])
-def test_decode_step_workspace_figure_matches_the_step_object(on_cuda, sub):
+@pytest.mark.parametrize("on_cuda,sub,chunk", [(False, 1, None), (True, 1, None), (True, 4, None),
+                                               (True, 1, {"1": 64, "16": 512})])
+def test_decode_step_workspace_figure_matches_the_step_object(on_cuda, sub, chunk):
     """The reservation for the fused kernels' workspace equals what `DecodeStep` allocates (on `meta`); with
-    sub-block summaries the front's per-run partials are counted too."""
+    sub-block summaries the front's per-run partials are counted too, and with a per-batch-size select chunk
+    rule (a settings table's) the select partials of its hungriest batch."""
     from sas_backend.backend.decode_step import FUSED_MAX_ROWS, DecodeStep
     from sas_backend.backend.memory import decode_step_workspace_bytes
     from sas_backend.ops.decode_step import (
@@ -285,12 +287,14 @@ def test_decode_step_workspace_figure_matches_the_step_object(on_cuda, sub):
     step = DecodeStep(make_selector("gate", SelectionRule(k, b, sub_blocks=sub)),
                       StepGeometry(h, g, d, d, dg, k, b, sub), req_to_token, "meta", torch.bfloat16, torch.bfloat16,
                       0.1, kernels="triton", attention="triton",
-                      target_programs=GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS)
+                      target_programs=GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS, chunk=chunk)
     if on_cuda:  # the workspace on `meta` standing in for CUDA: the GPU's front units
         step.fused_ws.__init__(step.geo, FUSED_MAX_ROWS, step.max_blocks, "meta", target_programs=GPU_TARGET_PROGRAMS,
-                               qchunk=GPU_QCHUNK, kchunk=GPU_KCHUNK)
+                               qchunk=GPU_QCHUNK, kchunk=GPU_KCHUNK, chunk=chunk)
     assert step.fused_ws.max_bs == FUSED_MAX_ROWS
-    got = decode_step_workspace_bytes(h, g, d, dg, k, b, max_reqs, ctx, on_cuda, sub_blocks=sub)
+    got = decode_step_workspace_bytes(h, g, d, dg, k, b, max_reqs, ctx, on_cuda, chunk=chunk, sub_blocks=sub)
+    if chunk is not None:  # 256 rows in 512-block chunks keep fewer survivors than in the default's 128
+        assert got < decode_step_workspace_bytes(h, g, d, dg, k, b, max_reqs, ctx, on_cuda)
     assert got == step.device_nbytes
     if sub > 1:  # the front's summary partials per run: rows x H_kv x units x (sub - 1) x Dg fp32 more
         grown = FUSED_MAX_ROWS * h * step.fused_ws.uk * (sub - 1) * dg * 4

@@ -23,7 +23,7 @@ rows gathered, FlashInfer's paged decode; CUDA only) or "torch" (one masked SDPA
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -54,8 +54,9 @@ class DecodeStep:
 
     def __init__(self, selector, geometry: fused.StepGeometry, req_to_token: torch.Tensor, device, q_dtype,
                  kv_dtype, scaling: float, kernels: str = "torch", attention: str = "torch", dense_below: int = 0,
-                 force_sparse: bool = False, workspace: Optional[torch.Tensor] = None, chunk: Optional[int] = None,
-                 target_programs: Optional[int] = None, launch: Optional[fused.LaunchOptions] = None,
+                 force_sparse: bool = False, workspace: Optional[torch.Tensor] = None,
+                 chunk: Union[int, dict, None] = None, target_programs: Optional[int] = None,
+                 launch: Optional[fused.LaunchOptions] = None,
                  gate_dtype: torch.dtype = torch.float32, rows_per_request: int = 1):
         if kernels not in KERNELS or attention not in ATTENTIONS:
             raise ValueError(f"kernels must be one of {KERNELS}, attention one of {ATTENTIONS}")

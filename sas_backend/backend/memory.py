@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 
@@ -146,7 +146,7 @@ def sas_memory(
 
 def decode_step_workspace_bytes(num_kv_heads: int, group_size: int, head_dim: int, gate_dim: int, top_k: int,
                                 block_size: int, max_reqs: int, context_len: int, on_cuda: bool,
-                                chunk: Optional[int] = None, target_programs: Optional[int] = None,
+                                chunk: Union[int, dict, None] = None, target_programs: Optional[int] = None,
                                 rows_per_request: int = 1, sub_blocks: int = 1) -> int:
     """Device bytes of the fused decode step's workspace (`backend.decode_step.DecodeStep.fused_ws`), sized as the
     backend sizes it (built on `meta`: nothing is allocated)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -29,14 +29,15 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class StepSettings:
     """Resolved decode-step settings of one server. kernels: "triton" | "torch"; attention: "triton" |
     "flashinfer" | "torch"; summary_dtype: torch dtype of the summary pool; gate_dtype: what the fused front
-    reads the gate weights in; select_chunk, target_programs: the fused launches' split sizes (None:
+    reads the gate weights in; select_chunk (one chunk, or a per-batch-size rule {min_bs: chunk}: `ops.decode_step.
+    select_chunk_rule`), target_programs: the fused launches' split sizes (None:
     `ops.decode_step` defaults); launch: their `LaunchOptions` (PDL, warps); dense_below: tokens; source: where
     they came from (for the log and /sas/info)."""
 
     kernels: str
     attention: str
     summary_dtype: torch.dtype
-    select_chunk: Optional[int]
+    select_chunk: Optional[Union[int, dict]]
     target_programs: Optional[int]
     dense_below: int
     source: str

@@ -143,6 +143,34 @@ def test_select_matches_reference_with_ties(paged_case, top_k, sink, local, chun
         assert ws.select_chunks(c.max_blocks) > 1  # the merge ran
 
 
+def test_select_chunk_rule_per_batch_size(paged_case):
+    """A per-batch-size chunk rule ({min_bs: chunk}, as the settings table may hold one): a batch below the edge
+    and one above it each select with their own chunk (own grid, survivors and merge tile) from one workspace
+    whose partials fit both, and both equal the reference; the rule changes no selection."""
+    lens = [1, 5, 64, 65, 130, 260, 77, 200]
+    c = StepCase(paged_case, lens, 3, integer_summaries=True, seed=21)
+    gq = torch.randint(-2, 3, (len(lens), c.h_kv, c.dg), generator=c.case.gen).float().to(DEVICE)
+    ws = c.workspace(top_k=3, chunk={1: 16, 4: 32, "6": 64})
+    assert [ws.select_chunk(bs) for bs in (1, 3, 4, 5, 6, 8)] == [16, 16, 32, 32, 64, 64]
+    assert ws.slots(1) == 3 and ws.select_chunks(c.max_blocks, 1) > ws.select_chunks(c.max_blocks, 8)
+    for bs in (3, 5, 8):
+        ref = naive.select(gq[:bs], c.summaries, c.table[:bs], c.n_cand[:bs], c.b, c.max_blocks, 3, 1, 1)
+        got = fused.select(ws, gq[:bs], c.summaries, c.table[:bs], c.n_cand[:bs], c.max_blocks, 1, 1)
+        assert torch.equal(got, ref), bs
+        assert int(ws.select_counters.abs().sum()) == 0
+    # The partials hold the hungriest batch of each rule entry (here the 3-row batch of 16-block chunks).
+    need = max(bs * c.h_kv * 2 * ws.select_chunks(c.max_blocks, bs) * ws.slots(bs) for bs in range(1, 9))
+    assert ws.select_partials.numel() == need
+
+
+@pytest.mark.parametrize("rule,message", [({0: 64}, "start at 1"), ({1: 48}, "power of two"), (8, "power of two"),
+                                          ({"x": 64}, "batch sizes")])
+def test_select_chunk_rule_is_checked(rule, message):
+    geo = fused.StepGeometry(2, 2, 16, 16, 16, 4, 4)
+    with pytest.raises(ValueError, match=message):
+        fused.DecodeStepWorkspace(geo, 4, 64, DEVICE, chunk=rule)
+
+
 @pytest.mark.parametrize("dg,summary_dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float32)])
 def test_select_gate_dims_and_bf16_summaries(paged_case, dg, summary_dtype):
     """The served geometry: block size 64, gate dim 128 (the select's dot in several Dg tiles), a bf16 summary

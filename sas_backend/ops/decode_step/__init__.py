@@ -51,6 +51,35 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def default_select_chunk(top_k: int) -> int:
+    """The select chunk a workspace takes unless told otherwise: max(64, 4 * next_pow2(K)) blocks."""
+    return max(64, 4 * _pow2(max(int(top_k), 1)))
+
+
+def select_chunk_rule(chunk, default: int) -> tuple:
+    """The select launch's chunk per batch size as ((min_bs, chunk), ...) ascending from min_bs 1.
+
+    chunk: None (`default` at every batch size), an int (that one at every batch size), or a per-batch-size rule
+    {min_bs: chunk} (keys ints or, as JSON writes them, digit strings; batch sizes below the smallest key take
+    `default`). Every chunk is a power of two >= 16."""
+    if chunk is None:
+        rule = {1: default}
+    elif isinstance(chunk, dict):
+        try:
+            rule = {int(b): int(c) for b, c in chunk.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"select chunk rule {chunk!r}: keys are batch sizes, values chunks") from None
+        if not rule or min(rule) < 1:
+            raise ValueError(f"select chunk rule {chunk!r}: batch sizes start at 1")
+        rule.setdefault(1, default)
+    else:
+        rule = {1: int(chunk)}
+    for c in rule.values():
+        if c < 16 or c & (c - 1):
+            raise ValueError(f"select chunk must be a power of two >= 16, got {c}")
+    return tuple(sorted(rule.items()))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepGeometry:
     """Per-rank geometry of a sparse layer: H_kv kv heads, G query heads each, head dims D (keys) and
@@ -123,8 +152,11 @@ class DecodeStepWorkspace:
     attend); partials and the zeroed arrival counters of each launch. Split sizes:
     - front: UQ = G * cdiv(D/2, qchunk) gate-query units and UK = cdiv(D/2, kchunk) summary units per (row, kv
       head) (CUDA: 16 and 8 head dims per RoPE half; CPU: D/2, one unit each);
-    - select: chunks of `chunk` blocks (default max(64, 4 * next_pow2(K))), NC = cdiv(width, chunk) programs
-      per (row, kv head), each keeping min(K, chunk) survivors;
+    - select: chunks of `select_chunk(bs)` blocks, NC = cdiv(width, chunk) programs per (row, kv head), each
+      keeping min(K, chunk) survivors. `chunk`: one size for every batch (default max(64, 4 * next_pow2(K))), or
+      a per-batch-size rule {min_bs: chunk} (a batch of bs rows takes the entry of the largest min_bs <= bs, the
+      default below the smallest): a long-context server's short rows at a big batch launch fewer idle programs
+      with bigger chunks, a batch of one reads fastest in small ones, and a captured batch size always chunks alike;
     - attend: `attend_splits(bs)` splits of the K + 1 blocks, about `target_programs` programs at batch 1,
       one split (no partials) once bs * H_kv alone fills the device.
     launch: `LaunchOptions` (PDL, warps) of the three launches.
@@ -153,10 +185,7 @@ class DecodeStepWorkspace:
         self.kchunk = min(kchunk or sizes["kchunk"] or half_d, _pow2(half_d))
         self.uk = -(-half_d // self.kchunk)
         k = geo.top_k
-        self.chunk = int(chunk or max(64, 4 * _pow2(max(k, 1))))
-        if self.chunk < 16 or self.chunk & (self.chunk - 1):
-            raise ValueError(f"select chunk must be a power of two >= 16, got {self.chunk}")
-        self.slots = max(1, min(k, self.chunk))
+        self.chunk_rule = select_chunk_rule(chunk, default_select_chunk(k))
         f32, i32 = dict(dtype=torch.float32, device=self.device), dict(dtype=torch.int32, device=self.device)
         rows = self.max_bs * geo.num_kv_heads
         dg = geo.gate_dim
@@ -165,8 +194,11 @@ class DecodeStepWorkspace:
         self.front_partials_q = torch.zeros(rows * self.uq * dg, **f32)
         self.front_partials_k = torch.zeros(rows * self.uk * geo.summary_width, **f32)  # per run
         self.front_counters = torch.zeros(rows * 2, **i32)
-        nc = self.select_chunks(self.max_blocks)
-        self.select_partials = torch.zeros(rows * 2 * nc * self.slots if nc > 1 else 1, **i32)
+        # Sized for the batch whose rows keep the most survivors (the rule can change with bs; within one entry
+        # the need grows with bs, so each entry's largest batch bounds it).
+        need = [bs * geo.num_kv_heads * 2 * self.select_chunks(self.max_blocks, bs) * self.slots(bs)
+                for bs in self._rule_edges() if self.select_chunks(self.max_blocks, bs) > 1]
+        self.select_partials = torch.zeros(max(need + [1]), **i32)
         self.select_counters = torch.zeros(rows, **i32)
         self.gp = max(16, _pow2(geo.group))
         self.block_dv = max(16, _pow2(geo.v_head_dim))
@@ -176,17 +208,30 @@ class DecodeStepWorkspace:
         self.attend_partials = torch.zeros(splits_rows * self.gp * self.block_dv, **f32)
         self.attend_counters = torch.zeros(rows, **i32)
 
-    def select_chunks(self, width: int) -> int:
+    def select_chunk(self, bs: int = 1) -> int:
+        """Candidate blocks per select program for a batch of bs rows (`chunk_rule`)."""
+        return next(c for b, c in reversed(self.chunk_rule) if b <= max(int(bs), 1))
+
+    def slots(self, bs: int = 1) -> int:
+        """Survivors each select chunk program keeps for a batch of bs rows: min(K, chunk)."""
+        return max(1, min(self.geo.top_k, self.select_chunk(bs)))
+
+    def select_chunks(self, width: int, bs: int = 1) -> int:
         """Programs per (row, kv head) of the select launch for rows of `width` candidate blocks."""
-        return max(1, -(-max(int(width), 1) // self.chunk))
+        return max(1, -(-max(int(width), 1) // self.select_chunk(bs)))
 
-    def merge_tile(self, width: int) -> int:
+    def merge_tile(self, width: int, bs: int = 1) -> int:
         """The select merge's tile (survivors of every chunk of a row of `width` blocks, padded to a power of two)."""
-        return max(16, min(4096, _pow2(self.select_chunks(width) * self.slots)))
+        return max(16, min(4096, _pow2(self.select_chunks(width, bs) * self.slots(bs))))
 
-    def select_warps(self, width: int) -> int:
+    def select_warps(self, width: int, bs: int = 1) -> int:
         """The select launch's default num_warps: 8 for the wide chunk and merge tiles, else 4."""
-        return 8 if self.chunk >= 512 or self.merge_tile(width) >= 2048 else 4
+        return 8 if self.select_chunk(bs) >= 512 or self.merge_tile(width, bs) >= 2048 else 4
+
+    def _rule_edges(self) -> list:
+        """The largest batch size of each chunk-rule entry that a batch of at most max_bs rows reaches."""
+        starts = [b for b, _ in self.chunk_rule if b <= self.max_bs]
+        return [min(nxt - 1, self.max_bs) for nxt in starts[1:] + [self.max_bs + 1]]
 
     def attend_splits(self, bs: int) -> int:
         """Splits of the K + 1 attended blocks for a batch of bs rows (a function of bs only, so a
@@ -313,21 +358,22 @@ def select(
             raise ValueError(f"anchors has {anchors.shape[0]} rows for a batch of {bs}")
         anchors_t, r_count = anchors, anchors.shape[2]
         rows_t = anchor_rows if anchor_rows is not None else out
-    nc = ws.select_chunks(max_blocks)
+    nc = ws.select_chunks(max_blocks, bs)
     m = max(int(max_blocks), 0)
-    merge_tile = ws.merge_tile(max_blocks)
+    merge_tile = ws.merge_tile(max_blocks, bs)
+    chunk, slots = ws.select_chunk(bs), ws.slots(bs)
     kernels._select_kernel[(bs, h_kv, nc)](
         gate_q, summaries, block_table, num_candidates, anchors_t, rows_t, out, ws.select_partials,
         ws.select_counters,
         gate_q.stride(0), gate_q.stride(1), summaries.stride(0), summaries.stride(1), block_table.stride(0),
         anchors_t.stride(0), anchors_t.stride(1), out.stride(0), out.stride(1),
-        h_kv, m, k, ws.slots, nc, anchor_rows is not None, min(max(sink_blocks, 0), m), min(max(local_blocks, 0), m),
+        h_kv, m, k, slots, nc, anchor_rows is not None, min(max(sink_blocks, 0), m), min(max(local_blocks, 0), m),
         r_count,
         dg**-0.5,
         DG=dg, BLOCK_DG=_pow2(dg), DG_TILE=min(32, _pow2(dg)), BLOCK_SIZE=geo.block_size, SUB=geo.sub_blocks,
-        CHUNK=ws.chunk,
-        SLOT_TILE=max(16, _pow2(ws.slots)), MERGE_TILE=merge_tile, K_TILE=max(16, _pow2(k)),
-        **ws.launch.kwargs(ws.launch.select_warps, ws.select_warps(max_blocks)),
+        CHUNK=chunk,
+        SLOT_TILE=max(16, _pow2(slots)), MERGE_TILE=merge_tile, K_TILE=max(16, _pow2(k)),
+        **ws.launch.kwargs(ws.launch.select_warps, ws.select_warps(max_blocks, bs)),
     )
     return out
 
