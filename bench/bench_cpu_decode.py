@@ -311,6 +311,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the result files (cpu-decode-DATE-TAG.json/.png)")
     ap.add_argument("--resume", default=None, metavar="PARTIAL_JSON",
                     help="a killed run's .partial.json: servers it finished are not run again")
+    ap.add_argument("--sas-arg", action="append", default=[],
+                    help="one more launch argument for every sas server (repeatable, e.g. --sas-arg=--sas-dense-below "
+                         "--sas-arg=0 to time the sparse path where the CPU default would decode densely)")
     args = ap.parse_args(argv)
     if args.quick:
         args.contexts, args.batches, args.budgets, args.new_tokens = [1024], [1], [512], 16
@@ -357,7 +360,8 @@ def main(argv=None) -> int:
         return measured
 
     dense = run_or_resume("dense", "torch_native", flags)
-    sas = {b: run_or_resume(f"sas b{b}", "sas", flags + ["--sas-gate", gate, "--sas-budget", b]) for b in args.budgets}
+    sas = {b: run_or_resume(f"sas b{b}", "sas", flags + ["--sas-gate", gate, "--sas-budget", b, *args.sas_arg])
+           for b in args.budgets}
 
     rows = []
     for ctx, bs in points:
@@ -379,7 +383,7 @@ def main(argv=None) -> int:
         "command": " ".join(shlex.quote(a) for a in ["python", "bench/bench_cpu_decode.py", *sys.argv[1:]]),
         "model": repo_relative(model), "gate": repo_relative(gate),
         "prompts": "shared prefix" if args.shared_prefix else "disjoint", "geometry": geo,
-        "server_flags": [str(f) for f in flags],
+        "server_flags": [str(f) for f in flags], "sas_flags": [str(f) for f in args.sas_arg],
         "new_tokens": args.new_tokens, "skip": args.skip, "wall_s": round(time.time() - started, 1), "rows": rows,
     }
     (out / f"{tag}.json").write_text(json.dumps(record, indent=2))

@@ -31,6 +31,11 @@ GATE_DTYPES = SUMMARY_DTYPES
 
 #: Budget when neither the launch nor the gate's record names one (and for training-free selectors).
 DEFAULT_BUDGET = 2048
+# On CPU a sparse step pays a fixed cost (the selection's small ops in every sparse layer) worth up to this many
+# tokens of dense reading: at batch 1 sparse decode is slower than dense up to budget + 1024 (a 2-core EPYC) to
+# budget + ~2700 (a 2-core Xeon) tokens of context (bench/results/2026-12-05-cpu-crossover), so the CPU default of
+# --sas-dense-below is the budget + the larger margin, rounded up.
+CPU_DENSE_MARGIN = 3072
 
 
 def _setting(default, env: str, flag: Optional[str] = None, help: str = "", default_text: Optional[str] = None):
@@ -66,9 +71,11 @@ class SASConfig:
         record, else 1.
     dense_below: a decode step whose requests hold at most this many context tokens in all (the
         sum of their lengths: what dense attention reads) attends every block densely instead of
-        selecting; 0: never (the default). Below a few tens of thousands of tokens a step is bound by
-        its kernel launches, not its bytes, and dense attention is faster. Under CUDA graphs both
-        branches are captured (conditional IF nodes, CUDA 12.4+); without them graph steps stay sparse.
+        selecting; 0: never. None: on CPU budget + CPU_DENSE_MARGIN tokens (the measured batch-1
+        crossover; 0 with force_sparse), on CUDA the settings table's (`backend.step_settings.resolve`). A short
+        step is bound by its fixed per-layer costs (kernel launches, small ops), not its bytes, and dense
+        attention is faster there. Under CUDA graphs both branches are captured (conditional IF nodes, CUDA
+        12.4+); without them graph steps stay sparse.
     kernels / attention / summary_dtype / gate_dtype: how the decode step runs (`backend.decode_step`), what
         the summary pool holds and what the fused front reads the gate weights in; "auto" resolves per device
         (`backend.step_settings.resolve`).
@@ -116,10 +123,11 @@ class SASConfig:
         "on its own and a block scores its best run (keeps needle-like keys; N x the summary pool and the bytes "
         "selection reads). 1: one summary a block.",
         "default: the gate's record, else 1")
-    dense_below: int = _setting(
-        0, "SAS_DENSE_BELOW", "--sas-dense-below",
+    dense_below: Optional[int] = _setting(
+        None, "SAS_DENSE_BELOW", "--sas-dense-below",
         "Decode steps whose requests hold at most N context tokens in all attend densely (where dense "
-        "attention is faster than selecting); 0: never.")
+        "attention is faster than selecting); 0: never.",
+        f"CPU: the budget + {CPU_DENSE_MARGIN} (the measured crossover); CUDA: the settings table's")
     kernels: str = _setting(
         "auto", "SAS_KERNELS", "--sas-kernels",
         "Decode-step kernels: triton (front / select / attend, three launches a layer; on CPU under "

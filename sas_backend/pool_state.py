@@ -46,7 +46,8 @@ def scheduler_pool_state(scheduler) -> dict:
     (rows of free or cached pages), `held` (rows of pages in use); `idle`: no request queued or
     running; `leak_warnings`: SGLang's idle memory check's warning count (None where it keeps none);
     `decode_steps`: the sas backend's decode and verify steps so far, `{"sparse": n, "dense": n}` (None on
-    another backend).
+    another backend); `dense_below`: the tokens at or under which its steps attend densely as resolved (the
+    launch's `--sas-dense-below`, else the device's default; None on another backend).
     """
     backend = _attn_backend(scheduler)
     page = int(getattr(backend, "block_size", 0) or getattr(scheduler, "page_size", 1) or 1)
@@ -78,6 +79,8 @@ def scheduler_pool_state(scheduler) -> dict:
     state["gate_sha256"] = getattr(backend, "gate_sha256", None)  # of the gate this scheduler loaded
     steps = getattr(backend, "decode_steps", None)  # {"sparse": n, "dense": n} on a sas backend
     state["decode_steps"] = dict(steps) if isinstance(steps, dict) else None
+    settings = getattr(backend, "settings", None)
+    state["dense_below"] = getattr(settings, "dense_below", None)
     state["pid"] = os.getpid()
     return state
 

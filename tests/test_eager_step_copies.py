@@ -73,7 +73,7 @@ def _backend():
     req_pool = ReqToTokenPool(8, 256, DEV, False)
     runner = SimpleNamespace(device=DEV, req_to_token_pool=req_pool, token_to_kv_pool=MetaKVPool(),
                              dtype=torch.float32, model=None, page_size=B)
-    cfg = SASConfig(gate_path="unused", budget=3 * B, block_size=B)
+    cfg = SASConfig(gate_path="unused", budget=3 * B, block_size=B, dense_below=0)  # the sparse plan's copies
     gates = {lid: AttnGate(H_KV, H_Q // H_KV, D, DG).to(DEV).requires_grad_(False) for lid in range(LAYERS)}
     return SASAttnBackend(
         runner, TorchNativeAttnBackend(runner), cfg, gates,

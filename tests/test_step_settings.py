@@ -83,6 +83,23 @@ def test_cpu_defaults_and_refusals():
     assert resolve(SASConfig(selector="quest", budget=2048).validate(), "cuda", "H200", TABLE_H).kernels == "torch"
 
 
+def test_dense_below_defaults_per_device_and_an_explicit_zero_wins():
+    """Issue 64 item 7, CPU half: unset, a CPU server attends densely up to budget + CPU_DENSE_MARGIN tokens (the
+    measured batch-1 crossover), none with force_sparse; CUDA takes the table's; an explicit 0 means never on
+    both (before, 0 could not be told from unset and fell back to the table)."""
+    from sas_backend.config import CPU_DENSE_MARGIN
+
+    assert resolve(_cfg(), "cpu", "", TABLE_H).dense_below == 2048 + CPU_DENSE_MARGIN
+    assert resolve(SASConfig(gate_path="u", budget=512).validate(), "cpu", "").dense_below == 512 + CPU_DENSE_MARGIN
+    assert resolve(_cfg(force_sparse=1), "cpu", "").dense_below == 0
+    assert resolve(_cfg(dense_below=0), "cpu", "").dense_below == 0
+    assert resolve(_cfg(dense_below=700), "cpu", "").dense_below == 700
+    assert resolve(_cfg(), "cuda", "NVIDIA H200", TABLE_H).dense_below == 4096
+    assert resolve(_cfg(dense_below=0), "cuda", "NVIDIA H200", TABLE_H).dense_below == 0
+    assert SASConfig.from_env({"SAS_DENSE_BELOW": "0"}).dense_below == 0
+    assert SASConfig.from_env({}).dense_below is None
+
+
 def test_the_benchmarks_chosen_settings_are_a_table_the_backend_reads():
     import bench_decode_step as bds
 

@@ -86,7 +86,14 @@ def resolve(cfg, device: torch.device, device_name: str = "", table: Optional[di
             raise SASConfigError("--sas-gate-dtype bf16 is what the fused front kernel reads (--sas-kernels triton); "
                                  f"the decode step here runs the {kernels} path, which reads the gate in fp32")
         gate_dtype = "fp32"  # the table's choice is for the fused front
-    dense_below = cfg.dense_below if cfg.dense_below else int(entry.get("dense_below", 0) or 0)
+    if cfg.dense_below is not None:  # the launch's, 0 (never) included
+        dense_below = cfg.dense_below
+    elif cuda:
+        dense_below = int(entry.get("dense_below", 0) or 0)
+    else:  # CPU: where a sparse step stops being slower than dense at batch 1 (config.CPU_DENSE_MARGIN)
+        from sas_backend.config import CPU_DENSE_MARGIN, DEFAULT_BUDGET
+
+        dense_below = 0 if cfg.force_sparse else (cfg.budget or DEFAULT_BUDGET) + CPU_DENSE_MARGIN
     launch = LaunchOptions(**(entry.get("launch") or {})).check() if cuda else LaunchOptions()
     return StepSettings(kernels, attention, _DTYPES[dtype], entry.get("select_chunk"), entry.get("target_programs"),
                         dense_below, source, _DTYPES[gate_dtype], launch)

@@ -79,8 +79,15 @@ def free_port(rng=None) -> int:
     raise RuntimeError(f"no free port in {SERVER_PORTS.start}-{SERVER_PORTS.stop - 1} after 200 tries")
 
 
+# Variables every server this process starts gets unless the caller's `env` names them (None there: unset). The
+# test suite pins SAS_DENSE_BELOW=0 (tests/conftest.py): its servers check the sparse path itself at short
+# contexts, where the CPU default (budget + 1024 tokens) decodes densely; the test of that default unsets it.
+PINNED_ENV: dict = {}
+
+
 def cpu_env(extra=None) -> dict:
-    """The server's environment: the CPU engine switches (not on GPU), no inherited SAS_* vars."""
+    """The server's environment: the CPU engine switches (not on GPU), no inherited SAS_* vars, `PINNED_ENV`,
+    then `extra` (a None value removes that variable)."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     if ON_GPU:
@@ -90,7 +97,12 @@ def cpu_env(extra=None) -> dict:
     for k in list(env):  # flags, not inherited variables, configure each test server
         if k.startswith("SAS_"):
             del env[k]
-    env.update(extra or {})
+    env.update(PINNED_ENV)
+    for k, v in (extra or {}).items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     return env
 
 
