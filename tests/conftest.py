@@ -34,7 +34,7 @@ def share_cores_between_workers() -> None:
 share_cores_between_workers()
 
 # The suite's servers decode sparsely at any context unless a test says otherwise: they check the sparse path
-# itself, often on prompts shorter than the CPU default of --sas-dense-below (budget + 1024 tokens), which
+# itself, often on prompts shorter than the CPU default of --sas-dense-below (budget + 3072 tokens), which
 # tests/server/test_cpu_dense_below.py checks with this pin removed.
 from sas_backend.testing import server as _server  # noqa: E402
 

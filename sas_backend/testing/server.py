@@ -81,7 +81,7 @@ def free_port(rng=None) -> int:
 
 # Variables every server this process starts gets unless the caller's `env` names them (None there: unset). The
 # test suite pins SAS_DENSE_BELOW=0 (tests/conftest.py): its servers check the sparse path itself at short
-# contexts, where the CPU default (budget + 1024 tokens) decodes densely; the test of that default unsets it.
+# contexts, where the CPU default (budget + 3072 tokens) decodes densely; the test of that default unsets it.
 PINNED_ENV: dict = {}
 
 
