@@ -31,6 +31,7 @@ import requests
 from sas_backend.config import SASConfig
 from sas_backend.corpus import read_essays
 from sas_backend.provenance import git_state, repo_relative
+from sas_backend.selection import selector_class, selector_names
 from sas_backend.testing.server import DEFAULT_MODEL, Server, default_gate
 from sas_backend.training.eval_ppl import parse_forced
 
@@ -80,11 +81,11 @@ def server_configs(args) -> list[tuple[str, str, list]]:
     for sel in args.selectors:
         for b in args.budgets:
             extra = (["--sas-selector", sel, "--sas-budget", str(b)]
-                     + (["--sas-gate", args.gate] if sel == "gate" else []))
+                     + (["--sas-gate", args.gate] if selector_class(sel).needs_gate else []))
             anchors = ""
-            if anchored and sel != "sink-local":
+            if anchored and selector_class(sel).ranks:
                 extra, anchors = extra + ["--sas-prompt-anchors", str(args.prompt_anchors)], f"+a{args.prompt_anchors}"
-            for sink, local in (forced or [(None, None)]) if sel == "gate" else [(None, None)]:
+            for sink, local in (forced or [(None, None)]) if selector_class(sel).needs_gate else [(None, None)]:
                 if sink is None:
                     configs.append((f"sas {sel}{anchors} b{b}", "sas", extra))
                 else:
@@ -101,8 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=3072, help="haystack tokens")
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
-    ap.add_argument("--selectors", nargs="+", default=["gate", "quest", "sink-local"],
-                    choices=["gate", "quest", "sink-local"])
+    ap.add_argument("--selectors", nargs="+", default=list(selector_names()), choices=selector_names())
     ap.add_argument("--gate-forced", nargs="+", default=None, metavar="SINK,LOCAL",
                     help="gate servers with these forced blocks (e.g. 0,0 1,1) instead of the gate's serving record")
     ap.add_argument("--serve-default", action="store_true",

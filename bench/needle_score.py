@@ -34,7 +34,7 @@ from needle import CODES, NEEDLE, PLACES, QUESTION, haystack_with_needle  # noqa
 from sas_backend.corpus import read_essays  # noqa: E402
 from sas_backend.provenance import git_state, repo_relative  # noqa: E402
 from sas_backend.testing.server import DEFAULT_MODEL, default_gate  # noqa: E402
-from sas_backend.training.eval_ppl import load_gates, parse_forced, parse_gates  # noqa: E402
+from sas_backend.training.eval_ppl import BASELINES, load_gates, parse_forced, parse_gates  # noqa: E402
 
 
 ANSWERS = ("sentence", "passphrase")
@@ -127,8 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.75, 0.9])
     ap.add_argument("--budgets", type=int, nargs="+", default=[2048])
     ap.add_argument("--gate-forced", nargs="+", default=["1,1"], metavar="SINK,LOCAL")
-    ap.add_argument("--baselines", nargs="*", default=["oracle", "quest", "sink-local"],
-                    choices=["oracle", "quest", "sink-local", "random"])
+    ap.add_argument("--baselines", nargs="*", default=["oracle", "quest", "sink-local"], choices=BASELINES)
     ap.add_argument("--answer", choices=ANSWERS, default="sentence",
                     help="teacher-forced answer: the needle sentence, or the passphrase alone (the server's answer)")
     ap.add_argument("--anchor-blocks", type=int, nargs="*", default=[], metavar="R",

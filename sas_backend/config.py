@@ -33,9 +33,16 @@ GATE_DTYPES = SUMMARY_DTYPES
 DEFAULT_BUDGET = 2048
 # On CPU a sparse step pays a fixed cost (the selection's small ops in every sparse layer) worth up to this many
 # tokens of dense reading: at batch 1 sparse decode is slower than dense up to budget + 1024 (a 2-core EPYC) to
-# budget + ~2700 (a 2-core Xeon) tokens of context (bench/results/2026-12-05-cpu-crossover), so the CPU default of
-# --sas-dense-below is the budget + the larger margin, rounded up.
+# budget + 2560 (a 2-core Xeon) tokens of context (bench/results/2026-12-05-cpu-crossover), so the CPU default of
+# --sas-dense-below is the budget + a margin covering both.
 CPU_DENSE_MARGIN = 3072
+
+
+def _selector_choices() -> str:
+    """The registered selectors with their one-line help (imports the registry: called when the help is shown)."""
+    from sas_backend.selection import selector_class, selector_names
+
+    return "; ".join(f"{n} ({selector_class(n).help})" if selector_class(n).help else n for n in selector_names())
 
 
 def _setting(default, env: str, flag: Optional[str] = None, help: str = "", default_text: Optional[str] = None):
@@ -50,9 +57,13 @@ def _setting(default, env: str, flag: Optional[str] = None, help: str = "", defa
 class SASConfig:
     """What the `sas` backend needs besides the model.
 
-    selector: how blocks are chosen: "gate" (the trained AttnGate, needs gate_path), "quest"
-        (training-free: per-block key min/max bound of q.k) or "sink-local" (training-free: the
-        first block(s) and the blocks right before the current one). See `sas_backend.selection`.
+    selector: how blocks are chosen, a name registered in `sas_backend.selection` (`selector_names()`):
+        "gate" (the trained AttnGate, needs gate_path), "quest" (training-free: per-block key min/max
+        bound of q.k), "sink-local" (training-free: the first block(s) and the blocks right before the
+        current one), or one a `selector_modules` module registers. What it needs and offers (gate
+        weights, fused kernels, ranking, summaries) is read from its class, never its name.
+    selector_modules: comma-separated Python modules imported before the selector is looked up (in
+        every server process); importing one registers its selectors (`selection.register_selector`).
     gate_path: gate checkpoint directory (canonical or SeerAttention-R format).
     budget: tokens of previous complete blocks each decode step attends, besides the current block;
         K = budget // block_size blocks are selected per (request, kv head). None: the gate's
@@ -89,8 +100,11 @@ class SASConfig:
     """
 
     selector: str = _setting(
-        "gate", "SAS_SELECTOR", "--sas-selector",
-        "Block selector: gate (the trained gate, needs --sas-gate), quest or sink-local (training-free).")
+        "gate", "SAS_SELECTOR", "--sas-selector", lambda: "Block selector: " + _selector_choices() + ".")
+    selector_modules: Optional[str] = _setting(
+        None, "SAS_SELECTOR_MODULES", "--sas-selector-module",
+        "Comma-separated Python modules to import before choosing the selector: each registers its own with "
+        "sas_backend.selection.register_selector (docs/development.md).", "default: none")
     gate_path: Optional[str] = _setting(
         None, "SAS_GATE", "--sas-gate",
         "Gate checkpoint directory (config.json + gate.safetensors, or SeerAttention-R's).")
@@ -153,15 +167,25 @@ class SASConfig:
         """Blocks selected per (request, kv head), forced blocks included."""
         return self.budget // self.block_size
 
+    def _selector_class(self):
+        """The registered class of `selector`, after importing `selector_modules` (SASConfigError if unknown)."""
+        from sas_backend.selection import import_selector_modules, selector_class
+
+        try:
+            import_selector_modules(self.selector_modules)
+            return selector_class(self.selector)
+        except (ImportError, ValueError) as e:
+            raise SASConfigError(f"--sas-selector {self.selector}: {e}") from None
+
     def resolved(self) -> "SASConfig":
         """A copy with budget, sink_blocks and local_blocks filled in where the launch left them
-        unset: from the gate checkpoint's record (selector "gate"), else DEFAULT_BUDGET, 0, 0.
+        unset: from the gate checkpoint's record (a selector reading gate weights), else DEFAULT_BUDGET, 0, 0.
         Reads the gate's config.json only (GateCheckpointError, a ValueError, if it is bad)."""
         unset = [name for name in _FROM_GATE if getattr(self, name) is None]
         if not unset:
             return self
         recorded = {}
-        if self.selector == "gate" and self.gate_path and os.path.isdir(self.gate_path):
+        if self._selector_class().needs_gate and self.gate_path and os.path.isdir(self.gate_path):
             from sas_backend.gate.gate_file import serve_defaults_of
 
             recorded = serve_defaults_of(self.gate_path)
@@ -173,7 +197,7 @@ class SASConfig:
         --sas-* flag or SAS_* variable), "the gate's serving record" or "default". Call it on the
         unresolved config (on a resolved one every value reads as "launch")."""
         recorded = {}
-        if self.selector == "gate" and self.gate_path and os.path.isdir(self.gate_path):
+        if self._selector_class().needs_gate and self.gate_path and os.path.isdir(self.gate_path):
             from sas_backend.gate.gate_file import serve_defaults_of
 
             recorded = serve_defaults_of(self.gate_path)
@@ -213,8 +237,9 @@ class SASConfig:
         if sub is not None and not sub_blocks_ok(sub, self.block_size):
             raise SASConfigError(f"--sas-sub-blocks must be a power of two dividing the block size {self.block_size} "
                                  f"(summaries of block-size / N tokens each), got {sub}")
-        if (sub or 1) > 1 and self.selector == "sink-local":
-            raise SASConfigError("--sas-sub-blocks sets how the gate and quest summarize a block; sink-local keeps no "
+        kind = self._selector_class()
+        if (sub or 1) > 1 and not kind.keeps_summaries:
+            raise SASConfigError(f"--sas-sub-blocks sets how a selector summarizes a block; {self.selector} keeps no "
                                  "summaries")
         forced = (self.sink_blocks or 0) + (self.local_blocks or 0)
         if self.budget is not None and forced > self.top_k:
@@ -227,14 +252,10 @@ class SASConfig:
                 f"SAS sink ({self.sink_blocks}) + local ({self.local_blocks}) + prompt anchor "
                 f"({self.prompt_anchors}) blocks exceed the {self.top_k} blocks the budget {self.budget} allows"
             )
-        if self.prompt_anchors and self.selector == "sink-local":
-            raise SASConfigError("--sas-prompt-anchors needs a ranking selector (gate or quest): sink-local forces "
-                                 "every block it selects")
-        from sas_backend.selection import SELECTORS
-
-        if self.selector not in SELECTORS:
-            raise SASConfigError(f"--sas-selector must be one of {', '.join(SELECTORS)}, got {self.selector!r}")
-        if self.selector == "gate" and not self.gate_path:
+        if self.prompt_anchors and not kind.ranks:
+            raise SASConfigError(f"--sas-prompt-anchors needs a ranking selector: {self.selector} forces every block "
+                                 "it selects")
+        if kind.needs_gate and not self.gate_path:
             raise SASConfigError(
                 "the sas attention backend needs a gate checkpoint: pass --sas-gate DIR "
                 "(or set SAS_GATE; a directory with config.json and gate.safetensors, written by "
@@ -247,9 +268,9 @@ class SASConfig:
             if getattr(self, name) not in allowed:
                 raise SASConfigError(f"--sas-{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
                                      f"got {getattr(self, name)!r}")
-        if self.kernels == "triton" and self.selector != "gate":
-            raise SASConfigError(f"--sas-kernels triton computes the gate's query and summaries; the {self.selector} "
-                                 "selector runs with --sas-kernels torch (or auto)")
+        if self.kernels == "triton" and not kind.fused_kernels:
+            raise SASConfigError(f"--sas-kernels triton runs the fused kernels, which the {self.selector} selector "
+                                 "does not have: that selector runs with --sas-kernels torch (or auto)")
         if self.cpu_extend not in CPU_EXTENDS:
             raise SASConfigError(f"SAS_CPU_EXTEND must be one of {', '.join(CPU_EXTENDS)}, got {self.cpu_extend!r}")
         return self
@@ -293,17 +314,20 @@ class Setting:
     """One SASConfig field as launch flags and the environment name it.
 
     field: SASConfig attribute; env: its `SAS_*` variable; flag: its `--sas-*` launch flag (None:
-    environment only); help: the flag's help text; type: int or str, how a value is parsed;
+    environment only); help: the flag's help text (`help_text()`); type: int or str, how a value is parsed;
     default: the field's default.
     """
 
     field: str
     env: str
     flag: Optional[str]
-    help: str
+    help: object  # str, or a callable giving it when shown (the selector's choices read the registry)
     type: type
     default: object
     default_text: Optional[str] = None
+
+    def help_text(self) -> str:
+        return self.help() if callable(self.help) else self.help
 
 
 def _settings() -> tuple[Setting, ...]:

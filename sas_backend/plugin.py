@@ -98,7 +98,7 @@ def _add_cli_args(original, parser: argparse.ArgumentParser):
         # default=None, not the field's: a flag not given must not override its SAS_* variable
         group.add_argument(
             s.flag, dest=f"sas_{s.field}", type=s.type, default=None,
-            help=f"{s.help} ({default}; env {s.env})",
+            help=f"{s.help_text()} ({default}; env {s.env})",
         )
     action = parser._option_string_actions.get("--page-size")
     if action is not None:
@@ -144,7 +144,7 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
         from sas_backend.info import sas_info
 
         sas_info()
-    if cfg.selector == "gate":
+    if _needs_gate(cfg):
         from sas_backend.gate.gate_file import open_gate
 
         open_gate(cfg.gate_path).release_tensors()  # checked and hashed: the launcher needs no tensors
@@ -191,6 +191,14 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
             )
 
 
+def _needs_gate(cfg) -> bool:
+    """Whether cfg's selector reads a gate checkpoint (its registered class says; selection imports torch, so
+    lazily)."""
+    from sas_backend.selection import selector_class
+
+    return selector_class(cfg.selector).needs_gate
+
+
 def _launch_on_cuda(args) -> bool:
     """Whether this launch serves on CUDA (--device, else what torch sees)."""
     device = getattr(args, "device", None)
@@ -203,7 +211,7 @@ def _launch_on_cuda(args) -> bool:
 
 def _trained_forced_blocks(cfg) -> "tuple[int, int] | None":
     """(sink, local) blocks the gate was trained with forced (its training record), None if unrecorded."""
-    if cfg.selector != "gate" or not cfg.gate_path:
+    if not _needs_gate(cfg) or not cfg.gate_path:
         return None
     from sas_backend.gate.gate_file import read_training_record
 
@@ -223,7 +231,7 @@ def _check_gate_fits(cfg: SASConfig, model_path) -> None:
     from sas_backend.gate.gate_file import open_gate
     from sas_backend.geometry import ModelGeometry
 
-    if cfg.selector != "gate":  # training-free selectors read no checkpoint
+    if not _needs_gate(cfg):  # training-free selectors read no checkpoint
         return
     if not os.path.isdir(cfg.gate_path):
         raise SASConfigError(f"gate checkpoint directory {cfg.gate_path!r} does not exist")

@@ -7,7 +7,10 @@ Used by the serving backend (SGLang's paged KV cache) and by the transformers ev
 ops. Each op is an `sas_backend.ops` entry point (Triton on CUDA where a kernel exists, batched
 torch otherwise); all are fixed-shape and capturable in a CUDA graph.
 
-Three selectors share one interface (`SELECTORS`, `make_selector`):
+Selectors share one interface (`Selector`) and are registered once by name (`register_selector`,
+`selector_names`, `selector_class`, `make_selector`); what each needs and offers is declared on its class
+(`needs_gate`, `fused_kernels`, `ranks`, `keeps_summaries`, `summary_dim`, `load_gates`), and every check,
+choice list and allocation reads those, never a name. Built in:
 - `gate` (SAS): the trained AttnGate; summaries `[pages, H_kv, Dg]` from the keys with the model's
   RoPE undone; scores = gate query . summary / sqrt(Dg).
 - `quest` (training-free): summaries `[pages, H_kv, 2D]` = min|max of the post-RoPE keys; scores =
@@ -35,8 +38,6 @@ from sas_backend.ops.quest import key_bounds, quest_scores, update_key_bounds
 from sas_backend.ops.score import score_blocks
 from sas_backend.ops.summary import completed_blocks, summarize_pages, update_summaries
 from sas_backend.ops.topk import select_blocks
-
-SELECTORS = ("gate", "quest", "sink-local")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +81,35 @@ class Selector:
     pick(scores, num_candidates) -> `[bs, H_kv, K]` int32 ascending, -1 padded.
     """
 
+    #: The --sas-selector name it is registered under, and one line for the flag's help.
     name = ""
+    help = ""
+    #: Reads trained gate weights (a --sas-gate checkpoint, `load_gates`); the others get gate None per layer.
     needs_gate = False
+    #: Has the fused front / select kernels (`--sas-kernels triton`); the others run the per-op path.
+    fused_kernels = False
+    #: Ranks blocks by score (prompt anchors take ranked places); False: every block it takes is forced.
+    ranks = True
+    #: Keeps per-page summaries (`summary_dim` > 0; `--sas-sub-blocks` sets how many a block has).
+    keeps_summaries = True
 
     def __init__(self, rule: SelectionRule):
         self.rule = rule
 
     def summary_dim(self, head_dim: int, gate_dim: int) -> int:
+        """Width S of its per-page state `[num_pages, H_kv, S]` (0: none), for a model's head_dim and the gate's
+        width gate_dim (0 for selectors without gate weights)."""
         raise NotImplementedError
+
+    @classmethod
+    def gate_dim(cls, gate_path) -> int:
+        """The width of its gate weights from the checkpoint's config.json alone (memory sizing); 0 without."""
+        return 0
+
+    @classmethod
+    def load_gates(cls, cfg, geometry, sparse_layers, tp_rank: int, tp_size: int, device) -> "LoadedGates":
+        """Its per-layer weights for this rank (`LoadedGates`); selectors without weights get None per layer."""
+        return LoadedGates({lid: None for lid in sparse_layers}, 0, None, f"training-free selector {cls.name}")
 
     def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
         raise NotImplementedError
@@ -142,14 +164,80 @@ class Selector:
         return self.pick(scores, num_candidates)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadedGates:
+    """What `Selector.load_gates` returns: gates `{layer_id: module or None}` (this rank's kv heads), gate_dim
+    (0: none), sha256 of the checkpoint as read (None: none) and a line naming the source for the log."""
+
+    gates: dict
+    gate_dim: int
+    sha256: "str | None"
+    source: str
+
+
+_REGISTRY: dict = {}
+
+
+def register_selector(cls):
+    """Class decorator: serve `cls` (a `Selector` subclass) as `--sas-selector cls.name`. Selectors outside this
+    package register from a module named by `--sas-selector-module` (imported in every server process)."""
+    if not (isinstance(cls, type) and issubclass(cls, Selector)) or not cls.name:
+        raise TypeError(f"register_selector takes a Selector subclass with a name, got {cls!r}")
+    if _REGISTRY.get(cls.name, cls) is not cls:
+        raise ValueError(f"a selector named {cls.name!r} is registered already ({_REGISTRY[cls.name].__qualname__})")
+    if not cls.keeps_summaries and cls.fused_kernels:
+        raise ValueError(f"selector {cls.name!r}: the fused kernels read summaries, so fused_kernels needs "
+                         "keeps_summaries")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def selector_names() -> tuple:
+    """The registered selector names, in registration order (the built-ins first)."""
+    return tuple(_REGISTRY)
+
+
+def selector_class(name: str) -> type:
+    """The `Selector` subclass registered as `name` (ValueError naming the choices if none)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown selector {name!r}; choose one of {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+@register_selector
 class GateSelector(Selector):
     """SAS: the trained AttnGate (see the module doc)."""
 
     name = "gate"
+    help = "the trained gate, needs --sas-gate"
     needs_gate = True
+    fused_kernels = True
 
     def summary_dim(self, head_dim: int, gate_dim: int) -> int:
         return gate_dim * self.rule.sub_blocks
+
+    @classmethod
+    def gate_dim(cls, gate_path) -> int:
+        from sas_backend.gate.gate_file import open_gate
+
+        return open_gate(gate_path).config.gate_dim
+
+    @classmethod
+    def load_gates(cls, cfg, geometry, sparse_layers, tp_rank: int, tp_size: int, device) -> LoadedGates:
+        """The checkpoint read once (its hash is what /sas/info reports, whatever the file holds later), checked
+        against the model's geometry, sharded to this rank's kv heads."""
+        from sas_backend.gate.checkpoint import shard_for_tp, validate_for_geometry
+        from sas_backend.gate.gate_file import open_gate
+        from sas_backend.gate.module import gates_from_tensors
+
+        gate_file = open_gate(cfg.gate_path)  # this process's one read of the checkpoint (memory sizing shares it)
+        gate_cfg, layers = gate_file.loaded()
+        validate_for_geometry(gate_cfg, layers, geometry, block_size=cfg.block_size)
+        layers = shard_for_tp(layers, tp_rank, tp_size)
+        gates = gates_from_tensors(layers, sparse_layers, gate_dim=gate_cfg.gate_dim, device=device)
+        gate_file.release_tensors()  # the gates hold their own copies
+        return LoadedGates(gates, gate_cfg.gate_dim, gate_file.sha256,
+                           f"gate {cfg.gate_path} ({gate_cfg.base_model})")
 
     def summarize(self, gate: AttnGate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
         w_k, k_norm = gate.attngate_linear_k.weight, gate.attngate_knorm.weight
@@ -176,10 +264,12 @@ class GateSelector(Selector):
                             sub_blocks=self.rule.sub_blocks)
 
 
+@register_selector
 class QuestSelector(Selector):
     """Quest: per-block key min|max bound of q.k (see `ops.quest`)."""
 
     name = "quest"
+    help = "training-free: per-block key min/max bound of q.k"
 
     def summary_dim(self, head_dim: int, gate_dim: int) -> int:
         return 2 * head_dim * self.rule.sub_blocks
@@ -201,10 +291,14 @@ class QuestSelector(Selector):
                                                         self.rule.block_size, max_blocks), summaries)
 
 
+@register_selector
 class SinkLocalSelector(Selector):
     """The first `sink_blocks` (default 1) and the blocks before the current one, K in all; no summaries."""
 
     name = "sink-local"
+    help = "training-free: the first block(s) and the blocks right before the current one"
+    ranks = False
+    keeps_summaries = False
 
     def __init__(self, rule: SelectionRule):
         sink = min(rule.sink_blocks or 1, rule.top_k)
@@ -225,9 +319,20 @@ class SinkLocalSelector(Selector):
 
 
 def make_selector(name: str, rule: SelectionRule) -> Selector:
-    """The selector called `name` (one of `SELECTORS`) under `rule`."""
-    kinds = {"gate": GateSelector, "quest": QuestSelector, "sink-local": SinkLocalSelector}
-    if name not in kinds:
-        raise ValueError(f"unknown selector {name!r}; choose one of {', '.join(SELECTORS)}")
-    return kinds[name](rule)
+    """The selector registered as `name` (`selector_names()`) under `rule`."""
+    return selector_class(name)(rule)
+
+
+def import_selector_modules(modules) -> None:
+    """Import each named module (a comma-separated string or a sequence; `--sas-selector-module`): importing one
+    registers its selectors. ImportError names the module."""
+    import importlib
+
+    names = modules.split(",") if isinstance(modules, str) else list(modules or ())
+    for name in (n.strip() for n in names):
+        if name:
+            try:
+                importlib.import_module(name)
+            except ImportError as e:
+                raise ImportError(f"--sas-selector-module {name}: {e}") from e
 

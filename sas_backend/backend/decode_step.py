@@ -63,7 +63,7 @@ class DecodeStep:
         self.device = torch.device(device)
         if attention == "flashinfer" and self.device.type != "cuda":
             raise ValueError("the flashinfer attention path needs CUDA")
-        if kernels == "triton" and selector.name != "gate":
+        if kernels == "triton" and not selector.fused_kernels:
             raise ValueError(f"the fused kernels compute the gate's query and summaries; the {selector.name} "
                              "selector runs the per-op path (kernels='torch')")
         if geometry.sub_blocks != selector.rule.sub_blocks:

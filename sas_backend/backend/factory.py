@@ -13,10 +13,8 @@ from sas_backend.backend.sas_attention import SASAttnBackend
 from sas_backend.backend.sglang_compat import attention_cp_size, attention_tp, decode_cuda_graph_disabled
 from sas_backend.backend.verify_rows import draft_tokens_from_args
 from sas_backend.config import SASConfig, SASConfigError
-from sas_backend.gate.checkpoint import shard_for_tp, validate_for_geometry
-from sas_backend.gate.gate_file import open_gate
-from sas_backend.gate.module import gates_from_tensors
 from sas_backend.geometry import ModelGeometry
+from sas_backend.selection import selector_class
 
 logger = logging.getLogger(__name__)
 
@@ -72,22 +70,10 @@ def create_sas_backend(runner) -> SASAttnBackend:
     q_local = geo.num_q_heads // tp_size
     sparse_layers = range(cfg.first_sparse_layer, geo.num_layers)
     rotary = find_model_rotary(runner.model, geo.head_dim)
-    gate_sha256 = None
-    if cfg.selector == "gate":
-        # Read once here and never again: /sas/info reports this hash, whatever the file holds later.
-        gate_file = open_gate(cfg.gate_path)  # this process's one read of the checkpoint (memory sizing shares it)
-        gate_sha256 = gate_file.sha256
-        gate_cfg, layers = gate_file.loaded()
-        validate_for_geometry(gate_cfg, layers, geo, block_size=cfg.block_size)
-        layers = shard_for_tp(layers, tp_rank, tp_size)
-        gates = gates_from_tensors(layers, sparse_layers, gate_dim=gate_cfg.gate_dim, device=device)
-        gate_file.release_tensors()  # the gates hold their own copies
-        gate_dim, source = gate_cfg.gate_dim, f"gate {cfg.gate_path} ({gate_cfg.base_model})"
-        # The gate's table is built with the model's formula on Dg dims: checked against the model's first.
+    loaded = selector_class(cfg.selector).load_gates(cfg, geo, sparse_layers, tp_rank, tp_size, device)
+    gates, gate_dim, gate_sha256, source = loaded.gates, loaded.gate_dim, loaded.sha256, loaded.source
+    if gate_dim:  # the gate's table is built with the model's formula on Dg dims: checked against the model's first
         check_gate_rope_formula(rotary.cos_sin_cache, geo)
-    else:  # training-free: no gate, no gate RoPE table (a [max_pos, 0] one keeps the shapes uniform)
-        gates = {lid: None for lid in sparse_layers}
-        gate_dim, source = 0, f"training-free selector {cfg.selector}"
     # The model's table is read from its rotary module (SGLang may replace it at runtime).
     rope = RopeTables(rotary, gate_dim, geo, device)
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS

@@ -258,7 +258,6 @@ def memory_for_sglang(owner) -> tuple:
     0.5.15 a ModelRunner, 0.5.21 a KVCacheConfigurator. Both carry `server_args`,
     `model_config`, `kv_cache_dtype` and `device`."""
     from sas_backend.config import SASConfig
-    from sas_backend.gate.gate_file import open_gate
     from sas_backend.geometry import ModelGeometry
 
     server_args = owner.server_args
@@ -273,9 +272,9 @@ def memory_for_sglang(owner) -> tuple:
     kv_heads = max(1, geo.num_kv_heads // tp_size)
     kv_elem = torch.empty(0, dtype=owner.kv_cache_dtype).element_size()
     kv_bytes_per_token = 2 * kv_heads * geo.head_dim * geo.num_layers * kv_elem
-    from sas_backend.selection import SelectionRule, make_selector
+    from sas_backend.selection import SelectionRule, make_selector, selector_class
 
-    gate_dim = open_gate(cfg.gate_path).config.gate_dim if cfg.selector == "gate" else 0  # config.json alone
+    gate_dim = selector_class(cfg.selector).gate_dim(cfg.gate_path)  # config.json alone
     selector = make_selector(cfg.selector, SelectionRule(cfg.top_k, cfg.block_size, sub_blocks=cfg.sub_blocks or 1))
     summary_dim = selector.summary_dim(geo.head_dim, gate_dim)
     on_cuda = torch.device(owner.device).type == "cuda"

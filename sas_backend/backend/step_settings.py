@@ -20,6 +20,7 @@ from typing import Optional, Union
 import torch
 
 from sas_backend.ops.decode_step import LaunchOptions
+from sas_backend.selection import selector_class
 
 TABLE = pathlib.Path(__file__).with_name("gpu_settings.json")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -60,10 +61,10 @@ def resolve(cfg, device: torch.device, device_name: str = "", table: Optional[di
     "auto" on CUDA, the CPU defaults otherwise. cfg: a validated `SASConfig`."""
     cuda = torch.device(device).type == "cuda"
     entry, source = table_entry(device_name, table) if cuda else ({}, "CPU defaults")
-    gate = cfg.selector == "gate"
-    kernels = cfg.kernels if cfg.kernels != "auto" else (entry.get("kernels", "triton") if cuda and gate else "torch")
-    if kernels == "triton" and not gate:
-        kernels = "torch"  # the table's choice covers the gate; training-free selectors run per op
+    fused = selector_class(cfg.selector).fused_kernels
+    kernels = cfg.kernels if cfg.kernels != "auto" else (entry.get("kernels", "triton") if cuda and fused else "torch")
+    if kernels == "triton" and not fused:
+        kernels = "torch"  # the table's choice covers the selectors with fused kernels; the others run per op
     if cfg.attention != "auto":
         attention = cfg.attention
     elif cuda:

@@ -21,15 +21,15 @@ import torch
 from sas_backend.gate.module import AttnGate
 from sas_backend.hf.candidates import candidate_scores, is_candidate, sub_block_alias
 from sas_backend.ops.anchors import block_mass, force_anchors, top_anchors
-from sas_backend.selection import SelectionRule, make_selector
+from sas_backend.selection import SelectionRule, make_selector, selector_class, selector_names
 
 ATTN_NAME = "sas_sparse_eval"
 # The server's selectors, plus evaluation-only references: "oracle" ranks blocks by their true
 # attention mass (max over the kv group's query heads, from the dense softmax), "random" draws
 # scores (seeded by layer), "dense" attends everything. Candidate selectors for long context
 # (`hf.candidates`: exactmax, pairs<R>, gatesub<S>) are accepted by name too.
-SERVER_SELECTORS = ("gate", "quest", "sink-local")
-SELECTORS = SERVER_SELECTORS + ("oracle", "random", "dense")
+EVAL_ONLY = ("oracle", "random", "dense")
+SELECTORS = selector_names() + EVAL_ONLY  # the built-in served ones, registered when selection is imported
 # What block summaries can be stored in (`SparseEvalSpec.summary_dtype`), by the names the CLIs take.
 SUMMARY_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # What the gate's weights can be read from (`SparseEvalSpec.gate_dtype`): the same two.
@@ -77,10 +77,11 @@ class SparseEvalSpec:
         for field, allowed in (("summary_dtype", SUMMARY_DTYPES), ("gate_dtype", GATE_DTYPES)):
             if getattr(self, field) not in allowed.values():
                 raise ValueError(f"{field} must be torch.float32 or torch.bfloat16, got {getattr(self, field)!r}")
-        if self.selector not in SELECTORS and not is_candidate(self.selector):
-            raise ValueError(f"selector must be one of {SELECTORS} or a candidate (hf.candidates), "
+        if self.selector not in selector_names() + EVAL_ONLY and not is_candidate(self.selector):
+            raise ValueError(f"selector must be one of {selector_names() + EVAL_ONLY} or a candidate (hf.candidates), "
                              f"got {self.selector!r}")
-        if (self.selector == "gate" or self.selector.startswith("gatesub")) and not self.gates:
+        gated = self.selector in selector_names() and selector_class(self.selector).needs_gate
+        if (gated or self.selector.startswith("gatesub")) and not self.gates:
             raise ValueError("the gate selector needs gates")
 
 
@@ -122,7 +123,7 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
     n_blocks = t // b
     m = max(n_blocks, 1)
     n_cand = torch.div(positions, b, rounding_mode="floor")
-    name, sub_blocks = spec.selector if spec.selector in SERVER_SELECTORS else "gate", spec.sub_blocks
+    name, sub_blocks = spec.selector if spec.selector in selector_names() else "gate", spec.sub_blocks
     alias = sub_block_alias(spec.selector, b)
     if alias is not None:
         name, sub_blocks = alias
@@ -137,7 +138,7 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
         if spec.anchors is not None and layer_idx in spec.anchors:
             scores = force_anchors(scores, spec.anchors[layer_idx].expand(positions.numel(), -1, -1), n_cand)
         return selector, scores, n_cand
-    gate = spec.gates[layer_idx].read_as(spec.gate_dtype) if name == "gate" else None
+    gate = spec.gates[layer_idx].read_as(spec.gate_dtype) if selector_class(name).needs_gate else None
     pages = torch.arange(n_blocks, device=q_post.device)
     summaries = selector.summarize(gate, k_post, pages, pages * b, model_table, gate_table)  # [NB, H_kv, S]
     if spec.summary_dtype != torch.float32:  # stored in the pool's dtype, read back as fp32 for the score

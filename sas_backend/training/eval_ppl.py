@@ -40,10 +40,11 @@ from typing import Dict, List, Optional
 import torch
 
 from sas_backend.hf.sparse_eval import GATE_DTYPES, SELECTORS, SUMMARY_DTYPES  # noqa: E402
+from sas_backend.selection import selector_class, selector_names  # noqa: E402
 from sas_backend.provenance import git_state
 
-# The training-free selectors and evaluation references: every selector but the gate and dense.
-BASELINES = tuple(s for s in SELECTORS if s not in ("gate", "dense"))
+# The training-free selectors and evaluation references: every selector but dense and those reading gate weights.
+BASELINES = tuple(s for s in SELECTORS if s != "dense" and not (s in selector_names() and selector_class(s).needs_gate))
 # The baselines whose numbers depend on --summary-dtype (they score stored block summaries), besides the gates.
 SUMMARY_BASELINES = ("quest",)
 # --reuse: how far a window's dense NLL may differ from the earlier run's (CPU kernels differ across machines in

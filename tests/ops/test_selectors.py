@@ -6,7 +6,15 @@ import torch
 
 from sas_backend.hf.sparse_eval import oracle_scores
 from sas_backend.ops.quest import key_bounds, quest_scores, update_key_bounds
-from sas_backend.selection import SELECTORS, SelectionRule, make_selector
+from sas_backend.config import SETTINGS
+from sas_backend.selection import (
+    SelectionRule,
+    Selector,
+    make_selector,
+    register_selector,
+    selector_class,
+    selector_names,
+)
 
 
 def test_quest_bound_is_an_upper_bound_tight_per_dimension(paged_case):
@@ -65,12 +73,51 @@ def test_sink_local_takes_the_first_and_the_latest_blocks():
 
 
 def test_selector_table():
-    assert SELECTORS == ("gate", "quest", "sink-local")
+    """The built-ins are registered by name and declare what they need; nothing else tells them apart."""
+    assert selector_names()[:3] == ("gate", "quest", "sink-local")
+    caps = {n: (c.needs_gate, c.fused_kernels, c.ranks, c.keeps_summaries)
+            for n, c in ((n, selector_class(n)) for n in ("gate", "quest", "sink-local"))}
+    assert caps == {"gate": (True, True, True, True), "quest": (False, False, True, True),
+                    "sink-local": (False, False, False, False)}
     rule = SelectionRule(top_k=8)
-    assert make_selector("gate", rule).needs_gate and not make_selector("quest", rule).needs_gate
-    assert [make_selector(n, rule).summary_dim(64, 128) for n in SELECTORS] == [128, 128, 0]
+    assert [make_selector(n, rule).summary_dim(64, 128) for n in ("gate", "quest", "sink-local")] == [128, 128, 0]
     with pytest.raises(ValueError, match="gate, quest, sink-local"):
         make_selector("h2o", rule)
+
+
+def test_registering_a_selector_and_its_refusals():
+    """`register_selector` takes a named Selector subclass once; the config reads its capabilities (a selector
+    without summaries refuses sub-blocks, one that does not rank refuses anchors, one without fused kernels
+    refuses --sas-kernels triton, one without gate weights needs no --sas-gate)."""
+    from sas_backend.config import SASConfig, SASConfigError
+
+    from tests import toy_selector
+
+    assert selector_class("toy-recency") is toy_selector.RecencySelector  # registered on import
+    assert register_selector(toy_selector.RecencySelector) is toy_selector.RecencySelector  # idempotent
+    clash = type("Clash", (Selector,), {"name": "quest"})
+    with pytest.raises(ValueError, match="registered already"):
+        register_selector(clash)
+    with pytest.raises(TypeError, match="Selector subclass with a name"):
+        register_selector(type("Nameless", (Selector,), {}))
+    with pytest.raises(ValueError, match="needs keeps_summaries"):
+        register_selector(type("Odd", (Selector,), {"name": "odd", "fused_kernels": True, "keeps_summaries": False}))
+    assert "odd" not in selector_names()
+
+    cfg = SASConfig(selector="toy-recency", budget=256, sink_blocks=1).validate()  # no gate needed
+    assert cfg.resolved().budget == 256
+    with pytest.raises(SASConfigError, match="fused kernels, which the toy-recency selector does not have"):
+        SASConfig(selector="toy-recency", kernels="triton").validate()
+    with pytest.raises(SASConfigError, match="sink-local keeps no summaries"):
+        SASConfig(selector="sink-local", sub_blocks=4).validate()
+    with pytest.raises(SASConfigError, match="sink-local forces every block"):
+        SASConfig(selector="sink-local", budget=256, prompt_anchors=1).validate()
+    # A module named by --sas-selector-module is imported before the name is looked up; a missing one is named.
+    assert SASConfig(selector="quest", selector_modules="tests.toy_selector").validate().selector == "quest"
+    with pytest.raises(SASConfigError, match="--sas-selector-module no_such_selector_module"):
+        SASConfig(selector="quest", selector_modules="no_such_selector_module").validate()
+    help_text = next(s for s in SETTINGS if s.field == "selector").help_text()
+    assert "gate (the trained gate, needs --sas-gate)" in help_text and "toy-recency (test toy" in help_text
 
 
 def test_oracle_ranks_blocks_by_attention_mass():
