@@ -47,7 +47,9 @@ def scheduler_pool_state(scheduler) -> dict:
     running; `leak_warnings`: SGLang's idle memory check's warning count (None where it keeps none);
     `decode_steps`: the sas backend's decode and verify steps so far, `{"sparse": n, "dense": n}` (None on
     another backend); `dense_below`: the tokens at or under which its steps attend densely as resolved (the
-    launch's `--sas-dense-below`, else the device's default; None on another backend).
+    launch's `--sas-dense-below`, else the device's default; None on another backend); `late_summaries`: pages the
+    sas backend summarized at decode planning because their KV came without an extend through it (0 in a
+    colocated server; None on another backend).
     """
     backend = _attn_backend(scheduler)
     page = int(getattr(backend, "block_size", 0) or getattr(scheduler, "page_size", 1) or 1)
@@ -81,6 +83,7 @@ def scheduler_pool_state(scheduler) -> dict:
     state["decode_steps"] = dict(steps) if isinstance(steps, dict) else None
     settings = getattr(backend, "settings", None)
     state["dense_below"] = getattr(settings, "dense_below", None)
+    state["late_summaries"] = getattr(backend, "late_summaries", None)
     state["pid"] = os.getpid()
     return state
 

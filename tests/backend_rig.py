@@ -78,6 +78,7 @@ class Rig:
                     gate, self.kv_pool.k_buffer[lid], pages, starts, self.backend.model_rope_table,
                     self.backend.gate_rope_table,
                 )
+                self.backend.summaries.mark_valid(pages)  # as an extend through sas leaves them
 
     def step_inputs(self, reqs):
         """Decode inputs of one step: the new token of each request (its slot, position, q/k/v)."""

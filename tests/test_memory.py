@@ -55,7 +55,7 @@ def test_figure_matches_the_allocated_tensors(monkeypatch, graph_sizes):
                      group_size=3, head_dim=64)
     assert mem.fixed["gate weights"] == gate_bytes
     assert mem.total_bytes(kv_tokens) == pool.nbytes + fi.device_nbytes() + gate_bytes
-    assert mem.summary_bytes_per_page == GEO["num_sparse_layers"] * h * GEO["gate_dim"] * 4
+    assert mem.summary_bytes_per_page == GEO["num_sparse_layers"] * h * GEO["gate_dim"] * 4 + 1  # + the page's mark
 
     cpu = sas_memory(**GEO, max_reqs=max_reqs, on_cuda=False)  # CPU: only the summary pool
     assert cpu.total_bytes(kv_tokens) == pool.nbytes
@@ -193,7 +193,7 @@ def test_dp_attention_is_sized_for_the_attention_tp_group(sas_env, monkeypatch):
     # SmolLM2's 3 kv heads: tp 3 shards them 1 a rank; tp 3 with dp 3 attention keeps all 3 on each rank.
     plain, kv_plain = memory_for_sglang(_owner(sas_env, tp_size=3))
     dp, kv_dp = memory_for_sglang(_owner(sas_env, tp_size=3, dp_size=3, enable_dp_attention=True))
-    assert kv_dp == 3 * kv_plain and dp.summary_bytes_per_page == 3 * plain.summary_bytes_per_page
+    assert kv_dp == 3 * kv_plain and dp.summary_bytes_per_page - 1 == 3 * (plain.summary_bytes_per_page - 1)
 
 
 def test_hook_target_exists_in_this_sglang():
@@ -304,4 +304,4 @@ def test_decode_step_workspace_figure_matches_the_step_object(on_cuda, sub, chun
     mem = sas_memory(**GEO, max_reqs=max_reqs, on_cuda=True, decode_step_bytes=got, flashinfer_attention=False,
                      summary_bytes=2)
     assert mem.fixed["decode step workspace"] == got and "kv indices" not in mem.fixed
-    assert mem.summary_bytes_per_page == GEO["num_sparse_layers"] * GEO["num_kv_heads"] * GEO["gate_dim"] * 2
+    assert mem.summary_bytes_per_page == GEO["num_sparse_layers"] * GEO["num_kv_heads"] * GEO["gate_dim"] * 2 + 1

@@ -58,7 +58,7 @@ def _passing_report():
         "probes": {"tokens_equal": True},
         "pool_idle_after": {"idle": True, "kv_pages": pages, "summary_rows": rows},
         "pool_after_flush": {"kv_pages": dict(pages, free=128, cached=0), "leak_warnings": 0,
-                             "decode_steps": {"sparse": 40, "dense": 12}},
+                             "decode_steps": {"sparse": 40, "dense": 12}, "late_summaries": 0},
         "log": {"leak_lines": 0, "tracebacks": 0},
         "rss_bytes": {"growth_after_warmup": 100 * 2**20},
         "server_alive": True,
@@ -79,6 +79,7 @@ def _passing_report():
     (lambda r: r.update(server_alive=False), "died"),
     (lambda r: r["pool_after_flush"]["decode_steps"].update(sparse=0), "no decode step was sparse"),
     (lambda r: r["pool_after_flush"].update(decode_steps=None), "no decode step was sparse"),
+    (lambda r: r["pool_after_flush"].update(late_summaries=3), "validity marks were lost"),
 ])
 def test_each_check_can_fail(break_it, message):
     assert failures(_passing_report(), 256 * 2**20) == []

@@ -14,7 +14,7 @@ K = budget // b, R = max running requests + 1 = rows of `req_to_token`):
 
 - summary pool (per KV page, so it grows with the pool): per sparse layer `[pages, H_kv, Dg]`
   fp32, with `pages = kv slots // b` and SGLang's KV buffers holding one padding page beyond
-  the pool: `(tokens / b + 1) * layers * H_kv * Dg * 4` bytes.
+  the pool: `(tokens / b + 1) * (layers * H_kv * Dg * 4 + 1)` bytes (the 1: the page's validity mark).
 - gate weights, fp32 per sparse layer: Wq `[H_kv, G, D, Dg]`, Wk `[H_kv, 3D, Dg]`, two norms `[Dg]`.
 - RoPE tables (backend/rope_tables.py), `[max_pos, ...]` fp32 on the device: the gate's
   `[max_pos, Dg]` always, and a fp32 copy `[max_pos, D]` of the model's table where SGLang keeps
@@ -117,6 +117,7 @@ def sas_memory(
     from sas_backend.ops.sparse_decode.flashinfer import WORKSPACE_BYTES, WRAPPER_INT_WORKSPACE_BYTES
 
     per_page = num_sparse_layers * num_kv_heads * (gate_dim if summary_dim is None else summary_dim) * summary_bytes
+    per_page += 1  # the page's validity mark (SummaryPool.valid, one bool)
     fixed = {"summary padding page": per_page}
     if head_dim and gate_dim:
         per_layer = (num_kv_heads * group_size * head_dim * gate_dim + num_kv_heads * 3 * head_dim * gate_dim

@@ -26,6 +26,7 @@ import torch
 from sas_backend.backend.decode_plan import DecodePlan
 from sas_backend.backend.decode_step import DecodeStep
 from sas_backend.backend.graph_branch import BranchFlags, captured_if, capturing, conditional_nodes_supported
+from sas_backend.backend.page_marks import watch_allocations
 from sas_backend.backend.sglang_compat import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
 from sas_backend.backend import verify_rows
@@ -131,6 +132,16 @@ class SASAttnBackend(AttentionBackend):
         summary_dim = selector.summary_dim(head_dim, gate_rope_table.shape[-1])
         self.summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, summary_dim, self.device,
                                      dtype=settings.summary_dtype)
+        # Validity marks (SummaryPool.valid), kept and read on CPU, where decode planning is host-side anyway: a page
+        # handed out again loses its mark; a decode step's candidate pages without one are summarized first
+        # (_summarize_unmarked). The CUDA path keeps none yet (nothing lands KV there without an extend through
+        # sas: PD decode servers and external KV loads are refused at launch).
+        self.check_marks = not self.on_device and selector.keeps_summaries
+        allocator = getattr(runner, "token_to_kv_pool_allocator", None)
+        if self.check_marks and allocator is not None:
+            watched = watch_allocations(allocator, self.block_size, self.summaries.invalidate)
+            logger.info("sas: summary validity marks: pages handed out by %s lose theirs", "/".join(watched))
+        self.late_summaries = 0  # pages summarized at decode planning (their KV came without an extend through sas)
         max_reqs = self.req_to_token_pool.req_to_token.shape[0]
         # --sas-prompt-anchors: per request row, sparse layer and kv head, the blocks its last prompt token
         # attended most (written at each extend, read by every decode step; ops/anchors). -1: none.
@@ -208,6 +219,8 @@ class SASAttnBackend(AttentionBackend):
         if mode.is_decode() or mode.is_target_verify():
             if mode.is_target_verify() and not self.on_device:
                 check_chain(forward_batch, draft_tokens(forward_batch))
+            if self.check_marks:
+                self._summarize_unmarked(forward_batch)
             self._plan = self._plan_decode(forward_batch, graph_bs=None)
             self._count_step(self._plan)
             self._extend_blocks = self._extend_reqs = self._extend_last = None
@@ -262,6 +275,8 @@ class SASAttnBackend(AttentionBackend):
                 "supported (keep SGLang's default breakable prefill graphs, or disable prefill graphs)"
             )
         self._follow_rope_tables()
+        if self.check_marks:
+            self._summarize_unmarked(forward_batch)
         self._plan = self._plan_decode(forward_batch, graph_bs=forward_batch.batch_size)
         if not in_capture:
             self._count_step(self._plan)
@@ -321,6 +336,43 @@ class SASAttnBackend(AttentionBackend):
             self._branch.set(not short)
         return plan
 
+    def _summarize_unmarked(self, fb) -> None:
+        """Before a decode or verify step is planned (host side, CPU): every complete block already in the cache
+        of the batch's requests whose page holds no valid summary (`SummaryPool.valid`: KV that landed without
+        an extend through sas, or a page handed out since its summary was written) is summarized now, in every
+        sparse layer, from the KV the page holds; the block this step's token completes is marked (the step's
+        layers write its summary). A verify step's drafts are marked by nothing: rejected drafts leave a block
+        that a later step completes and summarizes again."""
+        host = self._host_seq_lens(fb)
+        verify = fb.forward_mode.is_target_verify()
+        present = host if verify else host - 1  # tokens in the cache before this step's own rows
+        rows = fb.req_pool_indices.long()
+        b = self.block_size
+        n_done = torch.div(present, b, rounding_mode="floor")
+        most = int(n_done.max()) if n_done.numel() else 0
+        if most:
+            firsts = self.req_to_token_pool.req_to_token[rows, : most * b : b].long()
+            pages = torch.div(firsts, b, rounding_mode="floor")
+            stale = (torch.arange(most)[None, :] < n_done[:, None]) & ~self.summaries.valid[pages]
+            if bool(stale.any()):
+                r, m = stale.nonzero(as_tuple=True)
+                first = {}  # a page shared by two requests (a radix prefix) is summarized once
+                for i, page in enumerate(pages[r, m].tolist()):
+                    first.setdefault(page, i)
+                keep = torch.tensor(list(first.values()), dtype=torch.long)
+                late, starts = pages[r, m][keep], m[keep] * b
+                for lid, gate in self.gates.items():
+                    self.summaries[lid][late] = self.selector.summarize(
+                        gate, self.token_to_kv_pool.get_key_buffer(lid), late, starts, self.model_rope_table,
+                        self.gate_rope_table)
+                self.summaries.mark_valid(late)
+                self.late_summaries += late.numel()
+        if not verify:
+            done = (host > 0) & (host % b == 0)
+            if bool(done.any()):
+                firsts = self.req_to_token_pool.req_to_token[rows[done], (host[done] // b - 1) * b].long()
+                self.summaries.mark_valid(torch.div(firsts, b, rounding_mode="floor"))
+
     def _plan_extend(self, fb):
         """Blocks that this extend completes, per request: logical [prefix // b, seq_len // b)."""
         prefix = fb.extend_prefix_lens_cpu
@@ -339,6 +391,8 @@ class SASAttnBackend(AttentionBackend):
         pages = torch.div(
             self.req_to_token_pool.req_to_token[rows, starts].long(), self.block_size, rounding_mode="floor"
         )
+        if self.check_marks:
+            self.summaries.mark_valid(pages)  # forward_extend writes them in every sparse layer
         return pages, starts
 
     def _plan_anchors(self, fb):

@@ -12,6 +12,12 @@ class SummaryPool:
     With page size = block size, logical block m of a request lives in page
     `req_to_token[r, m*b] // b`, so radix-shared prefix pages share their summaries for free.
     Page 0 is SGLang's padding page (never allocated to a request): masked writes land there.
+
+    `valid` `[num_pages]` bool marks the pages whose summaries were written for the KV they hold now: set when
+    an extend or a decode step summarizes a page, cleared when the allocator hands the page out again
+    (`backend.page_marks.watch_allocations`). A page whose KV landed without an extend through sas (a
+    prefill-decode transfer, a load-back) stays unmarked, and the eager decode planning summarizes it before
+    any selection reads it (`SASAttnBackend._summarize_unmarked`). All False at startup: nothing is written yet.
     """
 
     def __init__(self, layer_ids, num_pages: int, num_kv_heads: int, gate_dim: int, device, dtype=torch.float32):
@@ -21,7 +27,16 @@ class SummaryPool:
             lid: torch.zeros(num_pages, num_kv_heads, gate_dim, dtype=dtype, device=device)
             for lid in layer_ids
         }
-        self.nbytes = sum(t.numel() * t.element_size() for t in self.summaries.values())
+        self.valid = torch.zeros(num_pages, dtype=torch.bool, device=device)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.summaries.values()) + self.valid.numel()
+
+    def mark_valid(self, pages: torch.Tensor) -> None:
+        """Pages `[N]` whose summaries this step writes (in every sparse layer)."""
+        self.valid[pages.long()] = True
+
+    def invalidate(self, pages: torch.Tensor) -> None:
+        """Pages `[N]` handed to a request again: their summaries describe KV they no longer hold."""
+        self.valid[pages.long()] = False
 
     def __getitem__(self, layer_id: int) -> torch.Tensor:
         return self.summaries[layer_id]

@@ -271,6 +271,9 @@ def failures(report: dict, rss_bound_bytes: int) -> List[str]:
     if report["rss_bytes"]["growth_after_warmup"] > rss_bound_bytes:
         bad.append(f"RSS grew {report['rss_bytes']['growth_after_warmup'] / 2**20:.0f} MiB after warm-up "
                    f"(bound {rss_bound_bytes / 2**20:.0f} MiB)")
+    late = report["pool_after_flush"].get("late_summaries")
+    if sas and late:  # a colocated server marks every page it fills: a late summary means a mark went missing
+        bad.append(f"{late} pages were summarized late at decode planning (their validity marks were lost)")
     steps = report["pool_after_flush"].get("decode_steps")
     if sas and not (steps or {}).get("sparse"):  # a soak that never selected proves nothing about sparse decode
         bad.append(f"no decode step was sparse: {steps}")
