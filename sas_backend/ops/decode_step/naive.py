@@ -1,7 +1,7 @@
 """The fused decode step stated with the ops' plain references (the kernels' test oracle only).
 
     front  = ops.gate.naive.gate_query_post_rope  +  ops.summary.naive.summary_update_decode
-    select = ops.score.naive.score_blocks -> ops.anchors.force_anchors -> ops.topk.naive.select_blocks
+    select = ops.score.naive.score_blocks -> ops.anchors.naive.force_anchors -> ops.topk.naive.select_blocks
     attend = ops.sparse_decode.naive.sparse_decode_attention over ops.gather.naive's token rows
 """
 
@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
-from sas_backend.ops.anchors.torch_path import force_anchors
+from sas_backend.ops.anchors.naive import force_anchors
 from sas_backend.ops.gate.naive import gate_query_post_rope
-from sas_backend.ops.gather.torch_path import build_kv_indices, kv_indptr_for
+from sas_backend.ops.gather.naive import build_kv_indices
 from sas_backend.ops.score.naive import score_blocks
 from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
 from sas_backend.ops.summary.naive import summary_update_decode
@@ -46,8 +46,5 @@ def select(gate_q, summaries, block_table, num_candidates, block_size, max_block
 
 def attend(q, k_buffer, v_buffer, selected, block_table, seq_lens, block_size, scale) -> torch.Tensor:
     """`[bs, H_q, Dv]` in q's dtype (as `ops.decode_step.attend`)."""
-    h_kv, k = selected.shape[1], selected.shape[2]
-    indptr = kv_indptr_for(seq_lens.cpu(), k, block_size, h_kv).to(q.device)
-    indices = torch.zeros(int(indptr[-1]), dtype=torch.int32, device=q.device)
-    indices = build_kv_indices(selected, block_table, seq_lens, block_size, indptr, indices)
-    return sparse_decode_attention(q, k_buffer, v_buffer, indptr, indices, scale)
+    indptr, indices = build_kv_indices(selected.cpu(), block_table.cpu(), seq_lens.cpu(), block_size)
+    return sparse_decode_attention(q, k_buffer, v_buffer, indptr.to(q.device), indices.to(q.device), scale)

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from sas_backend.ops.topk.torch_path import forced_tier
+
+def forced_tier(num_candidates: torch.Tensor, m: int, sink_blocks: int, local_blocks: int) -> torch.Tensor:
+    """`[bs, m]` int64: 2 for a sink block (one of the first sink_blocks candidates), 1 for a local block (one of
+    the local_blocks candidates right before the current block, not a sink), 0 for a block chosen by score and
+    for non-candidates; stated per request."""
+    tier = torch.zeros(num_candidates.shape[0], m, dtype=torch.int64, device=num_candidates.device)
+    for r, n in enumerate(num_candidates.tolist()):
+        for j in range(min(n, m)):
+            tier[r, j] = 2 if j < sink_blocks else 1 if j >= n - local_blocks else 0
+    return tier
 
 
 def select_blocks(
