@@ -361,10 +361,8 @@ class SASAttnBackend(AttentionBackend):
                     first.setdefault(page, i)
                 keep = torch.tensor(list(first.values()), dtype=torch.long)
                 late, starts = pages[r, m][keep], m[keep] * b
-                for lid, gate in self.gates.items():
-                    self.summaries[lid][late] = self.selector.summarize(
-                        gate, self.token_to_kv_pool.get_key_buffer(lid), late, starts, self.model_rope_table,
-                        self.gate_rope_table)
+                for lid in self.gates:
+                    self._summarize_blocks(lid, late, starts)
                 self.summaries.mark_valid(late)
                 self.late_summaries += late.numel()
         if not verify:
@@ -474,13 +472,15 @@ class SASAttnBackend(AttentionBackend):
         if self._extend_last is not None and layer.layer_id in self.gates:
             self._set_anchors(q, layer, forward_batch)
         if layer.layer_id in self.gates and self._extend_blocks is not None:
-            gate = self.gates[layer.layer_id]  # None for the training-free selectors
-            pages, starts = self._extend_blocks
-            k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-            self.summaries[layer.layer_id][pages] = self.selector.summarize(
-                gate, k_buffer, pages, starts, self.model_rope_table, self.gate_rope_table
-            )
+            self._summarize_blocks(layer.layer_id, *self._extend_blocks)
         return out
+
+    def _summarize_blocks(self, layer_id: int, pages: torch.Tensor, starts: torch.Tensor) -> None:
+        """Write the summaries of whole blocks (physical `pages` `[N]`, first positions `starts` `[N]`) of one sparse
+        layer from the KV they hold: an extend's completed blocks, and the late ones of `_summarize_unmarked`."""
+        self.summaries[layer_id][pages] = self.selector.summarize(
+            self.gates[layer_id], self.token_to_kv_pool.get_key_buffer(layer_id), pages, starts,
+            self.model_rope_table, self.gate_rope_table)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if layer.layer_id not in self.gates:  # a dense layer (below first_sparse_layer)
