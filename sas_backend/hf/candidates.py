@@ -18,6 +18,10 @@ server selector:
   gate's max / min / mean pooling over S keys, RoPE at the run's start; quest's min / max), the block scored
   by its best run. b / S summaries a page: at S = 16 the gate keeps 4 x Dg values, in bf16 1/16 of a 64-token
   page's bf16 K + V at D = 64, Dg = 128 (1/32 at D = 128).
+- `gatesub<S>c<X>`: two levels. The gate with ONE summary a block ranks every candidate block and keeps its
+  best X x K (K = top_k) per query and kv head; `gatesub<S>` ranks only those. What it would read a step: one
+  summary a block plus b / S of each of the X x K kept blocks, so its bytes stay near the one-summary gate's at
+  long context, where `gatesub<S>`'s grow b / S fold.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from typing import Dict, Optional
 
 import torch
 
-CANDIDATE_PATTERN = re.compile(r"^(exactmax|pairs(\d+)|(gate|quest)sub(\d+))$")
+CANDIDATE_PATTERN = re.compile(r"^(exactmax|pairs(\d+)|(gate|quest)sub(\d+)(?:c(\d+))?)$")
 
 
 def is_candidate(name: str) -> bool:
-    """Whether `name` names a candidate selector (`exactmax`, `pairs<R>`, `gatesub<S>`, `questsub<S>`)."""
+    """Whether `name` names a candidate selector (`exactmax`, `pairs<R>`, `gatesub<S>`, `questsub<S>`,
+    `gatesub<S>c<X>`)."""
     return bool(CANDIDATE_PATTERN.match(name))
 
 
@@ -113,6 +118,28 @@ def sub_block_alias(name: str, block_size: int):
     if size <= 0 or block_size % size:
         raise ValueError(f"{name}: the run size {size} must divide the block size {block_size}")
     return match.group(3), block_size // size
+
+
+def two_level_factor(name: str) -> Optional[int]:
+    """X of a two-level candidate `gatesub<S>c<X>` (the first level keeps X x K blocks), else None."""
+    match = CANDIDATE_PATTERN.match(name)
+    if match is None or match.group(5) is None:
+        return None
+    if match.group(3) != "gate" or int(match.group(5)) < 1:
+        raise ValueError(f"{name}: two levels need the gate and a factor of at least 1 (gatesub<S>c<X>)")
+    return int(match.group(5))
+
+
+def keep_first_level(scores: torch.Tensor, first: torch.Tensor, keep: int,
+                     num_candidates: torch.Tensor) -> torch.Tensor:
+    """`scores` `[P, H_kv, M]` with -inf outside each row's `keep` best candidate blocks by `first` `[P, H_kv, M]`
+    (candidates: index < num_candidates `[P]`); rows with at most `keep` candidates keep them all."""
+    m = scores.shape[-1]
+    cand = (torch.arange(m, device=scores.device)[None, :] < num_candidates[:, None])[:, None, :]
+    ranked = first.masked_fill(~cand, float("-inf"))
+    kept = torch.zeros_like(cand.expand_as(scores))
+    kept.scatter_(-1, ranked.topk(min(keep, m), dim=-1).indices, True)
+    return scores.masked_fill(~(kept & cand), float("-inf"))
 
 
 def candidate_scores(name: str, layer_idx: int, q_post, k_post, positions, block_size: int,

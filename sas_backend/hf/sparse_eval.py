@@ -19,7 +19,9 @@ from typing import Dict, Optional
 import torch
 
 from sas_backend.gate.module import AttnGate
-from sas_backend.hf.candidates import candidate_scores, is_candidate, sub_block_alias
+from sas_backend.hf.candidates import (
+    candidate_scores, is_candidate, keep_first_level, sub_block_alias, two_level_factor,
+)
 from sas_backend.ops.anchors import block_mass, force_anchors, top_anchors
 from sas_backend.selection import SelectionRule, make_selector, selector_class, selector_names
 
@@ -146,6 +148,14 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
     block_table = (torch.arange(m + 1, device=q_post.device) * b).expand(positions.numel(), -1)
     gate_rows = gate_table[positions] if gate_table is not None else None
     scores = selector.scores(gate, q_post, model_table[positions], gate_rows, summaries, block_table, n_cand, m)
+    factor = two_level_factor(spec.selector)
+    if factor is not None:  # the first level: one summary a block keeps factor x K blocks for the runs to rank
+        first = make_selector(name, dataclasses.replace(selector.rule, sub_blocks=1))
+        whole = first.summarize(gate, k_post, pages, pages * b, model_table, gate_table)
+        if spec.summary_dtype != torch.float32:
+            whole = whole.to(spec.summary_dtype).float()
+        first_scores = first.scores(gate, q_post, model_table[positions], gate_rows, whole, block_table, n_cand, m)
+        scores = keep_first_level(scores, first_scores, factor * spec.top_k, n_cand)
     if spec.anchors is not None and layer_idx in spec.anchors:
         scores = force_anchors(scores, spec.anchors[layer_idx].expand(positions.numel(), -1, -1), n_cand)
     return selector, scores, n_cand

@@ -152,6 +152,34 @@ def test_sub_block_scores_are_the_best_run():
                      positions, table, gtable)
 
 
+def test_two_level_keeps_the_first_levels_best_then_ranks_by_runs():
+    """gatesub<S>c<X>: the one-summary gate keeps each row's X x K best candidate blocks, which keep their
+    gatesub<S> scores; every other block scores -inf. X x K >= the candidates: gatesub<S> itself."""
+    gate, table, gtable = _gate_world()
+    t = 12 * B + 5
+    torch.manual_seed(3)
+    k = torch.randn(t, 2, 16)
+    q = torch.randn(3, 4, 16)
+    positions = torch.tensor([20, 100, t - 1])
+    spec = lambda name: SparseEvalSpec(top_k=2, block_size=B, selector=name, gates={0: gate})  # noqa: E731
+    first = block_scores(spec("gate"), 0, q, k, positions, table, gtable).detach()
+    runs = block_scores(spec("gatesub4"), 0, q, k, positions, table, gtable)
+    got = block_scores(spec("gatesub4c2"), 0, q, k, positions, table, gtable)
+    for p, pos in enumerate(positions.tolist()):
+        n_cand = pos // B
+        for h in range(2):
+            ranked = sorted(range(n_cand), key=lambda m: -float(first[p, h, m]))
+            kept = set(ranked[:4])  # X x K = 2 x 2
+            for m in range(got.shape[-1]):
+                want = runs[p, h, m] if m in kept else torch.tensor(-inf)
+                assert torch.equal(got[p, h, m], want), (p, h, m)
+    assert torch.equal(block_scores(spec("gatesub4c6"), 0, q, k, positions, table, gtable), runs)  # 12 >= 12
+    assert is_candidate("gatesub16c4") and not is_candidate("gatesub16c")
+    with pytest.raises(ValueError, match="two levels"):
+        block_scores(SparseEvalSpec(top_k=2, block_size=B, selector="questsub4c2"), 0, q, k, positions, table,
+                     gtable)
+
+
 def test_sub_block_decode_update_writes_only_completed_blocks():
     """The decode update with sub-blocks writes the run summaries of the block a step completed to its page,
     and nothing to any page a request owns otherwise (page 0 is the padding page)."""
