@@ -72,10 +72,12 @@ class Selector:
     """One selector under one `SelectionRule`. Per layer, the caller passes the layer's gate (None
     for the training-free selectors) and the RoPE tables; the selector holds no per-step state.
 
-    summarize(gate, k_buffer `[slots, H_kv, D]`, pages `[N]`, starts `[N]`, model_table, gate_table)
+    summarize(gate, k_buffer `[slots, H_kv, D]`, pages `[N]`, starts `[N]`, model_table, gate_table, k_scale)
         -> summaries `[N, H_kv, summary_dim]` of whole blocks (after an extend).
-    update(gate, k_buffer, summaries `[num_pages, H_kv, S]`, block_table, seq_lens, model_table, gate_table)
-        decode: the block each request's newest token completed, in place.
+    update(gate, k_buffer, summaries `[num_pages, H_kv, S]`, block_table, seq_lens, model_table, gate_table,
+        k_scale) decode: the block each request's newest token completed, in place.
+    k_scale (a float, 1.0 unless the KV cache is fp8): the cache holds K / k_scale, so the keys a selector reads
+    are the stored numbers times k_scale.
     scores(gate, q_post `[bs, H_q, D]`, model_cos_sin `[bs, D]`, gate_cos_sin `[bs, Dg]`, summaries,
         block_table, num_candidates, max_blocks) -> `[bs, H_kv, max_blocks]` fp32, -inf past candidates.
     pick(scores, num_candidates) -> `[bs, H_kv, K]` int32 ascending, -1 padded.
@@ -111,10 +113,11 @@ class Selector:
         """Its per-layer weights for this rank (`LoadedGates`); selectors without weights get None per layer."""
         return LoadedGates({lid: None for lid in sparse_layers}, 0, None, f"training-free selector {cls.name}")
 
-    def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
+    def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table, k_scale: float = 1.0) -> torch.Tensor:
         raise NotImplementedError
 
-    def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
+    def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table,
+               k_scale: float = 1.0) -> None:
         raise NotImplementedError
 
     def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
@@ -133,11 +136,12 @@ class Selector:
         rows, h_kv, width = run_summaries.shape
         return run_summaries.view(rows // n, n, h_kv, width).transpose(1, 2).reshape(rows // n, h_kv, n * width)
 
-    def _update_masked(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
+    def _update_masked(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table,
+                       k_scale: float = 1.0) -> None:
         """Decode update through `summarize`: every request summarizes its last complete block and writes it to
         its page if this step completed it, else to page 0 (SGLang's padding page); fixed shapes."""
         done, pages, starts = completed_blocks(block_table, seq_lens, self.rule.block_size)
-        summ = self.summarize(gate, k_buffer, pages, starts, model_table, gate_table)
+        summ = self.summarize(gate, k_buffer, pages, starts, model_table, gate_table, k_scale)
         summaries.index_copy_(0, torch.where(done, pages, 0), summ.to(summaries.dtype))
 
     def _best_run(self, score, summaries: torch.Tensor) -> torch.Tensor:
@@ -239,20 +243,24 @@ class GateSelector(Selector):
         return LoadedGates(gates, gate_cfg.gate_dim, gate_file.sha256,
                            f"gate {cfg.gate_path} ({gate_cfg.base_model})")
 
-    def summarize(self, gate: AttnGate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
+    def summarize(self, gate: AttnGate, k_buffer, pages, starts, model_table, gate_table,
+                  k_scale: float = 1.0) -> torch.Tensor:
         w_k, k_norm = gate.attngate_linear_k.weight, gate.attngate_knorm.weight
         if self.rule.sub_blocks == 1:
-            return summarize_pages(k_buffer, pages, starts, model_table, gate_table, w_k, k_norm, self.rule.block_size)
+            return summarize_pages(k_buffer, pages, starts, model_table, gate_table, w_k, k_norm, self.rule.block_size,
+                                   k_scale)
         run_pages, run_starts = self._runs(pages, starts)
         return self._per_block(summarize_pages(k_buffer, run_pages, run_starts, model_table, gate_table, w_k, k_norm,
-                                               self.rule.sub_size))
+                                               self.rule.sub_size, k_scale))
 
-    def update(self, gate: AttnGate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
+    def update(self, gate: AttnGate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table,
+               k_scale: float = 1.0) -> None:
         if self.rule.sub_blocks > 1:
-            return self._update_masked(gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table)
+            return self._update_masked(gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table,
+                                       k_scale)
         update_summaries(
             k_buffer, summaries, block_table, seq_lens, self.rule.block_size, model_table, gate_table,
-            gate.attngate_linear_k.weight, gate.attngate_knorm.weight,
+            gate.attngate_linear_k.weight, gate.attngate_knorm.weight, k_scale,
         )
 
     def scores(self, gate: AttnGate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates,
@@ -274,15 +282,17 @@ class QuestSelector(Selector):
     def summary_dim(self, head_dim: int, gate_dim: int) -> int:
         return 2 * head_dim * self.rule.sub_blocks
 
-    def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
+    def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table, k_scale: float = 1.0) -> torch.Tensor:
         if self.rule.sub_blocks == 1:
-            return key_bounds(k_buffer, pages, self.rule.block_size)
-        return self._per_block(key_bounds(k_buffer, self._runs(pages, starts)[0], self.rule.sub_size))
+            return key_bounds(k_buffer, pages, self.rule.block_size, k_scale)
+        return self._per_block(key_bounds(k_buffer, self._runs(pages, starts)[0], self.rule.sub_size, k_scale))
 
-    def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
+    def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table,
+               k_scale: float = 1.0) -> None:
         if self.rule.sub_blocks > 1:
-            return self._update_masked(gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table)
-        update_key_bounds(k_buffer, summaries, block_table, seq_lens, self.rule.block_size)
+            return self._update_masked(gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table,
+                                       k_scale)
+        update_key_bounds(k_buffer, summaries, block_table, seq_lens, self.rule.block_size, k_scale)
 
     def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
         if self.rule.sub_blocks == 1:
@@ -307,10 +317,11 @@ class SinkLocalSelector(Selector):
     def summary_dim(self, head_dim: int, gate_dim: int) -> int:
         return 0
 
-    def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
+    def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table, k_scale: float = 1.0) -> torch.Tensor:
         return torch.zeros(pages.shape[0], k_buffer.shape[1], 0, device=k_buffer.device)
 
-    def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
+    def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table,
+               k_scale: float = 1.0) -> None:
         return None
 
     def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):

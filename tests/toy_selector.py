@@ -31,12 +31,12 @@ class RecencySelector(Selector):
     def summary_dim(self, head_dim: int, gate_dim: int) -> int:
         return 1
 
-    def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table) -> torch.Tensor:
+    def summarize(self, gate, k_buffer, pages, starts, model_table, gate_table, k_scale=1.0) -> torch.Tensor:
         """`[N, H_kv, 1]` the blocks' first positions (the page holds its block's position, not its slot)."""
         return starts.to(torch.float32)[:, None, None].expand(-1, k_buffer.shape[1], 1).contiguous()
 
-    def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table) -> None:
-        self._update_masked(gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table)
+    def update(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table, k_scale=1.0) -> None:
+        self._update_masked(gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table, k_scale)
 
     def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
         pages = torch.div(block_table[:, :max_blocks].long(), self.rule.block_size, rounding_mode="floor")

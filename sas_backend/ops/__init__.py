@@ -1,5 +1,11 @@
 """The ops: one folder each (entry point, torch path, Triton kernel, plain statement). Shared here: the one rule for a
-sub-block count."""
+sub-block count, and the fp8 KV dtypes."""
+
+import torch
+
+# What an fp8 KV cache holds (`--kv-cache-dtype fp8_e4m3` / `fp8_e5m2`): K / k_scale and V / v_scale cast to one of
+# these (SGLang's `set_kv_buffer`), so every op that reads K or V takes the stored number times its layer's scale.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def sub_blocks_ok(n: int, size: int) -> bool:

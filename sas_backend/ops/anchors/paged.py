@@ -35,13 +35,14 @@ def _row_groups(n: int, width: int, block_size: int) -> tuple[int, int]:
 
 def extend_anchors(q_last: torch.Tensor, k_buffer: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor,
                    seq_lens: torch.Tensor, max_seq_len: int, scale: float, block_size: int,
-                   count: int) -> torch.Tensor:
+                   count: int, k_scale: float = 1.0) -> torch.Tensor:
     """The prompt anchors of each request's last extend token: `[n, H_kv, count]` int32.
 
     q_last `[n, H_q, D]` the queries (after RoPE) of each request's last token; k_buffer `[slots, H_kv, D]` the
     layer's keys (the extend's already written); req_to_token `[max_reqs, max_ctx]` slot table; rows `[n]` each
     request's row in it; seq_lens `[n]` its length (the keys it sees: positions < seq_len); max_seq_len: a host
-    int >= every seq_len (the chunk loop's extent); scale: the softmax scale. Per kv head, the `count` complete
+    int >= every seq_len (the chunk loop's extent); scale: the softmax scale; k_scale: the layer's key scale (an
+    fp8 cache holds K / k_scale; folded into the logits' scale). Per kv head, the `count` complete
     blocks before the last token's own (index < (seq_len - 1) // b) of highest attention mass (the dense softmax
     summed over the block, max over the group's query heads), highest first, ties to the lower index, -1 padded:
     `torch_path.top_anchors(torch_path.last_query_block_mass(...))` row by row, up to fp32 rounding of the masses.
@@ -55,7 +56,7 @@ def extend_anchors(q_last: torch.Tensor, k_buffer: torch.Tensor, req_to_token: t
         return out
     n_blocks = -(-max_seq_len // block_size)
     per, tokens = _row_groups(n, max_seq_len, block_size)
-    q32 = q_last.float().view(n, h_kv, g, d) * scale
+    q32 = q_last.float().view(n, h_kv, g, d) * (scale * k_scale)
     seq = seq_lens.long()
     for r0 in range(0, n, per):
         r1 = min(n, r0 + per)

@@ -262,6 +262,7 @@ def front(
     summaries: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
     """One launch: the gate query of each row's new token, and the summary of the block it completed.
 
@@ -271,8 +272,9 @@ def front(
     fp32; w_k `[H_kv, 3D, Dg]`, k_norm `[Dg]` (weights fp32 or bf16); summaries `[num_pages, H_kv, n * Dg]`
     (fp32 or bf16; n = geometry.sub_blocks run summaries side by side, each pooled over its b / n tokens with the
     gate RoPE at its first position) written in place for rows whose seq_len is a positive multiple of b; block_table
-    `[bs, >= M + 1]` int; seq_lens `[bs]`. Returns `ws.gate_q[:bs]` `[bs, H_kv, Dg]` fp32
-    (= `naive.front`'s gate query; the summaries as `ops.summary.update_summaries` leaves them).
+    `[bs, >= M + 1]` int; seq_lens `[bs]`; k_scale: the layer's key scale (an fp8 k_buffer holds K / k_scale;
+    1.0 otherwise). Returns `ws.gate_q[:bs]` `[bs, H_kv, Dg]` fp32 (= `naive.front`'s gate query; the summaries
+    as `ops.summary.update_summaries` leaves them).
     """
     from sas_backend.ops.decode_step import triton as kernels
     from sas_backend.ops.gate import GATE_NORM_EPS
@@ -305,7 +307,7 @@ def front(
         k_buffer.stride(0), k_buffer.stride(1), model_table.stride(0), gate_table.stride(0),
         w_k.stride(0), w_k.stride(1), w_k.stride(2),
         summaries.stride(0), summaries.stride(1), block_table.stride(0),
-        h_kv, geo.group, ws.uq, ws.uq_per_head, ws.uk, GATE_NORM_EPS,
+        h_kv, geo.group, ws.uq, ws.uq_per_head, ws.uk, GATE_NORM_EPS, float(k_scale),
         HALF_D=d // 2, HALF_DG=dg // 2, QCHUNK=ws.qchunk, KCHUNK=ws.kchunk, BLOCK_HDG=_pow2(dg // 2),
         BLOCK_SIZE=geo.block_size, SUB=geo.sub_blocks, **ws.launch.kwargs(ws.launch.front_warps, 4),
     )
@@ -388,12 +390,16 @@ def attend(
     seq_lens: torch.Tensor,
     scale: float,
     out: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One launch: attention of each row's new token over its selected blocks and its current block.
 
-    q `[bs, H_q, D]`; k_buffer `[slots, H_kv, D]`, v_buffer `[slots, H_kv, Dv]`; selected `[bs, H_kv, K]`
-    int32 ascending, -1 padded; block_table `[bs, >= cur + 1]` int (token o of block m at slot
-    block_table[r, m] + o); seq_lens `[bs]` (the current block is attended up to the newest token).
+    q `[bs, H_q, D]`; k_buffer `[slots, H_kv, D]`, v_buffer `[slots, H_kv, Dv]` (q's dtype, fp32, or fp8
+    holding K / k_scale and V / v_scale: loaded as fp8 and converted to q's dtype exactly, k_scale folded into
+    the softmax scale and v_scale applied to the output, as FlashInfer does); selected `[bs, H_kv, K]` int32
+    ascending, -1 padded; block_table `[bs, >= cur + 1]` int (token o of block m at slot block_table[r, m] + o);
+    seq_lens `[bs]` (the current block is attended up to the newest token).
     Returns `[bs, H_q, Dv]` in q's dtype (out if given): plain `softmax(q K^T * scale) V`.
     """
     from sas_backend.ops.decode_step import triton as kernels
@@ -420,7 +426,7 @@ def attend(
         ws.attend_stats, ws.attend_partials, ws.attend_counters,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         selected.stride(0), selected.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        h_kv, g, geo.top_k, splits, per, float(scale),
+        h_kv, g, geo.top_k, splits, per, float(scale) * float(k_scale), float(v_scale),
         D=d, DV=dv, BLOCK_SIZE=geo.block_size, TOK=tok, TOK_TILE=min(tok, 16) if wide else tok, GP=ws.gp,
         BLOCK_D=max(16, _pow2(d)), BLOCK_DV=ws.block_dv, SPLITS_P=max(2, _pow2(splits)),
         IEEE=q.dtype == torch.float32,

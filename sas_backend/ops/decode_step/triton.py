@@ -83,7 +83,7 @@ def _front_kernel(
     stride_ks, stride_kh, stride_mtab, stride_gtab,
     stride_wkh, stride_wkr, stride_wkc,
     stride_sp, stride_sh, stride_bt,
-    H_KV, G, UQ, UQ_PER_HEAD, UK, eps,
+    H_KV, G, UQ, UQ_PER_HEAD, UK, eps, k_scale,
     HALF_D: tl.constexpr, HALF_DG: tl.constexpr, QCHUNK: tl.constexpr, KCHUNK: tl.constexpr,
     BLOCK_HDG: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr = 1,
 ):
@@ -130,8 +130,9 @@ def _front_kernel(
             for run in tl.static_range(SUB):
                 t = run * (BLOCK_SIZE // SUB) + tl.arange(0, BLOCK_SIZE // SUB)
                 kp = k_ptr + ((slot0 + t) * stride_ks + h * stride_kh)[:, None] + i[None, :]
-                x1 = tl.load(kp, mask=im, other=0.0).to(tl.float32)  # [b / SUB, KCHUNK]: the run's tokens at once
-                x2 = tl.load(kp + HALF_D, mask=im, other=0.0).to(tl.float32)
+                # [b / SUB, KCHUNK]: the run's tokens at once, dequantized (an fp8 cache holds K / k_scale)
+                x1 = tl.load(kp, mask=im, other=0.0).to(tl.float32) * k_scale
+                x2 = tl.load(kp + HALF_D, mask=im, other=0.0).to(tl.float32) * k_scale
                 cp = mtab_ptr + ((block * BLOCK_SIZE + t) * stride_mtab)[:, None] + i[None, :]
                 c = tl.load(cp, mask=im, other=1.0)
                 s = tl.load(cp + HALF_D, mask=im, other=0.0)
@@ -251,7 +252,7 @@ def _attend_kernel(
     q_ptr, k_ptr, v_ptr, sel_ptr, bt_ptr, seq_ptr, out_ptr, wsm_ptr, wsa_ptr, cnt_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_selb, stride_selh, stride_bt,
     stride_on, stride_oh,
-    H_KV, G, K, SPLITS, BPS, scale,
+    H_KV, G, K, SPLITS, BPS, scale, v_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOK: tl.constexpr, TOK_TILE: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_P: tl.constexpr, IEEE: tl.constexpr,
@@ -306,7 +307,7 @@ def _attend_kernel(
                     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
                 m_i = m_new
     if ONE_SPLIT:  # the whole row in this program: no partials, no fence or atomic, no merge (bit-identical to it)
-        o_row = acc / l_i[:, None]
+        o_row = acc / l_i[:, None] * v_scale
         tl.store(out_ptr + r * stride_on + (h * G + g)[:, None] * stride_oh + dv[None, :],
                  o_row.to(out_ptr.dtype.element_ty), mask=gm[:, None] & (dv < DV)[None, :])
     else:
@@ -329,7 +330,7 @@ def _attend_kernel(
                 w = tl.where(ms > float("-inf"), tl.exp(ms - top), 0.0)
                 a = tl.load(base_a[:, None] + gg * BLOCK_DV + dv[None, :], mask=spm[:, None], other=0.0,
                             cache_modifier=".cg")
-                o = tl.sum(w[:, None] * a, axis=0) / tl.sum(w * ls, axis=0)
+                o = tl.sum(w[:, None] * a, axis=0) / tl.sum(w * ls, axis=0) * v_scale
                 tl.store(out_ptr + r * stride_on + (h * G + gg) * stride_oh + dv, o.to(out_ptr.dtype.element_ty),
                          mask=dv < DV)
 

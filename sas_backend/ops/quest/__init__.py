@@ -14,12 +14,14 @@ from sas_backend.ops.summary import completed_blocks
 
 
 def update_key_bounds(
-    k_buffer: torch.Tensor, bounds: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    k_buffer: torch.Tensor, bounds: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
     """Write the min|max summary of the block each request's newest token completed into `bounds`
     `[num_pages, H_kv, 2D]` (rows that completed none write page 0, SGLang's padding page)."""
     done, pages, _ = completed_blocks(block_table, seq_lens, block_size)
-    bounds.index_copy_(0, torch.where(done, pages, 0), key_bounds(k_buffer, pages, block_size).to(bounds.dtype))
+    bounds.index_copy_(0, torch.where(done, pages, 0),
+                       key_bounds(k_buffer, pages, block_size, k_scale).to(bounds.dtype))
     return bounds
 
 

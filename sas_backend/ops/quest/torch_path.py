@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 
-def key_bounds(k_buffer: torch.Tensor, pages: torch.Tensor, block_size: int) -> torch.Tensor:
+def key_bounds(k_buffer: torch.Tensor, pages: torch.Tensor, block_size: int, k_scale: float = 1.0) -> torch.Tensor:
     """`[N, H_kv, 2D]` fp32 cat(min, max) over the b keys of each physical page in `pages` `[N]`.
 
-    k_buffer: `[slots, H_kv, D]` (page p holds slots p*b .. p*b+b-1).
+    k_buffer: `[slots, H_kv, D]` (page p holds slots p*b .. p*b+b-1; fp8: K / k_scale, the keys bounded are
+    the stored numbers times k_scale).
     """
     offs = torch.arange(block_size, device=k_buffer.device)
-    keys = k_buffer[pages.long()[:, None] * block_size + offs].float()  # [N, b, H_kv, D]
+    keys = k_buffer[pages.long()[:, None] * block_size + offs].float() * k_scale  # [N, b, H_kv, D]
     return torch.cat([keys.amin(dim=1), keys.amax(dim=1)], dim=-1)
 
 

@@ -180,12 +180,15 @@ class FlashInferSparseDecode:
         selected: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Attention `[bs, H_q, Dv]` over the selected blocks plus the current block.
 
-        q: `[bs, H_q, D]`; k/v buffers: `[slots, H_kv, D]`; selected: `[bs, H_kv, K]` int32
-        ascending, -1 padded; block_table: `[bs, >= cur + 1]` KV slot of each logical block's
-        first token; seq_lens: `[bs]` (device). bs must be the planned batch.
+        q: `[bs, H_q, D]`; k/v buffers: `[slots, H_kv, D]` in the planned kv dtype (fp8: holding K / k_scale,
+        V / v_scale; FlashInfer folds k_scale into the softmax scale and applies v_scale to the output);
+        selected: `[bs, H_kv, K]` int32 ascending, -1 padded; block_table: `[bs, >= cur + 1]` KV slot of each
+        logical block's first token; seq_lens: `[bs]` (device). bs must be the planned batch.
         """
         bs, h_q, d = q.shape
         if self._rows is None or bs * self.num_kv_heads != self._rows:
@@ -197,5 +200,7 @@ class FlashInferSparseDecode:
         k_rows = k_buffer.view(slots * self.num_kv_heads, 1, 1, d)
         v_rows = v_buffer.view(slots * self.num_kv_heads, 1, 1, v_buffer.shape[-1])
         q_rows = q.reshape(bs * self.num_kv_heads, self.group_size, d)
-        out = self._active.run(q_rows, (k_rows, v_rows))
+        if k_buffer.dtype != self.kv_dtype:  # FlashInfer would read the bytes as the planned dtype
+            raise ValueError(f"k_buffer is {k_buffer.dtype}; the decode was planned for {self.kv_dtype}")
+        out = self._active.run(q_rows, (k_rows, v_rows), k_scale=k_scale, v_scale=v_scale)
         return out.view(bs, h_q, -1)

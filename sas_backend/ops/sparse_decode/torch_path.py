@@ -47,13 +47,16 @@ def sparse_decode_padded(
     rows: torch.Tensor,
     valid: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention of one new token per request over its padded token rows.
 
-    q: `[bs, H_q, D]`; k_buffer: `[slots, H_kv, D]`; v_buffer: `[slots, H_kv, Dv]`;
-    rows, valid: `[bs, H_kv, L]` from `padded_token_rows` (every row has at least one valid token).
-    Returns `[bs, H_q, Dv]` in q's dtype: plain `softmax(q K^T * scale) V` over the valid tokens;
-    the G query heads of a kv group share its row.
+    q: `[bs, H_q, D]`; k_buffer: `[slots, H_kv, D]`; v_buffer: `[slots, H_kv, Dv]` (q's dtype, fp32, or fp8
+    holding K / k_scale and V / v_scale); rows, valid: `[bs, H_kv, L]` from `padded_token_rows` (every row has
+    at least one valid token). Returns `[bs, H_q, Dv]` in q's dtype: plain `softmax(q K^T * scale) V` over the
+    valid tokens; the G query heads of a kv group share its row. The KV scales are folded as FlashInfer folds
+    them: k_scale into the softmax scale, v_scale onto the output (fp8 converts to bf16 / fp32 exactly).
     """
     bs, h_q, d = q.shape
     slots, h_kv, _ = k_buffer.shape
@@ -61,8 +64,10 @@ def sparse_decode_padded(
     ks = k_buffer.reshape(slots * h_kv, d)[rows].to(q.dtype)  # [bs, H_kv, L, D]
     vs = v_buffer.reshape(slots * h_kv, dv)[rows].to(q.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.view(bs, h_kv, h_q // h_kv, d), ks, vs, attn_mask=valid[:, :, None, :], scale=scale
+        q.view(bs, h_kv, h_q // h_kv, d), ks, vs, attn_mask=valid[:, :, None, :], scale=scale * k_scale
     )
+    if v_scale != 1.0:
+        out = out * v_scale
     return out.reshape(bs, h_q, dv)
 
 
@@ -98,14 +103,16 @@ class TorchSparseDecode:
         selected: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Attention `[bs, H_q, Dv]` over the selected blocks plus the current block.
 
-        q: `[bs, H_q, D]`; k/v buffers: `[slots, H_kv, D]`; selected: `[bs, H_kv, K]` int32
-        ascending, -1 padded; block_table: `[bs, >= cur + 1]`; seq_lens: `[bs]`. bs must be the
-        planned batch.
+        q: `[bs, H_q, D]`; k/v buffers: `[slots, H_kv, D]` (fp8: holding K / k_scale, V / v_scale, the layer's
+        scales); selected: `[bs, H_kv, K]` int32 ascending, -1 padded; block_table: `[bs, >= cur + 1]`;
+        seq_lens: `[bs]`. bs must be the planned batch.
         """
         if self._bs is None or q.shape[0] != self._bs:
             raise ValueError(f"run() got a batch of {q.shape[0]} requests; plan() was for {self._bs}")
         rows, valid = padded_token_rows(selected, block_table, seq_lens, self.num_kv_heads, self.block_size)
-        return sparse_decode_padded(q, k_buffer, v_buffer, rows, valid, self._scale)
+        return sparse_decode_padded(q, k_buffer, v_buffer, rows, valid, self._scale, k_scale, v_scale)

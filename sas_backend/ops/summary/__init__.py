@@ -29,21 +29,23 @@ def summarize_pages(
     w_k: torch.Tensor,
     k_norm: torch.Tensor,
     block_size: int,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
     """Summaries `[N, H_kv, Dg]` fp32 of whole blocks.
 
-    k_buffer: `[slots, H_kv, D]` post-RoPE keys; pages, block_starts: `[N]` (physical page, first
-    position); model_cos_sin: `[max_pos, D]` the model's RoPE table; gate_cos_sin: `[max_pos, Dg]`;
-    w_k: `[H_kv, 3D, Dg]`; k_norm: `[Dg]`. See `torch_path.summarize_pages`.
+    k_buffer: `[slots, H_kv, D]` post-RoPE keys (an fp8 cache holds K / k_scale: the keys summarized are the
+    stored numbers times k_scale); pages, block_starts: `[N]` (physical page, first position); model_cos_sin:
+    `[max_pos, D]` the model's RoPE table; gate_cos_sin: `[max_pos, Dg]`; w_k: `[H_kv, 3D, Dg]`; k_norm: `[Dg]`.
+    See `torch_path.summarize_pages`.
     """
     if k_buffer.is_cuda:
         from sas_backend.ops.summary.triton import summarize_pages_triton
 
         return summarize_pages_triton(
-            k_buffer, pages, block_starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size
+            k_buffer, pages, block_starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size, k_scale
         )
     return torch_path.summarize_pages(
-        k_buffer, pages, block_starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size
+        k_buffer, pages, block_starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size, k_scale
     )
 
 
@@ -57,6 +59,7 @@ def update_summaries(
     gate_cos_sin: torch.Tensor,
     w_k: torch.Tensor,
     k_norm: torch.Tensor,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
     """Summarize, in place, the block each request's newest token completed (if it did).
 
@@ -70,10 +73,10 @@ def update_summaries(
         from sas_backend.ops.summary.triton import summary_update_decode_triton
 
         return summary_update_decode_triton(
-            k_buffer, summaries, block_table, seq_lens, block_size, model_cos_sin, gate_cos_sin, w_k, k_norm
+            k_buffer, summaries, block_table, seq_lens, block_size, model_cos_sin, gate_cos_sin, w_k, k_norm, k_scale
         )
     return torch_path.summary_update_decode_masked(
-        k_buffer, summaries, block_table, seq_lens, block_size, model_cos_sin, gate_cos_sin, w_k, k_norm
+        k_buffer, summaries, block_table, seq_lens, block_size, model_cos_sin, gate_cos_sin, w_k, k_norm, k_scale
     )
 
 

@@ -12,8 +12,10 @@ def summary_update_decode(
     k_buffer: torch.Tensor, summaries_out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     block_size: int, model_cos_sin: torch.Tensor, gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor,
     sub_blocks: int = 1,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Summaries of the blocks completed by this decode step, written in place.
+    """Summaries of the blocks completed by this decode step, written in place (of the keys as stored times
+    k_scale: an fp8 cache holds K / k_scale).
 
     block_table: `[bs, >= M + 1]` KV slot of the first token of each logical block (a page is one
     block); seq_lens: `[bs]`. A request whose newest token completes a block (seq_len % b == 0,
@@ -33,7 +35,7 @@ def summary_update_decode(
     size = block_size // sub_blocks
     dg = summaries_out.shape[-1] // sub_blocks
     for j in range(sub_blocks):  # run j of page p occupies slots p*b + j*S .., i.e. "page" p*n + j of S slots
-        summ = summarize_pages(k_buffer, pages * sub_blocks + j, blocks * block_size + j * size, model_cos_sin,
-                               gate_cos_sin, w_k, k_norm, size)
+        summ = summarize_pages(k_buffer.float() * k_scale, pages * sub_blocks + j, blocks * block_size + j * size,
+                               model_cos_sin, gate_cos_sin, w_k, k_norm, size)
         summaries_out[pages, :, j * dg:(j + 1) * dg] = summ.to(summaries_out.dtype)
     return summaries_out

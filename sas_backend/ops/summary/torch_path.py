@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from sas_backend.ops import FP8_DTYPES
 from sas_backend.ops.gate import rms_norm
 from sas_backend.ops.rope import apply_rope, invert_rope
 
@@ -50,11 +51,12 @@ def summarize_pooled(
 
 def summarize_pages(
     k_buffer: torch.Tensor, pages: torch.Tensor, block_starts: torch.Tensor, model_cos_sin: torch.Tensor,
-    gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor, block_size: int,
+    gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor, block_size: int, k_scale: float = 1.0,
 ) -> torch.Tensor:
     """Summaries of whole blocks read back from the paged KV cache.
 
-    k_buffer: `[slots, H_kv, D]` post-RoPE keys (as SGLang stores them); the block in physical
+    k_buffer: `[slots, H_kv, D]` post-RoPE keys (as SGLang stores them; fp8: K / k_scale, read back as the
+    stored numbers times k_scale in fp32); the block in physical
     page p occupies slots `p*b .. p*b+b-1` in position order. pages, block_starts: `[N]` (the
     block's physical page and its first position). model_cos_sin: the model's own RoPE table
     `[max_pos, D]` (used to undo its RoPE); gate_cos_sin: the gate's table `[max_pos, Dg]`.
@@ -64,6 +66,8 @@ def summarize_pages(
     slots = pages.long()[:, None] * block_size + offs[None, :]  # [N, b]
     positions = block_starts.long()[:, None] + offs[None, :]  # [N, b]
     k_post = k_buffer[slots]  # [N, b, H_kv, D]
+    if k_post.dtype in FP8_DTYPES or k_scale != 1.0:
+        k_post = k_post.float() * k_scale
     k_pre = invert_rope(k_post, model_cos_sin[positions])
     return summarize_blocks(k_pre, w_k, k_norm, gate_cos_sin[block_starts.long()])
 
@@ -87,6 +91,7 @@ def completed_blocks(
 def summary_update_decode_masked(
     k_buffer: torch.Tensor, summaries_out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     block_size: int, model_cos_sin: torch.Tensor, gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
     """Same effect on every page a request owns as `summary_update_decode`; fixed shapes.
 
@@ -94,6 +99,6 @@ def summary_update_decode_masked(
     Returns summaries_out `[num_pages, H_kv, Dg]`.
     """
     done, pages, starts = completed_blocks(block_table, seq_lens, block_size)
-    summ = summarize_pages(k_buffer, pages, starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size)
+    summ = summarize_pages(k_buffer, pages, starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size, k_scale)
     summaries_out.index_copy_(0, torch.where(done, pages, 0), summ.to(summaries_out.dtype))
     return summaries_out

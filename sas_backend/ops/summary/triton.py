@@ -57,6 +57,7 @@ def _summarize_tile(
     stride_wr,
     stride_wc,
     eps,
+    k_scale,
     n_tok,
     n_seg,
     BLOCK_SIZE: tl.constexpr,
@@ -81,8 +82,8 @@ def _summarize_tile(
     for t in range(n_tok):
         # Token t of the block sits in slot page*b + t, at position start + t.
         kp = k_ptr + ((pages * BLOCK_SIZE + t) * stride_ks + h * stride_kh)[:, None] + d[None, :]
-        x1 = tl.load(kp, mask=lmask, other=0.0).to(tl.float32)
-        x2 = tl.load(kp + HALF_D, mask=lmask, other=0.0).to(tl.float32)
+        x1 = tl.load(kp, mask=lmask, other=0.0).to(tl.float32) * k_scale  # dequantized (fp8 holds K / k_scale)
+        x2 = tl.load(kp + HALF_D, mask=lmask, other=0.0).to(tl.float32) * k_scale
         cp = mcs_ptr + ((starts + t) * stride_mcs)[:, None] + d[None, :]
         c = tl.load(cp, mask=lmask, other=1.0).to(tl.float32)  # masked lanes: identity, no 0/0
         s = tl.load(cp + HALF_D, mask=lmask, other=0.0).to(tl.float32)
@@ -142,7 +143,7 @@ def _summarize_tile(
 def _summarize_pages_kernel(
     k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, pages_ptr, starts_ptr, N,
     stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc,
-    eps, n_tok, n_seg,
+    eps, k_scale, n_tok, n_seg,
     BLOCK_SIZE: tl.constexpr, HALF_D: tl.constexpr, HALF_DG: tl.constexpr,
     BLOCK_HD: tl.constexpr, BLOCK_HDG: tl.constexpr, BN: tl.constexpr,
 ):
@@ -154,7 +155,7 @@ def _summarize_pages_kernel(
     _summarize_tile(
         k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, pages, starts, rows.to(tl.int64), ok, h,
         stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc,
-        eps, n_tok, n_seg,
+        eps, k_scale, n_tok, n_seg,
         BLOCK_SIZE, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG, BN,
     )
 
@@ -163,7 +164,7 @@ def _summarize_pages_kernel(
 def _summary_update_decode_kernel(
     k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, bt_ptr, seq_ptr, bs, stride_bt,
     stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc,
-    eps, n_tok, n_seg,
+    eps, k_scale, n_tok, n_seg,
     BLOCK_SIZE: tl.constexpr, HALF_D: tl.constexpr, HALF_DG: tl.constexpr,
     BLOCK_HD: tl.constexpr, BLOCK_HDG: tl.constexpr, BN: tl.constexpr,
 ):
@@ -181,7 +182,7 @@ def _summary_update_decode_kernel(
         _summarize_tile(
             k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, pages, starts, pages, done, h,
             stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs,
-            stride_wh, stride_wr, stride_wc, eps, n_tok, n_seg,
+            stride_wh, stride_wr, stride_wc, eps, k_scale, n_tok, n_seg,
             BLOCK_SIZE, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG, BN,
         )
 
@@ -219,9 +220,9 @@ def _last_contig(x: torch.Tensor) -> torch.Tensor:
 
 def summarize_pages_triton(
     k_buffer: torch.Tensor, pages: torch.Tensor, block_starts: torch.Tensor, model_cos_sin: torch.Tensor,
-    gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor, block_size: int,
+    gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor, block_size: int, k_scale: float = 1.0,
 ) -> torch.Tensor:
-    """`ops.summary.summarize_pages` on CUDA (its docstring has the shapes); k_buffer fp32/bf16/fp16."""
+    """`ops.summary.summarize_pages` on CUDA (its docstring has the shapes); k_buffer fp32/bf16/fp16/fp8."""
     h_kv, d, dg = _check_geometry(k_buffer, model_cos_sin, gate_cos_sin, w_k, k_norm)
     n = pages.numel()
     out = torch.empty(n, h_kv, dg, dtype=torch.float32, device=k_buffer.device)
@@ -234,7 +235,7 @@ def summarize_pages_triton(
         k_buffer, out, mcs, gcs, w_k, k_norm, pages.reshape(-1), block_starts.reshape(-1), n,
         k_buffer.stride(0), k_buffer.stride(1), out.stride(0), out.stride(1),
         mcs.stride(0), gcs.stride(0), w_k.stride(0), w_k.stride(1), w_k.stride(2),
-        GATE_NORM_EPS, block_size, 6,
+        GATE_NORM_EPS, float(k_scale), block_size, 6,
         **_meta(block_size, d, dg),
     )
     return out
@@ -243,6 +244,7 @@ def summarize_pages_triton(
 def summary_update_decode_triton(
     k_buffer: torch.Tensor, summaries_out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     block_size: int, model_cos_sin: torch.Tensor, gate_cos_sin: torch.Tensor, w_k: torch.Tensor, k_norm: torch.Tensor,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
     """`ops.summary.update_summaries` on CUDA (its docstring has the shapes); capturable.
 
@@ -268,7 +270,7 @@ def summary_update_decode_triton(
         bs, block_table.stride(0),
         k_buffer.stride(0), k_buffer.stride(1), summaries_out.stride(0), summaries_out.stride(1),
         mcs.stride(0), gcs.stride(0), w_k.stride(0), w_k.stride(1), w_k.stride(2),
-        GATE_NORM_EPS, block_size, 6,
+        GATE_NORM_EPS, float(k_scale), block_size, 6,
         **_meta(block_size, d, dg),
     )
     return summaries_out
