@@ -12,7 +12,9 @@ SGLang calls `register()` in the launcher and in every scheduler process. It
 - gives SGLang's dense `torch_native` backend the speculative verify step it lacks (dense_verify.py), so
   that `--speculative-algorithm NGRAM --attention-backend torch_native` runs on CPU (docs/speculative.md);
 - refuses the speculative launches sas cannot verify (tree drafts) and turns NGRAM's drafts into chains for a
-  sas target (speculative.py).
+  sas target (speculative.py);
+- opens SGLang's CPU fp8_e4m3 KV pool, which SGLang reserves for its intel_amx backend, to a sas-only server
+  (backend/cpu_fp8_pool.py).
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def register() -> None:
     from sas_backend import speculative
 
     speculative.register(HookRegistry, HookType)  # NGRAM drafts as chains, for a sas target only
+    from sas_backend.backend import cpu_fp8_pool
+
+    cpu_fp8_pool.register(HookRegistry, HookType)  # --kv-cache-dtype fp8_e4m3 on CPU for a sas-only server
     if multiprocessing.current_process().name == "MainProcess":
         _add_info_route()
 

@@ -49,7 +49,9 @@ def scheduler_pool_state(scheduler) -> dict:
     another backend); `dense_below`: the tokens at or under which its steps attend densely as resolved (the
     launch's `--sas-dense-below`, else the device's default; None on another backend); `late_summaries`: pages the
     sas backend summarized at decode planning because their KV came without an extend through it (0 in a
-    colocated server; None on another backend).
+    colocated server; None on another backend); `kv_cache`: the KV dtype the sas backend reads and, for an fp8
+    cache, where its layers' scales came from (`backend.kv_scales.SOURCES`: layers per source) and their range
+    (None on another backend).
     """
     backend = _attn_backend(scheduler)
     page = int(getattr(backend, "block_size", 0) or getattr(scheduler, "page_size", 1) or 1)
@@ -84,7 +86,24 @@ def scheduler_pool_state(scheduler) -> dict:
     settings = getattr(backend, "settings", None)
     state["dense_below"] = getattr(settings, "dense_below", None)
     state["late_summaries"] = getattr(backend, "late_summaries", None)
+    state["kv_cache"] = _kv_cache_state(backend)
     state["pid"] = os.getpid()
+    return state
+
+
+def _kv_cache_state(backend) -> Optional[dict]:
+    """The sas backend's KV dtype and (fp8) its scales: sources by layer count, smallest and largest k / v scale."""
+    dtype = getattr(backend, "kv_dtype", None)
+    if dtype is None:
+        return None
+    state = {"dtype": str(dtype).replace("torch.", "")}
+    if getattr(backend, "kv_fp8", False):
+        sources: dict = {}
+        for source in backend.kv_scale_sources.values():
+            sources[source] = sources.get(source, 0) + 1
+        ks = [k for k, _ in backend.kv_scales.values()]
+        vs = [v for _, v in backend.kv_scales.values()]
+        state["scales"] = {"sources": sources, "k_scale": [min(ks), max(ks)], "v_scale": [min(vs), max(vs)]}
     return state
 
 

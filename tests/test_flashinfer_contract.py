@@ -37,8 +37,10 @@ class FakeDecodeWrapper:
         # 0.6.12 / 0.6.18, tensor-core path: `max(kv_lens_arr_host)`, Python's max over every row.
         self.row_loops += sum(1 for _ in indptr[1:])
 
-    def run(self, q, kv):
+    def run(self, q, kv, *, q_scale=None, k_scale=None, v_scale=None, out=None):
+        # 0.6.12's signature: the KV scales keyword-only; it folds k_scale into sm_scale, v_scale onto the output.
         self.runs.append((q, kv))
+        self.scales = (k_scale, v_scale)
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -59,7 +61,7 @@ def gathers(monkeypatch):
     return calls
 
 
-def _make(monkeypatch, **kwargs):
+def _make(monkeypatch, kv_dtype=torch.bfloat16, **kwargs):
     fake = types.ModuleType("flashinfer")
     fake.BatchDecodeWithPagedKVCacheWrapper = FakeDecodeWrapper
     fake.fast_decode_plan = fake_fast_decode_plan
@@ -68,7 +70,7 @@ def _make(monkeypatch, **kwargs):
     from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
 
     # H_kv 2, G 4, D 64; K = 2 blocks of 64.
-    return FlashInferSparseDecode(2, 4, 64, torch.bfloat16, torch.bfloat16, DEVICE, max_rows=16, top_k=2,
+    return FlashInferSparseDecode(2, 4, 64, torch.bfloat16, kv_dtype, DEVICE, max_rows=16, top_k=2,
                                   block_size=64, **kwargs)
 
 
@@ -171,6 +173,39 @@ def test_run_gathers_into_the_planned_buffers_then_decodes(fi, gathers):
     assert len(fi._eager.runs) == 1
     with pytest.raises(ValueError, match="plan"):  # a batch other than the planned one
         fi.run(q, kv, kv, sel, table, seq)
+
+
+def test_fp8_kv_is_planned_as_fp8_and_run_with_the_layer_scales(monkeypatch, gathers):
+    """An fp8 KV cache: planned with kv_data_type fp8, each run passes the layer's k_scale / v_scale to FlashInfer
+    (which folds them as SGLang's FlashInfer backend relies on); a buffer of another dtype is refused, since
+    FlashInfer would read its bytes as fp8."""
+    fi = _make(monkeypatch, kv_dtype=torch.float8_e4m3fn)
+    fi.plan(torch.tensor([64] * 2), 0.125)
+    assert fi._eager.plans[-1]["kv_data_type"] == torch.float8_e4m3fn
+    q = torch.empty(2, 8, 64, dtype=torch.bfloat16, device=DEVICE)
+    kv = torch.empty(100, 2, 64, dtype=torch.float8_e4m3fn, device=DEVICE)
+    sel, table = torch.empty(2, 2, 2, dtype=torch.int32, device=DEVICE), torch.empty(2, 5, device=DEVICE)
+    seq = torch.empty(2, dtype=torch.int64, device=DEVICE)
+    fi.run(q, kv, kv, sel, table, seq, k_scale=0.5, v_scale=3.0)
+    assert fi._eager.scales == (0.5, 3.0)
+    with pytest.raises(ValueError, match="planned for torch.float8_e4m3fn"):
+        fi.run(q, kv.view(torch.uint8), kv.view(torch.uint8), sel, table, seq)
+
+
+def test_the_scales_keywords_exist_in_the_kit_flashinfer():
+    """The GPU kit's FlashInfer (0.6.12) takes k_scale / v_scale in BatchDecodeWithPagedKVCacheWrapper.run, folding
+    k_scale into sm_scale and multiplying the output by v_scale (read from the wheel's source)."""
+    import pathlib
+    import zipfile
+
+    wheels = sorted(pathlib.Path(__file__).resolve().parents[2].glob("shared/gpu-kit/flashinfer_python-*.whl"))
+    if not wheels:
+        pytest.skip("no FlashInfer wheel in ../shared/gpu-kit")
+    src = zipfile.ZipFile(wheels[-1]).read("flashinfer/decode.py").decode()
+    run = src[src.index("class BatchDecodeWithPagedKVCacheWrapper"):]
+    run = run[run.index("    def run("):]
+    assert "k_scale: Optional[float] = None" in run[:2000] and "v_scale: Optional[float] = None" in run[:2000]
+    assert "sm_scale *= k_scale" in run and "out *= v_scale" in run
 
 
 def test_device_seq_lens_are_refused(fi):

@@ -305,3 +305,17 @@ def test_decode_step_workspace_figure_matches_the_step_object(on_cuda, sub, chun
                      summary_bytes=2)
     assert mem.fixed["decode step workspace"] == got and "kv indices" not in mem.fixed
     assert mem.summary_bytes_per_page == GEO["num_sparse_layers"] * GEO["num_kv_heads"] * GEO["gate_dim"] * 2 + 1
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_is_counted_at_one_byte_an_element(sas_env, fp8):
+    """An fp8 KV cache: the pool's bytes a token are half bf16's; what sas keeps beside it (summaries, gates,
+    workspaces) does not change with the KV dtype."""
+    from sas_backend.backend.memory import memory_for_sglang
+
+    bf16, kv_bf16 = memory_for_sglang(_owner(sas_env))
+    owner = _owner(sas_env)
+    owner.kv_cache_dtype = fp8
+    mem, kv_fp8 = memory_for_sglang(owner)
+    assert 2 * kv_fp8 == kv_bf16
+    assert mem.summary_bytes_per_page == bf16.summary_bytes_per_page

@@ -200,14 +200,17 @@ class DecodeStep:
 
     # ------------------------------------------------------------------ run (per layer)
     def run(self, plan: DecodePlan, gate, q: torch.Tensor, k_buffer, v_buffer, summaries, model_table, gate_table,
-            anchors: Optional[torch.Tensor] = None, update: bool = True) -> torch.Tensor:
+            anchors: Optional[torch.Tensor] = None, update: bool = True, k_scale: float = 1.0,
+            v_scale: float = 1.0) -> torch.Tensor:
         """Summary update, selection and attention of one sparse layer: `[bs, H_q, Dv]` in q's dtype.
 
         gate: the layer's `AttnGate` (None for training-free selectors); q `[bs, H_q, D]` after RoPE; k/v
         buffers `[slots, H_kv, D]` holding the new token's K/V; summaries `[num_pages, H_kv, S]` (updated in
         place when a row's token completes a block); model_table `[max_pos, D]`, gate_table `[max_pos, Dg]`;
         anchors: optional `[max_reqs, H_kv, R]` int32 prompt-anchor pool, read at the batch's req rows;
-        update: False when the caller already ran `update_summaries` for this layer (the per-op path skips it).
+        update: False when the caller already ran `update_summaries` for this layer (the per-op path skips it);
+        k_scale / v_scale: the layer's fp8 KV scales (`backend.kv_scales`; the buffers hold K / k_scale and
+        V / v_scale), 1.0 for a cache that is not fp8.
         """
         step = plan.step
         rule = self.selector.rule
@@ -215,32 +218,35 @@ class DecodeStep:
             ws = self.fused_ws
             w_q, q_norm, w_k, k_norm = self.front_weights(gate)
             gq = fused.front(ws, q, step.model_cos_sin, step.gate_cos_sin, w_q, q_norm, k_buffer, model_table,
-                             gate_table, w_k, k_norm, summaries, step.block_table, step.seq_lens)
+                             gate_table, w_k, k_norm, summaries, step.block_table, step.seq_lens, k_scale)
             selected = fused.select(ws, gq, summaries, step.block_table, step.num_candidates, plan.max_blocks,
                                     rule.sink_blocks, rule.local_blocks, anchors, step.req_pool_indices)
         else:
             if update:
-                self.update_summaries(plan, gate, k_buffer, summaries, model_table, gate_table)
+                self.update_summaries(plan, gate, k_buffer, summaries, model_table, gate_table, k_scale)
             rows = None if anchors is None else anchors[step.req_pool_indices.long()]
             selected = self.selector.select(gate, q, step.model_cos_sin, step.gate_cos_sin, summaries,
                                             step.block_table, step.num_candidates, plan.max_blocks, rows)
         self.last_selected = selected
         if self._triton_attention(plan.bs):
             return fused.attend(self.fused_ws, q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,
-                                self.scaling)
+                                self.scaling, k_scale=k_scale, v_scale=v_scale)
         if not plan.graph and not self.on_device and plan.max_blocks < selected.shape[-1]:
             # Eager CPU: no row has more than max_blocks candidates, so the columns past it are all -1; the padded
             # SDPA then reads (max_blocks + 1) blocks a row, not K + 1 (a covering budget's rows stay short).
             selected = selected[..., : plan.max_blocks]
-        return self.sparse_decode.run(q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens)
+        return self.sparse_decode.run(q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,
+                                      k_scale=k_scale, v_scale=v_scale)
 
-    def update_summaries(self, plan: DecodePlan, gate, k_buffer, summaries, model_table, gate_table) -> None:
+    def update_summaries(self, plan: DecodePlan, gate, k_buffer, summaries, model_table, gate_table,
+                         k_scale: float = 1.0) -> None:
         """The per-op summary update of the block each row's newest token completed (dense steps, the per-op
-        path, and before a captured step's branches; the fused front does its own)."""
+        path, and before a captured step's branches; the fused front does its own). k_scale: as `run`."""
         step = plan.step
         if plan.graph or plan.update_all_rows:  # every row runs the masked update (no host indices)
-            self.selector.update(gate, k_buffer, summaries, step.block_table, step.seq_lens, model_table, gate_table)
+            self.selector.update(gate, k_buffer, summaries, step.block_table, step.seq_lens, model_table, gate_table,
+                                 k_scale)
         elif plan.summary_rows is not None:  # eager CPU: only the rows whose newest token completed a block
             rows = plan.summary_rows
             self.selector.update(gate, k_buffer, summaries, step.block_table[rows], step.seq_lens[rows],
-                                 model_table, gate_table)
+                                 model_table, gate_table, k_scale)

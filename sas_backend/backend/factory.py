@@ -14,6 +14,7 @@ from sas_backend.backend.sglang_compat import attention_cp_size, attention_tp, d
 from sas_backend.backend.verify_rows import draft_tokens_from_args
 from sas_backend.config import SASConfig, SASConfigError
 from sas_backend.geometry import ModelGeometry
+from sas_backend.ops import FP8_DTYPES
 from sas_backend.selection import selector_class
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,13 @@ def create_sas_backend(runner) -> SASAttnBackend:
             f"--sas-first-sparse-layer {cfg.first_sparse_layer} is past the model's {geo.num_layers} layers"
         )
     kv_dtype = runner.token_to_kv_pool.get_key_buffer(0).dtype
-    if kv_dtype != runner.dtype:
-        raise SASConfigError(f"sas does not support a quantized KV cache yet (KV {kv_dtype}, model {runner.dtype})")
+    if kv_dtype != runner.dtype and kv_dtype not in FP8_DTYPES:
+        raise SASConfigError(f"sas serves the model's own KV dtype or an fp8 KV cache (--kv-cache-dtype fp8_e4m3 / "
+                             f"fp8_e5m2), not a {kv_dtype} KV cache (model {runner.dtype})")
+    own_cpu_extend = device.type == "cpu" and cfg.cpu_extend == "sas"
+    if kv_dtype in FP8_DTYPES and device.type == "cpu" and not own_cpu_extend:
+        raise SASConfigError("an fp8 KV cache on CPU needs sas's own extend (SAS_CPU_EXTEND=sas, the default): "
+                             "SGLang's torch-native attention reads the fp8 cache without its scales")
 
     kv_local = geo.num_kv_heads // tp_size
     q_local = geo.num_q_heads // tp_size
@@ -79,8 +85,8 @@ def create_sas_backend(runner) -> SASAttnBackend:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
     inner = ATTENTION_BACKENDS["flashinfer" if device.type == "cuda" else "torch_native"](runner)
-    logger.info("sas: %s, dense backend %s", source, type(inner).__name__)
-    own_cpu_extend = device.type == "cpu" and cfg.cpu_extend == "sas"
+    logger.info("sas: %s, dense backend %s, KV cache %s", source, type(inner).__name__,
+                str(kv_dtype).replace("torch.", ""))
     backend = SASAttnBackend(
         runner,
         inner,

@@ -26,6 +26,7 @@ import torch
 from sas_backend.backend.decode_plan import DecodePlan
 from sas_backend.backend.decode_step import DecodeStep
 from sas_backend.backend.graph_branch import BranchFlags, captured_if, capturing, conditional_nodes_supported
+from sas_backend.backend.kv_scales import model_kv_scales
 from sas_backend.backend.page_marks import watch_allocations
 from sas_backend.backend.sglang_compat import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
@@ -33,6 +34,7 @@ from sas_backend.backend import verify_rows
 from sas_backend.backend.verify_rows import check_chain, draft_tokens
 from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
+from sas_backend.ops import FP8_DTYPES
 from sas_backend.ops.anchors import extend_anchors
 from sas_backend.ops.extend import paged_extend_attention
 from sas_backend.backend.step_settings import StepSettings, device_name, resolve
@@ -122,6 +124,12 @@ class SASAttnBackend(AttentionBackend):
         # host-to-device copies; CPU: host tensors index directly.
         self.on_device = self.device.type != "cpu"
         self.scaling = model_attention_scaling(getattr(runner, "model", None), set(gates), head_dim**-0.5)
+        # An fp8 KV cache holds K / k_scale and V / v_scale: each sparse layer's scales, written and read alike
+        # (backend/kv_scales.py); (1.0, 1.0) for a cache that is not fp8.
+        self.kv_dtype = self.token_to_kv_pool.get_key_buffer(min(gates)).dtype
+        self.kv_fp8 = self.kv_dtype in FP8_DTYPES
+        self.kv_scales, self.kv_scale_sources = model_kv_scales(getattr(runner, "model", None), set(gates),
+                                                                self.kv_dtype)
 
         rule = SelectionRule(cfg.top_k, cfg.block_size, cfg.sink_blocks, cfg.local_blocks, cfg.sub_blocks or 1)
         selector = make_selector(cfg.selector, rule)
@@ -161,7 +169,7 @@ class SASAttnBackend(AttentionBackend):
         # The decode step: selection and sparse attention of every sparse layer (backend/decode_step.py).
         self.step = DecodeStep(
             selector, geometry, self.req_to_token_pool.req_to_token, self.device, runner.dtype,
-            self.token_to_kv_pool.get_key_buffer(min(gates)).dtype, self.scaling,
+            self.kv_dtype, self.scaling,
             kernels=settings.kernels, attention=settings.attention, dense_below=settings.dense_below,
             force_sparse=bool(cfg.force_sparse),
             # The wrapped FlashInfer backend's float workspace: used in stream order, never at the
@@ -418,7 +426,8 @@ class SASAttnBackend(AttentionBackend):
         q_last = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[last]
         self.anchors[layer.layer_id][rows] = extend_anchors(
             q_last, self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.req_to_token_pool.req_to_token, rows,
-            lens, longest, layer.scaling, self.block_size, self.anchor_count)
+            lens, longest, layer.scaling, self.block_size, self.anchor_count,
+            k_scale=self._scales(layer.layer_id)[0])
 
     def _plan_own_extend(self, fb):
         """(req rows, prefix lens, extend lens) as host ints when this batch's extend is ours, else None:
@@ -430,19 +439,43 @@ class SASAttnBackend(AttentionBackend):
             return None
         return [int(r) for r in fb.req_pool_indices.tolist()], [int(p) for p in prefix], [int(e) for e in lens]
 
-    def _own_extend(self, q, k, v, layer, forward_batch, save_kv_cache):
-        """Causal self-attention of the batch's new tokens (ops/extend); K/V stored first."""
+    def _own_extend(self, q, k, v, layer, forward_batch, save_kv_cache, reqs=None):
+        """Causal self-attention of the batch's new tokens (ops/extend); K/V stored first. reqs: (req rows, prefix
+        lens, extend lens) host ints (default: this extend's, `_plan_own_extend`)."""
         if save_kv_cache and k is not None and v is not None:
-            save_kv(self.token_to_kv_pool, layer, forward_batch.out_cache_loc, k, v)
-        rows, prefix, lens = self._extend_reqs
+            self._save_kv(layer, forward_batch, k, v)
+        rows, prefix, lens = reqs or self._extend_reqs
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q3.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        k_scale, v_scale = self._scales(layer.layer_id)
         paged_extend_attention(
             q3, out, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
-            rows, prefix, lens, layer.scaling, block=self.block_size,
+            rows, prefix, lens, layer.scaling, block=self.block_size, k_scale=k_scale, v_scale=v_scale,
         )
         return out.view(q3.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+    def _own_dense_rows(self, q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs):
+        """Dense attention of a decode or (chain) verify step through ops/extend: each request's rows are an
+        extend of its newest token(s) against the cache (exact dense attention). CPU with an fp8 KV cache: the
+        wrapped torch-native backend would read the fp8 cache without its scales."""
+        host = self._host_seq_lens(forward_batch)
+        verify = forward_batch.forward_mode.is_target_verify()
+        n = draft_tokens(forward_batch) if verify else 1
+        # A decode row's seq_len counts its new token; a verify batch's counts the verified tokens only.
+        prefix = (host if verify else host - 1).tolist()
+        reqs = ([int(r) for r in forward_batch.req_pool_indices.tolist()], [int(p) for p in prefix],
+                [n] * len(prefix))
+        return self._own_extend(q, k, v, layer, forward_batch, save_kv_cache, reqs)
+
+    def _scales(self, layer_id: int) -> "tuple[float, float]":
+        """(k_scale, v_scale) of a sparse layer's fp8 KV (1.0, 1.0 when the cache is not fp8 or the layer dense)."""
+        return self.kv_scales.get(layer_id, (1.0, 1.0))
+
+    def _save_kv(self, layer, forward_batch, k, v) -> None:
+        """Store the step's K/V; into an fp8 cache divided by the layer's scales (SGLang's contract)."""
+        k_scale, v_scale = self._scales(layer.layer_id) if self.kv_fp8 else (None, None)
+        save_kv(self.token_to_kv_pool, layer, forward_batch.out_cache_loc, k, v, k_scale, v_scale)
 
     @staticmethod
     def _plain_causal(layer) -> bool:
@@ -467,6 +500,10 @@ class SASAttnBackend(AttentionBackend):
             return self._verify(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if self._extend_reqs is not None and not kwargs and self._plain_causal(layer):
             out = self._own_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        elif self.kv_fp8 and not self.on_device:
+            raise NotImplementedError(f"sas: layer {layer.layer_id}'s extend is not one sas's CPU extend runs (a "
+                                      "plain causal self-attention), and torch-native would read the fp8 KV cache "
+                                      "without its scales")
         else:
             out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         if self._extend_last is not None and layer.layer_id in self.gates:
@@ -480,10 +517,12 @@ class SASAttnBackend(AttentionBackend):
         layer from the KV they hold: an extend's completed blocks, and the late ones of `_summarize_unmarked`."""
         self.summaries[layer_id][pages] = self.selector.summarize(
             self.gates[layer_id], self.token_to_kv_pool.get_key_buffer(layer_id), pages, starts,
-            self.model_rope_table, self.gate_rope_table)
+            self.model_rope_table, self.gate_rope_table, self._scales(layer_id)[0])
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if layer.layer_id not in self.gates:  # a dense layer (below first_sparse_layer)
+            if self.kv_fp8 and not self.on_device:
+                return self._own_dense_rows(q, k, v, layer, forward_batch, save_kv_cache)
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         return self._decode_rows(q, k, v, layer, forward_batch, save_kv_cache, self.inner.forward_decode, **kwargs)
 
@@ -491,6 +530,8 @@ class SASAttnBackend(AttentionBackend):
         """A speculative verify forward (TARGET_VERIFY): its bs * n draft rows decode as bs * n decode steps at
         their own positions (verify_rows.py); dense layers and dense steps through the wrapped backend's verify."""
         if layer.layer_id not in self.gates:
+            if self.kv_fp8 and not self.on_device:
+                return self._own_dense_rows(q, k, v, layer, forward_batch, save_kv_cache)
             return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         return self._decode_rows(q, k, v, layer, forward_batch, save_kv_cache, self.inner.forward_extend, **kwargs)
 
@@ -501,16 +542,19 @@ class SASAttnBackend(AttentionBackend):
         plan = self._plan
         lid = layer.layer_id
         if save_kv_cache and k is not None and v is not None:
-            save_kv(self.token_to_kv_pool, layer, forward_batch.out_cache_loc, k, v)
+            self._save_kv(layer, forward_batch, k, v)
         k_buffer = self.token_to_kv_pool.get_key_buffer(lid)
         v_buffer = self.token_to_kv_pool.get_value_buffer(lid)
         summaries = self.summaries[lid]
+        if self.kv_fp8 and not self.on_device:  # torch-native would drop the fp8 scales: ours is exact
+            dense_forward = self._own_dense_rows
         if plan.graph and self._branch is not None:
             return self._branched_decode(q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer,
                                          dense_forward, **kwargs)
         if plan.dense:
             # The summary of a block this token completed is still due (the next steps select from it).
-            self.step.update_summaries(plan, gate, k_buffer, summaries, self.model_rope_table, self.gate_rope_table)
+            self.step.update_summaries(plan, gate, k_buffer, summaries, self.model_rope_table, self.gate_rope_table,
+                                       self._scales(lid)[0])
             return dense_forward(q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
         return self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer)
 
@@ -519,8 +563,9 @@ class SASAttnBackend(AttentionBackend):
         plan = self._plan
         q3 = q.reshape(plan.bs, layer.tp_q_head_num, layer.qk_head_dim)
         anchors = None if self.anchors is None else self.anchors[layer.layer_id]
+        k_scale, v_scale = self._scales(layer.layer_id)
         out = self.step.run(plan, gate, q3, k_buffer, v_buffer, summaries, self.model_rope_table,
-                            self.gate_rope_table, anchors, update=update)
+                            self.gate_rope_table, anchors, update=update, k_scale=k_scale, v_scale=v_scale)
         if self.cfg.debug_dir and layer.layer_id == self.cfg.first_sparse_layer:
             self._debug_record(plan, self.step.last_selected)
         return out.reshape(plan.bs, layer.tp_q_head_num * layer.v_head_dim)
@@ -532,7 +577,8 @@ class SASAttnBackend(AttentionBackend):
         plan = self._plan
         # Outside both bodies: the next steps select from this block's summary whichever branch runs (the fused
         # front of the sparse body writes it again, to the same value up to rounding).
-        self.step.update_summaries(plan, gate, k_buffer, summaries, self.model_rope_table, self.gate_rope_table)
+        self.step.update_summaries(plan, gate, k_buffer, summaries, self.model_rope_table, self.gate_rope_table,
+                                   self._scales(layer.layer_id)[0])
         out = q.new_empty(plan.bs, layer.tp_q_head_num * layer.v_head_dim)  # made before the bodies: read after
 
         def dense():

@@ -18,10 +18,14 @@ except ImportError:  # older releases: the pool takes the slot tensor itself
     KVWriteLoc = None
 
 
-def save_kv(token_to_kv_pool, layer, out_cache_loc, k, v) -> None:
-    """Store k, v `[tokens, H_kv, D]` at slots `out_cache_loc` `[tokens]` of `layer`."""
+def save_kv(token_to_kv_pool, layer, out_cache_loc, k, v, k_scale=None, v_scale=None) -> None:
+    """Store k, v `[tokens, H_kv, D]` at slots `out_cache_loc` `[tokens]` of `layer`; an fp8 pool stores them
+    divided by k_scale / v_scale (floats; None: SGLang's 1.0), and SGLang's plain pool divides k / v IN PLACE."""
     loc = out_cache_loc if KVWriteLoc is None else KVWriteLoc(out_cache_loc, None)
-    token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
+    if k_scale is None and v_scale is None:
+        token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
+    else:
+        token_to_kv_pool.set_kv_buffer(layer, loc, k, v, k_scale=k_scale, v_scale=v_scale)
 
 
 # The SGLang releases whose source was read for the APIs this factory depends on (2026-11-23).

@@ -29,6 +29,9 @@ The rule, per layer, request and kv head h, for the query at position p (block s
   each block's keys, max over the G query heads; highest first, ties to the lower block. Forced at every decode
   step of the request, after the sink and local blocks.
 The attention itself is plain softmax(q K_S^T * scale) V_S over the selected blocks and the own block.
+- fp8 KV cache (--kv-cache-dtype fp8_e4m3, SGLang's contract): the cache holds fp8(K / s_l) and fp8(V / s_l) with
+  the layer's scale s_l (1.0 without --quantization-param-path), so every reader of K and V, the dense prefill
+  included, sees fp8(K / s_l) * s_l; the gate pools those keys with the model's RoPE undone (RoPE at -position).
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ class Rule:
     prompt_anchors: int = 0
     block_size: int = 64
     sub_blocks: int = 1
+    kv_fp8: Optional[torch.dtype] = None  # the fp8 dtype of the KV cache (None: the model's dtype)
+    kv_scales: Optional[Dict[int, float]] = None  # per layer (k and v alike); None: 1.0
+    kv_scales_read: bool = True  # False: a reader that drops the scales (fp8(K / s) taken as K), a negative control
 
     @property
     def top_k(self) -> int:
@@ -188,14 +194,20 @@ def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> O
     def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         """query `[1, H_q, T, D]`, key / value `[1, H_kv, T, D]` after RoPE. Dense causal rows, then the
         rows p >= sparse_from recomputed over their selection."""
+        layer = module.layer_idx
+        if rule.kv_fp8 is not None:  # what every reader of an fp8 cache sees
+            s_l = (rule.kv_scales or {}).get(layer, 1.0)
+            read = s_l if rule.kv_scales_read else 1.0
+            key, value = ((x.float() / s_l).to(rule.kv_fp8).float() * read for x in (key, value))
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                                                enable_gqa=True)  # [1, H_q, T, D]
-        layer = module.layer_idx
         h_q, t, d = query.shape[1], query.shape[2], query.shape[3]
         h_kv = key.shape[1]
         g = h_q // h_kv
         q_post, k_post, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
         q_pre, k_pre = (x.reshape(t, -1, d) for x in (module._oracle_q_pre, module._oracle_k_pre))
+        if rule.kv_fp8 is not None:  # the cache's keys with the model's RoPE undone
+            k_pre = rope(k_post.float().transpose(0, 1), -torch.arange(t), theta).transpose(0, 1)
         if rule.prompt_anchors:
             anchors[layer] = anchors_at(q_post[start - 1], k_post[:start], scaling, b, rule.prompt_anchors)
         positions = torch.arange(start, t)

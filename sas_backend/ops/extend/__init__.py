@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from sas_backend.ops import FP8_DTYPES
 from sas_backend.ops.extend.torch_path import DEFAULT_METHOD, MAX_MASK_ELEMS, METHODS, extend_attention_torch
 
 
@@ -31,23 +32,31 @@ def paged_extend_attention(
     max_mask_elems: int = MAX_MASK_ELEMS,
     method: str = DEFAULT_METHOD,
     block: int = 64,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a batch of extends, each request's new tokens against its cached prefix.
 
     q: `[sum(E), H_q, D]` the new tokens, request after request; out: `[sum(E), H_q, D_v]` written
     in place and returned. k_cache, v_cache: `[slots, H_kv, D]` one layer of the KV pool, the new
-    tokens' K/V already stored. req_to_token: `[max_reqs, max_context]` slot of each (request row,
+    tokens' K/V already stored (fp8: K / k_scale and V / v_scale, the layer's scales; each request's rows are
+    dequantized into q's dtype). req_to_token: `[max_reqs, max_context]` slot of each (request row,
     position). req_pool_indices, prefix_lens (P), extend_lens (E): per request, host ints. method,
-    block (the KV page), max_mask_elems: see `torch_path.extend_attention_torch`.
+    block (the KV page), max_mask_elems: see `torch_path.extend_attention_torch`. A decode step is an
+    extend of one token a request (P = seq_len - 1, E = 1): exact dense decode attention.
     """
+    quantized = k_cache.dtype in FP8_DTYPES or k_scale != 1.0 or v_scale != 1.0
     start = 0
     for row, p, e in zip(req_pool_indices, prefix_lens, extend_lens):
         row, p, e = int(row), int(p), int(e)
         if e == 0:
             continue
         slots = req_to_token[row, : p + e].long()
+        k, v = k_cache[slots], v_cache[slots]
+        if quantized:
+            k, v = (k.float() * k_scale).to(q.dtype), (v.float() * v_scale).to(q.dtype)
         extend_attention_torch(
-            q[start : start + e], k_cache[slots], v_cache[slots], p, scale, max_mask_elems,
+            q[start : start + e], k, v, p, scale, max_mask_elems,
             out=out[start : start + e], method=method, block=block,
         )
         start += e
