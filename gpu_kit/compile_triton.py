@@ -131,12 +131,17 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
         + [dict(d=sg["d"], dg=sg["dg"], dtype=sg["dtype"], **s)
            for s in product(h_kv=SPEC_KV_HEADS, n=SPEC_PAGES)]
         # sub-block runs (BLOCK / SUB tokens a run) at extend and in the per-op decode update
-        + product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=("bf16", "fp32"), sub=SERVED_SUB_BLOCKS),
+        + product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=("bf16", "fp32"), sub=SERVED_SUB_BLOCKS)
+        # an fp8 KV cache (issue 66): fp8 keys, one and SUB runs a block
+        + [dict(d=sg["d"], dg=sg["dg"], dtype="bf16", kv=kv, **sub) for kv in SERVED_FP8
+           for sub in [{}] + [dict(sub=n) for n in SERVED_SUB_BLOCKS]],
         # The CI grid: every (d, dg) in bf16 and every dtype at the spec geometry, not their product.
         "summary_update": (product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=DTYPES, summaries=("fp32", "bf16")) if full else
                            product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=("bf16",), summaries=("fp32",))
                            + product(d=(sg["d"],), dg=(sg["dg"],), dtype=DTYPES, summaries=("fp32", "bf16")))
-        + [dict(d=sg["d"], dg=sg["dg"], dtype=sg["dtype"], summaries="fp32", **s) for s in width_spec],
+        + [dict(d=sg["d"], dg=sg["dg"], dtype=sg["dtype"], summaries="fp32", **s) for s in width_spec]
+        + [dict(d=sg["d"], dg=sg["dg"], dtype="bf16", kv=kv, summaries=sm) for kv in SERVED_FP8
+           for sm in ("fp32", "bf16")],
         # The serving path scores an fp32 gate query against fp32 summaries; the launcher also
         # takes other float dtypes, compiled at the base width.
         "score": product(dg=GATE_DIMS, m=WIDTHS, gate_q=("fp32",), summaries=("fp32",))
@@ -208,6 +213,10 @@ SERVED_PROGRAMS = (132, 528)  # and programs per launch (beside GPU_TARGET_PROGR
 # scores with it and summarizes runs of BLOCK / SUB tokens; compiled at the serve default budget 2048 (the one they were
 # measured at) with the default select chunk and split sizes (other budgets compile on the GPU when first launched).
 SERVED_SUB_BLOCKS = (4,)
+# An fp8 KV cache (--kv-cache-dtype, issue 66): the front and attend read fp8 K / V (bf16 queries), compiled at the
+# serve default budget (every attend split class; the front with the CUDA default's bf16 summaries and gate weights)
+# as the sub-blocks are; fp32 summaries over fp8 KV compile on the GPU when first launched.
+SERVED_FP8 = ("fp8e4", "fp8e5")
 
 
 def served_cases() -> dict[str, list[dict]]:
@@ -218,9 +227,10 @@ def served_cases() -> dict[str, list[dict]]:
 
     sg = SPEC_GEOMETRY
     spec = dict(h_kv=8, d=sg["d"], dg=sg["dg"], g=sg["g"])
-    out = {"decode_front": [dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl, **sub)
+    out = {"decode_front": [dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl, **sub, **kv)
                             for dt in SERVED_DTYPES for pdl in (False, True) for bs in (1, 8)
-                            for sub in [{}] + [dict(sub=n) for n in SERVED_SUB_BLOCKS]],
+                            for sub in [{}] + [dict(sub=n) for n in SERVED_SUB_BLOCKS]
+                            for kv in [{}] + [dict(kv=x) for x in SERVED_FP8 if dt == "bf16"]],
            "decode_select": [], "decode_attend": []}
 
     def workspace(k, **kw):
@@ -239,8 +249,9 @@ def served_cases() -> dict[str, list[dict]]:
             out["decode_select"] += [dict(h_kv=8, dg=sg["dg"], k=k, bs=1, m=m, anchors=SERVED_ANCHORS, summaries=dt,
                                           sink=SERVED_FORCED[0], local=SERVED_FORCED[1], **v)
                                      for m in widths.values() for dt in dtypes]
-        for v in [{}] + ([dict(programs=p) for p in SERVED_PROGRAMS] if k == sg["k"] else []):
-            ws, seen = workspace(k, **{"target_programs": v["programs"]} if v else {}), set()
+        for v in [{}] + ([dict(programs=p) for p in SERVED_PROGRAMS] + [dict(kv=x) for x in SERVED_FP8]
+                         if k == sg["k"] else []):
+            ws, seen = workspace(k, **{"target_programs": v["programs"]} if "programs" in v else {}), set()
             for bs in range(1, SERVED_ROWS + 1):
                 splits = ws.attend_splits(bs)
                 cls = (max(2, 1 << max(0, splits - 1).bit_length()), splits == 1)  # attend's SPLITS_P, ONE_SPLIT
@@ -263,7 +274,8 @@ def config_key(fn, signature: dict, constexprs: dict, options) -> str:
 def _dt(name: str):
     import torch
 
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8e4": torch.float8_e4m3fn,
+            "fp8e5": torch.float8_e5m2}[name]
 
 
 def launch(op: str, p: dict, sizes: dict | None = None) -> None:
@@ -289,7 +301,7 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
         from sas_backend.ops.summary import triton as st
 
         d, dg = p["d"], p["dg"]
-        k_buffer = torch.empty(pages * BLOCK, h_kv, d, dtype=_dt(p["dtype"]))
+        k_buffer = torch.empty(pages * BLOCK, h_kv, d, dtype=_dt(p.get("kv", p["dtype"])))
         model_t, gate_t = torch.ones(4 * BLOCK, d), torch.ones(4 * BLOCK, dg)
         w_k, k_norm = torch.empty(h_kv, 3 * d, dg), torch.empty(dg)
         if op == "summarize_pages":
@@ -336,7 +348,7 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
         ws = fused.DecodeStepWorkspace(geo, bs, m, "cpu", chunk=p.get("chunk"), **sizes,
                                        launch=fused.LaunchOptions(pdl=p.get("pdl", False), **warps))
         dt = _dt(p.get("dtype", "bf16"))
-        k_buffer = torch.empty(pages * BLOCK, h_kv, d, dtype=dt)
+        k_buffer = torch.empty(pages * BLOCK, h_kv, d, dtype=_dt(p.get("kv", p.get("dtype", "bf16"))))
         summaries = torch.empty(pages + 1, h_kv, sub * dg, dtype=_dt(p.get("summaries", "fp32")))
         if op == "decode_front":
             wt = _dt(p["weights"])

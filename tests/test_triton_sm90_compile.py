@@ -237,9 +237,10 @@ spec = dict(h_kv=8, d=sg["d"], dg=sg["dg"], g=sg["g"])
 ks = [b // ct.BLOCK for b in ct.BUDGETS]
 launched = []
 # The front: both served dtypes, PDL on and off, any batch.
-launched += [("decode_front", dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl, **sub))
+launched += [("decode_front", dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl, **sub, **kv))
              for dt in ct.SERVED_DTYPES for pdl in (False, True) for bs in (1, 3, 8, 64, 256)
-             for sub in [{}] + [dict(sub=n) for n in ct.SERVED_SUB_BLOCKS]]
+             for sub in [{}] + [dict(sub=n) for n in ct.SERVED_SUB_BLOCKS]
+             for kv in [{}] + [dict(kv=x) for x in ct.SERVED_FP8 if dt == "bf16"]]
 # Select: every budget at widths from 1 block to 256K tokens (every 31st width: a chunk is at least 64 wide, so every
 # chunk count; and the servers' own:
 # SGLang's context_length + 4 for context lengths of every 4K), the benchmark's chunks at the spec K.
@@ -259,6 +260,9 @@ for k in ks:
     for v in [{}] + ([dict(programs=p) for p in ct.SERVED_PROGRAMS] if k == sg["k"] else []):
         launched += [("decode_attend", dict(spec, bs=bs, dtype="bf16", k=k, **v))
                      for bs in range(1, ct.SERVED_ROWS + 1)]
+# An fp8 KV cache at the serve default budget: the attend's fp8 loads at every batch size.
+launched += [("decode_attend", dict(spec, bs=bs, dtype="bf16", k=sg["k"], kv=x))
+             for x in ct.SERVED_FP8 for bs in range(1, ct.SERVED_ROWS + 1)]
 t0 = time.time()
 got = configs(launched, fused.default_sizes(cuda=True))  # a CUDA workspace's split sizes, whatever the grid uses
 missing = [got[k] for k in got if k not in compiled]

@@ -420,6 +420,9 @@ def attend(
     tok = max(16, geo.block_size)
     # fp32 K/V: 64-token fp32 tiles spill (ptxas, D = 128); the interpreter has no registers, only per-op costs.
     wide = k_buffer.element_size() >= 4 and not _interpreting()
+    # e5m2 K/V: its conversion to bf16 (through fp16) costs the one-split program a few registers more than its 128
+    # (ptxas spilled 4 B at 4 warps, Triton 3.6, sm_90): 8 warps share the tiles.
+    e5m2 = k_buffer.dtype == torch.float8_e5m2
     per = -(-(geo.top_k + 1) // splits)
     kernels._attend_kernel[(bs, h_kv, splits)](
         q, k_buffer, v_buffer, selected, block_table, seq_lens, out,
@@ -431,7 +434,7 @@ def attend(
         BLOCK_D=max(16, _pow2(d)), BLOCK_DV=ws.block_dv, SPLITS_P=max(2, _pow2(splits)),
         IEEE=q.dtype == torch.float32,
         DOT_F32=q.dtype == torch.bfloat16 and _interpreting(), ONE_SPLIT=splits == 1,
-        **ws.launch.kwargs(ws.launch.attend_warps, 8 if wide else 4),
+        **ws.launch.kwargs(ws.launch.attend_warps, 8 if wide or e5m2 else 4),
     )
     return out
 
