@@ -124,7 +124,7 @@ class SASAttnBackend(AttentionBackend):
         # host-to-device copies; CPU: host tensors index directly.
         self.on_device = self.device.type != "cpu"
         self.scaling = model_attention_scaling(getattr(runner, "model", None), set(gates), head_dim**-0.5)
-        # An fp8 KV cache holds K / k_scale and V / v_scale: each sparse layer's scales, written and read alike
+        # An fp8 KV cache holds K / k_scale and V / v_scale: each attention layer's scales, written and read alike
         # (backend/kv_scales.py); (1.0, 1.0) for a cache that is not fp8.
         self.kv_dtype = self.token_to_kv_pool.get_key_buffer(min(gates)).dtype
         self.kv_fp8 = self.kv_dtype in FP8_DTYPES
@@ -469,7 +469,7 @@ class SASAttnBackend(AttentionBackend):
         return self._own_extend(q, k, v, layer, forward_batch, save_kv_cache, reqs)
 
     def _scales(self, layer_id: int) -> "tuple[float, float]":
-        """(k_scale, v_scale) of a sparse layer's fp8 KV (1.0, 1.0 when the cache is not fp8 or the layer dense)."""
+        """(k_scale, v_scale) of a layer's fp8 KV ((1.0, 1.0) when the cache is not fp8)."""
         return self.kv_scales.get(layer_id, (1.0, 1.0))
 
     def _save_kv(self, layer, forward_batch, k, v) -> None:
