@@ -59,6 +59,9 @@ class SparseEvalSpec:
     index: `{layer: [H_kv, R]}` RoPE channel pairs of the `pairs<R>` candidate (`hf.candidates.calibrate_pairs`).
     sub_blocks: summaries per block of the gate and quest selectors (`SelectionRule.sub_blocks`); the candidate
     names `gatesub<S>` / `questsub<S>` set it to b / S.
+    kv_fp8: an fp8 dtype (torch.float8_e4m3fn / float8_e5m2) the keys and values are rounded through wherever this
+    attention reads them (an fp8 KV cache with scale 1: dense rows, selection and sparse rows alike; with the
+    "dense" selector, dense attention over the fp8 cache); None: as computed.
     """
 
     top_k: int
@@ -74,8 +77,11 @@ class SparseEvalSpec:
     gate_dtype: torch.dtype = torch.float32
     index: Optional[Dict[int, torch.Tensor]] = None
     sub_blocks: int = 1
+    kv_fp8: Optional[torch.dtype] = None
 
     def __post_init__(self):
+        if self.kv_fp8 is not None and self.kv_fp8 not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"kv_fp8 must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.kv_fp8!r}")
         for field, allowed in (("summary_dtype", SUMMARY_DTYPES), ("gate_dtype", GATE_DTYPES)):
             if getattr(self, field) not in allowed.values():
                 raise ValueError(f"{field} must be torch.float32 or torch.bfloat16, got {getattr(self, field)!r}")
@@ -211,6 +217,8 @@ def sparse_eval_attention(module, query, key, value, attention_mask, scaling, dr
     offset = t - t_q  # position of the first query
     layer = module.layer_idx
     start = max(spec.sparse_from, offset)
+    if spec.kv_fp8 is not None:  # what an fp8 KV cache (scale 1) hands every reader
+        key, value = key.to(spec.kv_fp8).to(key.dtype), value.to(spec.kv_fp8).to(value.dtype)
     if spec.selector == "dense" or layer < spec.first_sparse_layer or start >= t:
         return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
     positions = torch.arange(start, t, device=query.device)

@@ -47,6 +47,7 @@ from sas_backend.provenance import git_state
 BASELINES = tuple(s for s in SELECTORS if s != "dense" and not (s in selector_names() and selector_class(s).needs_gate))
 # The baselines whose numbers depend on --summary-dtype (they score stored block summaries), besides the gates.
 SUMMARY_BASELINES = ("quest",)
+KV_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # --kv-fp8
 # --reuse: how far a window's dense NLL may differ from the earlier run's (CPU kernels differ across machines in
 # the last bits; another window or model differs by percents)
 REUSE_TOLERANCE = 1e-5
@@ -102,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the gates' weights (projections and RMSNorm weights) are read from: fp32 (default) or "
                         "bf16 (rounded to bf16 and read back as fp32, as a kernel computing in fp32 from a bf16 "
                         "copy of the weights sees them); recorded in the results")
+    p.add_argument("--kv-fp8", choices=tuple(KV_FP8), default=None,
+                   help="an fp8 KV cache (scale 1): every scored query reads K/V rounded to this dtype, the dense "
+                        "reference too (issue 66: sas-fp8 against dense-fp8; dense-fp8 against dense from a run "
+                        "without it on the same windows)")
     p.add_argument("--sub-blocks", type=int, default=1, metavar="N",
                    help="summaries per block for the gates and quest (the server's --sas-sub-blocks: each run of "
                         "block / N tokens summarized on its own, a block scored by its best run); recorded in the "
@@ -469,6 +474,9 @@ def main(argv: Optional[list] = None) -> int:
     selectors = list(variants) + baselines
     top_k = {bud: bud // b for bud in args.budgets}
     ref, reused, reuse_sha = None, {}, None
+    kv_fp8 = KV_FP8[args.kv_fp8] if args.kv_fp8 else None
+    if args.reuse and kv_fp8 is not None:
+        raise SystemExit("error: --reuse takes another run's dense NLLs, which --kv-fp8 changes: run without --reuse")
     if args.reuse:
         if not args.no_recall:
             raise SystemExit("error: --reuse needs --no-recall (the recall analysis is not taken over)")
@@ -491,7 +499,8 @@ def main(argv: Optional[list] = None) -> int:
           f"scored; block {b}; " + ", ".join(f"budget {bud} -> top_k {k}" for bud, k in top_k.items())
           + f"; block summaries {args.summary_dtype}"
           + (f", {args.sub_blocks} a block (gates and quest)" if args.sub_blocks > 1 else "")
-          + (f"; gate weights {args.gate_dtype}" if gate_paths else ""), flush=True)
+          + (f"; gate weights {args.gate_dtype}" if gate_paths else "")
+          + (f"; K/V read through fp8 {args.kv_fp8} (the dense reference too)" if args.kv_fp8 else ""), flush=True)
     summary_dtype, gate_dtype = SUMMARY_DTYPES[args.summary_dtype], GATE_DTYPES[args.gate_dtype]
 
     # What the measurements depend on: a partial file made for anything else is refused.
@@ -502,7 +511,8 @@ def main(argv: Optional[list] = None) -> int:
            **({"reuse": reuse_sha} if reuse_sha else {}),
            **({"summary_dtype": args.summary_dtype} if args.summary_dtype != "fp32" else {}),
            **({"gate_dtype": args.gate_dtype} if args.gate_dtype != "fp32" else {}),
-           **({"sub_blocks": args.sub_blocks} if args.sub_blocks != 1 else {})}
+           **({"sub_blocks": args.sub_blocks} if args.sub_blocks != 1 else {}),
+           **({"kv_fp8": args.kv_fp8} if kv_fp8 is not None else {})}
     progress = Progress(partial_path(args.json) if args.json else None, key, selectors, args.budgets,
                         not args.no_recall)
     if args.resume:
@@ -525,8 +535,9 @@ def main(argv: Optional[list] = None) -> int:
         ids = rows[w].to(device)
         cache = prefix_cache(model, ids, args.last)
         anchors = None  # the last unscored token's blocks, per layer (when a variant forces them)
-        if not progress.done(w):
-            dense_per_window.append(window_nll(model, ids, args.last, cache=cache))
+        if not progress.done(w):  # with --kv-fp8 the reference is dense attention over the fp8 cache
+            dense_spec = SparseEvalSpec(top_k=1, block_size=b, selector="dense", kv_fp8=kv_fp8) if kv_fp8 else None
+            dense_per_window.append(window_nll(model, ids, args.last, dense_spec, cache=cache))
             progress.save()
         if ref is not None:
             dense_rel_diff.append(check_reused_dense(ref, args.reuse, w, dense_per_window[w]))
@@ -548,11 +559,12 @@ def main(argv: Optional[list] = None) -> int:
                                           sink_blocks=sink, local_blocks=local, sparse_from=sparse_from,
                                           anchors={lid: a[:, :n_anchors] for lid, a in anchors.items()}
                                           if n_anchors else None, summary_dtype=summary_dtype,
-                                          gate_dtype=gate_dtype, sub_blocks=args.sub_blocks)
+                                          gate_dtype=gate_dtype, sub_blocks=args.sub_blocks, kv_fp8=kv_fp8)
                 else:
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from,
                                           summary_dtype=summary_dtype,
-                                          sub_blocks=args.sub_blocks if name in SUMMARY_BASELINES else 1)
+                                          sub_blocks=args.sub_blocks if name in SUMMARY_BASELINES else 1,
+                                          kv_fp8=kv_fp8)
                 rec = None if recall is None else recall[name][bud]
                 per_window[name][bud].append(window_nll(model, ids, args.last, spec, cache, recall=rec))
                 progress.save()
@@ -594,6 +606,7 @@ def main(argv: Optional[list] = None) -> int:
             "summary_dtype": args.summary_dtype,
             "gate_dtype": args.gate_dtype,
             "sub_blocks": args.sub_blocks,
+            "kv_fp8": args.kv_fp8,
             "gates": gate_paths,
             "gate_sha256": gate_sha256,
             "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_,
