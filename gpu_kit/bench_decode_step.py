@@ -139,6 +139,7 @@ class World:
         self.summaries = torch.randn(distinct, self.num_pages, geo.kv_heads, geo.gate_dim, device=dev,
                                      generator=self._dev_gen(seed + 3))
         self._summaries_bf16 = None
+        self._kv_fp8 = {}  # fp8 dtype -> (K, V) of every buffer set rounded to it (scale 1), made on first use
         self._run_summaries = {}  # (sub_blocks, dtype) -> [distinct, pages, H_kv, sub_blocks * Dg], made on first use
         self._seed = seed
         from sas_backend.gate.module import AttnGate
@@ -177,10 +178,16 @@ class World:
             self._summaries_bf16 = self.summaries.to(torch.bfloat16)
         return self._summaries_bf16[layer % self.distinct]
 
-    def kv(self, layer: int):
-        """`[slots, H_kv, D]` K and V of the buffer set `layer` uses."""
+    def kv(self, layer: int, dtype=None):
+        """`[slots, H_kv, D]` K and V of the buffer set `layer` uses: bf16, or (dtype an fp8 one) as an fp8 KV cache
+        with scale 1 holds them (a copy of every set, made when a variant first reads one)."""
         i = layer % self.distinct
-        return self.k[i], self.v[i]
+        if dtype is None or dtype == self.k.dtype:
+            return self.k[i], self.v[i]
+        if dtype not in self._kv_fp8:
+            self._kv_fp8[dtype] = (self.k.to(dtype), self.v.to(dtype))
+        k, v = self._kv_fp8[dtype]
+        return k[i], v[i]
 
     @staticmethod
     def bytes_per_layer_set(geo: Geometry, ctx: int, bs: int) -> int:
@@ -224,6 +231,12 @@ class Variant:
     launch: tuple = ()
     anchors: bool = False  # select reads the world's prompt-anchor pool (World.anchors)
     sub_blocks: int = 1  # run summaries a block (--sas-sub-blocks): a quality setting, timed for its cost only
+    kv: str = "bf16"  # the KV cache's dtype ("fp8_e4m3": --kv-cache-dtype fp8_e4m3, issue 66), timed for its cost only
+
+    @property
+    def kv_dtype(self):
+        """The torch dtype of the K / V buffers this variant reads."""
+        return {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[self.kv]
 
     def launch_options(self):
         from sas_backend.ops.decode_step import LaunchOptions
@@ -271,6 +284,9 @@ DEFERRED = frozenset({"new: fused, PDL"})
 COSTS = (
     dataclasses.replace(SERVED, name="cost: served, one summary a block"),
     dataclasses.replace(SERVED, name="cost: served, 4 sub-block summaries", sub_blocks=4),
+    # An fp8 KV cache (issue 66): the attend and the block step's front read 1-byte K / V; docs/launch-budget.md
+    # expects no gain at batch 1 and 1.3-1.6x at batch 8.
+    dataclasses.replace(SERVED, name="cost: served, fp8 e4m3 KV", kv="fp8_e4m3"),
 )
 
 
@@ -301,7 +317,7 @@ class ServedStep(LayerStack):
             make_selector("gate", SelectionRule(self.top_k, BLOCK, sub_blocks=variant.sub_blocks)),
             StepGeometry(geo.kv_heads, geo.group, geo.head_dim, geo.head_dim, geo.gate_dim, self.top_k, BLOCK,
                          variant.sub_blocks),
-            w.req_to_token, w.device, torch.bfloat16, w.k.dtype, w.scale, kernels=variant.kernels,
+            w.req_to_token, w.device, torch.bfloat16, variant.kv_dtype, w.scale, kernels=variant.kernels,
             attention=variant.attention, chunk=variant.chunk, target_programs=variant.target_programs,
             launch=variant.launch_options(),
             gate_dtype=torch.bfloat16 if variant.gate_dtype == "bf16" else torch.float32,
@@ -317,7 +333,7 @@ class ServedStep(LayerStack):
 
     def layer(self, layer):
         w = self.w
-        k, v = w.kv(layer)
+        k, v = w.kv(layer, self.variant.kv_dtype)
         summaries = w.summaries_of(layer, self.dtype, self.variant.sub_blocks)
         return self.step_obj.run(self.plan, w.gates[layer], w.q, k, v, summaries, w.model_table, w.gate_table,
                                  anchors=w.anchors if self.variant.anchors else None)
@@ -430,14 +446,15 @@ def all_blocks(w: World) -> torch.Tensor:
     return sel.expand(w.bs, w.geo.kv_heads, w.max_blocks).contiguous()
 
 
-def reference_attention(w: World, layer: int, selected: torch.Tensor, seq_lens: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+def reference_attention(w: World, layer: int, selected: torch.Tensor, seq_lens: torch.Tensor | None = None,
+                        kv_dtype=None) -> torch.Tensor:
     """The torch oracle: plain SDPA over the selected blocks + the current block (all blocks = dense).
-    seq_lens `[bs]`: the step's lengths (default the world's block step, every row at ctx)."""
+    seq_lens `[bs]`: the step's lengths (default the world's block step, every row at ctx); kv_dtype: the K / V the
+    step read (`World.kv`; an fp8 cache's, dequantized exactly)."""
     from sas_backend.ops.gather.torch_path import build_kv_indices, kv_indptr_for
     from sas_backend.ops.sparse_decode.naive import sparse_decode_attention
 
-    k, v = w.kv(layer)
+    k, v = w.kv(layer, kv_dtype)
     seq_lens = w.seq_lens if seq_lens is None else seq_lens
     indptr = kv_indptr_for(seq_lens.cpu(), selected.shape[-1], BLOCK, w.geo.kv_heads).to(w.device)
     idx = torch.zeros(int(indptr[-1]), dtype=torch.int32, device=w.device)
@@ -917,7 +934,8 @@ def check_variant(st: ServedStep, outputs: dict, tol: float = VARIANT_TOL) -> di
         return {"ok": False, "why": "no output of the timed step was kept", "tol": tol}
     w = st.w
     res = {"tol": tol, "replay_vs_eager": _err(last, eager),
-           "vs_oracle": _err(last, reference_attention(w, w.geo.layers - 1, selected, st.seq_lens))}
+           "vs_oracle": _err(last, reference_attention(w, w.geo.layers - 1, selected, st.seq_lens,
+                                                       st.variant.kv_dtype))}
     ws = st.step_obj.fused_ws
     res["counters_set"] = {} if ws is None else {n: int((getattr(ws, n) != 0).sum()) for n in COUNTERS}
     res["ok"] = bool(max(res["replay_vs_eager"], res["vs_oracle"]) <= tol and not any(res["counters_set"].values()))

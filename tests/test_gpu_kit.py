@@ -707,6 +707,29 @@ def test_the_sub_block_cost_variant_runs_checked_and_never_wins(request):
     assert bds.NEW.name in bds.chosen_settings(record, "cpu", branches={})["source"]
 
 
+def test_the_fp8_cost_variant_reads_an_fp8_cache_checked(request):
+    """Issue 66's GPU point (bench_decode_step.COSTS): the served step over fp8 e4m3 K / V (the world's buffers
+    rounded, scale 1) runs the fused kernels and passes the check against the oracle over the same fp8 cache; the
+    bf16 world is untouched, and the oracle over bf16 K / V differs (the fp8 rounding is real)."""
+    import argparse
+
+    import bench_decode_step as bds
+
+    torch = pytest.importorskip("torch")
+    request.addfinalizer(functools.partial(torch.set_grad_enabled, torch.is_grad_enabled()))
+    torch.set_grad_enabled(False)
+    w = bds.World(bds.TINY, 1024, 1, 2, "cpu")
+    fp8 = next(v for v in bds.COSTS if v.kv == "fp8_e4m3")
+    res = bds.time_variant(w, 256, fp8, argparse.Namespace(graphs=False, reps=1))
+    assert res["check"]["ok"], res["check"]
+    k8, _ = w.kv(0, torch.float8_e4m3fn)
+    assert k8.dtype == torch.float8_e4m3fn and w.kv(0)[0].dtype == torch.bfloat16
+    sel = bds.all_blocks(w)[..., :4]
+    assert not torch.allclose(bds.reference_attention(w, 1, sel, kv_dtype=torch.float8_e4m3fn).float(),
+                              bds.reference_attention(w, 1, sel).float(), atol=1e-3)
+    assert not fp8.name.startswith("new")
+
+
 def test_only_checked_variants_can_win():
     """chosen_settings adopts the fastest variant that passed its check at every point: a faster variant whose
     check failed (PDL here), one never checked, or one that raised (a refused capture) never wins."""
