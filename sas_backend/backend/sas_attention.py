@@ -130,6 +130,9 @@ class SASAttnBackend(AttentionBackend):
         self.kv_fp8 = self.kv_dtype in FP8_DTYPES
         self.kv_scales, self.kv_scale_sources = model_kv_scales(getattr(runner, "model", None), set(gates),
                                                                 self.kv_dtype)
+        # CPU with an fp8 cache: every dense step (dense layers, covered or short steps, dense verify) attends
+        # through sas's own rows, since SGLang's torch-native attention would read the cache without its scales.
+        self.dense_by_own_rows = self.kv_fp8 and not self.on_device
 
         rule = SelectionRule(cfg.top_k, cfg.block_size, cfg.sink_blocks, cfg.local_blocks, cfg.sub_blocks or 1)
         selector = make_selector(cfg.selector, rule)
@@ -468,6 +471,11 @@ class SASAttnBackend(AttentionBackend):
                 [n] * len(prefix))
         return self._own_extend(q, k, v, layer, forward_batch, save_kv_cache, reqs)
 
+    def _dense(self, inner_forward):
+        """The dense attention of a decode or verify step: the wrapped backend's `inner_forward`, or sas's own rows
+        (`dense_by_own_rows`)."""
+        return self._own_dense_rows if self.dense_by_own_rows else inner_forward
+
     def _scales(self, layer_id: int) -> "tuple[float, float]":
         """(k_scale, v_scale) of a layer's fp8 KV ((1.0, 1.0) when the cache is not fp8)."""
         return self.kv_scales.get(layer_id, (1.0, 1.0))
@@ -500,7 +508,7 @@ class SASAttnBackend(AttentionBackend):
             return self._verify(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if self._extend_reqs is not None and not kwargs and self._plain_causal(layer):
             out = self._own_extend(q, k, v, layer, forward_batch, save_kv_cache)
-        elif self.kv_fp8 and not self.on_device:
+        elif self.dense_by_own_rows:
             raise NotImplementedError(f"sas: layer {layer.layer_id}'s extend is not one sas's CPU extend runs (a "
                                       "plain causal self-attention), and torch-native would read the fp8 KV cache "
                                       "without its scales")
@@ -520,20 +528,18 @@ class SASAttnBackend(AttentionBackend):
             self.model_rope_table, self.gate_rope_table, self._scales(layer_id)[0])
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        dense = self._dense(self.inner.forward_decode)
         if layer.layer_id not in self.gates:  # a dense layer (below first_sparse_layer)
-            if self.kv_fp8 and not self.on_device:
-                return self._own_dense_rows(q, k, v, layer, forward_batch, save_kv_cache)
-            return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        return self._decode_rows(q, k, v, layer, forward_batch, save_kv_cache, self.inner.forward_decode, **kwargs)
+            return dense(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        return self._decode_rows(q, k, v, layer, forward_batch, save_kv_cache, dense, **kwargs)
 
     def _verify(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """A speculative verify forward (TARGET_VERIFY): its bs * n draft rows decode as bs * n decode steps at
         their own positions (verify_rows.py); dense layers and dense steps through the wrapped backend's verify."""
+        dense = self._dense(self.inner.forward_extend)
         if layer.layer_id not in self.gates:
-            if self.kv_fp8 and not self.on_device:
-                return self._own_dense_rows(q, k, v, layer, forward_batch, save_kv_cache)
-            return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        return self._decode_rows(q, k, v, layer, forward_batch, save_kv_cache, self.inner.forward_extend, **kwargs)
+            return dense(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        return self._decode_rows(q, k, v, layer, forward_batch, save_kv_cache, dense, **kwargs)
 
     def _decode_rows(self, q, k, v, layer, forward_batch, save_kv_cache, dense_forward, **kwargs):
         """One sparse layer of a decode or verify step: K/V written, then the planned step (dense_forward: the
@@ -546,8 +552,6 @@ class SASAttnBackend(AttentionBackend):
         k_buffer = self.token_to_kv_pool.get_key_buffer(lid)
         v_buffer = self.token_to_kv_pool.get_value_buffer(lid)
         summaries = self.summaries[lid]
-        if self.kv_fp8 and not self.on_device:  # torch-native would drop the fp8 scales: ours is exact
-            dense_forward = self._own_dense_rows
         if plan.graph and self._branch is not None:
             return self._branched_decode(q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer,
                                          dense_forward, **kwargs)

@@ -19,7 +19,9 @@ def key_bounds(k_buffer: torch.Tensor, pages: torch.Tensor, block_size: int, k_s
     the stored numbers times k_scale).
     """
     offs = torch.arange(block_size, device=k_buffer.device)
-    keys = k_buffer[pages.long()[:, None] * block_size + offs].float() * k_scale  # [N, b, H_kv, D]
+    keys = k_buffer[pages.long()[:, None] * block_size + offs].float()  # [N, b, H_kv, D]
+    if k_scale != 1.0:  # (an op more per update only for an fp8 cache with a scale)
+        keys = keys * k_scale
     return torch.cat([keys.amin(dim=1), keys.amax(dim=1)], dim=-1)
 
 
