@@ -177,6 +177,11 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
             "the sas backend cannot serve a prefill-decode disaggregation decode server yet "
             "(--disaggregation-mode decode): transferred KV pages arrive without block summaries. Serve the decode "
             "side with a dense backend; a prefill server (--disaggregation-mode prefill) may use sas")
+    if str(getattr(args, "kv_cache_dtype", "")).startswith("fp8"):
+        from sas_backend.backend.kv_scales import check_param_path_file
+
+        check_param_path_file(getattr(args, "quantization_param_path", None), args.kv_cache_dtype,
+                              int(getattr(args, "tp_size", 1) or 1), getattr(args, "model_path", None))
     from sas_backend.speculative import check_launch
 
     if getattr(args, "speculative_algorithm", None):  # the CUDA query only where it decides something

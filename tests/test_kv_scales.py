@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from sas_backend.backend import cpu_fp8_pool
-from sas_backend.backend.kv_scales import layer_scales, model_kv_scales
+from sas_backend.backend.kv_scales import (check_param_path_file, check_param_path_loaded, layer_scales,
+                                          model_kv_scales, share_with_dense_backend)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -40,6 +41,49 @@ def test_model_scales_cover_every_attention_layer():
     scales, sources = model_kv_scales(model, [1, 2], E4M3)
     assert scales == {0: (0.5, 0.5), 1: (2.0, 4.0), 2: (1.0, 1.0)}
     assert sources == {0: "quantization-param-path", 1: "checkpoint", 2: "default 1.0"}
+
+
+def test_param_path_scales_are_shared_with_the_dense_backend():
+    """SGLang's FlashInfer backend writes with `k_scale` and reads `k_scale_float` (None after
+    --quantization-param-path): sas sets the floats of those layers only, and still names their source."""
+    layers = [_layer(0, k_scale=0.5, v_scale=0.5), _layer(1, k_scale=torch.tensor(2.0), v_scale=torch.tensor(4.0),
+                                                         k_scale_float=2.0, v_scale_float=4.0), _layer(2)]
+    model = types.SimpleNamespace(modules=lambda: iter(layers))
+    scales, sources = model_kv_scales(model, [], E4M3)
+    share_with_dense_backend(model, scales, sources)
+    assert (layers[0].k_scale_float, layers[0].v_scale_float) == (0.5, 0.5)
+    assert layers[2].k_scale_float is None  # 1.0 by default: SGLang reads None as 1.0 already
+    assert model_kv_scales(model, [], E4M3) == (scales, sources)  # a second backend reads the same
+
+
+def test_a_scales_file_that_set_no_scales_is_refused():
+    """SGLang's loader logs a bad --quantization-param-path file (here: no table for tp rank 1) and serves 1.0;
+    sas refuses it by name. A file that set every layer, or no file, passes."""
+    with pytest.raises(ValueError, match=r"set no fp8 KV scales for layers \[0, 1\] on tp rank 1 of 3"):
+        check_param_path_loaded({0: "default 1.0", 1: "default 1.0"}, "scales.json", 1, 3, "fp8_e4m3")
+    check_param_path_loaded({0: "quantization-param-path", 1: "quantization-param-path"}, "scales.json", 1, 3,
+                            "fp8_e4m3")
+    check_param_path_loaded({0: "default 1.0"}, None, 0, 1, "fp8_e4m3")
+    # SGLang reads the file for fp8_e4m3 only (0.5.15 to 0.5.23): e5m2 would serve 1.0.
+    with pytest.raises(ValueError, match="only with --kv-cache-dtype fp8_e4m3"):
+        check_param_path_loaded({0: "default 1.0"}, "scales.json", 0, 1, "fp8_e5m2")
+
+
+def test_the_launcher_reads_a_scales_file_as_sglang_does(tmp_path):
+    """With SGLang's own loader, per tp rank: a file with tables for ranks 0 and 1 serves tp 2 and is refused at
+    tp 3 (SGLang checks the file has one table per rank: every rank would get 1.0)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    path = tmp_path / "scales.json"
+    path.write_text(json.dumps({"model_type": "llama", "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {
+        str(rank): {"0": 2.0, "1": 3.0} for rank in range(2)}}}))
+    check_param_path_file(str(path), "fp8_e4m3", 2, str(tmp_path))
+    with pytest.raises(ValueError, match="on tp rank 0 of 3"):
+        check_param_path_file(str(path), "fp8_e4m3", 3, str(tmp_path))
+    with pytest.raises(ValueError, match="SGLang ignores it for fp8_e5m2"):
+        check_param_path_file(str(path), "fp8_e5m2", 2, str(tmp_path))
+    check_param_path_file(None, "fp8_e4m3", 3, str(tmp_path))
 
 
 def test_cpu_fp8_check_is_passed_for_a_sas_only_server_and_kept_otherwise(monkeypatch):

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from sas_backend.backend.kv_scales import check_param_path_loaded, model_kv_scales
 from sas_backend.backend.model_checks import SASUnsupportedModel, check_model_supported
 from sas_backend.backend.rope_tables import RopeTables, check_gate_rope_formula, check_rope_scaling, find_model_rotary
 from sas_backend.backend.sas_attention import SASAttnBackend
@@ -71,6 +72,14 @@ def create_sas_backend(runner) -> SASAttnBackend:
     if kv_dtype in FP8_DTYPES and device.type == "cpu" and not own_cpu_extend:
         raise SASConfigError("an fp8 KV cache on CPU needs sas's own extend (SAS_CPU_EXTEND=sas, the default): "
                              "SGLang's torch-native attention reads the fp8 cache without its scales")
+
+    if kv_dtype in FP8_DTYPES:  # the scales SGLang loaded, before any are used
+        try:
+            check_param_path_loaded(model_kv_scales(runner.model, (), kv_dtype)[1],
+                                    getattr(runner.server_args, "quantization_param_path", None), tp_rank, tp_size,
+                                    "fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else "fp8_e5m2")
+        except ValueError as e:
+            raise SASConfigError(str(e)) from None
 
     kv_local = geo.num_kv_heads // tp_size
     q_local = geo.num_q_heads // tp_size

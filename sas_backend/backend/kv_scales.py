@@ -9,7 +9,10 @@ SGLang's own backends pass `layer.k_scale` / `layer.v_scale`), and its FlashInfe
   `*_float` attributes left None;
 - neither: 1.0 (SGLang warns "Defaulting to scaling factors of 1.0").
 `sas` writes and reads with the same number, `layer_scales`, so a sparse read is the dequantized cache whichever
-source set it. A non-fp8 cache ignores the scales on write (SGLang divides only when casting), so they are 1.0.
+source set it. With `--quantization-param-path`, SGLang's FlashInfer backend (0.5.15, 0.5.21 as read) writes with
+`k_scale` and reads with `k_scale_float` (None: 1.0), so `share_with_dense_backend` sets the floats: the dense
+branch sas hands to it (dense layers, covered steps, prefill over cached pages) then reads what was written.
+A non-fp8 cache ignores the scales on write (SGLang divides only when casting), so they are 1.0.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ def layer_scales(layer, kv_dtype: torch.dtype) -> "tuple[float, float, str]":
     if kv_dtype not in FP8_DTYPES:
         return 1.0, 1.0, "not fp8"
     k_float, v_float = getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None)
-    if k_float is not None and v_float is not None:
+    from_file = isinstance(getattr(layer, "k_scale", None), float)  # load_kv_cache_scales sets Python floats
+    if k_float is not None and v_float is not None and not from_file:
         k, v, source = float(k_float), float(v_float), "checkpoint"
     else:
         k, v = _as_float(getattr(layer, "k_scale", None)), _as_float(getattr(layer, "v_scale", None))
@@ -51,6 +55,16 @@ def layer_scales(layer, kv_dtype: torch.dtype) -> "tuple[float, float, str]":
         raise ValueError(f"layer {getattr(layer, 'layer_id', '?')}: fp8 KV scales must be positive, got k_scale {k}, "
                          f"v_scale {v}")
     return k, v, source
+
+
+def share_with_dense_backend(model, scales: dict, sources: dict) -> None:
+    """Sets `k_scale_float` / `v_scale_float` of each layer whose scales came from `--quantization-param-path`
+    (`scales` / `sources` as `model_kv_scales` returns them), so that a backend reading the floats (SGLang's
+    FlashInfer) reads with the scales the cache was written with. `layer_scales` still names the source."""
+    for m in (model.modules() if model is not None else ()):
+        lid = getattr(m, "layer_id", None)
+        if isinstance(lid, int) and hasattr(m, "tp_q_head_num") and sources.get(lid) == "quantization-param-path":
+            m.k_scale_float, m.v_scale_float = scales[lid]
 
 
 def model_kv_scales(model, layer_ids, kv_dtype: torch.dtype) -> "tuple[dict, dict]":
@@ -67,3 +81,47 @@ def model_kv_scales(model, layer_ids, kv_dtype: torch.dtype) -> "tuple[dict, dic
             k, v, source = 1.0, 1.0, "default 1.0" if kv_dtype in FP8_DTYPES else "not fp8"
         scales[lid], sources[lid] = (k, v), source
     return scales, sources
+
+
+def check_param_path_loaded(sources: dict, param_path, tp_rank: int, tp_size: int, kv_cache_dtype: str) -> None:
+    """Raises ValueError when `--quantization-param-path` was given for an fp8 cache but a layer's scales stayed
+    at 1.0: SGLang reads the file only for fp8_e4m3, and its loader logs any error in the file (a missing tp rank,
+    a wrong layer count, bad JSON) and goes on with 1.0, which reads every K and V of that layer off by its scale.
+    `sources`: {layer_id: source}; `kv_cache_dtype`: the flag's value (fp8_e4m3, fp8_e5m2)."""
+    if not param_path:
+        return
+    if kv_cache_dtype != "fp8_e4m3":
+        raise ValueError(f"--quantization-param-path sets fp8 KV scales only with --kv-cache-dtype fp8_e4m3: SGLang "
+                         f"ignores it for {kv_cache_dtype} and would serve scales of 1.0; sas refuses")
+    defaulted = sorted(lid for lid, source in sources.items() if source == "default 1.0")
+    if defaulted:
+        raise ValueError(
+            f"--quantization-param-path {param_path} set no fp8 KV scales for layers {defaulted[:4]}"
+            f"{'...' if len(defaulted) > 4 else ''} on tp rank {tp_rank} of {tp_size} (SGLang logged why: the file "
+            f"needs kv_cache.scaling_factor with one table for each tp rank 0..{tp_size - 1}, each with every "
+            "layer); sas refuses to serve them at 1.0")
+
+
+def check_param_path_file(param_path, kv_cache_dtype: str, tp_size: int, model_dir) -> None:
+    """The launcher's form of `check_param_path_loaded`: reads `param_path` with SGLang's own loader for every tp
+    rank (the model's layer count and type from `model_dir`'s config.json) and raises ValueError where it would
+    set no scales. Nothing to check without a param path."""
+    import json
+    import os
+
+    if not param_path:
+        return
+    check_param_path_loaded({}, param_path, 0, tp_size, kv_cache_dtype)
+    config = os.path.join(model_dir or "", "config.json")
+    if not os.path.isfile(config):  # a hub id: the scheduler checks what SGLang loaded
+        return
+    from sglang.srt.model_loader.weight_utils import kv_cache_scales_loader
+
+    with open(config) as f:
+        hf = json.load(f)
+    hf = hf.get("text_config", hf)
+    layers = int(hf["num_hidden_layers"])
+    for rank in range(tp_size):
+        loaded = {int(k) for k, _ in kv_cache_scales_loader(param_path, rank, tp_size, layers, hf.get("model_type"))}
+        check_param_path_loaded({lid: "quantization-param-path" if lid in loaded else "default 1.0"
+                                 for lid in range(layers)}, param_path, rank, tp_size, kv_cache_dtype)

@@ -26,7 +26,7 @@ import torch
 from sas_backend.backend.decode_plan import DecodePlan
 from sas_backend.backend.decode_step import DecodeStep
 from sas_backend.backend.graph_branch import BranchFlags, captured_if, capturing, conditional_nodes_supported
-from sas_backend.backend.kv_scales import model_kv_scales
+from sas_backend.backend.kv_scales import model_kv_scales, share_with_dense_backend
 from sas_backend.backend.page_marks import watch_allocations
 from sas_backend.backend.sglang_compat import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
@@ -130,6 +130,7 @@ class SASAttnBackend(AttentionBackend):
         self.kv_fp8 = self.kv_dtype in FP8_DTYPES
         self.kv_scales, self.kv_scale_sources = model_kv_scales(getattr(runner, "model", None), set(gates),
                                                                 self.kv_dtype)
+        share_with_dense_backend(getattr(runner, "model", None), self.kv_scales, self.kv_scale_sources)
         # CPU with an fp8 cache: every dense step (dense layers, covered or short steps, dense verify) attends
         # through sas's own rows, since SGLang's torch-native attention would read the cache without its scales.
         self.dense_by_own_rows = self.kv_fp8 and not self.on_device

@@ -40,7 +40,7 @@ import dataclasses
 import json
 import math
 import pathlib
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -53,6 +53,14 @@ from tests.server.compare import FP32, Decode
 LOGPROB_TOL = 0.15 if torch.cuda.is_available() else FP32.logprob
 GATE_NORM_EPS = 1e-6
 ORACLE_ATTN = "sas_test_oracle"
+
+
+Scale = Union[float, Sequence[float]]  # an fp8 KV scale: one, or one a kv head
+
+
+def _per_head(scale: Scale) -> torch.Tensor:
+    """`scale` shaped to divide or multiply K / V `[1, H_kv, T, D]`."""
+    return torch.tensor(scale, dtype=torch.float32).reshape(1, -1, 1, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +80,10 @@ class Rule:
     block_size: int = 64
     sub_blocks: int = 1
     kv_fp8: Optional[torch.dtype] = None  # the fp8 dtype of the KV cache (None: the model's dtype)
-    kv_scales: Optional[Dict[int, float]] = None  # per layer (k and v alike); None: 1.0
+    # per layer: s or (k_s, v_s), each a float or one a kv head (tensor parallelism: a rank's own); None: 1.0
+    kv_scales: Optional[Dict[int, Union[float, Tuple[Scale, Scale]]]] = None
     kv_scales_read: bool = True  # False: a reader that drops the scales (fp8(K / s) taken as K), a negative control
+    kv_scales_crossed: bool = False  # True: a reader that takes V's scale for K and K's for V, a negative control
 
     @property
     def top_k(self) -> int:
@@ -197,8 +207,10 @@ def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> O
         layer = module.layer_idx
         if rule.kv_fp8 is not None:  # what every reader of an fp8 cache sees
             s_l = (rule.kv_scales or {}).get(layer, 1.0)
-            read = s_l if rule.kv_scales_read else 1.0
-            key, value = ((x.float() / s_l).to(rule.kv_fp8).float() * read for x in (key, value))
+            k_s, v_s = s_l if isinstance(s_l, tuple) else (s_l, s_l)
+            read = (v_s, k_s) if rule.kv_scales_crossed else (k_s, v_s) if rule.kv_scales_read else (1.0, 1.0)
+            key, value = ((x.float() / _per_head(s)).to(rule.kv_fp8).float() * _per_head(r)
+                          for x, s, r in ((key, k_s, read[0]), (value, v_s, read[1])))
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                                                enable_gqa=True)  # [1, H_q, T, D]
         h_q, t, d = query.shape[1], query.shape[2], query.shape[3]

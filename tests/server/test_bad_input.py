@@ -63,3 +63,16 @@ def test_request_longer_than_context_then_keeps_serving(essay_ids, sas_full_serv
     out = complete(sas_full_server.url, "The capital of France is", max_tokens=4)
     assert out["choices"][0]["text"].strip()
     assert sas_full_server.alive()
+
+
+def test_fp8_scales_file_that_sets_no_scales(seed_gate, tmp_path):
+    """A --quantization-param-path file SGLang cannot use (here: scales for 10 of the model's 30 layers; SGLang
+    logs it and would serve 1.0) is refused by name rather than served with the scales it meant to set."""
+    import json
+
+    scales = tmp_path / "kv_cache_scales.json"
+    scales.write_text(json.dumps({"model_type": "llama", "kv_cache": {
+        "dtype": "float8_e4m3fn", "scaling_factor": {"0": {str(layer): 4.0 for layer in range(10)}}}}))
+    _fails_with(["--sas-gate", seed_gate, "--dtype", "float32", "--kv-cache-dtype", "fp8_e4m3",
+                 "--quantization-param-path", scales], f"--quantization-param-path {scales} set no fp8 KV scales",
+                "tp rank 0 of 1")
