@@ -92,6 +92,9 @@ class SASConfig:
         (`backend.step_settings.resolve`).
     force_sparse: 1: eager CPU steps select even when every candidate fits the budget (where dense attention
         is exactly the result), so tests run the sparse path itself; tests/debug only.
+    summary_marks: 0 turns the summary pool's validity marks off (pages whose KV came without an extend through
+        sas, e.g. a PD decode server's, then keep whatever summary their row holds): a negative control for
+        tests only; 1 (default) keeps them.
     debug_dir: if set, each decode step appends selection statistics there (slow; tests only).
     cpu_extend: who runs extend (prefill) attention on CPU: "sas" (ops/extend: the new queries only)
         or "torch_native" (SGLang's, which pads each request's queries to its whole length).
@@ -159,6 +162,7 @@ class SASConfig:
         "Gate weights as the fused front kernel reads them: fp32, bf16 (a bf16 copy: half the front's weight bytes; "
         "--sas-kernels triton only) or auto (CUDA: the settings table; CPU: fp32).")
     force_sparse: int = _setting(0, "SAS_FORCE_SPARSE")
+    summary_marks: int = _setting(1, "SAS_SUMMARY_MARKS")
     debug_dir: Optional[str] = _setting(None, "SAS_DEBUG_DIR")
     cpu_extend: str = _setting("sas", "SAS_CPU_EXTEND")
 

@@ -171,12 +171,7 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
             raise SASConfigError(f"the sas backend cannot serve KV pages loaded from an external cache yet ({name}): "
                                  "they arrive without block summaries; drop that flag")
     if getattr(args, "disaggregation_mode", None) == "decode":
-        # A transferred request's KV lands in pages this server allocated without an extend through sas, so
-        # its blocks have no summaries (zeros, or a previous owner's): selection over them would be wrong.
-        raise SASConfigError(
-            "the sas backend cannot serve a prefill-decode disaggregation decode server yet "
-            "(--disaggregation-mode decode): transferred KV pages arrive without block summaries. Serve the decode "
-            "side with a dense backend; a prefill server (--disaggregation-mode prefill) may use sas")
+        _check_pd_decode(cfg, on_cuda=_launch_on_cuda(args))
     if str(getattr(args, "kv_cache_dtype", "")).startswith("fp8"):
         from sas_backend.backend.kv_scales import check_param_path_file
 
@@ -199,6 +194,22 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
                 f"--{attr.replace('_', '-')} {other} cannot be combined with --attention-backend sas "
                 "(sas runs dense prefill itself)"
             )
+
+
+def _check_pd_decode(cfg, on_cuda: bool) -> None:
+    """A prefill-decode disaggregation decode server: a transferred request's KV lands in pages this server
+    allocated without an extend through sas. On CPU the summary pool's validity marks summarize those pages at the
+    request's first decode step; what the prompt's extend alone computes (prompt anchors) is refused."""
+    if on_cuda:
+        raise SASConfigError(
+            "the sas backend serves a prefill-decode disaggregation decode server (--disaggregation-mode decode) on "
+            "CPU only yet: on CUDA its transferred KV pages would be selected over without block summaries. Serve "
+            "the decode side with a dense backend; a prefill server (--disaggregation-mode prefill) may use sas")
+    if cfg.prompt_anchors:
+        raise SASConfigError(
+            f"--sas-prompt-anchors {cfg.prompt_anchors} cannot be served on a prefill-decode disaggregation decode "
+            "server: the anchors are the blocks the prompt's last token attended most, computed at the prompt's "
+            "extend, which runs on the prefill server. Pass --sas-prompt-anchors 0 on the decode server")
 
 
 def _needs_gate(cfg) -> bool:

@@ -90,5 +90,16 @@ if [ -n "$extras" ]; then
   extra_reqs="$("$venv/bin/python" "$here/serve/requirements_of.py" sas-backend --extras "$extras")"
   # shellcheck disable=SC2086
   [ -z "$extra_reqs" ] || $pip install -q -c "$constraints" $extra_reqs
+  # Mooncake's CPU transfer engine (the test extra: tests/server/test_pd.py) loads libibverbs and libnl, which a
+  # slim Debian or Ubuntu image lacks; as root with apt, install them, else say what is missing.
+  if "$venv/bin/python" -c "import importlib.util as u; raise SystemExit(u.find_spec('mooncake') is None)" \
+      && ! "$venv/bin/python" -c "import mooncake.engine" 2>/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      apt-get install -y -q libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null \
+        || echo "[install] apt-get could not install libibverbs1 libnl-3-200 libnl-route-3-200 (Mooncake needs them)"
+    else
+      echo "[install] Mooncake's transfer engine needs libibverbs1, libnl-3-200, libnl-route-3-200: install them"
+    fi
+  fi
 fi
 "$venv/bin/python" -c "import torch, sglang, sas_backend; print('[install] ok: torch', torch.__version__, 'sglang', sglang.__version__)"

@@ -96,7 +96,8 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--sas-prompt-anchors", "2", "--enable-mixed-chunk"], "--enable-mixed-chunk"),
         (["--sas-prompt-anchors", "31", "--sas-budget", "2048", "--sas-sink-blocks", "1", "--sas-local-blocks", "1"],
          "prompt anchor"),
-        (["--disaggregation-mode", "decode"], "prefill-decode disaggregation decode server"),
+        (["--disaggregation-mode", "decode", "--sas-prompt-anchors", "4"], "computed at the prompt's extend"),
+        (["--disaggregation-mode", "decode", "--device", "cuda"], "CPU only yet"),
         (["--enable-lmcache"], "external cache yet (--enable-lmcache)"),
         (["--hicache-storage-backend", "file"], "external cache yet (--hicache-storage-backend)"),
         (["--sas-sub-blocks", "3"], "power of two dividing the block size 64"),
@@ -110,9 +111,12 @@ def test_refusals_are_messages(parse, clean_env, gate, argv, needle):
     assert needle in str(e.value)
 
 
-def test_pd_prefill_server_is_accepted(parse, clean_env, gate):
-    """A PD prefill server's extend is dense and sends KV only: sas may serve it (the decode side is refused)."""
+def test_pd_servers_are_accepted(parse, clean_env, gate):
+    """A PD prefill server's extend is dense and sends KV only; a CPU decode server without prompt anchors
+    summarizes the transferred pages at their first decode step (tests/server/test_pd.py)."""
     assert parse("--attention-backend", "sas", "--sas-gate", gate, "--disaggregation-mode", "prefill").page_size == 64
+    assert parse("--attention-backend", "sas", "--sas-gate", gate, "--disaggregation-mode", "decode",
+                 "--device", "cpu").page_size == 64
 
 
 def test_ngram_chain_launch_is_accepted(parse, clean_env, gate):
@@ -206,10 +210,10 @@ def test_settings_table_is_the_fields(parse):
     assert all(e.startswith("SAS_") for e in envs) and len(set(envs)) == len(envs) == len(dataclasses.fields(SASConfig))
     assert all(f.startswith("--sas-") for f in flags) and len(set(flags)) == len(flags)
     assert {s.field: s.env for s in SETTINGS}["block_size"] == "SAS_BLOCK_SIZE"
-    assert [s.field for s in SETTINGS if s.flag is None] == ["force_sparse", "debug_dir", "cpu_extend"]
+    assert [s.field for s in SETTINGS if s.flag is None] == ["force_sparse", "summary_marks", "debug_dir", "cpu_extend"]
     assert {s.field for s in SETTINGS if s.type is int} == {
         "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "sub_blocks",
-        "dense_below", "force_sparse"}
+        "dense_below", "force_sparse", "summary_marks"}
     import argparse
 
     from sglang.srt.server_args import ServerArgs

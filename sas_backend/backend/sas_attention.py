@@ -146,9 +146,10 @@ class SASAttnBackend(AttentionBackend):
                                      dtype=settings.summary_dtype)
         # Validity marks (SummaryPool.valid), kept and read on CPU, where decode planning is host-side anyway: a page
         # handed out again loses its mark; a decode step's candidate pages without one are summarized first
-        # (_summarize_unmarked). The CUDA path keeps none yet (nothing lands KV there without an extend through
-        # sas: PD decode servers and external KV loads are refused at launch).
-        self.check_marks = not self.on_device and selector.keeps_summaries
+        # (_summarize_unmarked): a PD decode server's transferred pages, pages handed to another request. The CUDA
+        # path keeps none yet (PD decode servers and external KV loads are refused there at launch).
+        # SAS_SUMMARY_MARKS=0 turns them off (a negative control for tests).
+        self.check_marks = not self.on_device and selector.keeps_summaries and bool(cfg.summary_marks)
         allocator = getattr(runner, "token_to_kv_pool_allocator", None)
         if self.check_marks and allocator is not None:
             watched = watch_allocations(allocator, self.block_size, self.summaries.invalidate)

@@ -1,0 +1,132 @@
+"""Prefill-decode disaggregation on CPU: a dense prefill server and a `sas` decode server on loopback, the KV pages
+moved by Mooncake over TCP, decode as a colocated `sas` server decodes.
+
+A transferred request never runs an extend on the decode server (SGLang: `ForwardMode.PREBUILT`): its KV lands in
+pages that server allocated, and the first forward `sas` sees is a decode step. The summary pool's validity
+marks (backend/page_marks.py) make those pages' summaries at that step, before any selection. The decode server
+runs the configuration of the suite's `sas_sparse_server` (seeded gate, budget 256: 4 of ~40 blocks, sink 1 +
+local 1, fp32, no prompt anchors), which is the colocated reference: greedy tokens and logprobs within
+compare.FP32. Two prompts one after the other, so the second request's pages are the first's, freed and handed
+out again. The negative control: the same decode server with the marks off (SAS_SUMMARY_MARKS=0) selects over
+summaries that are zeros or the first request's, and diverges.
+
+No router: the client sends each request to both servers with the prefill server's bootstrap address and a room
+id (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`), as SGLang's router would. The prefill server needs
+`--page-size 64` (sas's block size; SGLang refuses a transfer between different page sizes). The decode server
+keeps retracted requests' KV as CPU tensors (`--disaggregation-decode-retraction-backup cpu_tensor`: the default
+host pool needs HiCache's 10 GiB host reserve).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+
+import pytest
+import requests
+
+from sas_backend.testing.server import ON_GPU, Server, free_port
+from tests.server.compare import FP32, assert_same_decodes, decode_from_response, generate
+
+pytestmark = pytest.mark.skipif(ON_GPU, reason="sas serves a PD decode server on CPU only (validity marks)")
+
+NEW_TOKENS = 24
+PROMPTS = ((5000, 2557), (40000, 2200))  # (start in the essays, length): both far above the budget
+SAS_DECODE = ["--sas-budget", "256", "--sas-sink-blocks", "1", "--sas-local-blocks", "1", "--sas-prompt-anchors",
+              "0", "--dtype", "float32"]
+PD_ENV = {"MC_FORCE_TCP": "1", "SGLANG_HOST_IP": "127.0.0.1"}  # Mooncake over TCP on loopback
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as e:
+        pytest.fail(f"Mooncake's transfer engine is missing ({e}): `SAS_EXTRAS=test bash serve/install.sh` installs "
+                    "mooncake-transfer-engine-non-cuda and, as root, the libibverbs1 / libnl-3-200 / "
+                    "libnl-route-3-200 it loads")
+
+
+@pytest.fixture(scope="module")
+def pd_servers(mooncake, model_dir, seed_gate):
+    """{"prefill": SGLang's dense torch-native backend, "decode": sas, "decode-unmarked": sas with the marks off}:
+    both decode servers pair with the one prefill server, as two decode instances behind a router do (a prefill
+    server whose decode peer stopped failed its next transfer: the decode servers stop before it)."""
+    bootstrap = free_port()
+    # --disable-radix-cache: on CPU a prefill server's prefix hit crashes it (SGLang 0.5.21 sends the cached
+    # prefix's pages after a torch.cuda.Event, prefill.py maybe_send_cached_prefix_chunk)
+    args = ["--dtype", "float32", "--page-size", "64", "--disable-radix-cache", "--disaggregation-mode", "prefill",
+            "--disaggregation-transfer-backend", "mooncake", "--disaggregation-bootstrap-port", str(bootstrap)]
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(Server(model_dir, backend="torch_native", extra_args=args, env=PD_ENV))
+        prefill.bootstrap_port = bootstrap
+        servers = {"prefill": prefill}
+        for name, marks in (("decode", True), ("decode-unmarked", False)):
+            servers[name] = stack.enter_context(_decode_server(model_dir, seed_gate, marks))
+        yield servers
+
+
+def _decode_server(model_dir, seed_gate, marks: bool):
+    args = ["--sas-gate", seed_gate, *SAS_DECODE, "--disaggregation-mode", "decode",
+            "--disaggregation-transfer-backend", "mooncake", "--disaggregation-decode-retraction-backup",
+            "cpu_tensor"]
+    return Server(model_dir, backend="sas", extra_args=args, env={**PD_ENV, "SAS_SUMMARY_MARKS": str(int(marks))})
+
+
+def _pd_generate(prefill, decode, prompt):
+    """One greedy request through the pair, as a router sends it: to both servers with one bootstrap room."""
+    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 2,
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": random.randrange(2**62),
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+    replies = {}
+
+    def send(name, server):
+        r = requests.post(f"{server.url}/generate", json=body, timeout=900)
+        r.raise_for_status()
+        replies[name] = r.json()
+
+    threads = [threading.Thread(target=send, args=(n, s)) for n, s in (("prefill", prefill), ("decode", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(replies) == {"prefill", "decode"}, f"a server failed the request; decode log:\n{decode.log_tail()}"
+    return decode_from_response(replies["decode"])
+
+
+def _pd_run(servers, decode: str, essay_ids):
+    """(decodes of PROMPTS through the prefill server and servers[decode], that decode server's /sas/info pool
+    after them)."""
+    outs = [_pd_generate(servers["prefill"], servers[decode], essay_ids[s: s + n]) for s, n in PROMPTS]
+    return outs, requests.get(f"{servers[decode].url}/sas/info", timeout=60).json()["pool"][0]
+
+
+@pytest.fixture(scope="module")
+def colocated(sas_sparse_server, essay_ids):
+    requests.post(f"{sas_sparse_server.url}/flush_cache", timeout=60)
+    return [generate(sas_sparse_server.url, essay_ids[s: s + n], NEW_TOKENS) for s, n in PROMPTS]
+
+
+def test_pd_decode_server_decodes_as_colocated_sas(pd_servers, essay_ids, colocated):
+    outs, pool = _pd_run(pd_servers, "decode", essay_ids)
+    assert_same_decodes(colocated, outs, FP32, "PD (dense prefill, sas decode over Mooncake TCP) vs colocated sas",
+                        n=NEW_TOKENS)
+    # Every step sparse; each request's complete prompt pages summarized at its first decode step, and nothing
+    # held once both finished.
+    assert pool["decode_steps"]["sparse"] >= len(PROMPTS) * (NEW_TOKENS - 1), pool["decode_steps"]
+    assert pool["late_summaries"] >= sum(n // 64 for _, n in PROMPTS), pool
+    assert pool["kv_pages"]["in_use"] == 0 and pool["summary_rows"]["held"] == 0, pool
+    print(f"\nPD decode server: {pool['decode_steps']}, pages summarized at a first decode step "
+          f"{pool['late_summaries']}")
+
+
+def test_pd_without_validity_marks_diverges(pd_servers, essay_ids, colocated):
+    """The negative control: with the marks off the transferred pages keep their rows' old summaries (zeros for
+    the first request, the first request's for the second), and the decode is no longer colocated sas's."""
+    outs, pool = _pd_run(pd_servers, "decode-unmarked", essay_ids)
+    assert pool["late_summaries"] == 0, pool
+    gaps = [max(abs(a - b) for a, b in zip(ref.logprobs, got.logprobs)) for ref, got in zip(colocated, outs)]
+    print(f"\nPD without validity marks: largest |dlogprob| per prompt {gaps}")
+    assert all(g > 1e-2 for g in gaps), gaps
