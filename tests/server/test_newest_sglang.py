@@ -121,3 +121,22 @@ def test_within_budget_equals_dense_backend(newest_run):
     assert_same_decodes(dense, sas, KERNELS, "newest release: sas within budget vs dense", n=NEW_TOKENS)
     if not ON_GPU:
         assert "sas: CPU extend attention by sas (ops/extend)" in newest_run["sas_log"]
+
+
+def test_fp8_kv_cache(model_dir, seed_gate, essay_ids, tmp_path_factory):
+    """`--kv-cache-dtype fp8_e4m3` with per-layer scales on the newest release (CPU: the fp8 pool hook,
+    backend/cpu_fp8_pool.py, against that release's check): its scales reported, a sparse decode of ~1.5K tokens
+    as the fp8 oracle states it (tests/server/test_fp8_kv.py's check, which the main suite runs at length)."""
+    if ON_GPU:
+        pytest.skip("the CPU fp8 pool; CUDA serves fp8 through FlashInfer, checked by the GPU kit")
+    from .test_fp8_kv import BUDGET as FP8_BUDGET, LAYERS, _check_against_oracle, _rule, _scales_file
+
+    args = ["--sas-gate", seed_gate, "--sas-budget", str(FP8_BUDGET), "--sas-sink-blocks", "1", "--sas-local-blocks",
+            "1", "--dtype", "float32", "--kv-cache-dtype", "fp8_e4m3",
+            "--quantization-param-path", _scales_file(tmp_path_factory.mktemp("kv-scales-newest"))]
+    prompt = essay_ids[20000 : 20000 + LONG_PROMPT]
+    with Server(model_dir, backend="sas", extra_args=args) as s:
+        kv = requests.get(f"{s.url}/sas/info", timeout=30).json()["pool"][0]["kv_cache"]
+        out = generate(s.url, prompt, NEW_TOKENS)
+    assert kv["dtype"] == "float8_e4m3fn" and kv["scales"]["sources"] == {"quantization-param-path": LAYERS}, kv
+    _check_against_oracle(out, prompt, model_dir, _rule(seed_gate, len(prompt)))
