@@ -52,7 +52,7 @@ DROPPED_MEDIAN = 2.0  # a reader that drops the scales is at least this far off 
 # The checkpoint's scales, K's and V's apart (ratio 1.7-3), and the bf16 server's tolerance against the fp32 oracle.
 CHECKPOINT_SCALES = {layer: (2.0 + layer % 3, 5.0 + layer % 2) for layer in range(LAYERS)}
 BF16_MEDIAN_TOL, BF16_MAX_TOL = 0.4, 3.0
-CROSSED_MEDIAN = 1.0  # a reader crossing K's and V's scales (measured 1.66 at 2557 tokens, the oracle 0.05)
+CROSSED_MEDIAN = 1.0  # a reader crossing K's and V's scales (measured 1.4-1.7, the oracle 0.05)
 
 
 @pytest.fixture(scope="module")
@@ -201,17 +201,17 @@ def checkpoint_scaled_server(checkpoint_scaled_model, seed_gate):
 
 
 def test_serves_a_checkpoint_with_its_own_kv_scales(checkpoint_scaled_server, essay_ids, model_dir, seed_gate):
-    """/sas/info reports the checkpoint's K and V scales apart; sparse decode at ~2.6K tokens and a covered
+    """/sas/info reports the checkpoint's K and V scales apart; sparse decode at 1.1K tokens and a covered
     200-token decode are the fp8 oracle's (fp32, the checkpoint's scales) within bf16's tolerance, where readers
     that drop the scales or cross K's and V's are far off."""
     kv = requests.get(f"{checkpoint_scaled_server.url}/sas/info", timeout=60).json()["pool"][0]["kv_cache"]
     assert kv["scales"]["sources"] == {"checkpoint": LAYERS}
     assert kv["scales"]["k_scale"] == [2.0, 4.0] and kv["scales"]["v_scale"] == [5.0, 6.0]
-    for prompt in (essay_ids[5000 : 5000 + PROMPT_LEN], essay_ids[9000:9200]):
+    for prompt in (essay_ids[5000:6100], essay_ids[9000:9200]):  # sparse (17 blocks), covered
         out = generate(checkpoint_scaled_server.url, prompt, NEW_TOKENS)
         rule = dataclasses.replace(_rule(seed_gate, len(prompt)), kv_scales=CHECKPOINT_SCALES)
         controls = [("oracle", rule), ("crossed", dataclasses.replace(rule, kv_scales_crossed=True))]
-        if len(prompt) < PROMPT_LEN:  # the cheaper prompt carries the third (the other tests cover it at length)
+        if len(prompt) < 1000:  # the cheaper prompt carries the third (the other tests cover it at length)
             controls.append(("dropped", dataclasses.replace(rule, kv_scales_read=False)))
         gaps = {name: _gaps(out, run_oracle(model_dir, r, prompt, out.token_ids), len(prompt))[0]
                 for name, r in controls}

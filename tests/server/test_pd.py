@@ -4,11 +4,11 @@ moved by Mooncake over TCP, decode as a colocated `sas` server decodes.
 A transferred request never runs an extend on the decode server (SGLang: `ForwardMode.PREBUILT`): its KV lands in
 pages that server allocated, and the first forward `sas` sees is a decode step. The summary pool's validity
 marks (backend/page_marks.py) make those pages' summaries at that step, before any selection. The decode server
-runs the configuration of the suite's `sas_sparse_server` (seeded gate, budget 256: 4 of ~40 blocks, sink 1 +
-local 1, fp32, no prompt anchors), which is the colocated reference: greedy tokens and logprobs within
-compare.FP32. Two prompts one after the other, so the second request's pages are the first's, freed and handed
-out again. The negative control: the same decode server with the marks off (SAS_SUMMARY_MARKS=0) selects over
-summaries that are zeros or the first request's, and diverges.
+runs the configuration of the suite's `sas_sparse_server` (seeded gate, budget 256: 4 of ~22-25 blocks, sink 1
++ local 1, fp32, no prompt anchors), which is the colocated reference: greedy tokens and logprobs within
+compare.FP32. Two prompts (1600 and 1400 tokens) one after the other, so the second request's pages are the
+first's, freed and handed out again. The negative control: the same decode server with the marks off
+(SAS_SUMMARY_MARKS=0) selects over summaries that are zeros or the first request's, and diverges.
 
 No router: the client sends each request to both servers with the prefill server's bootstrap address and a room
 id (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`), as SGLang's router would. The prefill server needs
@@ -19,7 +19,6 @@ host pool needs HiCache's 10 GiB host reserve).
 
 from __future__ import annotations
 
-import contextlib
 import random
 import threading
 
@@ -32,7 +31,9 @@ from tests.server.compare import FP32, assert_same_decodes, decode_from_response
 pytestmark = pytest.mark.skipif(ON_GPU, reason="sas serves a PD decode server on CPU only (validity marks)")
 
 NEW_TOKENS = 24
-PROMPTS = ((5000, 2557), (40000, 2200))  # (start in the essays, length): both far above the budget
+PROMPTS = ((5000, 1600), (40000, 1400))  # (start in the essays, length): both far above the budget
+# Each PD server's KV pool: one request at a time (~1.6K tokens) fits; the suite runs beside other servers.
+POOL = ["--max-total-tokens", "4096"]
 SAS_DECODE = ["--sas-budget", "256", "--sas-sink-blocks", "1", "--sas-local-blocks", "1", "--sas-prompt-anchors",
               "0", "--dtype", "float32"]
 PD_ENV = {"MC_FORCE_TCP": "1", "SGLANG_HOST_IP": "127.0.0.1"}  # Mooncake over TCP on loopback
@@ -49,26 +50,22 @@ def mooncake():
 
 
 @pytest.fixture(scope="module")
-def pd_servers(mooncake, model_dir, seed_gate):
-    """{"prefill": SGLang's dense torch-native backend, "decode": sas, "decode-unmarked": sas with the marks off}:
-    both decode servers pair with the one prefill server, as two decode instances behind a router do (a prefill
-    server whose decode peer stopped failed its next transfer: the decode servers stop before it)."""
+def prefill_server(mooncake, model_dir):
+    """SGLang's dense torch-native backend as the prefill server; each test pairs a decode server of its own with
+    it, one at a time (the suite runs beside other servers: 2 GiB a server counts)."""
     bootstrap = free_port()
     # --disable-radix-cache: on CPU a prefill server's prefix hit crashes it (SGLang 0.5.21 sends the cached
     # prefix's pages after a torch.cuda.Event, prefill.py maybe_send_cached_prefix_chunk)
-    args = ["--dtype", "float32", "--page-size", "64", "--disable-radix-cache", "--disaggregation-mode", "prefill",
-            "--disaggregation-transfer-backend", "mooncake", "--disaggregation-bootstrap-port", str(bootstrap)]
-    with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(Server(model_dir, backend="torch_native", extra_args=args, env=PD_ENV))
-        prefill.bootstrap_port = bootstrap
-        servers = {"prefill": prefill}
-        for name, marks in (("decode", True), ("decode-unmarked", False)):
-            servers[name] = stack.enter_context(_decode_server(model_dir, seed_gate, marks))
-        yield servers
+    args = [*POOL, "--dtype", "float32", "--page-size", "64", "--disable-radix-cache", "--disaggregation-mode",
+            "prefill", "--disaggregation-transfer-backend", "mooncake", "--disaggregation-bootstrap-port",
+            str(bootstrap)]
+    with Server(model_dir, backend="torch_native", extra_args=args, env=PD_ENV) as s:
+        s.bootstrap_port = bootstrap
+        yield s
 
 
 def _decode_server(model_dir, seed_gate, marks: bool):
-    args = ["--sas-gate", seed_gate, *SAS_DECODE, "--disaggregation-mode", "decode",
+    args = ["--sas-gate", seed_gate, *SAS_DECODE, *POOL, "--disaggregation-mode", "decode",
             "--disaggregation-transfer-backend", "mooncake", "--disaggregation-decode-retraction-backup",
             "cpu_tensor"]
     return Server(model_dir, backend="sas", extra_args=args, env={**PD_ENV, "SAS_SUMMARY_MARKS": str(int(marks))})
@@ -96,11 +93,11 @@ def _pd_generate(prefill, decode, prompt):
     return decode_from_response(replies["decode"])
 
 
-def _pd_run(servers, decode: str, essay_ids):
-    """(decodes of PROMPTS through the prefill server and servers[decode], that decode server's /sas/info pool
-    after them)."""
-    outs = [_pd_generate(servers["prefill"], servers[decode], essay_ids[s: s + n]) for s, n in PROMPTS]
-    return outs, requests.get(f"{servers[decode].url}/sas/info", timeout=60).json()["pool"][0]
+def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: bool):
+    """(decodes of PROMPTS through `prefill` and a new sas decode server, its /sas/info pool after them)."""
+    with _decode_server(model_dir, seed_gate, marks) as decode:
+        outs = [_pd_generate(prefill, decode, essay_ids[s: s + n]) for s, n in PROMPTS]
+        return outs, requests.get(f"{decode.url}/sas/info", timeout=60).json()["pool"][0]
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +106,8 @@ def colocated(sas_sparse_server, essay_ids):
     return [generate(sas_sparse_server.url, essay_ids[s: s + n], NEW_TOKENS) for s, n in PROMPTS]
 
 
-def test_pd_decode_server_decodes_as_colocated_sas(pd_servers, essay_ids, colocated):
-    outs, pool = _pd_run(pd_servers, "decode", essay_ids)
+def test_pd_decode_server_decodes_as_colocated_sas(prefill_server, model_dir, seed_gate, essay_ids, colocated):
+    outs, pool = _pd_run(prefill_server, model_dir, seed_gate, essay_ids, marks=True)
     assert_same_decodes(colocated, outs, FP32, "PD (dense prefill, sas decode over Mooncake TCP) vs colocated sas",
                         n=NEW_TOKENS)
     # Every step sparse; each request's complete prompt pages summarized at its first decode step, and nothing
@@ -122,10 +119,10 @@ def test_pd_decode_server_decodes_as_colocated_sas(pd_servers, essay_ids, coloca
           f"{pool['late_summaries']}")
 
 
-def test_pd_without_validity_marks_diverges(pd_servers, essay_ids, colocated):
+def test_pd_without_validity_marks_diverges(prefill_server, model_dir, seed_gate, essay_ids, colocated):
     """The negative control: with the marks off the transferred pages keep their rows' old summaries (zeros for
     the first request, the first request's for the second), and the decode is no longer colocated sas's."""
-    outs, pool = _pd_run(pd_servers, "decode-unmarked", essay_ids)
+    outs, pool = _pd_run(prefill_server, model_dir, seed_gate, essay_ids, marks=False)
     assert pool["late_summaries"] == 0, pool
     gaps = [max(abs(a - b) for a, b in zip(ref.logprobs, got.logprobs)) for ref, got in zip(colocated, outs)]
     print(f"\nPD without validity marks: largest |dlogprob| per prompt {gaps}")
