@@ -14,7 +14,7 @@ dense (prefill), the reply's tokens sparse decode queries under each config. Per
   from sparse queries), and its excess over dense's;
 - `score`: RULER's score of the greedy reply (share of the answers written; up to --max-new tokens).
 
-A config is a selector (`hf.sparse_eval.SELECTORS` or a candidate of `hf.candidates`), optionally `@aR`:
+A config is a selector (`hf.sparse_eval.eval_selectors()` or a candidate of `hf.candidates`), optionally `@aR`:
 R prompt anchors (the blocks the prompt's last token attended most, forced inside K, as
 `--sas-prompt-anchors R`). Every sparse config uses the same forced blocks (--sink / --local, default the
 Qwen gate's serve default 1 / 1) and budget rule. `pairs<R>` is calibrated once on --calib-tokens of @essays
@@ -235,12 +235,12 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sas_backend.hf.candidates import calibrate_model_pairs, is_candidate, top_pairs
-    from sas_backend.hf.sparse_eval import SELECTORS, SparseEvalSpec, prompt_anchors
+    from sas_backend.hf.sparse_eval import SparseEvalSpec, eval_selectors, prompt_anchors
     from sas_backend.training.eval_ppl import load_gates
 
     configs = [(c, *parse_config(c)) for c in args.configs]
     for c, name, _ in configs:
-        if name not in SELECTORS and not is_candidate(name):
+        if name not in eval_selectors() and not is_candidate(name):
             raise SystemExit(f"error: config {c!r}: unknown selector {name!r}")
     if "dense" not in [name for _, name, _ in configs]:
         configs.insert(0, ("dense", "dense", 0))

@@ -70,6 +70,12 @@ def _module(item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
+def xdist_group(item):
+    """The xdist_group `group_for_xdist` gave the item (None outside pytest-xdist)."""
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark and mark.args else None
+
+
 def group_for_xdist(items) -> None:
     """Mark each test with its xdist_group, in place, and order the items by unit, heaviest first.
 

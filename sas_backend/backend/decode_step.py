@@ -27,12 +27,15 @@ from typing import Optional, Union
 
 import torch
 
+from sas_backend import config
 from sas_backend.backend.decode_plan import DecodePlan, StepBuffers, StepTensors
 from sas_backend.ops import decode_step as fused
 from sas_backend.ops.sparse_decode import make_sparse_decode
 
-KERNELS = ("triton", "torch")
-ATTENTIONS = ("triton", "flashinfer", "torch")
+# What the launch's settings resolve to (config's choices less "auto"; attention "torch" is what "auto" becomes
+# on CPU, where FlashInfer does not run).
+KERNELS = tuple(k for k in config.KERNELS if k != "auto")
+ATTENTIONS = (*(a for a in config.ATTENTIONS if a != "auto"), "torch")
 # Most rows the fused path serves in one step: its workspace grows with it (~57.5 MiB at Qwen3-4B shapes and
 # 256K context); larger batches fill the device with the per-op kernels' own grids.
 FUSED_MAX_ROWS = 256

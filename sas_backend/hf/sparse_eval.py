@@ -31,7 +31,13 @@ ATTN_NAME = "sas_sparse_eval"
 # scores (seeded by layer), "dense" attends everything. Candidate selectors for long context
 # (`hf.candidates`: exactmax, pairs<R>, gatesub<S>) are accepted by name too.
 EVAL_ONLY = ("oracle", "random", "dense")
-SELECTORS = selector_names() + EVAL_ONLY  # the built-in served ones, registered when selection is imported
+
+
+def eval_selectors() -> tuple:
+    """The names `SparseEvalSpec.selector` takes: the registry's served selectors as registered now (a plugin's
+    included once it registered), then `EVAL_ONLY`."""
+    return tuple(selector_names()) + EVAL_ONLY
+
 # What block summaries can be stored in (`SparseEvalSpec.summary_dtype`), by the names the CLIs take.
 SUMMARY_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # What the gate's weights can be read from (`SparseEvalSpec.gate_dtype`): the same two.
@@ -43,7 +49,7 @@ class SparseEvalSpec:
     """How queries select blocks.
 
     top_k: previous complete blocks each sparse query attends (its own block comes on top).
-    selector: one of `SELECTORS` ("gate": AttnGate scores; "quest": key min/max bound; "sink-local":
+    selector: one of `eval_selectors()` ("gate": AttnGate scores; "quest": key min/max bound; "sink-local":
     the first block(s) and the most recent ones; "oracle": true attention mass; "random"; "dense").
     gates: `{layer: AttnGate}` for the "gate" selector. sparse_from: first sparse query position.
     sink_blocks / local_blocks: forced blocks inside K (sink-local: sink default 1, local = K - sink).
@@ -85,8 +91,8 @@ class SparseEvalSpec:
         for field, allowed in (("summary_dtype", SUMMARY_DTYPES), ("gate_dtype", GATE_DTYPES)):
             if getattr(self, field) not in allowed.values():
                 raise ValueError(f"{field} must be torch.float32 or torch.bfloat16, got {getattr(self, field)!r}")
-        if self.selector not in selector_names() + EVAL_ONLY and not is_candidate(self.selector):
-            raise ValueError(f"selector must be one of {selector_names() + EVAL_ONLY} or a candidate (hf.candidates), "
+        if self.selector not in eval_selectors() and not is_candidate(self.selector):
+            raise ValueError(f"selector must be one of {eval_selectors()} or a candidate (hf.candidates), "
                              f"got {self.selector!r}")
         gated = self.selector in selector_names() and selector_class(self.selector).needs_gate
         if (gated or self.selector.startswith("gatesub")) and not self.gates:

@@ -39,12 +39,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from sas_backend.hf.sparse_eval import GATE_DTYPES, SELECTORS, SUMMARY_DTYPES  # noqa: E402
+from sas_backend.hf.sparse_eval import GATE_DTYPES, SUMMARY_DTYPES, eval_selectors  # noqa: E402
 from sas_backend.selection import selector_class, selector_names  # noqa: E402
 from sas_backend.provenance import git_state
 
 # The training-free selectors and evaluation references: every selector but dense and those reading gate weights.
-BASELINES = tuple(s for s in SELECTORS if s != "dense" and not (s in selector_names() and selector_class(s).needs_gate))
+BASELINES = tuple(s for s in eval_selectors()
+                  if s != "dense" and not (s in selector_names() and selector_class(s).needs_gate))
 # The baselines whose numbers depend on --summary-dtype (they score stored block summaries), besides the gates.
 SUMMARY_BASELINES = ("quest",)
 KV_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # --kv-fp8

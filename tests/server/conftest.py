@@ -59,12 +59,35 @@ def essay_ids(tokenizer) -> list:
 
 
 # The servers are package-scoped: they stop when the last test of tests/server has run, not at the
-# end of the session, so the tests after this package do not share the machine with them.
+# end of the session, so the tests after this package do not share the machine with them. Under pytest-xdist
+# they stop earlier, once their worker has run the last test of the shared-servers group (below).
+SHARED_RUNNING: list = []  # the shared servers started in this process
+
+
+def _shared(server: Server) -> Server:
+    SHARED_RUNNING.append(server)
+    return server
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Under pytest-xdist the shared-servers group runs first and whole on one worker (tests/conftest.py), which
+    then runs other modules with servers of their own: the three idle shared servers (~9 GiB with their
+    launchers) beside those and the other worker's got a tp3 server OOM-killed on the 24 GiB machine (2026-12-06).
+    So they stop as soon as the worker's next test is not of the group; their fixtures' teardown is then a no-op."""
+    from tests.conftest import SHARED_SERVERS_GROUP, xdist_group
+
+    if nextitem is not None and xdist_group(item) == SHARED_SERVERS_GROUP != xdist_group(nextitem):
+        for server in SHARED_RUNNING:
+            server.stop()
+        SHARED_RUNNING.clear()
+
+
 @pytest.fixture(scope="package")
 def dense_server(model_dir):
     """SGLang's own dense backend: torch-native on CPU (what sas wraps there), FlashInfer on GPU."""
     with Server(model_dir, backend="flashinfer" if ON_GPU else "torch_native", extra_args=DENSE_ARGS) as s:
-        yield s
+        yield _shared(s)
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +105,7 @@ def sas_full_server(model_dir, shipped_gate):
     step would otherwise take the wrapped dense decode, which is exactly what selection would attend)."""
     args = ["--sas-gate", shipped_gate, "--sas-budget", "8192", "--enable-cache-report"]
     with Server(model_dir, backend="sas", extra_args=args, env={"SAS_FORCE_SPARSE": "1"}) as s:
-        yield s
+        yield _shared(s)
 
 
 @pytest.fixture(scope="session")
@@ -108,4 +131,4 @@ def sas_sparse_server(model_dir, seed_gate, sparse_debug_dir):
         args.append("--disable-cuda-graph")
     env = {"SAS_DEBUG_DIR": str(sparse_debug_dir)}
     with Server(model_dir, backend="sas", extra_args=args, env=env, entry="serve") as s:
-        yield s
+        yield _shared(s)

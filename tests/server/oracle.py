@@ -37,6 +37,7 @@ The attention itself is plain softmax(q K_S^T * scale) V_S over the selected blo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -175,9 +176,23 @@ def anchors_at(q_post: torch.Tensor, k_post: torch.Tensor, scale: float, b: int,
     return [sorted(range(n), key=lambda m: (-mass[h, m].item(), m))[:count] for h in range(h_kv)]
 
 
+class TailRows:
+    """Rows `first..T-1` of a `[T, V]` logprobs tensor, indexed by absolute position: `rows[pos]`, `rows[pos, tok]`
+    (the rows before `first` are not computed: no check reads them)."""
+
+    def __init__(self, rows: torch.Tensor, first: int):
+        self.rows, self.first = rows, first
+
+    def __getitem__(self, index):
+        pos, *rest = index if isinstance(index, tuple) else (index,)
+        if not self.first <= pos < self.first + len(self.rows):
+            raise IndexError(f"position {pos}: the oracle kept rows {self.first}..{self.first + len(self.rows) - 1}")
+        return self.rows[(pos - self.first, *rest)]
+
+
 @dataclasses.dataclass
 class OracleRun:
-    """logprobs `[T, V]` of the sparse (rule) and the dense forward over prompt + tokens;
+    """logprobs `[T, V]` (`TailRows`) of the sparse (rule) and the dense forward over prompt + tokens;
     selected `{layer: {position: [H_kv][K]}}`; anchors `{layer: [H_kv][R]}`."""
 
     sparse_logprobs: torch.Tensor
@@ -186,13 +201,20 @@ class OracleRun:
     anchors: Dict[int, List[List[int]]]
 
 
+@functools.lru_cache(maxsize=1)  # a test module asks the oracle about one model several times
+def _fp32_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> OracleRun:
     """The oracle's forwards over `prompt + tokens`: position len(prompt) - 1 + i is where the server chose
     tokens[i]; the last position is the step SGLang's overlap scheduler runs past the last token (its output is
     dropped, its selection logged)."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers import AttentionInterface
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _fp32_model(str(model_dir))
     params = getattr(model.config, "rope_parameters", None) or {}
     assert params.get("rope_type", "default") == "default", "the oracle states plain RoPE only"
     theta = float(params.get("rope_theta") or model.config.rope_theta)
@@ -234,18 +256,19 @@ def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> O
         else:
             scores = torch.zeros(t - start, h_kv, n_all)
         selected[layer] = {}
-        allowed = [[[False] * t for _ in range(t - start)] for _ in range(h_kv)]  # [H_kv, P, T]: keys attended
+        allowed = torch.zeros(h_kv, t - start, t, dtype=torch.bool)  # [H_kv, P, T]: keys attended
         for i, p in enumerate(positions.tolist()):
             n = p // b
             picks = [select(rule, n, scores[i, h, :n].tolist(), anchors.get(layer, [()] * h_kv)[h])
                      for h in range(h_kv)]
             selected[layer][p] = picks
             for h in range(h_kv):
-                for j in [j for m in picks[h] for j in range(m * b, (m + 1) * b)] + list(range(n * b, p + 1)):
-                    allowed[h][i][j] = True
+                for m in picks[h]:  # the selected blocks' keys, then the query's own block up to the query
+                    allowed[h, i, m * b:(m + 1) * b] = True
+                allowed[h, i, n * b:p + 1] = True
         q_rows = q_post[start:].float().view(t - start, h_kv, g, d).permute(1, 2, 0, 3)  # [H_kv, G, P, D]
         logits = torch.einsum("hgpd,thd->hgpt", q_rows, k_post.float()) * scaling
-        logits = logits.masked_fill(~torch.tensor(allowed)[:, None], float("-inf"))
+        logits = logits.masked_fill(~allowed[:, None], float("-inf"))
         rows = torch.einsum("hgpt,thd->hgpd", torch.softmax(logits, -1), v.float())  # [H_kv, G, P, D]
         out[0, :, start:] = rows.reshape(h_q, t - start, d).to(out.dtype)
         return out.transpose(1, 2), None
@@ -259,19 +282,25 @@ def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> O
             hooks.append(src.register_forward_hook(
                 lambda mod, inp, out, attn=attn, side=side: setattr(attn, f"_oracle_{side}_pre", out[0])))
     ids = torch.tensor([list(prompt) + list(tokens)])
+    # Logits only where a check reads them: from the prompt's last position (the prefill's token) on.
+    first = max(0, min(start, len(prompt)) - 1)
+    keep = ids.shape[1] - first
     AttentionInterface.register(ORACLE_ATTN, attention)
     previous = model.config._attn_implementation
     try:
         with torch.no_grad():
             model.set_attn_implementation(ORACLE_ATTN)
-            sparse = torch.log_softmax(model(ids).logits[0].float(), -1)
+            sparse = torch.log_softmax(model(ids, logits_to_keep=keep).logits[0].float(), -1)
             model.set_attn_implementation(previous)
-            dense = torch.log_softmax(model(ids).logits[0].float(), -1)
+            dense = torch.log_softmax(model(ids, logits_to_keep=keep).logits[0].float(), -1)
     finally:
         model.set_attn_implementation(previous)
         for hook in hooks:
             hook.remove()
-    return OracleRun(sparse, dense, selected, anchors)
+        for layer in model.model.layers:  # the cached model keeps no activations between runs
+            for side in ("q", "k"):
+                layer.self_attn.__dict__.pop(f"_oracle_{side}_pre", None)
+    return OracleRun(TailRows(sparse, first), TailRows(dense, first), selected, anchors)
 
 
 def oracle_check(prompt, out: Decode, records, model_dir, rule: Rule, n: int,
