@@ -35,7 +35,7 @@ def gap_of(gate_dir: str, rows, spec, geometry, budgets: List[int], sink_blocks:
     from sas_backend.geometry import gate_rope_table
     from sas_backend.training.distill_cached import RowBatch, layer_scores
     from sas_backend.training.model import oracle_topk_mass, per_query_coverage
-    from sas_backend.training.train import load_init_gate
+    from sas_backend.training.cli import load_init_gate
 
     tensors, _ = load_init_gate(gate_dir, geometry, spec.block_size)
     gate_dim = int(tensors[0]["attngate_linear_q.weight"].shape[-1])

@@ -41,6 +41,7 @@ import torch
 
 from sas_backend.ops import sub_blocks_ok
 
+from sas_backend.training.cli import add_run_args, command_line, load_init_gate, loss_record, schedule_record
 from sas_backend.training.loop import STATE_FILE, GateLoop, batch_rows, progress_bar
 
 # Arguments a resumed run must share with the run that wrote the state.
@@ -212,16 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "forced blocks must leave the gate some of K)")
     p.add_argument("--sink-blocks", type=int, default=1, help="first blocks forced in at serving (not ranked)")
     p.add_argument("--local-blocks", type=int, default=1, help="blocks before the query's own forced in (not ranked)")
-    p.add_argument("--steps", type=int, default=500)
+    add_run_args(p, steps=500, lr=2e-3, save_every=100, state_file=STATE_FILE)
     p.add_argument("--rows-per-step", type=int, default=4, help="cached rows per optimizer step")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
-    p.add_argument("--seed", type=int, default=0, help="gate init seed and row order")
-    p.add_argument("--gate-dim", type=int, default=128)
-    p.add_argument("--init-gate", default=None, metavar="DIR", help="start from this gate checkpoint")
     p.add_argument("--coverage-weight", type=float, default=0.0,
                    help="add this weight x (1 - soft top-k coverage) per --coverage-budgets to the KL (0: KL only)")
     p.add_argument("--coverage-budgets", type=int, nargs="+", default=[512, 1024, 2048],
@@ -240,10 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-cache", nargs="*", default=[],
                    help="held-out feature caches: their KL is logged, never trained on")
     p.add_argument("--eval-every", type=int, default=50, help="held-out KL every N steps (and at the end)")
-    p.add_argument("--save-every", type=int, default=100, help="state + checkpoint every N steps (0: end only)")
-    p.add_argument("--resume", action="store_true", help=f"continue from --out/{STATE_FILE}")
-    p.add_argument("--stop-at", type=int, default=None, help="stop after this step as if interrupted")
-    p.add_argument("--no-progress", action="store_true", help="log lines instead of a tqdm bar")
     return p
 
 
@@ -253,10 +242,9 @@ def main(argv: Optional[list] = None) -> int:
     from sas_backend.gate.checkpoint import init_gate_state, save_gate_checkpoint
     from sas_backend.gate.module import gates_from_tensors
     from sas_backend.geometry import ModelGeometry, gate_rope_table
-    from sas_backend.provenance import portable_argv, portable_path
+    from sas_backend.provenance import portable_path
     from sas_backend.training.features import FeatureCacheError, LazyRows, load_feature_cache
     from sas_backend.training.scoring import check_forced
-    from sas_backend.training.train import load_init_gate
 
     bad = [f"--{n.replace('_', '-')} must be >= 1" for n in ("steps", "rows_per_step", "budget", "eval_every")
            if getattr(args, n) < 1]
@@ -335,7 +323,6 @@ def main(argv: Optional[list] = None) -> int:
         return kl
 
     def record(step: int, elapsed: float) -> dict:
-        tail = losses[-min(20, len(losses)):]
         return {
             "objective": "distill",
             "scope": None,
@@ -368,19 +355,13 @@ def main(argv: Optional[list] = None) -> int:
             "rows_per_step": args.rows_per_step,
             "layers": args.layers,  # the layers trained here (None: all; the others come from init)
             "rows_seen": step * args.rows_per_step,
-            "lr": args.lr,
-            "min_lr_ratio": args.min_lr_ratio,
-            "warmup": args.warmup,
-            "weight_decay": args.weight_decay,
-            "clip": args.clip,
+            **schedule_record(args),
             "init": init_record,
-            "initial_loss": losses[0] if losses else None,
-            "final_loss": sum(tail) / len(tail) if tail else None,
-            "final_loss_window": len(tail),
+            **loss_record(losses, 20),
             "heldout_kl": val_log,
             "heldout_oracle_coverage": oracle_cov,
             "train_seconds": round(elapsed, 1),
-            "command": "python -m sas_backend.training.distill_cached " + " ".join(portable_argv(argv)),
+            "command": command_line("sas_backend.training.distill_cached", argv),
         }
 
     def save(step: int, elapsed: float) -> None:

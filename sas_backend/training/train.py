@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import shlex
 import sys
 import time
 from typing import Optional
@@ -38,6 +37,7 @@ from typing import Optional
 import torch
 
 from sas_backend.geometry import supported_families
+from sas_backend.training.cli import add_run_args, command_line, load_init_gate, loss_record, schedule_record
 from sas_backend.training.loop import STATE_FILE, GateLoop, batch_rows, progress_bar
 
 # Arguments a resumed run must share with the run that wrote the state.
@@ -83,24 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make this share of the rows recall rows: facts spliced before the trained tail and "
                         "restated in it (sas_backend.training.recall), so the gate learns to fetch a far block")
     p.add_argument("--recall-facts", type=int, default=4, help="facts per recall row")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
-    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
-    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=1, help="rows per micro-batch per process")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
     p.add_argument("--bf16", action="store_true", help="bf16 backbone + autocast (CUDA only)")
-    p.add_argument("--save-every", type=int, default=50, help="write state + checkpoint every N steps (0: end only)")
-    p.add_argument("--resume", action="store_true", help=f"continue from --out/{STATE_FILE}")
-    p.add_argument("--seed", type=int, default=0, help="gate init seed and data order")
     p.add_argument("--kernel", choices=("auto", "triton", "naive"), default="auto",
                    help="gated attention: Triton kernel (CUDA) or torch reference; auto picks by device")
-    p.add_argument("--gate-dim", type=int, default=128)
-    p.add_argument("--init-gate", default=None, metavar="DIR",
-                   help="start from this gate checkpoint (must fit the model and --block-size) "
-                        "instead of the seeded init")
     p.add_argument("--heldout-fraction", type=float, default=None,
                    help="share of each source's text held out as whole documents (by name hash), "
                         "never trained on (default 0.2)")
@@ -114,9 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gate only the last N tokens of each row: the first seq-len - N run dense without "
                         "gradient (as after a dense prefill) and serve as their keys; the loss is over those N. "
                         "Cheap long-context training with the torch reference (CPU); default: whole rows")
-    p.add_argument("--stop-at", type=int, default=None,
-                   help="stop after this step as if interrupted (state saved; continue with --resume)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines only)")
+    add_run_args(p, steps=200, lr=1e-3, save_every=50, state_file=STATE_FILE)
     return p
 
 
@@ -161,15 +146,7 @@ def _barrier(world: int) -> None:
 # ---- checkpoints ----------------------------------------------------------------------------
 
 
-def command_line(argv) -> str:
-    """The command as the record keeps it: no absolute path of this machine."""
-    from sas_backend.provenance import portable_argv
-
-    return "python -m sas_backend.training.train " + shlex.join(portable_argv(argv))
-
-
 def training_record(args, argv, data, rows_used, spec, kernel, step, losses, world, elapsed) -> dict:
-    tail = losses[-min(10, len(losses)):] if losses else []
     return {
         "objective": args.objective,
         "scope": args.scope if args.objective == "lm" else None,
@@ -193,20 +170,14 @@ def training_record(args, argv, data, rows_used, spec, kernel, step, losses, wor
         "grad_accum": args.grad_accum,
         "world_size": world,
         "tokens_seen": step * args.batch_size * args.grad_accum * world * args.seq_len,
-        "lr": args.lr,
-        "min_lr_ratio": args.min_lr_ratio,
-        "warmup": args.warmup,
-        "weight_decay": args.weight_decay,
-        "clip": args.clip,
+        **schedule_record(args),
         "bf16": args.bf16,
         "kernel": kernel,
         "init": args.init_record,
-        "initial_loss": losses[0] if losses else None,
-        "final_loss": (sum(tail) / len(tail)) if tail else None,
-        "final_loss_window": len(tail),
+        **loss_record(losses, 10),
         "last_step_loss": losses[-1] if losses else None,
         "train_seconds": round(elapsed, 1),
-        "command": command_line(argv),
+        "command": command_line("sas_backend.training.train", argv),
     }
 
 
@@ -219,26 +190,6 @@ def write_checkpoint(out: str, config, model, record: dict) -> None:
 
 
 # ---- main -----------------------------------------------------------------------------------
-
-
-def load_init_gate(path: str, geometry, block_size: int):
-    """`(tensors, init record)` of the checkpoint a run starts from; SystemExit if it does not fit."""
-    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_geometry
-    from sas_backend.gate.gate_file import checkpoint_identity
-    from sas_backend.gate.errors import GateCheckpointError
-
-    try:
-        config, tensors = load_gate_checkpoint(path)
-        validate_for_geometry(config, tensors, geometry, block_size=block_size)
-        ident = checkpoint_identity(path)
-    except GateCheckpointError as e:
-        raise SystemExit(f"error: --init-gate: {e}") from None
-    tensors = {i: {k: v.float() for k, v in t.items()} for i, t in tensors.items()}
-    # The record names the checkpoint relative to the repository (or as the user gave it), never by
-    # an absolute path of this machine: records travel with the shipped checkpoint.
-    from sas_backend.provenance import portable_path
-
-    return tensors, {"checkpoint": portable_path(path), "sha256": ident["sha256"], "training": config.training}
 
 
 def recall_tail(args) -> int:

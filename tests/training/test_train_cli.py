@@ -414,3 +414,27 @@ def test_eval_ppl_resumes_a_killed_run_exactly(trained, setup, monkeypatch):
     for field in ("dense_nll_per_window", "nll_per_window", "recall_per_layer", "results"):
         assert resumed[field] == whole[field], field
     assert not os.path.exists(eval_ppl.partial_path(js))
+
+
+def test_both_trainers_take_and_record_the_run_arguments_alike():
+    """`train` and `distill_cached` share training/cli.py: the same schedule and run flags (their own defaults
+    for steps, lr and save-every), the same schedule fields in the record, and a shell-quoted command."""
+    from sas_backend.training import cli, distill_cached, train
+
+    flags = ["--steps", "7", "--lr", "0.5", "--min-lr-ratio", "0.2", "--warmup", "3", "--weight-decay", "0.1",
+             "--clip", "0.5", "--seed", "4", "--gate-dim", "32", "--init-gate", "G", "--save-every", "2", "--resume",
+             "--stop-at", "5", "--no-progress"]
+    a = train.build_parser().parse_args(["--model", "M", "--data", "D", "--out", "O", *flags])
+    b = distill_cached.build_parser().parse_args(["--model", "M", "--cache", "C", "--out", "O", *flags])
+    names = ("steps", "lr", "min_lr_ratio", "warmup", "weight_decay", "clip", "seed", "gate_dim", "init_gate",
+             "save_every", "resume", "stop_at", "no_progress")
+    assert [getattr(a, n) for n in names] == [getattr(b, n) for n in names]
+    assert cli.schedule_record(a) == cli.schedule_record(b) == {
+        "lr": 0.5, "min_lr_ratio": 0.2, "warmup": 3, "weight_decay": 0.1, "clip": 0.5}
+    da = train.build_parser().parse_args(["--model", "M", "--data", "D", "--out", "O"])
+    db = distill_cached.build_parser().parse_args(["--model", "M", "--cache", "C", "--out", "O"])
+    assert (da.steps, da.lr, da.save_every) == (200, 1e-3, 50) and (db.steps, db.lr, db.save_every) == (500, 2e-3, 100)
+    assert cli.command_line("sas_backend.training.distill_cached", ["--out", "a dir"]) == (
+        "python -m sas_backend.training.distill_cached --out 'a dir'")
+    assert cli.loss_record([4.0, 3.0, 2.0], 2) == {"initial_loss": 4.0, "final_loss": 2.5, "final_loss_window": 2}
+    assert cli.loss_record([], 10) == {"initial_loss": None, "final_loss": None, "final_loss_window": 0}

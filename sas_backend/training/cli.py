@@ -1,0 +1,74 @@
+"""What the two gate trainers (`train`: through the backbone; `distill_cached`: from cached features) share at
+their command line and in their training records: the optimizer schedule's and the run's arguments, the
+checkpoint a run starts from, and the record's command line, schedule and loss fields. One place, so the two
+trainers take and record them alike."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+
+def add_run_args(p: argparse.ArgumentParser, *, steps: int, lr: float, save_every: int, state_file: str) -> None:
+    """The schedule (--steps, --lr, --min-lr-ratio, --warmup, --weight-decay, --clip), the gate's start (--seed,
+    --gate-dim, --init-gate) and the run's control (--save-every, --resume, --stop-at, --no-progress); each
+    trainer gives its own defaults for the first three that differ."""
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
+    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="gate init seed and data order")
+    p.add_argument("--gate-dim", type=int, default=128)
+    p.add_argument("--init-gate", default=None, metavar="DIR",
+                   help="start from this gate checkpoint (it must fit the model and the block size) instead of "
+                        "the seeded init")
+    p.add_argument("--save-every", type=int, default=save_every,
+                   help="write state + checkpoint every N steps (0: end only)")
+    p.add_argument("--resume", action="store_true", help=f"continue from --out/{state_file}")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="stop after this step as if interrupted (state saved; continue with --resume)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines only)")
+
+
+def command_line(module: str, argv) -> str:
+    """The command as a record keeps it: `python -m <module>` and the arguments, no absolute path of this
+    machine, quoted so that it can be pasted back into a shell."""
+    from sas_backend.provenance import portable_argv
+
+    return f"python -m {module} " + shlex.join(portable_argv(argv))
+
+
+def schedule_record(args) -> dict:
+    """The optimizer schedule's fields of a training record."""
+    return {"lr": args.lr, "min_lr_ratio": args.min_lr_ratio, "warmup": args.warmup,
+            "weight_decay": args.weight_decay, "clip": args.clip}
+
+
+def loss_record(losses: list, window: int) -> dict:
+    """The first loss and the mean of the last `window` ones (fewer where the run is shorter)."""
+    tail = losses[-min(window, len(losses)):] if losses else []
+    return {"initial_loss": losses[0] if losses else None,
+            "final_loss": sum(tail) / len(tail) if tail else None,
+            "final_loss_window": len(tail)}
+
+
+def load_init_gate(path: str, geometry, block_size: int):
+    """`(tensors, init record)` of the checkpoint a run starts from (`--init-gate`), as fp32 tensors
+    `{layer: {name: tensor}}`; SystemExit with the reason where it does not fit `geometry` / `block_size`."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_geometry
+    from sas_backend.gate.errors import GateCheckpointError
+    from sas_backend.gate.gate_file import checkpoint_identity
+    from sas_backend.provenance import portable_path
+
+    try:
+        config, tensors = load_gate_checkpoint(path)
+        validate_for_geometry(config, tensors, geometry, block_size=block_size)
+        ident = checkpoint_identity(path)
+    except GateCheckpointError as e:
+        raise SystemExit(f"error: --init-gate: {e}") from None
+    tensors = {i: {k: v.float() for k, v in t.items()} for i, t in tensors.items()}
+    # The record names the checkpoint relative to the repository (or as the user gave it), never by an absolute
+    # path of this machine: records travel with the shipped checkpoint.
+    return tensors, {"checkpoint": portable_path(path), "sha256": ident["sha256"], "training": config.training}
