@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 
 import pytest
 import requests
@@ -95,11 +96,51 @@ def _pd_generate(prefill, decode, prompt):
     return decode_from_response(replies["decode"])
 
 
-def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: bool):
-    """(decodes of PROMPTS through `prefill` and a new sas decode server, its /sas/info pool after them)."""
+def _pool(server) -> dict:
+    return requests.get(f"{server.url}/sas/info", timeout=60).json()["pool"][0]
+
+
+def _pd_disconnect(prefill, decode, prompt, chunks: int) -> int:
+    """One request through the pair whose client leaves the decode server's stream after `chunks` chunks (0: as
+    soon as the response starts, while the prefill server still prefills and transfers), as a user closing the
+    page does. The prefill server's reply is awaited 30 s at most: where the decode server dropped the request
+    before it fetched the KV, the prefill server waits for that transfer until SGLang's bootstrap timeout (minutes;
+    measured once: the test took 7 min instead of 2 waiting on it). Returns the chunks read."""
+    body = {"input_ids": prompt, "stream": True, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": random.randrange(2**62),
+            "sampling_params": {"max_new_tokens": 4 * NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+    sent = threading.Thread(target=lambda: requests.post(f"{prefill.url}/generate", json=body, timeout=600).content,
+                            daemon=True)
+    sent.start()
+    read = 0
+    with requests.post(f"{decode.url}/generate", json=body, stream=True, timeout=300) as r:
+        for line in r.iter_lines() if chunks else ():
+            read += bool(line)
+            if read >= chunks:
+                break  # leaving the block closes the connection
+    sent.join(timeout=30)
+    return read
+
+
+def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: bool, disconnect: bool = False):
+    """(decodes of PROMPTS through `prefill` and a new sas decode server, its /sas/info pool after them). With
+    `disconnect`, then two requests whose clients leave mid-transfer and mid-decode (`_pd_disconnect`), and
+    PROMPTS[0] again: its decode is appended to the decodes."""
     with _decode_server(model_dir, seed_gate, marks) as decode:
         outs = [_pd_generate(prefill, decode, essay_ids[s: s + n]) for s, n in PROMPTS]
-        return outs, requests.get(f"{decode.url}/sas/info", timeout=60).json()["pool"][0]
+        pool = _pool(decode)
+        if disconnect:  # mid-transfer, then mid-decode
+            start, n = PROMPTS[1]
+            assert _pd_disconnect(prefill, decode, essay_ids[start + 100: start + 100 + n], chunks=0) == 0
+            assert _pd_disconnect(prefill, decode, essay_ids[start + 200: start + 200 + n], chunks=3) == 3
+            deadline = time.time() + 120
+            while (left := _pool(decode))["kv_pages"]["in_use"] and time.time() < deadline:
+                time.sleep(1)  # the abort reaches the scheduler at its next step
+            assert left["kv_pages"]["in_use"] == 0 and left["summary_rows"]["held"] == 0, left
+            start, n = PROMPTS[0]
+            outs.append(_pd_generate(prefill, decode, essay_ids[start: start + n]))
+            pool["after_disconnects"] = _pool(decode)
+        return outs, pool
 
 
 @pytest.fixture(scope="module")
@@ -109,16 +150,27 @@ def colocated(sas_sparse_server, essay_ids):
 
 
 def test_pd_decode_server_decodes_as_colocated_sas(prefill_server, model_dir, seed_gate, essay_ids, colocated):
-    outs, pool = _pd_run(prefill_server, model_dir, seed_gate, essay_ids, marks=True)
-    assert_same_decodes(colocated, outs, FP32, "PD (dense prefill, sas decode over Mooncake TCP) vs colocated sas",
+    """Both prompts decode as colocated sas; then clients leaving a request mid-transfer and mid-decode leave no page
+    or summary row held on the decode server, and the first prompt again (on pages the aborted requests held)
+    decodes as colocated sas: both servers go on serving."""
+    outs, pool = _pd_run(prefill_server, model_dir, seed_gate, essay_ids, marks=True, disconnect=True)
+    assert_same_decodes(colocated, outs[: len(PROMPTS)], FP32,
+                        "PD (dense prefill, sas decode over Mooncake TCP) vs colocated sas", n=NEW_TOKENS)
+    assert_same_decodes(colocated[:1], outs[len(PROMPTS):], FP32, "PD after a client disconnect vs colocated sas",
                         n=NEW_TOKENS)
     # Every step sparse; each request's complete prompt pages summarized at its first decode step, and nothing
     # held once both finished.
     assert pool["decode_steps"]["sparse"] >= len(PROMPTS) * (NEW_TOKENS - 1), pool["decode_steps"]
     assert pool["late_summaries"] >= sum(n // 64 for _, n in PROMPTS), pool
     assert pool["kv_pages"]["in_use"] == 0 and pool["summary_rows"]["held"] == 0, pool
+    # The two clients that left were aborted: of their 2 x 96 tokens the server decoded at most a few each (the
+    # repeated prompt adds its own NEW_TOKENS - 1 steps), and nothing is held at the end.
+    after = pool["after_disconnects"]
+    extra = after["decode_steps"]["sparse"] - pool["decode_steps"]["sparse"] - (NEW_TOKENS - 1)
+    assert 0 <= extra <= 2 * 8, (pool["decode_steps"], after["decode_steps"])
+    assert after["kv_pages"]["in_use"] == 0 and after["summary_rows"]["held"] == 0, after
     print(f"\nPD decode server: {pool['decode_steps']}, pages summarized at a first decode step "
-          f"{pool['late_summaries']}")
+          f"{pool['late_summaries']}; the aborted requests' decode steps: {extra}")
 
 
 @pytest.mark.skipif(os.environ.get("SAS_PD_CONTROL") != "1",
