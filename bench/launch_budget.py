@@ -4,7 +4,7 @@ serial work of its longest program and the time expected, written before a GPU m
     python bench/launch_budget.py            # prints the tables (docs/launch-budget.md is this output)
     python bench/launch_budget.py --check    # exit 1 if docs/launch-budget.md differs from what it prints
 
-Grids come from `sas_backend.ops.decode_step.DecodeStepWorkspace` itself (the sizes the server runs), so the
+Grids come from `sas_backend.ops.fused_step.DecodeStepWorkspace` itself (the sizes the server runs), so the
 paper follows the code. The cost model, calibrated on the first H200 run (bench/results/gpu-2026-11-27):
 
 - a kernel costs at least FLOOR_US: a CUDA-graph kernel node costs ~2 us even when it does nothing (measured),
@@ -63,7 +63,7 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     attend and block-step front read half the K / V bytes)."""
     import torch
 
-    from sas_backend.ops.decode_step import (GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS, DecodeStepWorkspace,
+    from sas_backend.ops.fused_step import (GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS, DecodeStepWorkspace,
                                              StepGeometry)
 
     k = BUDGET // B

@@ -218,7 +218,7 @@ class LayerStack:
 class Variant:
     """One way to run the served decode step (`sas_backend.backend.decode_step.DecodeStep`'s settings).
 
-    launch: `ops.decode_step.LaunchOptions`' fields (pdl, front_warps, select_warps, attend_warps) as a sorted
+    launch: `ops.fused_step.LaunchOptions`' fields (pdl, front_warps, select_warps, attend_warps) as a sorted
     tuple of (name, value) pairs (hashable; empty: the defaults)."""
 
     name: str
@@ -239,9 +239,18 @@ class Variant:
         return {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[self.kv]
 
     def launch_options(self):
-        from sas_backend.ops.decode_step import LaunchOptions
+        from sas_backend.ops.fused_step import LaunchOptions
 
         return LaunchOptions(**dict(self.launch)).check()
+
+    def step_settings(self):
+        """The `StepSettings` the served `DecodeStep` runs this variant with."""
+        from sas_backend.backend.step_settings import StepSettings
+
+        return StepSettings(self.kernels, self.attention, torch.bfloat16 if self.summary_dtype == "bf16" else
+                            torch.float32, self.chunk, self.target_programs, source=self.name,
+                            gate_dtype=torch.bfloat16 if self.gate_dtype == "bf16" else torch.float32,
+                            launch=self.launch_options())
 
     def settings(self) -> dict:
         """The chosen-settings table's entry for this variant (`sas_backend/backend/gpu_settings.json`)."""
@@ -290,6 +299,17 @@ COSTS = (
 )
 
 
+class ByLayer:
+    """`[layer]` -> what `fn(layer)` gives: the world's shared buffer sets as the per-layer pools `DecodeStep`
+    reads (summaries, prompt anchors)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, layer: int):
+        return self.fn(layer)
+
+
 class ServedStep(LayerStack):
     """The decode step the server runs: a `DecodeStep` over the world's slot table, planned as the backend
     plans a captured batch (graph_bs = bs, persistent step buffers filled inside the graph) or an eager one.
@@ -299,7 +319,8 @@ class ServedStep(LayerStack):
 
     def __init__(self, w: World, budget: int, graphs: bool, block_step: bool = True, variant: Variant = NEW):
         from sas_backend.backend.decode_step import DecodeStep
-        from sas_backend.ops.decode_step import StepGeometry
+        from sas_backend.backend.rope_tables import FixedRopeTables
+        from sas_backend.ops.fused_step import StepGeometry
         from sas_backend.selection import SelectionRule, make_selector
 
         geo = w.geo
@@ -317,30 +338,26 @@ class ServedStep(LayerStack):
             make_selector("gate", SelectionRule(self.top_k, BLOCK, sub_blocks=variant.sub_blocks)),
             StepGeometry(geo.kv_heads, geo.group, geo.head_dim, geo.head_dim, geo.gate_dim, self.top_k, BLOCK,
                          variant.sub_blocks),
-            w.req_to_token, w.device, torch.bfloat16, variant.kv_dtype, w.scale, kernels=variant.kernels,
-            attention=variant.attention, chunk=variant.chunk, target_programs=variant.target_programs,
-            launch=variant.launch_options(),
-            gate_dtype=torch.bfloat16 if variant.gate_dtype == "bf16" else torch.float32,
+            w.req_to_token, w.device, torch.bfloat16, variant.kv_dtype, w.scale, variant.step_settings(),
+            summaries=ByLayer(lambda layer: w.summaries_of(layer, self.dtype, variant.sub_blocks)), gates=w.gates,
+            rope=FixedRopeTables(w.model_table, w.gate_table),
+            anchors=ByLayer(lambda layer: w.anchors) if variant.anchors else None,
         )
-        self.step_obj.attach_gates(w.gates)
         self.graphs = graphs
         if graphs:
             self.step_obj.init_graph_state(w.bs, geo.head_dim, geo.gate_dim)
         self.plan = self.step_obj.plan(self.positions, self.seq_lens, w.req_pool_indices, self.seq_lens_cpu,
-                                       w.model_table, w.gate_table, graph_bs=w.bs if graphs else None)
+                                       graph_bs=w.bs if graphs else None)
         if graphs:
-            self.step_obj.fill(self.plan, w.model_table, w.gate_table)
+            self.step_obj.fill(self.plan)
 
-    def layer(self, layer):
-        w = self.w
-        k, v = w.kv(layer, self.variant.kv_dtype)
-        summaries = w.summaries_of(layer, self.dtype, self.variant.sub_blocks)
-        return self.step_obj.run(self.plan, w.gates[layer], w.q, k, v, summaries, w.model_table, w.gate_table,
-                                 anchors=w.anchors if self.variant.anchors else None)
+    def layer(self, layer, update: bool = True):
+        k, v = self.w.kv(layer, self.variant.kv_dtype)
+        return self.step_obj.run(self.plan, layer, self.w.q, k, v, update=update)
 
     def step(self):
         if self.graphs:  # as in the server: the step's device state is recomputed inside the graph
-            self.step_obj.fill(self.plan, self.w.model_table, self.w.gate_table)
+            self.step_obj.fill(self.plan)
         return super().step()
 
     def last_selected(self) -> torch.Tensor:
@@ -351,7 +368,7 @@ class ServedStep(LayerStack):
     OPS = ("front", "select", "attend")
 
     def front(self, layer):
-        from sas_backend.ops import decode_step as fused
+        from sas_backend.ops import fused_step as fused
 
         w, st = self.w, self.plan.step
         w_q, q_norm, w_k, k_norm = self.step_obj.front_weights(w.gates[layer])
@@ -360,7 +377,7 @@ class ServedStep(LayerStack):
                            st.block_table, st.seq_lens)
 
     def select(self, layer):
-        from sas_backend.ops import decode_step as fused
+        from sas_backend.ops import fused_step as fused
 
         st = self.plan.step
         return fused.select(self.step_obj.fused_ws, self.step_obj.fused_ws.gate_q[: self.w.bs],
@@ -368,7 +385,7 @@ class ServedStep(LayerStack):
                             self.plan.max_blocks)
 
     def attend(self, layer):
-        from sas_backend.ops import decode_step as fused
+        from sas_backend.ops import fused_step as fused
 
         st, (k, v) = self.plan.step, self.w.kv(layer)
         return fused.attend(self.step_obj.fused_ws, self.w.q, k, v, self.step_obj.fused_ws.selected[: self.w.bs],
@@ -399,11 +416,7 @@ class BranchStep(LayerStack):
         self.out = torch.empty(w.bs, w.geo.q_heads, w.geo.head_dim, dtype=torch.bfloat16, device=w.device)
 
     def _sparse(self, layer):
-        st = self.sparse
-        k, v = self.w.kv(layer)
-        self.out.copy_(st.step_obj.run(st.plan, self.w.gates[layer], self.w.q, k, v,
-                                       self.w.summaries_of(layer, st.dtype), self.w.model_table, self.w.gate_table,
-                                       update=False))
+        self.out.copy_(self.sparse.layer(layer, update=False))
 
     def _dense(self, layer):
         self.out.copy_(self.dense.layer(layer))
@@ -412,8 +425,7 @@ class BranchStep(LayerStack):
         from sas_backend.backend.graph_branch import captured_if, capturing
 
         st, w = self.sparse, self.w
-        st.step_obj.update_summaries(st.plan, w.gates[layer], w.kv(layer)[0], w.summaries_of(layer, st.dtype),
-                                     w.model_table, w.gate_table)
+        st.step_obj.update_summaries(st.plan, layer, w.kv(layer, st.variant.kv_dtype)[0])
         if capturing():
             with captured_if(self.flags.first):
                 self._sparse(layer)
@@ -428,7 +440,7 @@ class BranchStep(LayerStack):
 
     def step(self):
         if self.sparse.graphs:
-            self.sparse.step_obj.fill(self.sparse.plan, self.w.model_table, self.w.gate_table)
+            self.sparse.step_obj.fill(self.sparse.plan)
         return super().step()
 
     def warm(self):
@@ -708,8 +720,8 @@ def check_point(w: World, budget: int, graphs: bool, branches: bool = False) -> 
     """Every kernel of both steps vs its torch reference at this point, on layer 0 (fresh buffers), then each
     served step captured vs run eagerly (and, with `branches`, the IF-node graph's two branches vs the plain
     graphs). Returns [{"op", "max_abs_err", "tol", "ok"}]."""
-    from sas_backend.ops import decode_step as fused
-    from sas_backend.ops.decode_step import naive as fused_ref
+    from sas_backend.ops import fused_step as fused
+    from sas_backend.ops.fused_step import naive as fused_ref
     from sas_backend.ops.gate import gate_query_post_rope
     from sas_backend.ops.gate.naive import gate_query_post_rope as gq_ref
     from sas_backend.ops.score import score_blocks
@@ -856,8 +868,8 @@ def check_served(w: World, budget: int, graphs: bool) -> list:
     select against the reference selection with those anchors (blocks outside rounding ties), and the served step's
     last layer against the oracle over the blocks it selected; with graphs, its replay equals its eager step.
     Returns check rows as check_point's."""
-    from sas_backend.ops import decode_step as fused
-    from sas_backend.ops.decode_step import naive as fused_ref
+    from sas_backend.ops import fused_step as fused
+    from sas_backend.ops.fused_step import naive as fused_ref
 
     out = []
 
@@ -1133,7 +1145,7 @@ def decide_select_chunk(record: dict, budget: str) -> dict:
     {"rule": None (the default everywhere) | chunk (one for all) | {"bs": chunk}, "per_batch": {bs: {...}}}."""
     import math
 
-    from sas_backend.ops.decode_step import default_select_chunk
+    from sas_backend.ops.fused_step import default_select_chunk
 
     chunks = {NEW.name: default_select_chunk(int(budget) // BLOCK)}
     chunks.update({v.name: v.chunk for v in VARIANTS if v.chunk and v.settings() == dataclasses.replace(

@@ -77,7 +77,7 @@ KERNEL_MODULES = (
     "sas_backend.ops.score.triton",
     "sas_backend.ops.topk.triton",
     "sas_backend.ops.gather.triton",
-    "sas_backend.ops.decode_step.triton",
+    "sas_backend.ops.fused_step.triton",
     "sas_backend.training.ops.gated_attention.fused",
 )
 TRAINING_MODULES = ("sas_backend.training.",)
@@ -154,7 +154,7 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
                  product(k=(sg["k"],), m=WIDTHS) + product(k=[k for k in ks if k != sg["k"]], m=CI_TOPK_WIDTHS))
         + [dict(k=sg["k"], sink=f[0], local=f[1], **s) for s in width_spec for f in SPEC_FORCED],
         "gather": product(k=ks, m=WIDTHS) + [dict(k=sg["k"], **s) for s in width_spec],
-        # The fused decode step (ops/decode_step): every group and dim in bf16, the dtypes at the spec geometry.
+        # The fused decode step (ops/fused_step): every group and dim in bf16, the dtypes at the spec geometry.
         # The CI grid keeps the spec geometry's variants only (G 4 and 1, both dtypes of the pool and weights, the
         # fp32 K/V tiles that spilled once, the widest select): compiling the full set took ~8 min of CI.
         "decode_front": (product(d=HEAD_DIMS, dg=GATE_DIMS, g=GROUPS, dtype=("bf16",), weights=("fp32",),
@@ -176,7 +176,7 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
                             if grid == "full" or p["dtype"] in CI_HALF_TRAINING
                             or (p["dtype"] == "fp32" and all(p[k] == v for k, v in CI_FP32_TRAINING.items()))],
     }
-    # The launch variants the GPU measurement decides (ops.decode_step.LaunchOptions), at the spec geometry in
+    # The launch variants the GPU measurement decides (ops.fused_step.LaunchOptions), at the spec geometry in
     # both grids: PDL (grid dependency control compiled in) and 8 warps for select and attend (the benchmark's
     # VARIANTS; the front at 2 warps spilled 8 bytes at 255 registers, so it is not a variant).
     spec_front = dict(d=sg["d"], dg=sg["dg"], g=sg["g"], dtype="bf16", weights="bf16", summaries="bf16")
@@ -192,7 +192,7 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
 
 
 # What the CUDA path launches (issue 64 item 4): the fused step at Qwen3-4B's geometry as `DecodeStep` runs it on a
-# GPU (ops.decode_step.default_sizes(cuda=True): the front's QCHUNK / KCHUNK, the attend splits), with the shipped
+# GPU (ops.fused_step.default_sizes(cuda=True): the front's QCHUNK / KCHUNK, the attend splits), with the shipped
 # default (bf16 summaries, bf16 gate weights, the Qwen gate's 4 prompt anchors) and fp32, every budget, every batch
 # size up to the fused workspace's rows and every width up to 256K tokens (an eager step's width is its longest
 # request's, a captured one's the server's: SGLang's context_length + 4), and the benchmark's variants (select chunk,
@@ -223,7 +223,7 @@ def served_cases() -> dict[str, list[dict]]:
     """{op: [params]} of the fused step's launches on the CUDA path, one per configuration (see above): select per
     (merge tile, warps) of the widths 1 .. 256K tokens (a multiple of 16 blocks where the class has one, as the
     server's width is), attend per (splits padded to a power of two) of the batch sizes 1 .. SERVED_ROWS."""
-    from sas_backend.ops import decode_step as fused
+    from sas_backend.ops import fused_step as fused
 
     sg = SPEC_GEOMETRY
     spec = dict(h_kv=8, d=sg["d"], dg=sg["dg"], g=sg["g"])
@@ -280,7 +280,7 @@ def _dt(name: str):
 
 def launch(op: str, p: dict, sizes: dict | None = None) -> None:
     """Call the op's Triton launcher once with the server's (or trainer's) argument layout. sizes: the fused step's
-    workspace split sizes (default: a CUDA workspace's, `ops.decode_step.default_sizes(cuda=True)`)."""
+    workspace split sizes (default: a CUDA workspace's, `ops.fused_step.default_sizes(cuda=True)`)."""
     import torch
 
     f32, i64, i32 = torch.float32, torch.int64, torch.int32
@@ -334,7 +334,7 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
         build_kv_indices_triton(torch.zeros(bs, h_kv, k, dtype=i32), table, seq_lens, BLOCK, indptr,
                                 torch.empty(rows * (k + 1) * BLOCK, dtype=i32))
     elif op.startswith("decode_"):
-        from sas_backend.ops import decode_step as fused
+        from sas_backend.ops import fused_step as fused
 
         d, dg, g = p.get("d", 128), p.get("dg", 128), p.get("g", 4)
         k = p.get("k", 32)

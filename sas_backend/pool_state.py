@@ -51,7 +51,8 @@ def scheduler_pool_state(scheduler) -> dict:
     sas backend summarized at decode planning because their KV came without an extend through it (0 in a
     colocated server; None on another backend); `kv_cache`: the KV dtype the sas backend reads and, for an fp8
     cache, where its layers' scales came from (`backend.kv_scales.SOURCES`: layers per source) and their range
-    (None on another backend).
+    (None on another backend); `memory`: the sas backend's device bytes by name, `held` and `reserved`
+    (`_memory_state`).
     """
     backend = _attn_backend(scheduler)
     page = int(getattr(backend, "block_size", 0) or getattr(scheduler, "page_size", 1) or 1)
@@ -87,8 +88,19 @@ def scheduler_pool_state(scheduler) -> dict:
     state["dense_below"] = getattr(settings, "dense_below", None)
     state["late_summaries"] = getattr(backend, "late_summaries", None)
     state["kv_cache"] = _kv_cache_state(backend)
+    state["memory"] = _memory_state(backend)
     state["pid"] = os.getpid()
     return state
+
+
+def _memory_state(backend) -> Optional[dict]:
+    """The sas backend's device bytes by name: `held` (what its objects hold now) and `reserved` (what the launch set
+    aside beside the KV pool, `backend.memory.RESERVED`; None where nothing was reserved). None on another backend."""
+    if not hasattr(backend, "held_bytes"):
+        return None
+    from sas_backend.backend import memory
+
+    return {"held": backend.held_bytes(), "reserved": memory.RESERVED}
 
 
 def _kv_cache_state(backend) -> Optional[dict]:

@@ -60,23 +60,24 @@ class Rig:
         for m in range(-(-(prompt_len + 2 * B) // B)):  # the prompt and room to decode
             self.req_pool.req_to_token[req, m * B : (m + 1) * B] = self.free_pages.pop() * B + torch.arange(B)
         slots = self.req_pool.req_to_token[req, :prompt_len].long()
-        cos_sin = self.backend.model_rope_table[:prompt_len]
+        cos_sin = self.backend.step.model_table[:prompt_len]
         for lid in range(LAYERS):
             self.kv_pool.k_buffer[lid][slots] = apply_rope(torch.randn(prompt_len, H_KV, D, generator=self.g), cos_sin)
             self.kv_pool.v_buffer[lid][slots] = torch.randn(prompt_len, H_KV, D, generator=self.g)
             n_blocks = prompt_len // B
-            if self.backend.anchors is not None:  # as an extend would leave them: blocks of the prompt, -1 padded
-                picks = torch.randperm(max((prompt_len - 1) // B, 1), generator=self.g)[: self.backend.anchor_count]
-                row = torch.full((H_KV, self.backend.anchor_count), -1, dtype=torch.int32)
+            anchors = self.backend.step.anchors
+            if anchors is not None:  # as an extend would leave them: blocks of the prompt, -1 padded
+                picks = torch.randperm(max((prompt_len - 1) // B, 1), generator=self.g)[: anchors.count]
+                row = torch.full((H_KV, anchors.count), -1, dtype=torch.int32)
                 row[:, : picks.numel()] = picks.to(torch.int32) if (prompt_len - 1) // B else -1
-                self.backend.anchors[lid][req] = row
+                anchors[lid][req] = row
             if n_blocks:
                 pages = self.req_pool.req_to_token[req, : n_blocks * B : B].long() // B
                 starts = torch.arange(n_blocks) * B
                 gate = self.backend.gates[lid]
                 self.backend.summaries[lid][pages] = self.backend.selector.summarize(
-                    gate, self.kv_pool.k_buffer[lid], pages, starts, self.backend.model_rope_table,
-                    self.backend.gate_rope_table,
+                    gate, self.kv_pool.k_buffer[lid], pages, starts, self.backend.step.model_table,
+                    self.backend.step.gate_table,
                 )
                 self.backend.summaries.mark_valid(pages)  # as an extend through sas leaves them
 
@@ -85,7 +86,7 @@ class Rig:
         seq_lens = torch.tensor([self.lens[r] + 1 for r in reqs])
         pos = seq_lens - 1
         loc = torch.stack([self.req_pool.req_to_token[r, int(p)] for r, p in zip(reqs, pos)]).long()
-        cos_sin = self.backend.model_rope_table[pos]
+        cos_sin = self.backend.step.model_table[pos]
         qkv = [
             (
                 apply_rope(torch.randn(len(reqs), H_Q, D, generator=self.g), cos_sin).reshape(len(reqs), -1),
@@ -103,7 +104,7 @@ class Rig:
         pos = (seq_lens[:, None] + torch.arange(n)[None, :]).reshape(-1)
         rows = torch.tensor(reqs).repeat_interleave(n)
         loc = self.req_pool.req_to_token[rows, pos].long()
-        cos_sin = self.backend.model_rope_table[pos]
+        cos_sin = self.backend.step.model_table[pos]
         t = len(reqs) * n
         qkv = [
             (

@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from sas_backend.backend.decode_step import DecodeStep
+from sas_backend.backend.rope_tables import FixedRopeTables
+from sas_backend.backend.step_settings import StepSettings
 from sas_backend.gate.module import AttnGate
-from sas_backend.ops.decode_step import StepGeometry
+from sas_backend.ops.fused_step import StepGeometry
 from sas_backend.ops.rope import apply_rope, rope_cos_sin_table
 from sas_backend.ops.summary.torch_path import summarize_pages
 from sas_backend.selection import SelectionRule, make_selector
@@ -96,9 +98,16 @@ class World:
         self.rule = SelectionRule(budget_blocks, B, sink, local, sub_blocks)
         self.geo = StepGeometry(H_KV, G, D, D, DG, budget_blocks, B, sub_blocks)
 
-    def step(self, kernels, attention, **kw):
-        return DecodeStep(make_selector("gate", self.rule), self.geo, self.req_to_token, DEVICE, torch.float32,
-                          torch.float32, D**-0.5, kernels=kernels, attention=attention, **kw)
+    def step(self, kernels, attention, summaries=None, force_sparse=False, q_dtype=torch.float32,
+             kv_dtype=torch.float32, **settings):
+        """A `DecodeStep` over this world (summaries: the per-layer pools it reads and updates; default the
+        world's own)."""
+        return DecodeStep(make_selector("gate", self.rule), self.geo, self.req_to_token, DEVICE, q_dtype, kv_dtype,
+                          D**-0.5, StepSettings(kernels, attention, **settings),
+                          summaries=self.summaries if summaries is None else summaries, gates=self.gates,
+                          rope=FixedRopeTables(self.model_table, self.gate_table),
+                          anchors=None if self.anchors is None else {lid: self.anchors for lid in range(LAYERS)},
+                          force_sparse=force_sparse)
 
     def batch(self, lens, rows):
         seq = torch.tensor(lens, dtype=torch.int64)
@@ -106,18 +115,14 @@ class World:
         return dict(positions=(seq - 1).clamp_min(0).to(DEVICE), seq_lens=seq.to(DEVICE),
                     req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE), seq_lens_cpu=seq), q
 
-    def run(self, step, plan, q, summaries=None):
-        outs = []
-        for lid in range(LAYERS):
-            s = self.summaries[lid] if summaries is None else summaries[lid]
-            outs.append((step.run(plan, self.gates[lid], q, self.k[lid], self.v[lid], s, self.model_table,
-                                  self.gate_table, self.anchors), step.last_selected.clone()))
-        return outs
+    def run(self, step, plan, q):
+        return [(step.run(plan, lid, q, self.k[lid], self.v[lid]), step.last_selected.clone())
+                for lid in range(LAYERS)]
 
 
 def _plan(step, world, inp, graph_bs=None):
     return step.plan(inp["positions"], inp["seq_lens"], inp["req_pool_indices"], inp["seq_lens_cpu"],
-                     world.model_table, world.gate_table, graph_bs=graph_bs)
+                     graph_bs=graph_bs)
 
 
 @pytest.mark.parametrize("lens", [[100, 37, 61], [96, 40, 64]], ids=["steady", "block"])
@@ -149,7 +154,7 @@ def test_fused_step_replays_fixed_grids_over_fixed_buffers():
             static[k].copy_(v)
         inp = static
         plan = _plan(step, world, inp, graph_bs=4)
-        step.fill(plan, world.model_table, world.gate_table)
+        step.fill(plan)
         with launches() as seen:
             world.run(step, plan, q)
         records.append(seen)
@@ -173,11 +178,11 @@ def test_fused_step_equals_the_per_op_step(budget, sink, local, anchors, sub):
     inp, q = world.batch(lens, rows)
     results = {}
     for kernels, attention in (("torch", "torch"), ("triton", "triton"), ("torch", "triton"), ("triton", "torch")):
-        step = world.step(kernels, attention, force_sparse=True)
         summaries = [s.clone() for s in world.summaries]
+        step = world.step(kernels, attention, summaries, force_sparse=True)
         plan = _plan(step, world, inp)
         assert not plan.dense
-        results[kernels, attention] = world.run(step, plan, q, summaries), summaries
+        results[kernels, attention] = world.run(step, plan, q), summaries
     (ref, ref_summ) = results["torch", "torch"]
     for key, (got, summ) in results.items():
         for lid in range(LAYERS):
@@ -198,10 +203,9 @@ def test_triton_attention_equals_flashinfer_attention():
     q = q.bfloat16()
     outs = {}
     for attention in ("triton", "flashinfer"):
-        step = DecodeStep(make_selector("gate", world.rule), world.geo, world.req_to_token, DEVICE, torch.bfloat16,
-                          torch.bfloat16, D**-0.5, kernels="triton", attention=attention)
-        summaries = [s.clone() for s in world.summaries]
-        outs[attention] = world.run(step, _plan(step, world, inp), q, summaries)
+        step = world.step("triton", attention, [s.clone() for s in world.summaries], q_dtype=torch.bfloat16,
+                          kv_dtype=torch.bfloat16)
+        outs[attention] = world.run(step, _plan(step, world, inp), q)
     for lid in range(LAYERS):
         assert torch.equal(outs["triton"][lid][1], outs["flashinfer"][lid][1])
         torch.testing.assert_close(outs["triton"][lid][0].float(), outs["flashinfer"][lid][0].float(),
@@ -209,32 +213,32 @@ def test_triton_attention_equals_flashinfer_attention():
 
 
 def test_bf16_gate_copies_are_what_the_front_reads():
-    """gate_dtype bf16: the fused front reads `attach_gates`' bf16 copies (counted in device_nbytes), exactly as an
-    fp32 step over gates rounded to bf16; every other path keeps the fp32 gate; unattached gates are refused."""
+    """gate_dtype bf16: the fused front reads bf16 copies of the step's gates made when it is built (counted in
+    device_nbytes), exactly as an fp32 step over gates rounded to bf16; every other path keeps the fp32 gate; a gate
+    that is not the step's is refused."""
     world = World(3, 1, 1, seed=11)
     inp, q = world.batch([64, 257, 9, 130, 200], [0, 1, 2, 3, 4])
-    bf16 = world.step("triton", "triton", gate_dtype=torch.bfloat16)
-    plan = _plan(bf16, world, inp)
-    with pytest.raises(RuntimeError, match="attach_gates"):
-        world.run(bf16, plan, q)
-    before = bf16.device_nbytes
-    bf16.attach_gates(world.gates)
+    summ_bf16 = [s.clone() for s in world.summaries]
+    bf16 = world.step("triton", "triton", summ_bf16, gate_dtype=torch.bfloat16)
+    fp32_gates = world.step("triton", "triton")
     per_gate = sum(t.numel() * 2 for t in bf16.front_weights(world.gates[0]))
-    assert bf16.device_nbytes == before + LAYERS * per_gate
+    assert bf16.device_nbytes == fp32_gates.device_nbytes + LAYERS * per_gate
     assert all(t.dtype == torch.bfloat16 for t in bf16.front_weights(world.gates[1]))
     assert world.gates[0].attngate_linear_q.weight.dtype == torch.float32  # the gate itself is untouched
-    summ_bf16 = [s.clone() for s in world.summaries]
-    got = world.run(bf16, plan, q, summ_bf16)
+    with pytest.raises(RuntimeError, match="not among them"):
+        bf16.front_weights(World(3, 1, 1, seed=12).gates[0])
+    plan = _plan(bf16, world, inp)
+    got = world.run(bf16, plan, q)
 
     rounded = World(3, 1, 1, seed=11)  # the same world, its gates rounded to bf16 and back
     for gate in rounded.gates:
         for t in gate.parameters():
             t.copy_(t.to(torch.bfloat16).float())
-    fp32 = rounded.step("triton", "triton")
+    summ_ref = [s.clone() for s in rounded.summaries]  # summarized by the unrounded gates, as the world's
+    fp32 = rounded.step("triton", "triton", summ_ref)
     inp2, q2 = rounded.batch([64, 257, 9, 130, 200], [0, 1, 2, 3, 4])
     assert torch.equal(q, q2)
-    summ_ref = [s.clone() for s in rounded.summaries]  # summarized by the unrounded gates, as the world's
-    ref = rounded.run(fp32, _plan(fp32, rounded, inp2), q2, summ_ref)
+    ref = rounded.run(fp32, _plan(fp32, rounded, inp2), q2)
     for lid in range(LAYERS):
         assert torch.equal(got[lid][1], ref[lid][1]), lid
         torch.testing.assert_close(got[lid][0], ref[lid][0], rtol=1e-6, atol=1e-6)
@@ -247,14 +251,14 @@ def test_launch_options_warps_change_no_result_and_pdl_is_refused_by_the_interpr
     """Other warps give the same selection and output: a check on CUDA only (Triton's interpreter drops
     num_warps, so on CPU the two runs are the same launch); bad warps and, under the interpreter, PDL are
     refused everywhere."""
-    from sas_backend.ops.decode_step import LaunchOptions, _interpreting
+    from sas_backend.ops.fused_step import LaunchOptions, _interpreting
 
     world = World(3, 1, 1, seed=5)
     inp, q = world.batch([64, 257, 9, 130, 200], [0, 1, 2, 3, 4])
     outs = []
     for launch in (LaunchOptions(), LaunchOptions(front_warps=2, select_warps=8, attend_warps=8)):
-        step = world.step("triton", "triton", launch=launch)
-        outs.append(world.run(step, _plan(step, world, inp), q, [s.clone() for s in world.summaries]))
+        step = world.step("triton", "triton", [s.clone() for s in world.summaries], launch=launch)
+        outs.append(world.run(step, _plan(step, world, inp), q))
     for lid in range(LAYERS):
         assert torch.equal(outs[0][lid][1], outs[1][lid][1])
         torch.testing.assert_close(outs[0][lid][0], outs[1][lid][0], rtol=1e-5, atol=1e-5)

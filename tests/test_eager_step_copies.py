@@ -136,7 +136,7 @@ def test_eager_extend_plan_copies_nothing_blocking():
     )
     with HostToDeviceSpy() as spy:
         be.init_forward_metadata(fb)
-    pages, starts = be._extend_blocks
+    pages, starts = be._extend.blocks
     # Request 0 completes blocks 0, 1 (tokens 0..15); request 1 blocks 2..4 (its prefix held 0, 1).
     assert pages.shape == (5,) and starts.shape == (5,) and pages.device == DEV
     assert spy.copies and all(non_blocking for _, non_blocking in spy.copies), spy.copies

@@ -765,7 +765,7 @@ def test_select_chunk_is_chosen_per_batch_size():
     chunk winning everywhere leaves the table's null."""
     import bench_decode_step as bds
 
-    from sas_backend.ops import decode_step as fused
+    from sas_backend.ops import fused_step as fused
 
     def v(speedup, ok=True):
         return {"speedup": speedup, "amortized_ms": 1.0 / speedup, "ms": 1.0, "steady_ms": 1.0, "check": {"ok": ok}}

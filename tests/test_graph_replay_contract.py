@@ -72,7 +72,7 @@ def test_captured_decode_replays_like_eager(budget, sink, local, anchors):
             if anchors:  # each row's prompt anchors are among its selected blocks (layer 0)
                 for i, r in enumerate(reqs):
                     for h in range(H_KV):
-                        want_in = {m for m in rig.backend.anchors[0][r, h].tolist() if m >= 0}
+                        want_in = {m for m in rig.backend.step.anchors[0][r, h].tolist() if m >= 0}
                         assert want_in <= set(got_sel[i, h].tolist()), (step, r, h)
         for lid in range(LAYERS):  # the KV and the summaries of every page a request owns
             assert torch.equal(after_graph[0][lid][B:], rig.kv_pool.k_buffer[lid][B:]), f"step {step}: K"
@@ -199,7 +199,7 @@ def _live_rope_tables(backend, max_pos):
     rotary = torch.nn.Module()
     rotary.cos_sin_cache = rope_cos_sin_table(D, max_pos, 10000.0)
     geo = ModelGeometry(num_layers=LAYERS, num_q_heads=H_Q, num_kv_heads=H_KV, head_dim=D, rope_theta=10000.0)
-    backend.rope_tables = RopeTables(rotary, DG, geo, "cpu")  # in place of the rig's fixed tables
+    backend.step.rope = RopeTables(rotary, DG, geo, "cpu")  # in place of the rig's fixed tables
     return rotary
 
 
@@ -214,18 +214,18 @@ def test_rope_table_reallocation_is_followed_eagerly_and_refused_after_capture()
     fb = decode_fb(inp["seq_lens"], inp["positions"], inp["reqs"], inp["out_cache_loc"], 1)
     rotary.cos_sin_cache = rope_cos_sin_table(D, MAX_CTX + 64, 10000.0)  # grown before capture
     be.init_forward_metadata(fb)
-    assert be.model_rope_table.shape[0] == MAX_CTX + 64 and be.gate_rope_table.shape == (MAX_CTX + 64, DG)
+    assert be.step.model_table.shape[0] == MAX_CTX + 64 and be.step.gate_table.shape == (MAX_CTX + 64, DG)
     static = Static(MAX_BS, be.get_cuda_graph_seq_len_fill_value())
     static.load(inp)
     graph, graph_outs = capture(rig, static)
-    captured = (be.model_rope_table.data_ptr(), be.gate_rope_table.data_ptr())
+    captured = (be.step.model_table.data_ptr(), be.step.gate_table.data_ptr())
 
     # Same length (SGLang's dtype cast): refilled in place, the graphs keep working.
     rotary.cos_sin_cache = rotary.cos_sin_cache.to(torch.bfloat16)
     be.init_forward_metadata(fb)
     be.init_forward_metadata_out_graph(static.fb())
     graph.replay()
-    assert (be.model_rope_table.data_ptr(), be.gate_rope_table.data_ptr()) == captured
+    assert (be.step.model_table.data_ptr(), be.step.gate_table.data_ptr()) == captured
 
     rotary.cos_sin_cache = rope_cos_sin_table(D, MAX_CTX + 128, 10000.0)  # SGLang grew its table again
     with pytest.raises(RuntimeError, match="after CUDA graphs were captured"):
@@ -233,8 +233,8 @@ def test_rope_table_reallocation_is_followed_eagerly_and_refused_after_capture()
     with pytest.raises(RuntimeError, match="after CUDA graphs were captured"):
         be.init_forward_metadata_out_graph(static.fb())
     # Nothing was adopted: the captured tables are the ones the backend still reads.
-    assert (be.model_rope_table.data_ptr(), be.gate_rope_table.data_ptr()) == captured
-    assert (be.rope_tables._model.data_ptr(), be.rope_tables._gate.data_ptr()) == captured
+    assert (be.step.model_table.data_ptr(), be.step.gate_table.data_ptr()) == captured
+    assert (be.step.rope._model.data_ptr(), be.step.rope._gate.data_ptr()) == captured
 
 
 def test_decode_steps_are_counted_by_path_and_captures_are_not():

@@ -23,6 +23,15 @@ MODEL = os.path.join(os.path.dirname(__file__), "..", "models", "SmolLM2-135M-In
 GEO = dict(num_sparse_layers=28, num_kv_heads=3, gate_dim=128, block_size=64, top_k=8)
 
 
+@pytest.fixture(autouse=True)
+def _reservation_stays_here(monkeypatch):
+    """`reserve_sas_memory` records its figure in `memory.RESERVED` for the backend built after it: not for the
+    backends later tests build in this process."""
+    from sas_backend.backend import memory
+
+    monkeypatch.setattr(memory, "RESERVED", None)
+
+
 def _nbytes(*tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -155,7 +164,7 @@ def test_hook_shrinks_the_budget_for_sas_only(sas_env, caplog):
                      rope_positions=8448, flashinfer_attention=False, decode_step_bytes=fused_bytes,
                      summary_bytes=2,  # the settings table's bf16 summary pool on CUDA
                      front_gate_bytes=2)  # and its bf16 gate copies for the fused front
-    assert fused_bytes > 0 and "kv indices" not in mem.fixed
+    assert fused_bytes > 0 and "flashinfer sparse decode" not in mem.fixed
     assert mem.fixed["gate rope table"] == 8448 * 128 * 4 and "model rope table (fp32 copy)" not in mem.fixed
     assert mem.fixed["gate weights (front copy)"] == mem.fixed["gate weights"] // 2  # bf16 beside the fp32 gate
     assert budget == kv_budget_with_sas(available, cell, mem) < available
@@ -231,9 +240,9 @@ def test_no_graph_wrappers_are_reserved_whatever_the_flag_spelling(sas_env, spel
     eager, _ = memory_for_sglang(_owner(sas_env, **spelling))
     monkeypatch.setenv("SAS_ATTENTION", "triton")
     fused, _ = memory_for_sglang(_owner(sas_env))
-    assert "flashinfer int workspaces" not in fused.fixed and "decode step workspace" in fused.fixed
-    assert graphs.fixed["flashinfer int workspaces"] == 5 * (8 << 20)  # eager + 4 captured sizes
-    assert eager.fixed["flashinfer int workspaces"] == 8 << 20
+    assert "flashinfer sparse decode" not in fused.fixed and "decode step workspace" in fused.fixed
+    # eager + 4 captured sizes' wrappers, against the eager one alone
+    assert graphs.fixed["flashinfer sparse decode"] - eager.fixed["flashinfer sparse decode"] == 4 * (8 << 20)
 
 
 def test_cpu_reservation_equals_what_the_backend_allocates(sas_env, caplog):
@@ -277,17 +286,18 @@ def test_decode_step_workspace_figure_matches_the_step_object(on_cuda, sub, chun
     rule (a settings table's) the select partials of its hungriest batch."""
     from sas_backend.backend.decode_step import FUSED_MAX_ROWS, DecodeStep
     from sas_backend.backend.memory import decode_step_workspace_bytes
-    from sas_backend.ops.decode_step import (
+    from sas_backend.ops.fused_step import (
         CPU_TARGET_PROGRAMS, GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS, StepGeometry,
     )
+    from sas_backend.backend.step_settings import StepSettings
     from sas_backend.selection import SelectionRule, make_selector
 
     h, g, d, dg, k, b, max_reqs, ctx = 8, 4, 128, 128, 32, 64, 300, 256 * 1024
     req_to_token = torch.empty(max_reqs + 1, ctx, dtype=torch.int32, device="meta")
     step = DecodeStep(make_selector("gate", SelectionRule(k, b, sub_blocks=sub)),
                       StepGeometry(h, g, d, d, dg, k, b, sub), req_to_token, "meta", torch.bfloat16, torch.bfloat16,
-                      0.1, kernels="triton", attention="triton",
-                      target_programs=GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS, chunk=chunk)
+                      0.1, StepSettings("triton", "triton", target_programs=GPU_TARGET_PROGRAMS if on_cuda
+                                        else CPU_TARGET_PROGRAMS, select_chunk=chunk))
     if on_cuda:  # the workspace on `meta` standing in for CUDA: the GPU's front units
         step.fused_ws.__init__(step.geo, FUSED_MAX_ROWS, step.max_blocks, "meta", target_programs=GPU_TARGET_PROGRAMS,
                                qchunk=GPU_QCHUNK, kchunk=GPU_KCHUNK, chunk=chunk)
@@ -303,7 +313,7 @@ def test_decode_step_workspace_figure_matches_the_step_object(on_cuda, sub, chun
     assert got < 64 * 2**20  # Qwen3-4B shapes at 256K: tens of MiB, not hundreds
     mem = sas_memory(**GEO, max_reqs=max_reqs, on_cuda=True, decode_step_bytes=got, flashinfer_attention=False,
                      summary_bytes=2)
-    assert mem.fixed["decode step workspace"] == got and "kv indices" not in mem.fixed
+    assert mem.fixed["decode step workspace"] == got and "flashinfer sparse decode" not in mem.fixed
     assert mem.summary_bytes_per_page == GEO["num_sparse_layers"] * GEO["num_kv_heads"] * GEO["gate_dim"] * 2 + 1
 
 
@@ -319,3 +329,37 @@ def test_fp8_kv_is_counted_at_one_byte_an_element(sas_env, fp8):
     mem, kv_fp8 = memory_for_sglang(owner)
     assert 2 * kv_fp8 == kv_bf16
     assert mem.summary_bytes_per_page == bf16.summary_bytes_per_page
+
+
+@pytest.mark.parametrize("user_max,want_rows", [(None, 2048), (64, 64), (100000, 16384 // 2)])
+def test_per_request_buffers_are_reserved_for_the_rows_sglang_gives(sas_env, monkeypatch, user_max, want_rows):
+    """The prompt-anchor pool has a row per request slot: the reservation sizes it for the rows SGLang then gives
+    the pool it builds (`resolve_max_num_reqs`: the launch's --max-running-requests, else 512 per context length of
+    tokens within 2048..4096, at most tokens // 2), plus SGLang's padding row, not for the 4096 cap."""
+    from sas_backend.backend import memory
+    from sas_backend.backend.anchor_pool import AnchorPool
+    from sas_backend.backend.summary_pool import SummaryPool
+
+    monkeypatch.setenv("SAS_PROMPT_ANCHORS", "2")
+    owner = _owner(sas_env, device="cpu", max_total_tokens=16384, max_running_requests=user_max)
+    owner.model_config.context_len, owner.model_config.dtype = 8192, torch.float32
+    reserve_sas_memory(lambda o, p: 20 << 30, owner, 0)
+    assert memory.sglang_max_running_requests(owner.server_args, 8192, 16384) == want_rows
+    assert memory.RESERVED["prompt anchors"] == AnchorPool.nbytes_for(30, want_rows + 1, 3, 2)
+    # the pool SGLang builds (max_total_tokens) and its padding page, as SummaryPool allocates it
+    assert memory.RESERVED["summary pool"] == SummaryPool(range(30), 16384 // 64 + 1, 3, 128, "meta").nbytes
+
+
+def test_the_slot_table_width_comes_from_the_installed_sglang():
+    """The fused workspace is reserved for SGLang's `req_to_token` width: the installed release names its row
+    headroom where `sglang_compat.req_to_token_width` reads it (a rename would silently fall back to the RoPE
+    table's length, an over-reservation the server tests would catch as held < reserved)."""
+    import types
+
+    from sglang.srt.mem_cache import allocation_sizing
+
+    from sas_backend.backend.sglang_compat import req_to_token_width
+
+    assert callable(allocation_sizing.get_req_to_token_extra_context_len)
+    width = req_to_token_width(types.SimpleNamespace(context_len=8192))
+    assert width is None or 8192 + 4 <= width <= 8192 + 4 + 64  # None only before SGLang publishes its state

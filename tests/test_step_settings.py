@@ -9,7 +9,7 @@ import torch
 
 from sas_backend.backend.step_settings import TABLE, resolve, table_entry
 from sas_backend.config import SASConfig, SASConfigError
-from sas_backend.ops.decode_step import LaunchOptions
+from sas_backend.ops.fused_step import LaunchOptions
 
 
 def _cfg(**kw):
@@ -31,7 +31,7 @@ def test_shipped_table_parses_and_says_whether_it_was_measured():
 
 
 def test_sub_block_summaries_take_the_fused_kernels():
-    """The fused front and select summarize and score sub-block runs (ops.decode_step, StepGeometry.sub_blocks):
+    """The fused front and select summarize and score sub-block runs (ops.fused_step, StepGeometry.sub_blocks):
     --sas-sub-blocks keeps the table's fused path on CUDA, and an explicit --sas-kernels triton is accepted."""
     for sub in (1, 4):
         s = resolve(_cfg(sub_blocks=sub), torch.device("cuda"), "NVIDIA H200", TABLE_H)

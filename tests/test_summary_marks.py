@@ -43,7 +43,7 @@ def _reuse_pages(rig, first, second, check_marks):
     slots = rig.req_pool.req_to_token[second, :PROMPT].long()
     for lid in range(LAYERS):
         rig.kv_pool.k_buffer[lid][slots] = apply_rope(torch.randn(PROMPT, H_KV, D, generator=rig.g),
-                                                     rig.backend.model_rope_table[:PROMPT])
+                                                     rig.backend.step.model_table[:PROMPT])
         rig.kv_pool.v_buffer[lid][slots] = torch.randn(PROMPT, H_KV, D, generator=rig.g)
     return pages[: PROMPT // B]
 
@@ -52,7 +52,7 @@ def _fresh(rig, req, pages):
     """The summaries the second request's KV calls for, per layer."""
     starts = torch.arange(pages.numel()) * B
     return {lid: rig.backend.selector.summarize(rig.backend.gates[lid], rig.kv_pool.k_buffer[lid], pages, starts,
-                                                rig.backend.model_rope_table, rig.backend.gate_rope_table)
+                                                rig.backend.step.model_table, rig.backend.step.gate_table)
             for lid in range(LAYERS)}
 
 

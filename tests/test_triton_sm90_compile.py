@@ -33,7 +33,7 @@ SERVING_KERNELS = {
     "ops.summary._summarize_pages_kernel",
     "ops.summary._summary_update_decode_kernel", "ops.score._score_blocks_kernel",
     "ops.topk._chunk_select_kernel", "ops.topk._merge_select_kernel", "ops.gather._build_kv_indices_kernel",
-    "ops.decode_step._front_kernel", "ops.decode_step._select_kernel", "ops.decode_step._attend_kernel",
+    "ops.fused_step._front_kernel", "ops.fused_step._select_kernel", "ops.fused_step._attend_kernel",
 }
 BOTH = os.environ.get("SAS_SM90_BOTH_TRITONS") == "1"
 TRAINING_KERNELS = {"training.fused._fwd_kernel", "training.fused._delta_kernel", "training.fused._bwd_dq_kernel",
@@ -117,9 +117,9 @@ def test_every_geometry_was_compiled(records):
         assert {r["constexprs"]["DIRECT"] for r in chunk} == {True, False}, version
         # The fused step's launch variants (bench_decode_step.VARIANTS): PDL on and off for each kernel, 8 warps.
         for kernel in ("_front_kernel", "_select_kernel", "_attend_kernel"):
-            fused = [r for r in rec["variants"] if r["kernel"] == f"ops.decode_step.{kernel}"]
+            fused = [r for r in rec["variants"] if r["kernel"] == f"ops.fused_step.{kernel}"]
             assert {r["constexprs"]["PDL"] for r in fused} == {True, False}, (version, kernel)
-        assert {r["num_warps"] for r in rec["variants"] if r["kernel"] == "ops.decode_step._attend_kernel"} >= {4, 8}
+        assert {r["num_warps"] for r in rec["variants"] if r["kernel"] == "ops.fused_step._attend_kernel"} >= {4, 8}
 
 
 def _row(kind="serving", **kw):
@@ -216,7 +216,7 @@ SERVED_PROBE = '''
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import compile_triton as ct
-from sas_backend.ops import decode_step as fused
+from sas_backend.ops import fused_step as fused
 
 
 def configs(op_params, sizes=None):
@@ -273,7 +273,7 @@ print(json.dumps(dict(launched=len(launched), configs=len(got), compiled=len(com
 
 def test_every_configuration_the_cuda_path_launches_is_compiled(tmp_path):
     """Issue 64 item 4: the fused step's launches as the CUDA path makes them (the GPU's front units from
-    ops.decode_step.default_sizes, its attend splits at every batch size up to the fused workspace's rows, select at
+    ops.fused_step.default_sizes, its attend splits at every batch size up to the fused workspace's rows, select at
     every budget over widths up to 256K tokens, both served dtypes, the benchmark's variants) are recorded densely,
     nothing compiled, and each configuration (`compile_triton.config_key`: kernel, constexprs, dtypes, options) must
     be one the CI grid compiles. Before, the grid built the front with the CPU's one unit per head (QCHUNK 64)."""

@@ -126,7 +126,7 @@ class DecodePlan:
     densely through the wrapped backend and selection is skipped: eager CPU when no request has more
     candidate blocks than K (attention is exactly dense), or any step whose requests hold at most
     `SASConfig.dense_below` tokens in all (under graphs: the dense IF branch, `backend/graph_branch.py`).
-    fused: sparse layers run the three fused launches (`ops.decode_step`), not the per-op path.
+    fused: sparse layers run the three fused launches (`ops.fused_step`), not the per-op path.
     """
 
     bs: int

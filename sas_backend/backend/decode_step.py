@@ -1,74 +1,76 @@
 """The sparse decode step as ONE object: what the server runs, the GPU benchmark times and the tests drive.
 
-    step = DecodeStep(selector, geometry, req_to_token, ...)      # once per server (buffers owned)
-    step.attach_gates(gates)                                       # the fused front's copies of the gate weights
+    step = DecodeStep(selector, geometry, req_to_token, device, q_dtype, kv_dtype, scaling, settings,
+                      summaries=pool, gates=gates, rope=tables, anchors=anchor_pool, kv_scales=scales)  # once
     step.init_graph_state(max_bs)                                  # CUDA graphs: persistent step buffers
-    plan = step.plan(positions, seq_lens, req_pool_indices, seq_lens_cpu, model_table, gate_table, graph_bs)
-    step.fill(plan, model_table, gate_table)                       # captured: the step's device state
-    out = step.run(plan, gate, q, k_buffer, v_buffer, summaries, model_table, gate_table, anchors)  # per layer
+    plan = step.plan(positions, seq_lens, req_pool_indices, seq_lens_cpu, graph_bs)
+    step.fill(plan)                                                # captured: the step's device state
+    out = step.run(plan, layer_id, q, k_buffer, v_buffer)          # per sparse layer
+
+The step holds what its layers read: the summary pool, the prompt-anchor pool, the gates (and the fused front's
+copies of their weights), the layers' fp8 KV scales and the RoPE tables (`plan` takes the step's snapshot of them:
+every layer of one step reads the same tensors). Its settings are one `StepSettings` (`step_settings.py`).
 
 `plan` is frozen per batch (`decode_plan.DecodePlan`): it decides once whether the step is sparse or dense
 (eager CPU steps whose requests have at most K candidates are exactly dense; `--sas-dense-below`) and, under
 CUDA graphs, leaves the choice to the captured branches. Per sparse layer `run` is one of two paths:
 
-- fused (`kernels="triton"`): `ops.decode_step` front -> select -> attend, three launches a layer, each
+- fused (`kernels="triton"`): `ops.fused_step` front -> select -> attend, three launches a layer, each
   split so batch 1 fills the GPU (the gate selector only; batches above the fused workspace's rows take
   the per-op path, whose grids are wide at such batches anyway);
 - per op (`kernels="torch"`): the selector's summary update and selection (`sas_backend.selection`: torch on
   CPU, the per-op Triton kernels on CUDA), then the attention.
 
-Attention (`attention`): "triton" (`ops.decode_step.attend`, over the block table), "flashinfer" (the token
+Attention (`attention`): "triton" (`ops.fused_step.attend`, over the block table), "flashinfer" (the token
 rows gathered, FlashInfer's paged decode; CUDA only) or "torch" (one masked SDPA; CPU).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Mapping, Optional
 
 import torch
 
-from sas_backend import config
 from sas_backend.backend.decode_plan import DecodePlan, StepBuffers, StepTensors
-from sas_backend.ops import decode_step as fused
+from sas_backend.backend.step_settings import StepSettings
+from sas_backend.ops import fused_step
 from sas_backend.ops.sparse_decode import make_sparse_decode
 
-# What the launch's settings resolve to (config's choices less "auto"; attention "torch" is what "auto" becomes
-# on CPU, where FlashInfer does not run).
-KERNELS = tuple(k for k in config.KERNELS if k != "auto")
-ATTENTIONS = (*(a for a in config.ATTENTIONS if a != "auto"), "torch")
 # Most rows the fused path serves in one step: its workspace grows with it (~57.5 MiB at Qwen3-4B shapes and
 # 256K context); larger batches fill the device with the per-op kernels' own grids.
 FUSED_MAX_ROWS = 256
+NO_SCALES = (1.0, 1.0)
 
 
 class DecodeStep:
     """Selection + attention of every sparse layer of a decode step.
 
     selector: a `sas_backend.selection.Selector` (its rule gives K, b and the forced blocks); geometry:
-    `ops.decode_step.StepGeometry` of a layer on this rank; req_to_token: SGLang's `[max_reqs, max_ctx]`
-    slot table; device, q_dtype, kv_dtype: as served; scaling: the layers' softmax scale; kernels / attention:
-    see the module doc; dense_below: `--sas-dense-below`; force_sparse: eager CPU steps select even where
-    dense attention is exactly what selection would attend (tests: the sparse path itself is checked);
-    workspace: a float workspace FlashInfer may share; chunk / target_programs: the fused launches' split
-    sizes (`ops.decode_step.DecodeStepWorkspace`; None: the defaults); launch: their `LaunchOptions` (PDL,
-    warps); gate_dtype: what the fused front reads the gate weights in (bf16: copies made by `attach_gates`);
+    `ops.fused_step.StepGeometry` of a layer on this rank; req_to_token: SGLang's `[max_reqs, max_ctx]`
+    slot table; device, q_dtype, kv_dtype: as served; scaling: the layers' softmax scale; settings: a
+    `StepSettings` (kernels / attention: see the module doc; dense_below: `--sas-dense-below`; the fused
+    launches' split sizes and `LaunchOptions`; gate_dtype: what the fused front reads the gate weights in, bf16:
+    copies made here).
+
+    What the layers read, by layer id: summaries `{layer: [num_pages, H_kv, S]}` (a `SummaryPool`, or any
+    mapping; updated in place when a row's token completes a block); gates `{layer: AttnGate}` (None values, or
+    no mapping, for training-free selectors); rope: the tables' source (`rope_tables.RopeTables` or
+    `FixedRopeTables`: `.model` `[max_pos, D]`, `.gate` `[max_pos, Dg]`); anchors: `{layer: [max_reqs, H_kv, R]}`
+    int32 prompt anchors (an `AnchorPool`; None: off); kv_scales `{layer: (k_scale, v_scale)}` of an fp8 cache
+    (missing layers: 1.0).
+
+    force_sparse: eager CPU steps select even where dense attention is exactly what selection would attend
+    (tests: the sparse path itself is checked); workspace: a float workspace FlashInfer may share;
     rows_per_request: decode rows a request may bring to one step (n draft tokens of a speculative verify).
     """
 
-    def __init__(self, selector, geometry: fused.StepGeometry, req_to_token: torch.Tensor, device, q_dtype,
-                 kv_dtype, scaling: float, kernels: str = "torch", attention: str = "torch", dense_below: int = 0,
-                 force_sparse: bool = False, workspace: Optional[torch.Tensor] = None,
-                 chunk: Union[int, dict, None] = None, target_programs: Optional[int] = None,
-                 launch: Optional[fused.LaunchOptions] = None,
-                 gate_dtype: torch.dtype = torch.float32, rows_per_request: int = 1):
-        if kernels not in KERNELS or attention not in ATTENTIONS:
-            raise ValueError(f"kernels must be one of {KERNELS}, attention one of {ATTENTIONS}")
+    def __init__(self, selector, geometry: fused_step.StepGeometry, req_to_token: torch.Tensor, device, q_dtype,
+                 kv_dtype, scaling: float, settings: StepSettings = StepSettings(), *,
+                 summaries: Optional[Mapping] = None, gates=None, rope=None, anchors: Optional[Mapping] = None,
+                 kv_scales: Optional[Mapping] = None, force_sparse: bool = False,
+                 workspace: Optional[torch.Tensor] = None, rows_per_request: int = 1):
         self.device = torch.device(device)
-        if attention == "flashinfer" and self.device.type != "cuda":
-            raise ValueError("the flashinfer attention path needs CUDA")
-        if kernels == "triton" and not selector.fused_kernels:
-            raise ValueError(f"the fused kernels compute the gate's query and summaries; the {selector.name} "
-                             "selector runs the per-op path (kernels='torch')")
+        self.settings = settings.check(self.device, selector)
         if geometry.sub_blocks != selector.rule.sub_blocks:
             raise ValueError(f"geometry.sub_blocks {geometry.sub_blocks} differs from the selector's "
                              f"{selector.rule.sub_blocks}: the fused kernels would misread the summary rows")
@@ -80,45 +82,77 @@ class DecodeStep:
         self.max_blocks = req_to_token.shape[1] // self.block_size
         self.on_device = self.device.type != "cpu"
         self.scaling = float(scaling)
-        self.kernels, self.attention = kernels, attention
-        self.dense_below = int(dense_below)
+        self.kernels, self.attention = settings.kernels, settings.attention
+        self.dense_below = int(settings.dense_below)
         self.force_sparse = bool(force_sparse)
-        if gate_dtype not in (torch.float32, torch.bfloat16) or (gate_dtype != torch.float32 and kernels != "triton"):
-            raise ValueError(f"gate_dtype {gate_dtype} needs kernels='triton' (only the fused front reads a copy)")
-        self.gate_dtype = gate_dtype
+        self.gate_dtype = settings.gate_dtype
+        self.summaries = summaries
+        self.gates = gates if gates is not None else {}
+        self.rope = rope
+        self.anchors = anchors
+        self.kv_scales = kv_scales if kv_scales is not None else {}
+        # The RoPE tables every layer of the current step reads (`follow_rope`, host side, before a step).
+        self.model_table = self.gate_table = None
+        self.follow_rope()
         self._front_weights: dict = {}  # id(gate) -> (w_q, q_norm, w_k, k_norm) in gate_dtype
         max_rows = req_to_token.shape[0] * max(1, int(rows_per_request))  # most decode rows of a step
         self.fused_ws = None
-        if kernels == "triton" or attention == "triton":
-            self.fused_ws = fused.DecodeStepWorkspace(geometry, min(max_rows, FUSED_MAX_ROWS), self.max_blocks,
-                                                      self.device, chunk=chunk, target_programs=target_programs,
-                                                      launch=launch)
+        if self.fused_workspace(settings):
+            self.fused_ws = fused_step.DecodeStepWorkspace(geometry, self.fused_rows(max_rows), self.max_blocks,
+                                                      self.device, chunk=settings.select_chunk,
+                                                      target_programs=settings.target_programs,
+                                                      launch=settings.launch)
         # The per-op attention: every step when attention is not "triton", else batches past the workspace.
         self.sparse_decode = make_sparse_decode(
             self.device, geometry.num_kv_heads, geometry.group, geometry.head_dim, self.top_k, self.block_size,
             max_rows=max_rows * geometry.num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype, workspace=workspace,
-        ) if attention != "triton" or max_rows > FUSED_MAX_ROWS else None
+        ) if self.per_op_attention(settings, max_rows) else None
         self.buffers: Optional[StepBuffers] = None
         self.last_selected: Optional[torch.Tensor] = None  # the last run's selection (debug log, tests)
+        self._attach_gates()
+
+    # What a step of these settings allocates, decided here once (backend.memory reserves by the same rules).
+    @staticmethod
+    def fused_workspace(settings: StepSettings) -> bool:
+        """Whether the fused kernels' workspace exists (either fused launch runs)."""
+        return settings.kernels == "triton" or settings.attention == "triton"
+
+    @staticmethod
+    def fused_rows(max_rows: int) -> int:
+        """Rows the fused workspace serves for steps of up to `max_rows` decode rows."""
+        return min(max_rows, FUSED_MAX_ROWS)
+
+    @staticmethod
+    def per_op_attention(settings: StepSettings, max_rows: int) -> bool:
+        """Whether the per-op sparse attention exists (FlashInfer's on CUDA): every step's when attention is not
+        "triton", else the batches past the fused workspace's rows."""
+        return settings.attention != "triton" or max_rows > FUSED_MAX_ROWS
 
     @property
     def device_nbytes(self) -> int:
-        """Device bytes this object holds (the fused workspace and the front's gate-weight copies; FlashInfer's
-        buffers are counted by `backend.memory` under their own names)."""
+        """Device bytes this object allocated (the fused workspace and the front's gate-weight copies; the pools it
+        was handed and FlashInfer's buffers are counted by `backend.memory` under their own names)."""
         ws = self.fused_ws.nbytes if self.fused_ws is not None else 0
         return ws + sum(t.numel() * t.element_size() for ts in self._front_weights.values() for t in ts)
 
-    def attach_gates(self, gates) -> None:
-        """Once, before any step: the gate weights the fused front reads. fp32 reads the gates' own tensors;
-        bf16 keeps a bf16 copy of each (the front's largest read, the query projection, halves; every other
-        path still reads the fp32 gate). gates: the sparse layers' `AttnGate`s (an iterable or a dict's values)."""
+    def follow_rope(self) -> None:
+        """Take the RoPE tables' current tensors (host side, before a step or an extend: `RopeTables` follows SGLang
+        replacing its table). Once graphs are captured the tables are frozen: a reallocation raises there."""
+        if self.rope is not None:
+            self.model_table, self.gate_table = self.rope.model, self.rope.gate
+
+    def _attach_gates(self) -> None:
+        """The gate weights the fused front reads: fp32 reads the gates' own tensors; bf16 keeps a bf16 copy of each
+        (the front's largest read, the query projection, halves; every other path still reads the fp32 gate)."""
         if self.kernels != "triton" or self.gate_dtype == torch.float32:
             return
-        for gate in (gates.values() if isinstance(gates, dict) else gates):
-            self._front_weights[id(gate)] = tuple(
-                t.detach().to(self.gate_dtype).contiguous()
-                for t in (gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, gate.attngate_linear_k.weight,
-                          gate.attngate_knorm.weight))
+        gates = self.gates.values() if isinstance(self.gates, Mapping) else self.gates
+        for gate in gates:
+            if gate is not None:
+                self._front_weights[id(gate)] = tuple(
+                    t.detach().to(self.gate_dtype).contiguous()
+                    for t in (gate.attngate_linear_q.weight, gate.attngate_qnorm.weight,
+                              gate.attngate_linear_k.weight, gate.attngate_knorm.weight))
 
     def front_weights(self, gate) -> tuple:
         """(w_q, q_norm, w_k, k_norm) of a gate as the fused front reads them."""
@@ -128,8 +162,24 @@ class DecodeStep:
         try:
             return self._front_weights[id(gate)]
         except KeyError:
-            raise RuntimeError("sas: the decode step's bf16 gate copies are made by attach_gates(), before the first "
-                               "step (never inside a captured graph); this gate was not attached") from None
+            raise RuntimeError("sas: the decode step's bf16 gate copies are made when the step is built, from its "
+                               "gates (never inside a captured graph); this gate was not among them") from None
+
+    def gate(self, layer_id: int):
+        """The layer's `AttnGate` (None under a training-free selector)."""
+        return self.gates[layer_id] if self.selector.needs_gate else None
+
+    def scales(self, layer_id: int) -> "tuple[float, float]":
+        """(k_scale, v_scale) of a layer's fp8 KV ((1.0, 1.0) when the cache is not fp8)."""
+        return self.kv_scales.get(layer_id, NO_SCALES)
+
+    def summarize_blocks(self, layer_id: int, k_buffer: torch.Tensor, pages: torch.Tensor,
+                         starts: torch.Tensor) -> None:
+        """Write the summaries of whole blocks (physical `pages` `[N]`, first positions `starts` `[N]`) of one sparse
+        layer from the keys `k_buffer` `[slots, H_kv, D]` holds: an extend's completed blocks, late ones."""
+        self.summaries[layer_id][pages] = self.selector.summarize(
+            self.gate(layer_id), k_buffer, pages, starts, self.model_table, self.gate_table,
+            self.scales(layer_id)[0])
 
     # ------------------------------------------------------------------ plan (host)
     def init_graph_state(self, max_bs: int, model_dim: int, gate_dim: int) -> None:
@@ -144,14 +194,17 @@ class DecodeStep:
             return False
         return int(seq_lens_cpu[seq_lens_cpu > 1].sum()) <= self.dense_below
 
-    def compute(self, positions, seq_lens, req_pool_indices, model_table, gate_table, max_blocks) -> StepTensors:
-        """The step's device tensors (fixed shapes, no host sync)."""
-        return StepTensors.compute(positions, seq_lens, req_pool_indices, self.req_to_token, model_table,
-                                   gate_table, self.block_size, max_blocks)
+    def compute(self, positions, seq_lens, req_pool_indices, max_blocks) -> StepTensors:
+        """The step's device tensors (fixed shapes, no host sync), at the step's RoPE tables."""
+        return StepTensors.compute(positions, seq_lens, req_pool_indices, self.req_to_token, self.model_table,
+                                   self.gate_table, self.block_size, max_blocks)
 
-    def plan(self, positions, seq_lens, req_pool_indices, seq_lens_cpu: torch.Tensor, model_table, gate_table,
-             graph_bs: Optional[int] = None, branched: bool = False, short: Optional[bool] = None) -> DecodePlan:
+    def plan(self, positions, seq_lens, req_pool_indices, seq_lens_cpu: torch.Tensor, graph_bs: Optional[int] = None,
+             branched: bool = False, short: Optional[bool] = None) -> DecodePlan:
         """The frozen plan of one decode batch, from the host lengths (never a device-to-host copy).
+
+        positions, seq_lens, req_pool_indices: `[bs]` the batch's device tensors; seq_lens_cpu: `[bs]` int64 their
+        host mirror.
 
         graph_bs: the captured batch size (capture and replay: fixed shapes, the state is filled in the
         graph by `fill`); branched: the captured step holds both a sparse and a dense branch
@@ -170,7 +223,7 @@ class DecodeStep:
                               fused=self._fused(graph_bs))
         most = int(seq_lens_cpu.max()) if bs else 1
         max_blocks = max(1, (most - 1) // self.block_size)  # the longest request's candidates
-        step = self.compute(positions, seq_lens, req_pool_indices, model_table, gate_table, max_blocks)
+        step = self.compute(positions, seq_lens, req_pool_indices, max_blocks)
         # Which rows' newest token completes a block is known on the host. On a device, copying their indices
         # over would be a blocking host-to-device copy every such step: every row runs the masked update.
         done = (seq_lens_cpu > 0) & (seq_lens_cpu % self.block_size == 0)
@@ -196,43 +249,43 @@ class DecodeStep:
         if not self._triton_attention(bs):  # the per-op attention plans on the host (FlashInfer)
             self.sparse_decode.plan(seq_lens_cpu, self.scaling, graph_bs=bs if graph else None)
 
-    def fill(self, plan: DecodePlan, model_table, gate_table) -> None:
+    def fill(self, plan: DecodePlan) -> None:
         """Captured: recompute the step's device state into the persistent buffers."""
         StepBuffers.fill(plan.step, self.compute(plan.step.positions, plan.step.seq_lens, plan.step.req_pool_indices,
-                                                 model_table, gate_table, plan.max_blocks))
+                                                 plan.max_blocks))
 
     # ------------------------------------------------------------------ run (per layer)
-    def run(self, plan: DecodePlan, gate, q: torch.Tensor, k_buffer, v_buffer, summaries, model_table, gate_table,
-            anchors: Optional[torch.Tensor] = None, update: bool = True, k_scale: float = 1.0,
-            v_scale: float = 1.0) -> torch.Tensor:
+    def run(self, plan: DecodePlan, layer_id: int, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+            update: bool = True) -> torch.Tensor:
         """Summary update, selection and attention of one sparse layer: `[bs, H_q, Dv]` in q's dtype.
 
-        gate: the layer's `AttnGate` (None for training-free selectors); q `[bs, H_q, D]` after RoPE; k/v
-        buffers `[slots, H_kv, D]` holding the new token's K/V; summaries `[num_pages, H_kv, S]` (updated in
-        place when a row's token completes a block); model_table `[max_pos, D]`, gate_table `[max_pos, Dg]`;
-        anchors: optional `[max_reqs, H_kv, R]` int32 prompt-anchor pool, read at the batch's req rows;
-        update: False when the caller already ran `update_summaries` for this layer (the per-op path skips it);
-        k_scale / v_scale: the layer's fp8 KV scales (`backend.kv_scales`; the buffers hold K / k_scale and
-        V / v_scale), 1.0 for a cache that is not fp8.
+        q `[bs, H_q, D]` after RoPE; k/v buffers `[slots, H_kv, D]` holding the new token's K/V (an fp8 cache: K /
+        k_scale and V / v_scale, the layer's `kv_scales`); the layer's summaries are updated in place when a row's
+        token completes a block; update: False when the caller already ran `update_summaries` for this layer
+        (the per-op path skips it).
         """
         step = plan.step
         rule = self.selector.rule
+        gate = self.gate(layer_id)
+        summaries = self.summaries[layer_id]
+        anchors = None if self.anchors is None else self.anchors[layer_id]
+        k_scale, v_scale = self.scales(layer_id)
         if plan.fused:
             ws = self.fused_ws
             w_q, q_norm, w_k, k_norm = self.front_weights(gate)
-            gq = fused.front(ws, q, step.model_cos_sin, step.gate_cos_sin, w_q, q_norm, k_buffer, model_table,
-                             gate_table, w_k, k_norm, summaries, step.block_table, step.seq_lens, k_scale)
-            selected = fused.select(ws, gq, summaries, step.block_table, step.num_candidates, plan.max_blocks,
+            gq = fused_step.front(ws, q, step.model_cos_sin, step.gate_cos_sin, w_q, q_norm, k_buffer, self.model_table,
+                             self.gate_table, w_k, k_norm, summaries, step.block_table, step.seq_lens, k_scale)
+            selected = fused_step.select(ws, gq, summaries, step.block_table, step.num_candidates, plan.max_blocks,
                                     rule.sink_blocks, rule.local_blocks, anchors, step.req_pool_indices)
         else:
             if update:
-                self.update_summaries(plan, gate, k_buffer, summaries, model_table, gate_table, k_scale)
+                self.update_summaries(plan, layer_id, k_buffer)
             rows = None if anchors is None else anchors[step.req_pool_indices.long()]
             selected = self.selector.select(gate, q, step.model_cos_sin, step.gate_cos_sin, summaries,
                                             step.block_table, step.num_candidates, plan.max_blocks, rows)
         self.last_selected = selected
         if self._triton_attention(plan.bs):
-            return fused.attend(self.fused_ws, q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,
+            return fused_step.attend(self.fused_ws, q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,
                                 self.scaling, k_scale=k_scale, v_scale=v_scale)
         if not plan.graph and not self.on_device and plan.max_blocks < selected.shape[-1]:
             # Eager CPU: no row has more than max_blocks candidates, so the columns past it are all -1; the padded
@@ -241,15 +294,16 @@ class DecodeStep:
         return self.sparse_decode.run(q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,
                                       k_scale=k_scale, v_scale=v_scale)
 
-    def update_summaries(self, plan: DecodePlan, gate, k_buffer, summaries, model_table, gate_table,
-                         k_scale: float = 1.0) -> None:
+    def update_summaries(self, plan: DecodePlan, layer_id: int, k_buffer: torch.Tensor) -> None:
         """The per-op summary update of the block each row's newest token completed (dense steps, the per-op
-        path, and before a captured step's branches; the fused front does its own). k_scale: as `run`."""
+        path, and before a captured step's branches; the fused front does its own). k_buffer: as `run`."""
         step = plan.step
+        gate = self.gate(layer_id)
+        summaries, k_scale = self.summaries[layer_id], self.scales(layer_id)[0]
         if plan.graph or plan.update_all_rows:  # every row runs the masked update (no host indices)
-            self.selector.update(gate, k_buffer, summaries, step.block_table, step.seq_lens, model_table, gate_table,
-                                 k_scale)
+            self.selector.update(gate, k_buffer, summaries, step.block_table, step.seq_lens, self.model_table,
+                                 self.gate_table, k_scale)
         elif plan.summary_rows is not None:  # eager CPU: only the rows whose newest token completed a block
             rows = plan.summary_rows
             self.selector.update(gate, k_buffer, summaries, step.block_table[rows], step.seq_lens[rows],
-                                 model_table, gate_table, k_scale)
+                                 self.model_table, self.gate_table, k_scale)

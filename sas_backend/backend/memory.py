@@ -43,6 +43,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
+# The one reserved figure no object holds between steps (the prompt anchors' scratch at extend).
+TRANSIENT = "prompt anchor scratch"
+# What this process's last launch reserved, by name (`reserve_sas_memory`; "summary pool": the pool of the tokens
+# SGLang builds, its padding page included), for the backend to set beside what it holds (`SASAttnBackend.held_bytes`,
+# /sas/info's pool state). None before any reservation (CPU tools, tests building a backend by hand).
+RESERVED: Optional[Dict[str, int]] = None
 # SGLang's own cap on its max_running_requests estimate (min(max(est, 2048), 4096)) in 0.5.15
 # and 0.5.21: the req pool never has more rows unless the user asks for more.
 SGLANG_MAX_REQS_ESTIMATE_CAP = 4096
@@ -106,42 +112,42 @@ def sas_memory(
     model_rope_copied: the backend holds a fp32 copy of the model's table (`model_rope_table_is_copied`).
     prompt_anchors: R of `--sas-prompt-anchors` (its pool: `[max_reqs + 1, H_kv, R]` int32 per sparse layer).
     summary_bytes: bytes per summary element (4 fp32, 2 bf16: `--sas-summary-dtype`).
-    flashinfer_attention: the FlashInfer sparse decode exists (CUDA with `--sas-attention flashinfer`, or
-    batches larger than the fused path serves); decode_step_bytes: the fused kernels' workspace
+    flashinfer_attention: the FlashInfer sparse decode exists on CUDA (`DecodeStep.per_op_attention`: `--sas-attention
+    flashinfer`, or batches larger than the fused path serves); decode_step_bytes: the fused kernels' workspace
     (`decode_step_workspace_bytes`); front_gate_bytes: bytes per element of the fused front's copy of the gate
     weights (2 under `--sas-gate-dtype bf16`; 0: it reads the gate itself); anchor_scratch_bytes: the prompt
     anchors' scratch at extend (`ops.anchors.anchor_scratch_bytes`, one layer at a time); rows_per_request: decode
     rows a request brings to one step (n draft tokens under speculative decoding: a verify step).
     """
-    from sas_backend.ops.gather import row_capacity
-    from sas_backend.ops.sparse_decode.flashinfer import WORKSPACE_BYTES, WRAPPER_INT_WORKSPACE_BYTES
+    from sas_backend.backend.anchor_pool import AnchorPool
+    from sas_backend.backend.rope_tables import RopeTables
+    from sas_backend.backend.summary_pool import SummaryPool
+    from sas_backend.gate.module import AttnGate
+    from sas_backend.ops.sparse_decode.flashinfer import FlashInferSparseDecode
 
-    per_page = num_sparse_layers * num_kv_heads * (gate_dim if summary_dim is None else summary_dim) * summary_bytes
-    per_page += 1  # the page's validity mark (SummaryPool.valid, one bool)
+    # Each figure is the allocating class's own (`nbytes_for`), so a change to an allocation changes its reservation.
+    per_page = SummaryPool.bytes_per_page(num_sparse_layers, num_kv_heads,
+                                          gate_dim if summary_dim is None else summary_dim, summary_bytes)
     fixed = {"summary padding page": per_page}
     if head_dim and gate_dim:
-        per_layer = (num_kv_heads * group_size * head_dim * gate_dim + num_kv_heads * 3 * head_dim * gate_dim
-                     + 2 * gate_dim)
-        fixed["gate weights"] = num_sparse_layers * per_layer * 4
+        fixed["gate weights"] = num_sparse_layers * AttnGate.nbytes_for(num_kv_heads, group_size, head_dim, gate_dim)
         if front_gate_bytes:
-            fixed["gate weights (front copy)"] = num_sparse_layers * per_layer * front_gate_bytes
+            fixed["gate weights (front copy)"] = num_sparse_layers * AttnGate.nbytes_for(
+                num_kv_heads, group_size, head_dim, gate_dim, front_gate_bytes)
     if rope_positions and gate_dim:
-        fixed["gate rope table"] = rope_positions * gate_dim * 4
+        fixed["gate rope table"] = RopeTables.nbytes_for(rope_positions, gate_dim)
     if rope_positions and model_rope_copied:
-        fixed["model rope table (fp32 copy)"] = rope_positions * head_dim * 4
+        fixed["model rope table (fp32 copy)"] = RopeTables.nbytes_for(rope_positions, head_dim)
     if prompt_anchors:
-        fixed["prompt anchors"] = num_sparse_layers * (max_reqs + 1) * num_kv_heads * prompt_anchors * 4
+        fixed["prompt anchors"] = AnchorPool.nbytes_for(num_sparse_layers, max_reqs + 1, num_kv_heads, prompt_anchors)
         if anchor_scratch_bytes:
-            fixed["prompt anchor scratch"] = anchor_scratch_bytes
+            fixed[TRANSIENT] = anchor_scratch_bytes
     if decode_step_bytes:
         fixed["decode step workspace"] = decode_step_bytes
     if on_cuda and flashinfer_attention:
-        rows = (max_reqs + 1) * rows_per_request * num_kv_heads
-        fixed["kv indices"] = rows * row_capacity(top_k, block_size) * 4
-        fixed["kv indptr"] = (rows + 1) * 4
-        fixed["flashinfer last page len"] = rows * 4
-        fixed["flashinfer workspace"] = 0 if shared_workspace else WORKSPACE_BYTES
-        fixed["flashinfer int workspaces"] = (1 + num_graph_batch_sizes) * WRAPPER_INT_WORKSPACE_BYTES
+        fixed["flashinfer sparse decode"] = FlashInferSparseDecode.nbytes_for(
+            (max_reqs + 1) * rows_per_request * num_kv_heads, top_k, block_size, 1 + num_graph_batch_sizes,
+            own_workspace=not shared_workspace)
     return SASMemory(page_size=block_size, summary_bytes_per_page=per_page, fixed=fixed)
 
 
@@ -151,13 +157,13 @@ def decode_step_workspace_bytes(num_kv_heads: int, group_size: int, head_dim: in
                                 rows_per_request: int = 1, sub_blocks: int = 1) -> int:
     """Device bytes of the fused decode step's workspace (`backend.decode_step.DecodeStep.fused_ws`), sized as the
     backend sizes it (built on `meta`: nothing is allocated)."""
-    from sas_backend.backend.decode_step import FUSED_MAX_ROWS
-    from sas_backend.ops.decode_step import (CPU_TARGET_PROGRAMS, GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS,
+    from sas_backend.backend.decode_step import DecodeStep
+    from sas_backend.ops.fused_step import (CPU_TARGET_PROGRAMS, GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS,
                                              DecodeStepWorkspace, StepGeometry)
 
     geo = StepGeometry(num_kv_heads, group_size, head_dim, head_dim, max(gate_dim, 2), top_k, block_size, sub_blocks)
     programs = target_programs or (GPU_TARGET_PROGRAMS if on_cuda else CPU_TARGET_PROGRAMS)
-    ws = DecodeStepWorkspace(geo, min((max_reqs + 1) * rows_per_request, FUSED_MAX_ROWS), context_len // block_size,
+    ws = DecodeStepWorkspace(geo, DecodeStep.fused_rows((max_reqs + 1) * rows_per_request), context_len // block_size,
                              "meta", chunk=chunk, target_programs=programs,
                              qchunk=GPU_QCHUNK if on_cuda else None, kchunk=GPU_KCHUNK if on_cuda else None)
     return ws.nbytes
@@ -254,10 +260,24 @@ def attention_tp_size_from_args(server_args) -> int:
     return max(1, tp // max(dp, 1) // max(cp, 1))
 
 
-def memory_for_sglang(owner) -> tuple:
+def sglang_max_running_requests(server_args, context_len: int, tokens: int) -> int:
+    """The request rows SGLang gives a pool of `tokens` tokens (`KVCacheConfigurator.resolve_max_num_reqs`, 0.5.21 to
+    0.5.23): the launch's `--max-running-requests` (per DP-attention worker), else its estimate (512 requests per
+    context length of tokens, within 2048..4096); at most tokens // 2 either way."""
+    user = getattr(server_args, "max_running_requests", None)
+    if user:
+        dp_attention = getattr(server_args, "enable_dp_attention", False)
+        dp = int(getattr(server_args, "dp_size", None) or 1) if dp_attention else 1
+        return min(int(user) // dp, tokens // 2)
+    estimated = max(min(int(tokens / max(int(context_len or 1), 1) * 512), SGLANG_MAX_REQS_ESTIMATE_CAP), 2048)
+    return min(estimated, tokens // 2)
+
+
+def memory_for_sglang(owner, max_reqs: Optional[int] = None) -> tuple:
     """(SASMemory, KV bytes per token) for the object whose `_profile_available_bytes` runs:
     0.5.15 a ModelRunner, 0.5.21 a KVCacheConfigurator. Both carry `server_args`,
-    `model_config`, `kv_cache_dtype` and `device`."""
+    `model_config`, `kv_cache_dtype` and `device`. max_reqs: the request rows to size for (default: the most
+    SGLang may give, the launch's `--max-running-requests` or its estimate's cap)."""
     from sas_backend.config import SASConfig
     from sas_backend.geometry import ModelGeometry
 
@@ -279,8 +299,9 @@ def memory_for_sglang(owner) -> tuple:
     selector = make_selector(cfg.selector, SelectionRule(cfg.top_k, cfg.block_size, sub_blocks=cfg.sub_blocks or 1))
     summary_dim = selector.summary_dim(geo.head_dim, gate_dim)
     on_cuda = torch.device(owner.device).type == "cuda"
-    max_reqs = getattr(server_args, "max_running_requests", None) or SGLANG_MAX_REQS_ESTIMATE_CAP
-    from sas_backend.backend.decode_step import FUSED_MAX_ROWS
+    if max_reqs is None:
+        max_reqs = getattr(server_args, "max_running_requests", None) or SGLANG_MAX_REQS_ESTIMATE_CAP
+    from sas_backend.backend.decode_step import DecodeStep
     from sas_backend.backend.step_settings import device_name, resolve
     from sas_backend.ops.anchors import anchor_scratch_bytes
 
@@ -290,9 +311,13 @@ def memory_for_sglang(owner) -> tuple:
 
     rows_per_request = max(1, draft_tokens_from_args(server_args))  # a verify step: n decode rows a request
     fused_bytes = 0
-    if settings.kernels == "triton" or settings.attention == "triton":
+    if DecodeStep.fused_workspace(settings):
+        from sas_backend.backend.sglang_compat import req_to_token_width
+
+        # sized, as DecodeStep sizes it, for the slot table's width (else the RoPE table's: never narrower)
+        width = req_to_token_width(owner.model_config) or context_len
         fused_bytes = decode_step_workspace_bytes(kv_heads, geo.group_size, geo.head_dim, gate_dim, cfg.top_k,
-                                                  cfg.block_size, max_reqs, context_len, on_cuda,
+                                                  cfg.block_size, max_reqs, width, on_cuda,
                                                   settings.select_chunk, settings.target_programs, rows_per_request,
                                                   selector.rule.sub_blocks)
     mem = sas_memory(
@@ -312,12 +337,12 @@ def memory_for_sglang(owner) -> tuple:
         model_rope_copied=model_rope_table_is_copied(on_cuda, getattr(owner.model_config, "dtype", torch.float32)),
         prompt_anchors=cfg.prompt_anchors or 0,
         summary_bytes=torch.empty(0, dtype=settings.summary_dtype).element_size(),
-        flashinfer_attention=settings.attention != "triton" or (max_reqs + 1) * rows_per_request > FUSED_MAX_ROWS,
+        flashinfer_attention=DecodeStep.per_op_attention(settings, (max_reqs + 1) * rows_per_request),
         rows_per_request=rows_per_request,
         decode_step_bytes=fused_bytes,
         anchor_scratch_bytes=anchor_scratch_bytes(kv_heads, geo.group_size, geo.head_dim, kv_elem, cfg.block_size,
                                                   context_len) if cfg.prompt_anchors else 0,
-        # DecodeStep.attach_gates' copies for the fused front (--sas-gate-dtype bf16)
+        # DecodeStep's copies of the gate weights for the fused front (--sas-gate-dtype bf16)
         front_gate_bytes=torch.empty(0, dtype=settings.gate_dtype).element_size()
         if settings.kernels == "triton" and settings.gate_dtype != torch.float32 else 0,
     )
@@ -337,10 +362,28 @@ def reserve_sas_memory(original, owner, *args, **kwargs) -> int:
         raise RuntimeError(f"sas: cannot size the KV pool beside the sas backend's own memory ({type(e).__name__}: "
                            f"{e}); refusing to start rather than risk running out of device memory later") from e
     max_total = getattr(server_args, "max_total_tokens", None)
-    budget = kv_budget_with_sas(available, kv_bytes_per_token, mem, max_total)
-    # The pool SGLang will build from this budget, which the log reports the reservation for.
-    tokens = budget // kv_bytes_per_token
-    tokens = sas_pool_tokens(min(tokens, max_total) if max_total else tokens, mem.page_size)
+
+    def pool_for(mem):  # (the KV budget, the pool SGLang builds from it)
+        budget = kv_budget_with_sas(available, kv_bytes_per_token, mem, max_total)
+        tokens = budget // kv_bytes_per_token
+        return budget, sas_pool_tokens(min(tokens, max_total) if max_total else tokens, mem.page_size)
+
+    budget, tokens = pool_for(mem)  # sized for the most request rows SGLang may give
+    # SGLang sets its request rows from the pool it builds: size the per-request buffers for those rows when the
+    # pool they lead to gets the same rows (else keep the upper bound: never less than is allocated).
+    context_len = getattr(owner.model_config, "context_len", None)
+    try:
+        rows = sglang_max_running_requests(server_args, context_len, tokens)
+        exact, _ = memory_for_sglang(owner, max_reqs=rows)
+        exact_budget, exact_tokens = pool_for(exact)
+        if sglang_max_running_requests(server_args, context_len, exact_tokens) == rows:
+            mem, budget, tokens = exact, exact_budget, exact_tokens
+    except Exception as e:  # the upper bound stands
+        logger.warning("sas: sizing the per-request buffers for SGLang's request rows failed (%s); reserving for "
+                       "the most rows it may give", e)
+    global RESERVED
+    RESERVED = {"summary pool": mem.total_bytes(tokens) - mem.fixed_bytes + mem.fixed["summary padding page"],
+                **{k: v for k, v in mem.fixed.items() if k != "summary padding page"}}
     logger.info(
         "sas: reserving %.1f MiB beside the KV pool (summaries %.1f MiB for %d tokens + fixed %.1f MiB: %s); "
         "KV budget %.3f -> %.3f GiB",

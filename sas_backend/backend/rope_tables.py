@@ -131,6 +131,19 @@ class RopeTables:
         self._gate: Optional[torch.Tensor] = None
         self.refresh()
 
+    @staticmethod
+    def nbytes_for(max_pos: int, dim: int) -> int:
+        """Bytes of one fp32 table `[max_pos, dim]` (the gate's; the model's where it is a copy)."""
+        return max_pos * dim * 4
+
+    def held_nbytes(self) -> dict:
+        """{name: bytes} of the tables this object allocated: the gate's, and the model's where it is a copy of SGLang's
+        (another dtype or device), by `backend.memory`'s names."""
+        held = {"gate rope table": self._gate.numel() * self._gate.element_size()} if self._gate.shape[-1] else {}
+        if self._model is not self.rotary.cos_sin_cache:
+            held["model rope table (fp32 copy)"] = self._model.numel() * self._model.element_size()
+        return held
+
     @property
     def model(self) -> torch.Tensor:
         """`[max_pos, D]` fp32: the model's current cos|sin table."""
@@ -201,6 +214,10 @@ class FixedRopeTables:
 
     def freeze(self) -> None:
         self.frozen = True
+
+    def held_nbytes(self) -> dict:
+        """Nothing: the given tables are the caller's."""
+        return {}
 
     def refresh(self) -> bool:
         return False

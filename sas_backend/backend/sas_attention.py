@@ -23,11 +23,13 @@ from typing import Dict, Optional
 
 import torch
 
+from sas_backend.backend.anchor_pool import AnchorPool
 from sas_backend.backend.decode_plan import DecodePlan
 from sas_backend.backend.decode_step import DecodeStep
+from sas_backend.backend.extend_plan import ExtendPlan
 from sas_backend.backend.graph_branch import BranchFlags, captured_if, capturing, conditional_nodes_supported
 from sas_backend.backend.kv_scales import model_kv_scales, share_with_dense_backend
-from sas_backend.backend.page_marks import watch_allocations
+from sas_backend.backend.page_marks import completing_pages, unmarked_blocks, watch_allocations
 from sas_backend.backend.sglang_compat import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
 from sas_backend.backend import verify_rows
@@ -35,10 +37,9 @@ from sas_backend.backend.verify_rows import check_chain, draft_tokens
 from sas_backend.config import SASConfig
 from sas_backend.gate.module import AttnGate
 from sas_backend.ops import FP8_DTYPES
-from sas_backend.ops.anchors import extend_anchors
 from sas_backend.ops.extend import paged_extend_attention
 from sas_backend.backend.step_settings import StepSettings, device_name, resolve
-from sas_backend.ops.decode_step import StepGeometry
+from sas_backend.ops.fused_step import StepGeometry
 from sas_backend.selection import SelectionRule, make_selector
 
 try:
@@ -104,17 +105,12 @@ class SASAttnBackend(AttentionBackend):
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
         self.gates = gates
-        # The RoPE tables' one source (`RopeTables`: follows SGLang replacing its cos_sin_cache; tests and
-        # tools: `FixedRopeTables`), and this step's snapshot of it (`_follow_rope_tables`, host side, before a
-        # step: the layers of one step read the same tensors).
-        self.rope_tables = rope_tables
-        self.model_rope_table, self.gate_rope_table = rope_tables.model, rope_tables.gate
         self.num_kv_heads = num_kv_heads
         # The model's first kv head on this rank (tensor parallelism shards kv heads): the selection log names
         # the global heads it holds.
         self.kv_head_offset = int(kv_head_offset)
         self.gate_sha256 = gate_sha256  # of the gate file as loaded (reported by /sas/info)
-        gate_rope_table = self.gate_rope_table
+        gate_dim = rope_tables.gate.shape[-1]
         self.num_q_heads = num_q_heads
         self.head_dim = head_dim
         self.block_size = cfg.block_size
@@ -141,9 +137,9 @@ class SASAttnBackend(AttentionBackend):
             settings = resolve(cfg, self.device, device_name(self.device))
         self.settings = settings
         num_pages = self.token_to_kv_pool.get_key_buffer(min(gates)).shape[0] // self.block_size
-        summary_dim = selector.summary_dim(head_dim, gate_rope_table.shape[-1])
-        self.summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, summary_dim, self.device,
-                                     dtype=settings.summary_dtype)
+        summary_dim = selector.summary_dim(head_dim, gate_dim)
+        summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, summary_dim, self.device,
+                                dtype=settings.summary_dtype)
         # Validity marks (SummaryPool.valid), kept and read on CPU, where decode planning is host-side anyway: a page
         # handed out again loses its mark; a decode step's candidate pages without one are summarized first
         # (_summarize_unmarked): a PD decode server's transferred pages, pages handed to another request. The CUDA
@@ -152,47 +148,35 @@ class SASAttnBackend(AttentionBackend):
         self.check_marks = not self.on_device and selector.keeps_summaries and bool(cfg.summary_marks)
         allocator = getattr(runner, "token_to_kv_pool_allocator", None)
         if self.check_marks and allocator is not None:
-            watched = watch_allocations(allocator, self.block_size, self.summaries.invalidate)
+            watched = watch_allocations(allocator, self.block_size, summaries.invalidate)
             logger.info("sas: summary validity marks: pages handed out by %s lose theirs", "/".join(watched))
         self.late_summaries = 0  # pages summarized at decode planning (their KV came without an extend through sas)
         max_reqs = self.req_to_token_pool.req_to_token.shape[0]
         # --sas-prompt-anchors: per request row, sparse layer and kv head, the blocks its last prompt token
-        # attended most (written at each extend, read by every decode step; ops/anchors). -1: none.
-        self.anchor_count = cfg.prompt_anchors or 0
-        self.anchors = None
-        if self.anchor_count:
-            self.anchors = {
-                lid: torch.full((max_reqs, num_kv_heads, self.anchor_count), -1, dtype=torch.int32, device=self.device)
-                for lid in sorted(gates)
-            }
-        # (req rows, flat q indices, seq lens, longest) of the extend's last tokens, for anchors
-        self._extend_last = None
+        # attended most (written at each extend, read by every decode step; ops/anchors).
+        anchor_count = cfg.prompt_anchors or 0
+        anchors = AnchorPool(gates, max_reqs, num_kv_heads, anchor_count, self.device) if anchor_count else None
         v_dim = self.token_to_kv_pool.get_value_buffer(min(gates)).shape[-1]
-        geometry = StepGeometry(num_kv_heads, num_q_heads // num_kv_heads, head_dim, v_dim,
-                                max(gate_rope_table.shape[-1], 2), self.top_k, self.block_size,
-                                selector.rule.sub_blocks)
-        # The decode step: selection and sparse attention of every sparse layer (backend/decode_step.py).
+        geometry = StepGeometry(num_kv_heads, num_q_heads // num_kv_heads, head_dim, v_dim, max(gate_dim, 2),
+                                self.top_k, self.block_size, selector.rule.sub_blocks)
+        # The decode step: selection and sparse attention of every sparse layer, and what they read: the pools,
+        # the gates, the RoPE tables' one source (`step.rope`: follows SGLang replacing its cos_sin_cache) and
+        # the fp8 scales (backend/decode_step.py).
         self.step = DecodeStep(
             selector, geometry, self.req_to_token_pool.req_to_token, self.device, runner.dtype,
-            self.kv_dtype, self.scaling,
-            kernels=settings.kernels, attention=settings.attention, dense_below=settings.dense_below,
-            force_sparse=bool(cfg.force_sparse),
+            self.kv_dtype, self.scaling, settings, summaries=summaries, gates=gates, rope=rope_tables,
+            anchors=anchors, kv_scales=self.kv_scales, force_sparse=bool(cfg.force_sparse),
             # The wrapped FlashInfer backend's float workspace: used in stream order, never at the
             # same time as ours, so one buffer serves both (backend/memory.py counts it so).
-            workspace=getattr(inner, "workspace_buffer", None),
-            chunk=settings.select_chunk, target_programs=settings.target_programs, launch=settings.launch,
-            gate_dtype=settings.gate_dtype, rows_per_request=max(1, int(draft_tokens)),
+            workspace=getattr(inner, "workspace_buffer", None), rows_per_request=max(1, int(draft_tokens)),
         )
         self.draft_tokens = int(draft_tokens)
         self._verify_buffers = None  # captured verify steps: persistent decode-row lengths and req rows
-        self.step.attach_gates(gates)
-        self.selector = selector
         self._plan: Optional[DecodePlan] = None
-        self._extend_blocks = None  # (pages [N], starts [N]) of blocks completed by this extend
         # CPU extend: our own (the new queries only, ops/extend) instead of the wrapped torch-native
         # one, which pads every request's queries to its whole length.
         self.own_cpu_extend = bool(own_cpu_extend)
-        self._extend_reqs = None  # (req rows, prefix lens, extend lens) host ints, for own_cpu_extend
+        self._extend: Optional[ExtendPlan] = None  # the current extend batch's plan
         self._debug_step = 0
         # Decode and verify steps served so far, by path (host counts, read by /sas/info's pool state): whether
         # a workload really decoded sparsely. Captures are not steps and are not counted.
@@ -206,6 +190,7 @@ class SASAttnBackend(AttentionBackend):
         if cfg.force_sparse:
             logger.info("sas: SAS_FORCE_SPARSE: eager CPU steps select and attend sparsely even where every block "
                         "fits the budget (tests and debugging)")
+        self._log_memory()
         logger.info("sas: decode step kernels %s, attention %s, summaries %s, front gate weights %s, launches %s (%s)",
                     settings.kernels, settings.attention, str(settings.summary_dtype).replace("torch.", ""),
                     str(settings.gate_dtype).replace("torch.", ""), settings.launch, settings.source)
@@ -214,20 +199,57 @@ class SASAttnBackend(AttentionBackend):
             "sink %d, local %d, prompt anchors %d, %d summaries a block; summary pool %d pages x %d kv heads x %d "
             "dims = %.1f MiB",
             cfg.selector, len(gates), cfg.first_sparse_layer, cfg.budget, self.top_k, self.block_size,
-            self.selector.rule.sink_blocks, self.selector.rule.local_blocks, self.anchor_count,
-            self.selector.rule.sub_blocks, num_pages,
-            num_kv_heads, summary_dim, self.summaries.nbytes / 2**20,
+            selector.rule.sink_blocks, selector.rule.local_blocks, anchor_count, selector.rule.sub_blocks, num_pages,
+            num_kv_heads, summary_dim, summaries.nbytes / 2**20,
         )
 
+    def _log_memory(self) -> None:
+        """What the backend holds beside the KV pool, and (after a launch's reservation) a warning for any
+        item held beyond what was reserved for it: SGLang's KV pool was sized without that room."""
+        from sas_backend.backend import memory
+
+        held = self.held_bytes()
+        logger.info("sas: holds %.1f MiB beside the KV pool (%s)", sum(held.values()) / memory.MiB,
+                    ", ".join(f"{k} {v / memory.MiB:.1f}" for k, v in held.items()))
+        if memory.RESERVED is not None:
+            over = {k: (v, memory.RESERVED.get(k, 0)) for k, v in held.items() if v > memory.RESERVED.get(k, 0)}
+            if over:
+                logger.warning("sas: holds more than the launch reserved for %s (held, reserved bytes): device memory "
+                               "meant for activations and CUDA graphs pays for it", over)
+
+    def held_bytes(self) -> dict:
+        """{name: device bytes} of what this backend holds, by `backend.memory`'s names (what it reserves)."""
+        step = self.step
+        held = {"summary pool": step.summaries.nbytes, **step.rope.held_nbytes()}
+        gates = [g for g in self.gates.values() if g is not None]
+        if gates:
+            held["gate weights"] = sum(t.numel() * t.element_size() for g in gates for t in g.parameters())
+        front = step.device_nbytes - (step.fused_ws.nbytes if step.fused_ws is not None else 0)
+        if front:
+            held["gate weights (front copy)"] = front
+        if step.anchors is not None:
+            held["prompt anchors"] = step.anchors.nbytes
+        if step.fused_ws is not None:
+            held["decode step workspace"] = step.fused_ws.nbytes
+        per_op = step.sparse_decode.device_nbytes() if step.sparse_decode is not None else 0
+        if per_op:
+            held["flashinfer sparse decode"] = per_op
+        return held
+
     # ------------------------------------------------------------------ metadata
-    def _follow_rope_tables(self) -> None:
-        """Read the current RoPE tables (host side, before a step). Once graphs are captured the
-        tables are frozen: a reallocation raises in `RopeTables.refresh`, eager or graph step."""
-        self.model_rope_table, self.gate_rope_table = self.rope_tables.model, self.rope_tables.gate
+    @property
+    def selector(self):
+        """The decode step's `sas_backend.selection.Selector`."""
+        return self.step.selector
+
+    @property
+    def summaries(self):
+        """The decode step's `SummaryPool`."""
+        return self.step.summaries
 
     def init_forward_metadata(self, forward_batch):
         """Eager step (no CUDA graph): plan and step state from the live batch."""
-        self._follow_rope_tables()
+        self.step.follow_rope()
         mode = forward_batch.forward_mode
         if mode.is_decode() or mode.is_target_verify():
             if mode.is_target_verify() and not self.on_device:
@@ -236,7 +258,7 @@ class SASAttnBackend(AttentionBackend):
                 self._summarize_unmarked(forward_batch)
             self._plan = self._plan_decode(forward_batch, graph_bs=None)
             self._count_step(self._plan)
-            self._extend_blocks = self._extend_reqs = self._extend_last = None
+            self._extend = None
             # The wrapped backend's decode metadata (on CUDA a full-KV plan) is read only by dense
             # layers: those below first_sparse_layer, or all of them in a dense step.
             if self.cfg.first_sparse_layer > 0 or self._plan.dense:
@@ -244,9 +266,7 @@ class SASAttnBackend(AttentionBackend):
         else:
             self.inner.init_forward_metadata(forward_batch)
             self._plan = None
-            self._extend_blocks = self._plan_extend(forward_batch) if mode.is_extend() else None
-            self._extend_reqs = self._plan_own_extend(forward_batch) if mode.is_extend() else None
-            self._extend_last = self._plan_anchors(forward_batch) if mode.is_extend() else None
+            self._extend = self._plan_extend(forward_batch) if mode.is_extend() else None
 
     def _inner_in_graphs(self) -> bool:
         """Whether captured steps use the wrapped backend: dense layers, or the dense branch."""
@@ -266,7 +286,7 @@ class SASAttnBackend(AttentionBackend):
             self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
         # A captured verify step has n decode rows a request: the step buffers hold max_num_tokens rows.
         rows = max(max_bs, max_num_tokens) if self.draft_tokens else max_bs
-        self.step.init_graph_state(rows, self.head_dim, self.gate_rope_table.shape[-1])
+        self.step.init_graph_state(rows, self.head_dim, self.step.rope.gate.shape[-1])
         self._verify_buffers = verify_rows.VerifyRowBuffers(rows, self.device) if self.draft_tokens else None
 
     def get_cuda_graph_seq_len_fill_value(self):
@@ -287,15 +307,15 @@ class SASAttnBackend(AttentionBackend):
                 f"sas runs {forward_batch.forward_mode} eagerly; the full prefill CUDA graph backend is not "
                 "supported (keep SGLang's default breakable prefill graphs, or disable prefill graphs)"
             )
-        self._follow_rope_tables()
+        self.step.follow_rope()
         if self.check_marks:
             self._summarize_unmarked(forward_batch)
         self._plan = self._plan_decode(forward_batch, graph_bs=forward_batch.batch_size)
         if not in_capture:
             self._count_step(self._plan)
-        self._extend_blocks = None
+        self._extend = None
         # From the first out_graph on, captured layers may hold the tables' addresses.
-        self.rope_tables.freeze()
+        self.step.rope.freeze()
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Captured: recompute the step's device state into the persistent buffers."""
@@ -304,7 +324,7 @@ class SASAttnBackend(AttentionBackend):
         if forward_batch.forward_mode.is_target_verify():  # the decode rows' lengths and req rows, captured
             verify_rows.expand(forward_batch.seq_lens, forward_batch.req_pool_indices, draft_tokens(forward_batch),
                                out=(self._plan.step.seq_lens, self._plan.step.req_pool_indices))
-        self.step.fill(self._plan, self.model_rope_table, self.gate_rope_table)
+        self.step.fill(self._plan)
 
     @staticmethod
     def _host_seq_lens(fb) -> torch.Tensor:
@@ -341,8 +361,8 @@ class SASAttnBackend(AttentionBackend):
                     raise RuntimeError(f"sas: a captured verify step of {graph_bs} rows exceeds the "
                                        "init_cuda_graph_state buffers")
                 seq_lens, reqs = self._verify_buffers.view(graph_bs)
-        plan = self.step.plan(fb.positions, seq_lens, reqs, rows_host, self.model_rope_table, self.gate_rope_table,
-                              graph_bs=graph_bs, branched=self._branch is not None, short=short)
+        plan = self.step.plan(fb.positions, seq_lens, reqs, rows_host, graph_bs=graph_bs,
+                              branched=self._branch is not None, short=short)
         if graph_bs is not None and self._branch is not None:
             # Both branches are captured; the sparse one reads this plan, the dense one the wrapped
             # backend's (planned in out_graph), and the flags pick one per replay.
@@ -360,99 +380,34 @@ class SASAttnBackend(AttentionBackend):
         verify = fb.forward_mode.is_target_verify()
         present = host if verify else host - 1  # tokens in the cache before this step's own rows
         rows = fb.req_pool_indices.long()
-        b = self.block_size
-        n_done = torch.div(present, b, rounding_mode="floor")
-        most = int(n_done.max()) if n_done.numel() else 0
-        if most:
-            firsts = self.req_to_token_pool.req_to_token[rows, : most * b : b].long()
-            pages = torch.div(firsts, b, rounding_mode="floor")
-            stale = (torch.arange(most)[None, :] < n_done[:, None]) & ~self.summaries.valid[pages]
-            if bool(stale.any()):
-                r, m = stale.nonzero(as_tuple=True)
-                first = {}  # a page shared by two requests (a radix prefix) is summarized once
-                for i, page in enumerate(pages[r, m].tolist()):
-                    first.setdefault(page, i)
-                keep = torch.tensor(list(first.values()), dtype=torch.long)
-                late, starts = pages[r, m][keep], m[keep] * b
-                for lid in self.gates:
-                    self._summarize_blocks(lid, late, starts)
-                self.summaries.mark_valid(late)
-                self.late_summaries += late.numel()
+        req_to_token = self.req_to_token_pool.req_to_token
+        late = unmarked_blocks(req_to_token, rows, present, self.summaries.valid, self.block_size)
+        if late is not None:
+            for lid in self.gates:
+                self.step.summarize_blocks(lid, self.token_to_kv_pool.get_key_buffer(lid), *late)
+            self.summaries.mark_valid(late[0])
+            self.late_summaries += late[0].numel()
         if not verify:
-            done = (host > 0) & (host % b == 0)
-            if bool(done.any()):
-                firsts = self.req_to_token_pool.req_to_token[rows[done], (host[done] // b - 1) * b].long()
-                self.summaries.mark_valid(torch.div(firsts, b, rounding_mode="floor"))
+            self.summaries.mark_valid(completing_pages(req_to_token, rows, host, self.block_size))
 
-    def _plan_extend(self, fb):
-        """Blocks that this extend completes, per request: logical [prefix // b, seq_len // b)."""
-        prefix = fb.extend_prefix_lens_cpu
-        seq_lens_cpu = fb.seq_lens_cpu
-        if prefix is None or seq_lens_cpu is None:
-            return None
-        reqs, blocks = [], []
-        for i, (p, s) in enumerate(zip(list(prefix), seq_lens_cpu.tolist())):
-            first, end = int(p) // self.block_size, int(s) // self.block_size
-            reqs.extend([i] * (end - first))
-            blocks.extend(range(first, end))
-        if not blocks:
-            return None
-        reqs_t, starts = self._to_device(reqs), self._to_device(blocks) * self.block_size
-        rows = fb.req_pool_indices.long()[reqs_t]
-        pages = torch.div(
-            self.req_to_token_pool.req_to_token[rows, starts].long(), self.block_size, rounding_mode="floor"
-        )
-        if self.check_marks:
-            self.summaries.mark_valid(pages)  # forward_extend writes them in every sparse layer
-        return pages, starts
-
-    def _plan_anchors(self, fb):
-        """When prompt anchors are on, each request's last token in this extend (the last chunk's is the prompt's
-        last, and wins): (req pool rows `[n]`, flat q indices `[n]`, seq lens `[n]`) on the device, staged pinned
-        once per extend, and the longest seq len as a host int; else None."""
-        if self.anchors is None or fb.extend_seq_lens_cpu is None or fb.seq_lens_cpu is None:
-            return None
-        batch, last, lens, end = [], [], [], 0
-        for i, (e, s) in enumerate(zip(list(fb.extend_seq_lens_cpu), fb.seq_lens_cpu.tolist())):
-            end += int(e)
-            if int(e) > 0:
-                batch.append(i)
-                last.append(end - 1)
-                lens.append(int(s))
-        if not batch:
-            return None
-        rows = fb.req_pool_indices.long()[self._to_device(batch)]
-        return rows, self._to_device(last), self._to_device(lens), max(lens)
-
-    def _set_anchors(self, q, layer, forward_batch) -> None:
-        """Write the prompt anchors of every request of the extend for this layer, in one batched pass
-        (`ops.anchors.extend_anchors`: bounded scratch, reserved by backend/memory.py)."""
-        rows, last, lens, longest = self._extend_last
-        q_last = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[last]
-        self.anchors[layer.layer_id][rows] = extend_anchors(
-            q_last, self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.req_to_token_pool.req_to_token, rows,
-            lens, longest, layer.scaling, self.block_size, self.anchor_count,
-            k_scale=self._scales(layer.layer_id)[0])
-
-    def _plan_own_extend(self, fb):
-        """(req rows, prefix lens, extend lens) as host ints when this batch's extend is ours, else None:
-        own_cpu_extend set, a plain decoder batch (no encoder), host lengths available."""
-        if not self.own_cpu_extend or getattr(fb, "encoder_lens", None) is not None:
-            return None
-        prefix, lens = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
-        if prefix is None or lens is None:
-            return None
-        return [int(r) for r in fb.req_pool_indices.tolist()], [int(p) for p in prefix], [int(e) for e in lens]
+    def _plan_extend(self, fb) -> ExtendPlan:
+        """The extend batch's plan; the pages it completes are marked valid (forward_extend writes their summaries
+        in every sparse layer)."""
+        plan = ExtendPlan.make(fb, self.req_to_token_pool.req_to_token, self.block_size, self.device,
+                               self.own_cpu_extend, self.step.anchors is not None)
+        if self.check_marks and plan.blocks is not None:
+            self.summaries.mark_valid(plan.blocks[0])
+        return plan
 
     def _own_extend(self, q, k, v, layer, forward_batch, save_kv_cache, reqs=None):
         """Causal self-attention of the batch's new tokens (ops/extend); K/V stored first. reqs: (req rows, prefix
-        lens, extend lens) host ints (default: this extend's, `_plan_own_extend`)."""
+        lens, extend lens) host ints (default: this extend's, `ExtendPlan.own_rows`)."""
         if save_kv_cache and k is not None and v is not None:
             self._save_kv(layer, forward_batch, k, v)
-        rows, prefix, lens = reqs or self._extend_reqs
+        rows, prefix, lens = reqs or self._extend.own_rows
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q3.shape[0], layer.tp_q_head_num, layer.v_head_dim)
-        k_scale, v_scale = self._scales(layer.layer_id)
+        k_scale, v_scale = self.step.scales(layer.layer_id)
         paged_extend_attention(
             q3, out, self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id), self.req_to_token_pool.req_to_token,
@@ -478,13 +433,9 @@ class SASAttnBackend(AttentionBackend):
         (`dense_by_own_rows`)."""
         return self._own_dense_rows if self.dense_by_own_rows else inner_forward
 
-    def _scales(self, layer_id: int) -> "tuple[float, float]":
-        """(k_scale, v_scale) of a layer's fp8 KV ((1.0, 1.0) when the cache is not fp8)."""
-        return self.kv_scales.get(layer_id, (1.0, 1.0))
-
     def _save_kv(self, layer, forward_batch, k, v) -> None:
         """Store the step's K/V; into an fp8 cache divided by the layer's scales (SGLang's contract)."""
-        k_scale, v_scale = self._scales(layer.layer_id) if self.kv_fp8 else (None, None)
+        k_scale, v_scale = self.step.scales(layer.layer_id) if self.kv_fp8 else (None, None)
         save_kv(self.token_to_kv_pool, layer, forward_batch.out_cache_loc, k, v, k_scale, v_scale)
 
     @staticmethod
@@ -498,17 +449,12 @@ class SASAttnBackend(AttentionBackend):
             and not getattr(layer, "logit_cap", 0)
         )
 
-    def _to_device(self, values: list) -> torch.Tensor:
-        """int64 `[n]` on the backend's device without a blocking copy: staged in pinned host
-        memory and copied asynchronously (a pageable source would make the copy synchronous)."""
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        return host.to(self.device, non_blocking=True)
-
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if forward_batch.forward_mode.is_target_verify():
             return self._verify(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        if self._extend_reqs is not None and not kwargs and self._plain_causal(layer):
+        plan = self._extend
+        if plan is not None and plan.own_rows is not None and not kwargs and self._plain_causal(layer):
             out = self._own_extend(q, k, v, layer, forward_batch, save_kv_cache)
         elif self.dense_by_own_rows:
             raise NotImplementedError(f"sas: layer {layer.layer_id}'s extend is not one sas's CPU extend runs (a "
@@ -516,18 +462,17 @@ class SASAttnBackend(AttentionBackend):
                                       "without its scales")
         else:
             out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        if self._extend_last is not None and layer.layer_id in self.gates:
-            self._set_anchors(q, layer, forward_batch)
-        if layer.layer_id in self.gates and self._extend_blocks is not None:
-            self._summarize_blocks(layer.layer_id, *self._extend_blocks)
+        lid = layer.layer_id
+        if plan is None or lid not in self.gates:
+            return out
+        k_buffer = self.token_to_kv_pool.get_key_buffer(lid)
+        if plan.anchors is not None:
+            self.step.anchors.write_extend(lid, plan.anchors, q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                                           k_buffer, self.req_to_token_pool.req_to_token, layer.scaling,
+                                           self.block_size, k_scale=self.step.scales(lid)[0])
+        if plan.blocks is not None:
+            self.step.summarize_blocks(lid, k_buffer, *plan.blocks)
         return out
-
-    def _summarize_blocks(self, layer_id: int, pages: torch.Tensor, starts: torch.Tensor) -> None:
-        """Write the summaries of whole blocks (physical `pages` `[N]`, first positions `starts` `[N]`) of one sparse
-        layer from the KV they hold: an extend's completed blocks, and the late ones of `_summarize_unmarked`."""
-        self.summaries[layer_id][pages] = self.selector.summarize(
-            self.gates[layer_id], self.token_to_kv_pool.get_key_buffer(layer_id), pages, starts,
-            self.model_rope_table, self.gate_rope_table, self._scales(layer_id)[0])
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         dense = self._dense(self.inner.forward_decode)
@@ -546,45 +491,36 @@ class SASAttnBackend(AttentionBackend):
     def _decode_rows(self, q, k, v, layer, forward_batch, save_kv_cache, dense_forward, **kwargs):
         """One sparse layer of a decode or verify step: K/V written, then the planned step (dense_forward: the
         wrapped backend's attention of the same batch, for dense steps)."""
-        gate = self.gates[layer.layer_id]  # None for the training-free selectors
         plan = self._plan
         lid = layer.layer_id
         if save_kv_cache and k is not None and v is not None:
             self._save_kv(layer, forward_batch, k, v)
         k_buffer = self.token_to_kv_pool.get_key_buffer(lid)
         v_buffer = self.token_to_kv_pool.get_value_buffer(lid)
-        summaries = self.summaries[lid]
         if plan.graph and self._branch is not None:
-            return self._branched_decode(q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer,
-                                         dense_forward, **kwargs)
+            return self._branched_decode(q, k, v, layer, forward_batch, k_buffer, v_buffer, dense_forward, **kwargs)
         if plan.dense:
             # The summary of a block this token completed is still due (the next steps select from it).
-            self.step.update_summaries(plan, gate, k_buffer, summaries, self.model_rope_table, self.gate_rope_table,
-                                       self._scales(lid)[0])
+            self.step.update_summaries(plan, lid, k_buffer)
             return dense_forward(q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
-        return self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer)
+        return self._sparse_attention(q, layer, k_buffer, v_buffer)
 
-    def _sparse_attention(self, q, layer, gate, summaries, k_buffer, v_buffer, update=True) -> torch.Tensor:
+    def _sparse_attention(self, q, layer, k_buffer, v_buffer, update=True) -> torch.Tensor:
         """Summary update, selection and attention over the selected blocks (`DecodeStep.run`): `[bs, H_q * Dv]`."""
         plan = self._plan
         q3 = q.reshape(plan.bs, layer.tp_q_head_num, layer.qk_head_dim)
-        anchors = None if self.anchors is None else self.anchors[layer.layer_id]
-        k_scale, v_scale = self._scales(layer.layer_id)
-        out = self.step.run(plan, gate, q3, k_buffer, v_buffer, summaries, self.model_rope_table,
-                            self.gate_rope_table, anchors, update=update, k_scale=k_scale, v_scale=v_scale)
+        out = self.step.run(plan, layer.layer_id, q3, k_buffer, v_buffer, update=update)
         if self.cfg.debug_dir and layer.layer_id == self.cfg.first_sparse_layer:
             self._debug_record(plan, self.step.last_selected)
         return out.reshape(plan.bs, layer.tp_q_head_num * layer.v_head_dim)
 
-    def _branched_decode(self, q, k, v, layer, forward_batch, gate, summaries, k_buffer, v_buffer, dense_forward,
-                         **kwargs):
+    def _branched_decode(self, q, k, v, layer, forward_batch, k_buffer, v_buffer, dense_forward, **kwargs):
         """A captured step with --sas-dense-below: the sparse and the dense attention as two IF nodes
         (`backend/graph_branch.py`) writing one buffer; the flags set in out_graph pick one per replay."""
         plan = self._plan
         # Outside both bodies: the next steps select from this block's summary whichever branch runs (the fused
         # front of the sparse body writes it again, to the same value up to rounding).
-        self.step.update_summaries(plan, gate, k_buffer, summaries, self.model_rope_table, self.gate_rope_table,
-                                   self._scales(layer.layer_id)[0])
+        self.step.update_summaries(plan, layer.layer_id, k_buffer)
         out = q.new_empty(plan.bs, layer.tp_q_head_num * layer.v_head_dim)  # made before the bodies: read after
 
         def dense():
@@ -592,11 +528,11 @@ class SASAttnBackend(AttentionBackend):
 
         if capturing():
             with captured_if(self._branch.first):
-                out.copy_(self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer, update=False))
+                out.copy_(self._sparse_attention(q, layer, k_buffer, v_buffer, update=False))
             with captured_if(self._branch.second):
                 out.copy_(dense())
         else:  # the graph runner's warm-up before capture: every kernel of both bodies runs once here
-            sparse = self._sparse_attention(q, layer, gate, summaries, k_buffer, v_buffer, update=False)
+            sparse = self._sparse_attention(q, layer, k_buffer, v_buffer, update=False)
             dense_out = dense()
             out.copy_(dense_out if plan.dense else sparse)
         return out
@@ -607,8 +543,8 @@ class SASAttnBackend(AttentionBackend):
         rec = {
             "step": self._debug_step,
             "seq_lens": plan.step.seq_lens.tolist(),
-            "anchors": None if self.anchors is None else
-            self.anchors[self.cfg.first_sparse_layer][plan.step.req_pool_indices.long()].tolist(),
+            "anchors": None if self.step.anchors is None else
+            self.step.anchors[self.cfg.first_sparse_layer][plan.step.req_pool_indices.long()].tolist(),
             "num_candidates": plan.step.num_candidates.tolist(),
             "selected": selected.tolist(),
             "kv_heads": list(range(self.kv_head_offset, self.kv_head_offset + self.num_kv_heads)),

@@ -41,6 +41,18 @@ SGLANG_RELEASES_READ = {
 }
 
 
+def req_to_token_width(model_config) -> Optional[int]:
+    """Columns of SGLang's `req_to_token` table, the decode step's widest block table: the model's context length
+    plus the row headroom (`allocation_sizing.get_req_to_token_extra_context_len`, 0.5.21 and 0.5.23); None where
+    the release or its published state does not say (the caller keeps an upper bound)."""
+    try:
+        from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
+
+        return int(model_config.context_len) + int(get_req_to_token_extra_context_len())
+    except Exception:
+        return None
+
+
 def attention_tp() -> tuple[int, int]:
     """(rank, size) of this process in SGLang's attention tensor-parallel group.
 

@@ -4,7 +4,7 @@
 e.g. "H200") or "default" to the settings the decode-step tournament chose (`gpu_kit/run.py session`
 writes `chosen-settings.json` in this format): kernels, attention path, summary dtype, the dtype the fused front
 reads the gate weights in, select chunk, programs per launch at batch 1, PDL and per-launch warps (`launch`:
-`ops.decode_step.LaunchOptions`' fields), `--sas-dense-below`. Adopting a new measurement is a data change: copy the
+`ops.fused_step.LaunchOptions`' fields), `--sas-dense-below`. Adopting a new measurement is a data change: copy the
 file here. `"measured": false` says the values are still the pre-measurement expectation.
 
 Launch flags and `SAS_*` variables win over the table; on CPU the table is not read.
@@ -19,10 +19,15 @@ from typing import Optional, Union
 
 import torch
 
-from sas_backend.ops.decode_step import LaunchOptions
+from sas_backend import config
+from sas_backend.ops.fused_step import LaunchOptions
 from sas_backend.selection import selector_class
 
 TABLE = pathlib.Path(__file__).with_name("gpu_settings.json")
+# What the launch's settings resolve to (config's choices less "auto"; attention "torch" is what "auto" becomes
+# on CPU, where FlashInfer does not run).
+KERNELS = tuple(k for k in config.KERNELS if k != "auto")
+ATTENTIONS = (*(a for a in config.ATTENTIONS if a != "auto"), "torch")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -30,20 +35,38 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class StepSettings:
     """Resolved decode-step settings of one server. kernels: "triton" | "torch"; attention: "triton" |
     "flashinfer" | "torch"; summary_dtype: torch dtype of the summary pool; gate_dtype: what the fused front
-    reads the gate weights in; select_chunk (one chunk, or a per-batch-size rule {min_bs: chunk}: `ops.decode_step.
+    reads the gate weights in; select_chunk (one chunk, or a per-batch-size rule {min_bs: chunk}: `ops.fused_step.
     select_chunk_rule`), target_programs: the fused launches' split sizes (None:
-    `ops.decode_step` defaults); launch: their `LaunchOptions` (PDL, warps); dense_below: tokens; source: where
+    `ops.fused_step` defaults); launch: their `LaunchOptions` (PDL, warps); dense_below: tokens; source: where
     they came from (for the log and /sas/info)."""
 
-    kernels: str
-    attention: str
-    summary_dtype: torch.dtype
-    select_chunk: Optional[Union[int, dict]]
-    target_programs: Optional[int]
-    dense_below: int
-    source: str
+    kernels: str = "torch"
+    attention: str = "torch"
+    summary_dtype: torch.dtype = torch.float32
+    select_chunk: Optional[Union[int, dict]] = None
+    target_programs: Optional[int] = None
+    dense_below: int = 0
+    source: str = "given"
     gate_dtype: torch.dtype = torch.float32
     launch: LaunchOptions = LaunchOptions()
+
+    def check(self, device, selector) -> "StepSettings":
+        """The cross-field rules a decode step relies on (ValueError naming the rule); returns self.
+        device: where the step runs; selector: a `sas_backend.selection.Selector`."""
+        if self.kernels not in KERNELS or self.attention not in ATTENTIONS:
+            raise ValueError(f"kernels must be one of {KERNELS}, attention one of {ATTENTIONS}")
+        if self.attention == "flashinfer" and torch.device(device).type != "cuda":
+            raise ValueError("the flashinfer attention path needs CUDA")
+        if self.kernels == "triton" and not selector.fused_kernels:
+            raise ValueError(f"the fused kernels compute the gate's query and summaries; the {selector.name} "
+                             "selector runs the per-op path (kernels='torch')")
+        if self.gate_dtype not in (torch.float32, torch.bfloat16) or (
+                self.gate_dtype != torch.float32 and self.kernels != "triton"):
+            raise ValueError(f"gate_dtype {self.gate_dtype} needs kernels='triton' (only the fused front reads a "
+                             "copy)")
+        if self.dense_below < 0:
+            raise ValueError(f"dense_below {self.dense_below} must be >= 0")
+        return self
 
 
 def table_entry(device_name: str, table: Optional[dict] = None) -> tuple[dict, str]:

@@ -30,6 +30,12 @@ class SummaryPool:
         self.valid = torch.zeros(num_pages, dtype=torch.bool, device=device)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.summaries.values()) + self.valid.numel()
 
+    @staticmethod
+    def bytes_per_page(num_layers: int, num_kv_heads: int, dim: int, element_size: int = 4) -> int:
+        """Bytes a pool of this shape holds per page (`nbytes / num_pages`): every layer's summaries at `element_size`
+        bytes an element (4 fp32, 2 bf16) and the page's validity mark."""
+        return num_layers * num_kv_heads * dim * element_size + 1
+
     def mark_valid(self, pages: torch.Tensor) -> None:
         """Pages `[N]` whose summaries this step writes (in every sparse layer)."""
         self.valid[pages.long()] = True

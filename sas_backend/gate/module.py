@@ -47,6 +47,12 @@ class AttnGate(nn.Module):
         self.attngate_knorm = _Weight(gate_dim)
         self.reset_parameters()
 
+    @staticmethod
+    def nbytes_for(num_kv_heads: int, group_size: int, head_dim: int, gate_dim: int, element_size: int = 4) -> int:
+        """Bytes of one gate's weights (Wq, Wk, the two norms) at `element_size` bytes an element."""
+        return (num_kv_heads * group_size * head_dim * gate_dim + num_kv_heads * 3 * head_dim * gate_dim
+                + 2 * gate_dim) * element_size
+
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Seeded init: projections ~ N(0, 1/fan_in) (unit-variance outputs), norms = 1."""

@@ -31,6 +31,8 @@ from typing import Dict, Optional
 
 import torch
 
+from sas_backend.hf.causal import causal_sdpa
+
 CANDIDATE_PATTERN = re.compile(r"^(exactmax|pairs(\d+)|(gate|quest)sub(\d+)(?:c(\d+))?)$")
 
 
@@ -166,8 +168,6 @@ CALIB_ATTN_NAME = "sas_calibrate_pairs"
 
 def _recording_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """Dense causal attention that keeps this layer's post-RoPE q `[T, H_q, D]` and k `[T, H_kv, D]`."""
-    from sas_backend.hf.sparse_eval import causal_sdpa
-
     module._sas_calib[module.layer_idx] = (query[0].transpose(0, 1).float(), key[0].transpose(0, 1).float())
     return causal_sdpa(query, key, value, scaling).transpose(1, 2), None
 

@@ -19,6 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from sas_backend.gate.module import AttnGate
+from sas_backend.hf.causal import causal_sdpa
 from sas_backend.hf.candidates import (
     candidate_scores, is_candidate, keep_first_level, sub_block_alias, two_level_factor,
 )
@@ -191,21 +192,6 @@ def _sparse_rows_mask(selected, positions, t: int, b: int) -> torch.Tensor:
     chosen.scatter_(-1, torch.where(selected >= 0, selected.long(), n_blocks), True)
     sel = chosen[..., :n_blocks][..., key_block]  # [P, H_kv, T]
     return (sel | own[:, None, :]).permute(1, 0, 2)
-
-
-def causal_sdpa(query, key, value, scale: float):
-    """Causal attention of `[B, Hq, Lq, D]` queries that are the LAST Lq positions of the
-    `[B, Hkv, L, D]` keys (Lq < L after a cached prefix), GQA allowed. Returns `[B, Hq, Lq, D]`."""
-    h_q, l_q, l_k = query.shape[1], query.shape[2], key.shape[2]
-    gqa = h_q != key.shape[1]
-    if l_q == l_k:
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
-    # SDPA's is_causal aligns top-left; these queries sit at the end of the keys
-    allowed = (torch.arange(l_k, device=query.device)[None, :]
-               <= torch.arange(l_k - l_q, l_k, device=query.device)[:, None])
-    return torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
 
 def sparse_eval_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

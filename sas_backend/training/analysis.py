@@ -134,14 +134,11 @@ def main(argv: Optional[list] = None) -> int:
     from sas_backend.gate.gate_file import weights_sha256
     from sas_backend.hf.sparse_eval import SparseEvalSpec, prompt_anchors
     from sas_backend.training.data import DEFAULT_HELDOUT_FRACTION, load_packed
+    from sas_backend.training.cli import check_window_budgets
     from sas_backend.training.loop import progress_bar
 
     b = args.block_size
-    if args.last < 1 or args.window <= args.last:
-        raise SystemExit("error: need 1 <= --last < --window")
-    bad = [x for x in args.budgets if x < b or x % b]
-    if bad:
-        raise SystemExit(f"error: budgets {bad} are not positive multiples of the block size {b}")
+    check_window_budgets(args)
     gate_paths = parse_gates(args.gate)
     forced = parse_forced(args.gate_forced)
     if forced is not None and not gate_paths:

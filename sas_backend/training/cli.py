@@ -1,7 +1,7 @@
 """What the two gate trainers (`train`: through the backbone; `distill_cached`: from cached features) share at
 their command line and in their training records: the optimizer schedule's and the run's arguments, the
-checkpoint a run starts from, and the record's command line, schedule and loss fields. One place, so the two
-trainers take and record them alike."""
+checkpoint a run starts from, and the record's command line, schedule and loss fields; and the evaluation tools'
+window and budget checks. One place, so the two trainers take and record them alike."""
 
 from __future__ import annotations
 
@@ -30,6 +30,16 @@ def add_run_args(p: argparse.ArgumentParser, *, steps: int, lr: float, save_ever
     p.add_argument("--stop-at", type=int, default=None,
                    help="stop after this step as if interrupted (state saved; continue with --resume)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines only)")
+
+
+def check_window_budgets(args) -> None:
+    """The evaluation tools' common checks (eval_ppl, analysis): 1 <= --last < --window, and every budget a positive
+    multiple of --block-size; SystemExit naming the bad values."""
+    if args.last < 1 or args.window <= args.last:
+        raise SystemExit("error: need 1 <= --last < --window")
+    bad = [x for x in args.budgets if x < args.block_size or x % args.block_size]
+    if bad:
+        raise SystemExit(f"error: budgets {bad} are not positive multiples of the block size {args.block_size}")
 
 
 def command_line(module: str, argv) -> str:

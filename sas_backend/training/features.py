@@ -37,7 +37,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from sas_backend.hf.sparse_eval import causal_sdpa, model_rope_table
+from sas_backend.hf.causal import causal_sdpa
+from sas_backend.hf.sparse_eval import model_rope_table
 from sas_backend.ops import sub_blocks_ok
 from sas_backend.ops.rope import invert_rope
 from sas_backend.ops.summary.torch_path import pool_block_keys

@@ -30,7 +30,8 @@ import torch
 
 from sas_backend.gate.module import AttnGate
 from sas_backend.geometry import ARCHITECTURES, ModelGeometry, architecture_by_model_type, gate_rope_table
-from sas_backend.hf.sparse_eval import causal_sdpa, model_rope_table
+from sas_backend.hf.causal import causal_sdpa
+from sas_backend.hf.sparse_eval import model_rope_table
 from sas_backend.ops.rope import invert_rope
 from sas_backend.training.packing import query_bounds, seq_bounds
 from sas_backend.training.scoring import DEFAULT_QUERY_CHUNK, candidate_blocks, check_forced, score_gate

@@ -6,11 +6,11 @@ the references themselves against the statement "the same op over the dequantize
 import pytest
 import torch
 
-from sas_backend.ops import decode_step as fused
-from sas_backend.ops.decode_step import naive
+from sas_backend.ops import fused_step as fused
+from sas_backend.ops.fused_step import naive
 from sas_backend.ops.sparse_decode.torch_path import TorchSparseDecode
 from tests.devices import DEVICE
-from tests.ops.test_decode_step_triton import LENS, StepCase
+from tests.ops.test_fused_step_triton import LENS, StepCase
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 SCALES = [(1.0, 1.0), (0.37, 2.5)]

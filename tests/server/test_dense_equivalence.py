@@ -23,6 +23,7 @@ from sas_backend.testing.server import ON_GPU, Server
 from sas_backend.soak.run import flush_cache
 from tests.server.compare import EXACT, KERNELS, assert_same_decodes, generate
 from tests.server.conftest import DENSE_ARGS
+from tests.server.memory_check import assert_held_as_reserved
 
 # Within one block; exactly on a block boundary; many blocks. 30 new tokens make the first
 # prompt complete a block during decode (the decode-time summary update).
@@ -98,6 +99,8 @@ def test_sas_info_reports_config_and_gate(sas_full_server, shipped_gate):
     assert info["gate"]["training"]["objective"] == "distill" and info["gate"]["training"]["budget"] == 2048
     # the launch set only the budget: the forced blocks come from the gate's serving record
     assert info["gate"]["serving"] == {"budget": 2048, "sink_blocks": 1, "local_blocks": 1}
+    # the shipped gate's geometry (SmolLM2, the covering budget) holds what its launch reserved
+    assert assert_held_as_reserved(sas_full_server.url, exact=not ON_GPU)["held"]["gate weights"] > 0
     assert (info["config"]["sink_blocks"], info["config"]["local_blocks"]) == (1, 1)
     assert "sas: gate selector, 30 sparse layers" in sas_full_server.log_text()
     assert "summary pool" in sas_full_server.log_text()

@@ -31,6 +31,7 @@ import torch
 
 from sas_backend.testing.server import ON_GPU, Server, cpu_threads_bind
 from tests.server.compare import decode_from_response, generate
+from tests.server.memory_check import assert_held_as_reserved
 from tests.server.oracle import Rule, run_oracle
 from tests.server.test_speculative_dense import DRAFT_TOKENS, NGRAM_ARGS
 
@@ -213,6 +214,9 @@ def test_serves_a_checkpoint_with_its_own_kv_scales(checkpoint_scaled_server, es
     kv = requests.get(f"{checkpoint_scaled_server.url}/sas/info", timeout=60).json()["pool"][0]["kv_cache"]
     assert kv["scales"]["sources"] == {"checkpoint": LAYERS}
     assert kv["scales"]["k_scale"] == [2.0, 4.0] and kv["scales"]["v_scale"] == [5.0, 6.0]
+    # bf16 on CPU: SGLang keeps its RoPE table in bf16 and sas an fp32 copy, held as reserved
+    held = assert_held_as_reserved(checkpoint_scaled_server.url, exact=not ON_GPU)["held"]
+    assert ON_GPU or "model rope table (fp32 copy)" in held
     for prompt in (essay_ids[5000:6100], essay_ids[9000:9200]):  # sparse (17 blocks), covered
         out = generate(checkpoint_scaled_server.url, prompt, NEW_TOKENS)
         rule = dataclasses.replace(_rule(seed_gate, len(prompt)), kv_scales=CHECKPOINT_SCALES)

@@ -12,6 +12,7 @@ import pytest
 
 from sas_backend.testing.server import ON_GPU, Server, cpu_threads_bind
 from tests.server.compare import FP32, assert_same_decodes, generate
+from tests.server.memory_check import assert_held_as_reserved
 from tests.server.oracle import Rule, oracle_check, run_oracle
 
 PROMPT_LEN = 1500  # 23 candidate blocks, K = 6 (2500 until 2026-12-02: the prefill and oracle cost CI a minute)
@@ -39,6 +40,8 @@ def anchored_run(model_dir, seed_gate, essay_ids, tmp_path_factory):
     with Server(model_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(debug)}) as server:
         out = generate(server.url, prompt, NEW_TOKENS)
         log = server.log_text()
+        # the anchor pool (and, on CPU with the shipped settings, nothing else new) as reserved
+        assert assert_held_as_reserved(server.url, exact=not ON_GPU)["held"]["prompt anchors"] > 0
     records = [json.loads(line) for f in sorted(debug.glob("*.jsonl")) for line in f.open()]
     return prompt, out, records, log
 

@@ -13,6 +13,7 @@ import pytest
 
 from sas_backend.testing.server import ON_GPU, Server
 from tests.server.compare import generate
+from tests.server.memory_check import assert_held_as_reserved
 from tests.server.oracle import Rule, oracle_check
 
 BLOCK = 64
@@ -72,6 +73,9 @@ def test_qwen3_decode_matches_the_oracle(qwen3_dir, qwen3_gate, essay_ids, tmp_p
     prompt = essay_ids[9000 : 9000 + PROMPT_LEN]
     with Server(qwen3_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(tmp_path)}) as server:
         out = generate(server.url, prompt, NEW_TOKENS)
+        memory = assert_held_as_reserved(server.url, exact=not ON_GPU)  # this geometry's pools and workspace
+        if kernels == "triton":
+            assert memory["held"]["decode step workspace"] > 0
     records = [json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.open()]
     assert len(records) >= NEW_TOKENS - 1
     for rec in records:

@@ -56,6 +56,16 @@ def test_selection_is_sparse(sparse_run):
     assert len(ranked) >= 2, [rec["seq_lens"][0] for rec in records]
 
 
+def test_memory_held_is_what_the_launch_reserved(sas_sparse_server):
+    """SmolLM2 in fp32 (the model's RoPE table aliased, not copied): summary pool, gate weights and the gate's RoPE
+    table as reserved; tests/server/test_qwen3.py checks the Qwen3 geometry, with and without the fused workspace."""
+    from sas_backend.testing.server import ON_GPU
+    from tests.server.memory_check import assert_held_as_reserved
+
+    held = assert_held_as_reserved(sas_sparse_server.url, exact=not ON_GPU)["held"]
+    assert {"summary pool", "gate weights", "gate rope table"} <= held.keys()
+
+
 def test_decode_logits_match_independent_oracle(sparse_run, model_dir, seed_gate):
     prompt, out, records = sparse_run
     rule = Rule(budget=BUDGET, sparse_from=PROMPT_LEN, gate=seed_gate, sink_blocks=1, local_blocks=1, block_size=BLOCK)

@@ -27,7 +27,7 @@ def _layer_inputs(layer: int = 1):
     from transformers import AttentionInterface
 
     from sas_backend.geometry import ModelGeometry, gate_rope_table
-    from sas_backend.hf.sparse_eval import causal_sdpa
+    from sas_backend.hf.causal import causal_sdpa
 
     model = tiny_llama()
     ids = torch.randint(0, 256, (1, WINDOW), generator=torch.Generator().manual_seed(3))

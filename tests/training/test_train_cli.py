@@ -438,3 +438,15 @@ def test_both_trainers_take_and_record_the_run_arguments_alike():
         "python -m sas_backend.training.distill_cached --out 'a dir'")
     assert cli.loss_record([4.0, 3.0, 2.0], 2) == {"initial_loss": 4.0, "final_loss": 2.5, "final_loss_window": 2}
     assert cli.loss_record([], 10) == {"initial_loss": None, "final_loss": None, "final_loss_window": 0}
+
+
+@pytest.mark.parametrize("module", ["eval_ppl", "analysis"])
+@pytest.mark.parametrize("argv,message", [(["--window", "512", "--last", "512"], "1 <= --last < --window"),
+                                          (["--budgets", "100", "256"], "budgets [100] are not positive multiples")])
+def test_evaluation_tools_refuse_bad_windows_and_budgets_before_loading(module, argv, message):
+    """Both tools stop on the same checks (`cli.check_window_budgets`), before any model is read."""
+    import importlib
+
+    main = importlib.import_module(f"sas_backend.training.{module}").main
+    with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
+        main(["--model", "no-such-model", "--data", "no-such-data", *argv])

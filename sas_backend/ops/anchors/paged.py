@@ -5,7 +5,7 @@ tokens and 8 kv heads of 128 dims that is 0.5 GB a layer, per request, beside a 
 Here every request of the extend is scored in one pass over token chunks: a chunk's keys are gathered through
 `req_to_token` and cast to fp32 only for `CHUNK_TOKENS` (rows x tokens) at a time, and each block keeps the
 log-sum-exp of its keys' logits, so the block masses `exp(lse_block - lse_all)` need no whole-context tensor.
-No host sync and no pageable copy: the caller passes device tensors (`SASAttnBackend._to_device` stages them
+No host sync and no pageable copy: the caller passes device tensors (`backend.extend_plan.to_device` stages them
 pinned); the chunk loop runs over host ints (the longest prompt).
 """
 

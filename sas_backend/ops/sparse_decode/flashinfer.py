@@ -110,6 +110,13 @@ class FlashInferSparseDecode:
         self._graph_wrappers = {}
         self._active = self._eager
 
+    @staticmethod
+    def nbytes_for(max_rows: int, top_k: int, block_size: int, wrappers: int, own_workspace: bool) -> int:
+        """What `device_nbytes` comes to for an object of this shape once `wrappers` wrappers exist (eager + one per
+        captured batch size); counts without FlashInfer installed (`backend.memory`)."""
+        buffers = max_rows * row_capacity(top_k, block_size) * 4 + (max_rows + 1) * 4 + max_rows * 4
+        return buffers + (WORKSPACE_BYTES if own_workspace else 0) + wrappers * WRAPPER_INT_WORKSPACE_BYTES
+
     def device_nbytes(self) -> int:
         """Device bytes this object holds: buffers, the workspace if its own, and one FlashInfer
         int workspace per wrapper made so far (eager + one per captured batch size)."""

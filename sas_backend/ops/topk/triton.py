@@ -61,7 +61,7 @@ def _row_keys(row_ptr, idx, n, sink_blocks, local_blocks):
 def score_keys(x, idx, n, sink_blocks, local_blocks):
     """Order-preserving int32 keys of fp32 scores x at block indices idx (row of n candidates):
     NaN as -inf, -0.0 as +0.0, the `sink_blocks` first and `local_blocks` last blocks forced on top.
-    Shared with the fused select kernel (`ops.decode_step.triton`)."""
+    Shared with the fused select kernel (`ops.fused_step.triton`)."""
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(bits == INT32_MIN, 0, bits)  # -0.0 ties with +0.0, as in torch.sort
     is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
@@ -188,7 +188,7 @@ def _chunk_select_kernel(
 def chunk_topk(key, valid, idx, n_c, K, idx_ptr, key_ptr, WRITE_KEYS: tl.constexpr):
     """The top min(K, n_c) of one tile held in registers (keys from `score_keys`, n_c valid entries) ->
     idx_ptr[0:] block indices in ascending block order (and key_ptr[0:] their keys if WRITE_KEYS).
-    The caller pads the rest. Shared with the fused select kernel (`ops.decode_step.triton`)."""
+    The caller pads the rest. Shared with the fused select kernel (`ops.fused_step.triton`)."""
     thresh = tl.full([], INT32_MIN, tl.int32)  # below every key: take all
     need_ties = tl.full([], 0, tl.int32)
     if n_c > K:
@@ -246,7 +246,7 @@ def merge_topk(key_row, idx_row, o_ptr, n, K, length, TILE: tl.constexpr, K_TILE
                CG: tl.constexpr):
     """Top K of `length` chunk survivors (keys at key_row, block indices at idx_row, -1 = padding slot, in
     block order) of a row with n candidates -> o_ptr[0:K], ascending, -1 padded. CG: read the survivors
-    through L2 only (another program of the same launch wrote them). Shared with `ops.decode_step.triton`."""
+    through L2 only (another program of the same launch wrote them). Shared with `ops.fused_step.triton`."""
     pad_slots(o_ptr, tl.minimum(n, K), K, K_TILE)
     thresh = tl.full([], INT32_MIN, tl.int32)
     need_ties = tl.full([], 0, tl.int32)

@@ -276,7 +276,7 @@ def front(
     1.0 otherwise). Returns `ws.gate_q[:bs]` `[bs, H_kv, Dg]` fp32 (= `naive.front`'s gate query; the summaries
     as `ops.summary.update_summaries` leaves them).
     """
-    from sas_backend.ops.decode_step import triton as kernels
+    from sas_backend.ops.fused_step import triton as kernels
     from sas_backend.ops.gate import GATE_NORM_EPS
 
     geo = ws.geo
@@ -338,7 +338,7 @@ def select(
     index; a row with at most K candidates takes them all. Returns `ws.selected[:bs]` `[bs, H_kv, K]`
     int32 ascending, -1 padded.
     """
-    from sas_backend.ops.decode_step import triton as kernels
+    from sas_backend.ops.fused_step import triton as kernels
 
     geo = ws.geo
     bs, h_kv, dg = gate_q.shape
@@ -402,7 +402,7 @@ def attend(
     seq_lens `[bs]` (the current block is attended up to the newest token).
     Returns `[bs, H_q, Dv]` in q's dtype (out if given): plain `softmax(q K^T * scale) V`.
     """
-    from sas_backend.ops.decode_step import triton as kernels
+    from sas_backend.ops.fused_step import triton as kernels
 
     geo = ws.geo
     bs, h_q, d = q.shape

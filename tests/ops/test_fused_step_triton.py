@@ -1,5 +1,5 @@
-"""The fused decode step's three kernels (ops.decode_step: front, select, attend) against the plain
-references (ops.decode_step.naive), on random and edge-case inputs: partial and exactly-full blocks, budgets
+"""The fused decode step's three kernels (ops.fused_step: front, select, attend) against the plain
+references (ops.fused_step.naive), on random and edge-case inputs: partial and exactly-full blocks, budgets
 covering the context, GQA groups 1-8 (3 and 7 included), head dims 64 and 128, mixed lengths in one batch,
 padded graph rows, forced blocks and prompt anchors, multi-chunk selects and multi-split attention, and
 fp32 / bf16 / fp16."""
@@ -7,8 +7,8 @@ fp32 / bf16 / fp16."""
 import pytest
 import torch
 
-from sas_backend.ops import decode_step as fused
-from sas_backend.ops.decode_step import naive
+from sas_backend.ops import fused_step as fused
+from sas_backend.ops.fused_step import naive
 from sas_backend.ops.rope import apply_rope, rope_cos_sin_table
 from sas_backend.ops.score.torch_path import candidate_counts
 from sas_backend.ops.summary.torch_path import summarize_pages

@@ -1,4 +1,4 @@
-"""Program order cannot matter (issue 64 item 5): each fused kernel (ops.decode_step: front, select, attend) merges
+"""Program order cannot matter (issue 64 item 5): each fused kernel (ops.fused_step: front, select, attend) merges
 in its last-arriving program, in a fixed order whichever program that is, and resets its arrival counters. On a GPU
 the programs of a launch run in any order; Triton's interpreter runs them in grid order (x, then y, then z). Here
 the interpreter is made to run them reversed and shuffled (seeded), with the kernels unchanged: every output must
@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from sas_backend.ops import decode_step as fused
+from sas_backend.ops import fused_step as fused
 from tests.devices import DEVICE
-from tests.ops.test_decode_step_triton import StepCase
+from tests.ops.test_fused_step_triton import StepCase
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="program order is the interpreter's (CPU) to permute")
 

@@ -23,7 +23,7 @@ from sas_backend.ops.topk.naive import select_blocks
 def front(q, model_cos_sin, gate_cos_sin, w_q, q_norm, k_buffer, model_table, gate_table, w_k, k_norm, summaries,
           block_table, seq_lens, block_size, sub_blocks: int = 1, k_scale: float = 1.0) -> torch.Tensor:
     """Gate query `[bs, H_kv, Dg]` fp32; summaries `[num_pages, H_kv, sub_blocks * Dg]` updated in place (shapes as
-    `ops.decode_step.front`; the keys summarized are the stored ones times k_scale, in fp32)."""
+    `ops.fused_step.front`; the keys summarized are the stored ones times k_scale, in fp32)."""
     summary_update_decode(k_buffer, summaries, block_table, seq_lens, block_size, model_table, gate_table,
                           w_k.float(), k_norm.float(), sub_blocks, k_scale)
     return gate_query_post_rope(q, model_cos_sin, w_q.float(), q_norm.float(), gate_cos_sin)
@@ -39,14 +39,14 @@ def scores(gate_q, summaries, block_table, num_candidates, block_size, max_block
 
 def select(gate_q, summaries, block_table, num_candidates, block_size, max_blocks, top_k, sink_blocks=0,
            local_blocks=0, anchors=None, sub_blocks: int = 1) -> torch.Tensor:
-    """`[bs, H_kv, K]` int32 ascending, -1 padded (as `ops.decode_step.select`)."""
+    """`[bs, H_kv, K]` int32 ascending, -1 padded (as `ops.fused_step.select`)."""
     s = scores(gate_q, summaries, block_table, num_candidates, block_size, max_blocks, anchors, sub_blocks)
     return select_blocks(s, num_candidates, top_k, sink_blocks, local_blocks)
 
 
 def attend(q, k_buffer, v_buffer, selected, block_table, seq_lens, block_size, scale, k_scale: float = 1.0,
            v_scale: float = 1.0) -> torch.Tensor:
-    """`[bs, H_q, Dv]` in q's dtype (as `ops.decode_step.attend`; K and V the stored ones times their scales)."""
+    """`[bs, H_q, Dv]` in q's dtype (as `ops.fused_step.attend`; K and V the stored ones times their scales)."""
     indptr, indices = build_kv_indices(selected.cpu(), block_table.cpu(), seq_lens.cpu(), block_size)
     return sparse_decode_attention(q, k_buffer, v_buffer, indptr.to(q.device), indices.to(q.device), scale,
                                    k_scale, v_scale)
