@@ -213,20 +213,9 @@ class BlockLogGate(torch.autograd.Function):
         return dqg, dkg, None, None, None, None, None, None, None
 
 
-def score_gate(
-    gate: AttnGate,
-    q_pre: torch.Tensor,
-    k_pre: torch.Tensor,
-    cu_seqlens: torch.Tensor | List[int],
-    block_size: int,
-    top_k: int,
-    gate_table: torch.Tensor,
-    *,
-    query_chunk: int = DEFAULT_QUERY_CHUNK,
-    query_start: int = 0,
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-) -> GateScores:
+def score_gate(gate: AttnGate, q_pre: torch.Tensor, k_pre: torch.Tensor, cu_seqlens: torch.Tensor | List[int],
+               block_size: int, top_k: int, gate_table: torch.Tensor, *, query_chunk: int = DEFAULT_QUERY_CHUNK,
+               query_start: int = 0, sink_blocks: int = 0, local_blocks: int = 0) -> GateScores:
     """Block log-gates and Top-K thresholds of one layer for packed sequences.
 
     q_pre: `[Tq, Hq, D]`, k_pre: `[T, Hkv, D]` pre-RoPE (after the model's q/k norm), detached here.
@@ -264,20 +253,10 @@ def score_gate(
                                 query_start=query_start, sink_blocks=sink_blocks, local_blocks=local_blocks)
 
 
-def score_with_summaries(
-    gate: AttnGate,
-    q_pre: torch.Tensor,
-    kg: torch.Tensor,
-    bounds: List[Tuple[int, int]],
-    block_size: int,
-    top_k: int,
-    gate_table: torch.Tensor,
-    *,
-    query_chunk: int = DEFAULT_QUERY_CHUNK,
-    query_start: int = 0,
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-) -> GateScores:
+def score_with_summaries(gate: AttnGate, q_pre: torch.Tensor, kg: torch.Tensor, bounds: List[Tuple[int, int]],
+                         block_size: int, top_k: int, gate_table: torch.Tensor, *,
+                         query_chunk: int = DEFAULT_QUERY_CHUNK, query_start: int = 0, sink_blocks: int = 0,
+                         local_blocks: int = 0) -> GateScores:
     """`score_gate` from block summaries already made: kg `[N, NB, Hkv, Dg]` (zeros for incomplete
     blocks, as `block_summaries` pads), q_pre `[Tq, Hq, D]` packed over the queries of `bounds`
     (positions >= query_start). The entry point of training on cached features, whose summaries

@@ -314,18 +314,9 @@ def front(
     return gq
 
 
-def select(
-    ws: DecodeStepWorkspace,
-    gate_q: torch.Tensor,
-    summaries: torch.Tensor,
-    block_table: torch.Tensor,
-    num_candidates: torch.Tensor,
-    max_blocks: int,
-    sink_blocks: int = 0,
-    local_blocks: int = 0,
-    anchors: Optional[torch.Tensor] = None,
-    anchor_rows: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def select(ws: DecodeStepWorkspace, gate_q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor,
+           num_candidates: torch.Tensor, max_blocks: int, sink_blocks: int = 0, local_blocks: int = 0,
+           anchors: Optional[torch.Tensor] = None, anchor_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One launch: the K blocks of each (row, kv head), as `naive.select`.
 
     gate_q `[bs, H_kv, Dg]` fp32; summaries `[num_pages, H_kv, n * Dg]` (a block scores its best of the n =
@@ -380,19 +371,9 @@ def select(
     return out
 
 
-def attend(
-    ws: DecodeStepWorkspace,
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    selected: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: Optional[torch.Tensor] = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+def attend(ws: DecodeStepWorkspace, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+           selected: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+           out: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One launch: attention of each row's new token over its selected blocks and its current block.
 
     q `[bs, H_q, D]`; k_buffer `[slots, H_kv, D]`, v_buffer `[slots, H_kv, Dv]` (q's dtype, fp32, or fp8

@@ -179,17 +179,9 @@ class FlashInferSparseDecode:
         self._active = wrapper
         self._rows = rows
 
-    def run(
-        self,
-        q: torch.Tensor,
-        k_buffer: torch.Tensor,
-        v_buffer: torch.Tensor,
-        selected: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
-    ) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, selected: torch.Tensor,
+            block_table: torch.Tensor, seq_lens: torch.Tensor, k_scale: float = 1.0,
+            v_scale: float = 1.0) -> torch.Tensor:
         """Attention `[bs, H_q, Dv]` over the selected blocks plus the current block.
 
         q: `[bs, H_q, D]`; k/v buffers: `[slots, H_kv, D]` in the planned kv dtype (fp8: holding K / k_scale,

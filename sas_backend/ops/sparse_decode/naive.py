@@ -10,16 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def sparse_decode_attention(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_indptr: torch.Tensor,
+                            kv_indices: torch.Tensor, scale: float, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """Decode attention of one new token per request over its selected tokens.
 
     q: `[bs, H_q, D]`; k_buffer: `[slots, H_kv, D]`; v_buffer: `[slots, H_kv, Dv]` (q's dtype, fp32, or fp8

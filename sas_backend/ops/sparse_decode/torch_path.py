@@ -40,16 +40,8 @@ def padded_token_rows(
     return rows, valid
 
 
-def sparse_decode_padded(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    rows: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
+def sparse_decode_padded(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, rows: torch.Tensor,
+                         valid: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Decode attention of one new token per request over its padded token rows.
 
     q: `[bs, H_q, D]`; k_buffer: `[slots, H_kv, D]`; v_buffer: `[slots, H_kv, Dv]` (q's dtype, fp32, or fp8
@@ -95,17 +87,9 @@ class TorchSparseDecode:
         self._bs = int(seq_lens_host.shape[0])
         self._scale = float(scale)
 
-    def run(
-        self,
-        q: torch.Tensor,
-        k_buffer: torch.Tensor,
-        v_buffer: torch.Tensor,
-        selected: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
-    ) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, selected: torch.Tensor,
+            block_table: torch.Tensor, seq_lens: torch.Tensor, k_scale: float = 1.0,
+            v_scale: float = 1.0) -> torch.Tensor:
         """Attention `[bs, H_q, Dv]` over the selected blocks plus the current block.
 
         q: `[bs, H_q, D]`; k/v buffers: `[slots, H_kv, D]` (fp8: holding K / k_scale, V / v_scale, the layer's
