@@ -350,16 +350,18 @@ def test_per_request_buffers_are_reserved_for_the_rows_sglang_gives(sas_env, mon
     assert memory.RESERVED["summary pool"] == SummaryPool(range(30), 16384 // 64 + 1, 3, 128, "meta").nbytes
 
 
-def test_the_slot_table_width_comes_from_the_installed_sglang():
-    """The fused workspace is reserved for SGLang's `req_to_token` width: the installed release names its row
-    headroom where `sglang_compat.req_to_token_width` reads it (a rename would silently fall back to the RoPE
-    table's length, an over-reservation the server tests would catch as held < reserved)."""
+def test_the_slot_table_width_comes_from_the_installed_sglang(monkeypatch):
+    """The fused workspace is reserved for SGLang's `req_to_token` width: the model's context length plus the row
+    headroom the installed release names (a rename would silently fall back to the RoPE table's length, an
+    over-reservation the server tests catch as held < reserved); before SGLang publishes its state (a process that
+    is no server), None: the caller keeps its upper bound."""
     import types
 
     from sglang.srt.mem_cache import allocation_sizing
 
     from sas_backend.backend.sglang_compat import req_to_token_width
 
-    assert callable(allocation_sizing.get_req_to_token_extra_context_len)
-    width = req_to_token_width(types.SimpleNamespace(context_len=8192))
-    assert width is None or 8192 + 4 <= width <= 8192 + 4 + 64  # None only before SGLang publishes its state
+    config = types.SimpleNamespace(context_len=8192)
+    assert req_to_token_width(config) is None  # nothing published in this test process
+    monkeypatch.setattr(allocation_sizing, "get_req_to_token_extra_context_len", lambda: 8)
+    assert req_to_token_width(config) == 8200

@@ -8,8 +8,9 @@
     out = step.run(plan, layer_id, q, k_buffer, v_buffer)          # per sparse layer
 
 The step holds what its layers read: the summary pool, the prompt-anchor pool, the gates (and the fused front's
-copies of their weights), the layers' fp8 KV scales and the RoPE tables (`plan` takes the step's snapshot of them:
-every layer of one step reads the same tensors). Its settings are one `StepSettings` (`step_settings.py`).
+copies of their weights), the layers' fp8 KV scales and the RoPE tables (`follow_rope`, called before each forward,
+takes the step's snapshot of them: every layer of one step reads the same tensors). Its settings are one
+`StepSettings` (`step_settings.py`).
 
 `plan` is frozen per batch (`decode_plan.DecodePlan`): it decides once whether the step is sparse or dense
 (eager CPU steps whose requests have at most K candidates are exactly dense; `--sas-dense-below`) and, under
@@ -99,9 +100,9 @@ class DecodeStep:
         self.fused_ws = None
         if self.fused_workspace(settings):
             self.fused_ws = fused_step.DecodeStepWorkspace(geometry, self.fused_rows(max_rows), self.max_blocks,
-                                                      self.device, chunk=settings.select_chunk,
-                                                      target_programs=settings.target_programs,
-                                                      launch=settings.launch)
+                                                           self.device, chunk=settings.select_chunk,
+                                                           target_programs=settings.target_programs,
+                                                           launch=settings.launch)
         # The per-op attention: every step when attention is not "triton", else batches past the workspace.
         self.sparse_decode = make_sparse_decode(
             self.device, geometry.num_kv_heads, geometry.group, geometry.head_dim, self.top_k, self.block_size,
@@ -129,11 +130,15 @@ class DecodeStep:
         return settings.attention != "triton" or max_rows > FUSED_MAX_ROWS
 
     @property
+    def front_weight_nbytes(self) -> int:
+        """Device bytes of the fused front's copies of the gate weights (0 where it reads the gates themselves)."""
+        return sum(t.numel() * t.element_size() for ts in self._front_weights.values() for t in ts)
+
+    @property
     def device_nbytes(self) -> int:
         """Device bytes this object allocated (the fused workspace and the front's gate-weight copies; the pools it
         was handed and FlashInfer's buffers are counted by `backend.memory` under their own names)."""
-        ws = self.fused_ws.nbytes if self.fused_ws is not None else 0
-        return ws + sum(t.numel() * t.element_size() for ts in self._front_weights.values() for t in ts)
+        return (self.fused_ws.nbytes if self.fused_ws is not None else 0) + self.front_weight_nbytes
 
     def follow_rope(self) -> None:
         """Take the RoPE tables' current tensors (host side, before a step or an extend: `RopeTables` follows SGLang
@@ -273,10 +278,11 @@ class DecodeStep:
         if plan.fused:
             ws = self.fused_ws
             w_q, q_norm, w_k, k_norm = self.front_weights(gate)
-            gq = fused_step.front(ws, q, step.model_cos_sin, step.gate_cos_sin, w_q, q_norm, k_buffer, self.model_table,
-                             self.gate_table, w_k, k_norm, summaries, step.block_table, step.seq_lens, k_scale)
+            gq = fused_step.front(ws, q, step.model_cos_sin, step.gate_cos_sin, w_q, q_norm, k_buffer,
+                                  self.model_table, self.gate_table, w_k, k_norm, summaries, step.block_table,
+                                  step.seq_lens, k_scale)
             selected = fused_step.select(ws, gq, summaries, step.block_table, step.num_candidates, plan.max_blocks,
-                                    rule.sink_blocks, rule.local_blocks, anchors, step.req_pool_indices)
+                                         rule.sink_blocks, rule.local_blocks, anchors, step.req_pool_indices)
         else:
             if update:
                 self.update_summaries(plan, layer_id, k_buffer)
@@ -286,7 +292,7 @@ class DecodeStep:
         self.last_selected = selected
         if self._triton_attention(plan.bs):
             return fused_step.attend(self.fused_ws, q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,
-                                self.scaling, k_scale=k_scale, v_scale=v_scale)
+                                     self.scaling, k_scale=k_scale, v_scale=v_scale)
         if not plan.graph and not self.on_device and plan.max_blocks < selected.shape[-1]:
             # Eager CPU: no row has more than max_blocks candidates, so the columns past it are all -1; the padded
             # SDPA then reads (max_blocks + 1) blocks a row, not K + 1 (a covering budget's rows stay short).

@@ -224,9 +224,8 @@ class SASAttnBackend(AttentionBackend):
         gates = [g for g in self.gates.values() if g is not None]
         if gates:
             held["gate weights"] = sum(t.numel() * t.element_size() for g in gates for t in g.parameters())
-        front = step.device_nbytes - (step.fused_ws.nbytes if step.fused_ws is not None else 0)
-        if front:
-            held["gate weights (front copy)"] = front
+        if step.front_weight_nbytes:
+            held["gate weights (front copy)"] = step.front_weight_nbytes
         if step.anchors is not None:
             held["prompt anchors"] = step.anchors.nbytes
         if step.fused_ws is not None:
