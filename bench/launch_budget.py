@@ -160,7 +160,7 @@ def markdown() -> str:
                 for c, b, want in speed]
     targets.append("")
     return "\n".join(out[:9] + ["## Summary", ""] + head + table + targets + sub_block_section() + fp8_section()
-                     + out[9:]).rstrip() + "\n"
+                     + marks_section() + out[9:]).rstrip() + "\n"
 
 
 SUB_BLOCKS = 4  # the candidate of issue 63 (docs/quality.md, "Long-context retrieval")
@@ -219,6 +219,35 @@ def fp8_section() -> list:
                 f"{got:.2f}x ({'expected met' if got >= 1.3 else 'expected MISSED'}). At batch 1 the step is bound by "
                 "launch floors and per-program latency, which fp8 does not shorten.", ""]
     return out
+
+
+def marks_section() -> list:
+    """What the device-side validity marks cost a CUDA step on paper: per step (not per layer) the late-block list
+    (`ops.late_blocks`: two memsets and one launch of bs programs, each reading its row's block table and marks) and
+    one IF node; a transferred request's first step, one summary pass over its keys."""
+    from sas_backend.ops.late_blocks.triton import CHUNK
+
+    rows_bytes = GRAPH_WIDTH * (8 + 1)  # a row's block-table slots (int64) and marks (bool)
+    program_us = _us(rows_bytes, PROGRAM_GBS)  # the longest program: a row at the graph's whole width
+    step_us = 3 * FLOOR_US + max(FLOOR_US, _us(8 * rows_bytes, DEVICE_GBS), program_us)  # 2 memsets, IF, the list
+    rows = []
+    for ctx in CONTEXTS:
+        k_bytes = ctx * H_KV * D * 2
+        programs = 2 * 132 // H_KV * H_KV  # summarize_listed_triton's grid on an H100 / H200 (132 SMs)
+        per_layer = max(FLOOR_US, _us(k_bytes, DEVICE_GBS), _us(k_bytes / programs, PROGRAM_GBS))
+        rows.append(f"| {ctx // 1024}K | {k_bytes / 2**20:.0f} MiB | {per_layer:.1f} | "
+                    f"{per_layer * LAYERS / 1e3:.2f} | {DENSE_US[ctx, 1] * LAYERS / 1e3:.2f} |")
+    return ["## Validity marks on the device (every CUDA server; what a PD decode server needs)", "",
+            "Each step lists its rows' complete blocks whose pages hold no valid summary and marks its complete "
+            f"blocks: two memsets (count, flag) and one launch of a program a row, which reads the row's block table "
+            f"and marks in chunks of {CHUNK} blocks (at the {GRAPH_WIDTH}-block graph width and batch 8, "
+            f"{8 * rows_bytes / 2**10:.0f} KiB: floor-bound); the repairs of all layers sit in one IF node on the "
+            f"list's flag, skipped when nothing is late. Expected {step_us:.0f} us a step, "
+            f"{step_us / LAYERS:.2f} us a layer amortized over {LAYERS} layers, whatever the context.",
+            "", "A transferred request's first decode step summarizes its whole prompt once (the same pass an extend "
+            "through sas makes, `summarize_listed_triton`, one bf16 K read per layer):", "",
+            "| context | K a layer | repair us a layer | all layers ms | one dense step ms, batch 1 |",
+            "| ---: | ---: | ---: | ---: | ---: |", *rows, ""]
 
 
 def main(argv=None) -> int:

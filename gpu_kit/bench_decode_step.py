@@ -132,6 +132,8 @@ class World:
         self.seq_lens_cpu = torch.full((bs,), ctx, dtype=torch.int64)
         self.seq_lens_steady = self.seq_lens - 1
         self.num_candidates = torch.full((bs,), self.max_blocks, dtype=torch.int64, device=dev)
+        # The summary pool's validity marks: every page summarized (the steady state of a served step)
+        self.valid = torch.ones(self.num_pages, dtype=torch.bool, device=dev)
         slots = self.num_pages * BLOCK
         shape = (distinct, slots, geo.kv_heads, geo.head_dim)
         self.k = torch.randn(shape, dtype=torch.bfloat16, device=dev, generator=self._dev_gen(seed + 1))
@@ -301,10 +303,11 @@ COSTS = (
 
 class ByLayer:
     """`[layer]` -> what `fn(layer)` gives: the world's shared buffer sets as the per-layer pools `DecodeStep`
-    reads (summaries, prompt anchors)."""
+    reads (summaries, prompt anchors); valid: the summary pool's validity marks `[num_pages]` bool (summaries)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, valid=None):
         self.fn = fn
+        self.valid = valid
 
     def __getitem__(self, layer: int):
         return self.fn(layer)
@@ -339,9 +342,10 @@ class ServedStep(LayerStack):
             StepGeometry(geo.kv_heads, geo.group, geo.head_dim, geo.head_dim, geo.gate_dim, self.top_k, BLOCK,
                          variant.sub_blocks),
             w.req_to_token, w.device, torch.bfloat16, variant.kv_dtype, w.scale, variant.step_settings(),
-            summaries=ByLayer(lambda layer: w.summaries_of(layer, self.dtype, variant.sub_blocks)), gates=w.gates,
-            rope=FixedRopeTables(w.model_table, w.gate_table),
+            summaries=ByLayer(lambda layer: w.summaries_of(layer, self.dtype, variant.sub_blocks), valid=w.valid),
+            gates=w.gates, rope=FixedRopeTables(w.model_table, w.gate_table),
             anchors=ByLayer(lambda layer: w.anchors) if variant.anchors else None,
+            repair_late=cuda,  # as a CUDA server runs it: the step lists its late blocks and repairs them
         )
         self.graphs = graphs
         if graphs:
@@ -358,6 +362,10 @@ class ServedStep(LayerStack):
     def step(self):
         if self.graphs:  # as in the server: the step's device state is recomputed inside the graph
             self.step_obj.fill(self.plan)
+        # As the server: the late blocks (none in the steady state) of every layer before the layers; captured,
+        # one IF node on the count
+        self.step_obj.repair(self.plan, {lid: self.w.kv(lid, self.variant.kv_dtype)[0]
+                                         for lid in range(self.w.geo.layers)})
         return super().step()
 
     def last_selected(self) -> torch.Tensor:
@@ -751,6 +759,7 @@ def check_point(w: World, budget: int, graphs: bool, branches: bool = False) -> 
     args = (w.k[0], w.pages[0, :n].to(w.device), torch.arange(n, device=w.device) * BLOCK, w.model_table,
             w.gate_table, wk, kn, BLOCK)
     record("summarize_pages", _err(summarize_pages(*args), pages_ref(*args)), 1e-3)
+    _check_late_repair(w, before, wk, kn, record)
     gq_args = (w.q, w.model_rows, gate.attngate_linear_q.weight, gate.attngate_qnorm.weight, w.gate_rows)
     gq = gate_query_post_rope(*gq_args)
     record("gate_query", _err(gq, gq_ref(*gq_args)), 1e-3)
@@ -819,6 +828,59 @@ def check_point(w: World, budget: int, graphs: bool, branches: bool = False) -> 
                             "error": f"{type(e).__name__}: {e}"[:500], "ok": False})
                 torch.cuda.synchronize()
     return out
+
+
+def _check_late_repair(w: World, before: torch.Tensor, wk, kn, record) -> None:
+    """The device-side validity marks (a PD decode server's transferred pages): every 7th block of each request
+    unmarked; the step's late-block list against its plain statement, the repair of layer 0 against the host-count
+    torch path; on CUDA the two captured in one graph, replayed on other marks (count and flag read on the device),
+    equal to eager."""
+    from sas_backend.ops.late_blocks import list_late_blocks
+    from sas_backend.ops.late_blocks.naive import late_blocks
+    from sas_backend.ops.summary import summarize_listed
+    from sas_backend.ops.summary.torch_path import summarize_listed as listed_ref
+
+    n = w.bs * w.max_blocks + 1
+    pages, starts = (torch.zeros(n, dtype=torch.int64, device=w.device) for _ in range(2))
+    count, total = (torch.zeros(1, dtype=torch.int64, device=w.device) for _ in range(2))
+    flag = torch.zeros((), dtype=torch.bool, device=w.device)
+    valid = torch.ones(w.num_pages, dtype=torch.bool, device=w.device)
+
+    def repair(out):
+        list_late_blocks(w.block_table, w.num_candidates, w.seq_lens, valid, BLOCK, pages, starts, count, flag, total)
+        return summarize_listed(w.k[0], out, pages, starts, count, BLOCK, w.model_table, w.gate_table, wk, kn)
+
+    def unmark(offset):
+        valid.fill_(True)
+        valid[w.pages[:, offset: w.max_blocks: 7].reshape(-1).to(w.device)] = False
+
+    unmark(0)
+    want_list, want_marks = late_blocks(w.block_table.cpu(), w.num_candidates.cpu(), w.seq_lens.cpu(), valid.cpu(),
+                                        BLOCK)
+    got = repair(before.clone())
+    listed = set(zip(pages[: int(count)].tolist(), starts[: int(count)].tolist()))
+    record("late-block list (vs the statement)", float(listed != set(want_list) or not torch.equal(
+        valid.cpu(), want_marks | (torch.arange(w.num_pages) == 0) & valid.cpu())), 0.0)
+    unmark(0)
+    want = listed_ref(w.k[0], before.clone(), pages, starts, count, BLOCK, w.model_table, w.gate_table, wk, kn,
+                      fixed_shapes=False)
+    record("late repair (listed blocks)", _err(got, want), 1e-3)
+    if w.device.type != "cuda":
+        return
+    out = before.clone()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        repair(out)
+    worst = 0.0
+    for offset in (3, 5):
+        unmark(offset)
+        out.copy_(before)
+        graph.replay()
+        unmark(offset)
+        worst = max(worst, _err(out, repair(before.clone())))
+    record("late repair: graph replay == eager (count on the device)", worst, 0.0)
+    del graph
 
 
 def _selection_misses(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor, tie: float = 1e-3) -> float:

@@ -74,6 +74,7 @@ EXIT_FETCH = 3  # exit status when a Triton version cannot be fetched (the test 
 KERNEL_MODULES = (
     "sas_backend.ops.gate.triton",
     "sas_backend.ops.summary.triton",
+    "sas_backend.ops.late_blocks.triton",
     "sas_backend.ops.score.triton",
     "sas_backend.ops.topk.triton",
     "sas_backend.ops.gather.triton",
@@ -98,6 +99,7 @@ SPEC_WIDTHS = (640, 2047, 2048, 4096)  # Qwen3-4B's 40K graph width, 128K eager/
 SPEC_FORCED = ((0, 0), (1, 1), (1, 2))
 # The runtime ints each launcher takes (the others would only clutter its geometry label).
 RUNTIME_KEYS = dict(gate_query=("bs", "h_kv"), summarize_pages=("h_kv", "n"), summary_update=("bs", "h_kv", "m"),
+                    summarize_listed=("h_kv",), late_blocks=("bs", "m"),
                     score=("bs", "h_kv", "m"), topk=("bs", "h_kv", "m", "sink", "local"),
                     gather=("bs", "h_kv", "m"), gated_attention=(), decode_front=("bs", "h_kv"),
                     decode_select=("bs", "h_kv", "m", "sink", "local"), decode_attend=("bs", "h_kv"))
@@ -135,6 +137,13 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
         # an fp8 KV cache (issue 66): fp8 keys, one and SUB runs a block
         + [dict(d=sg["d"], dg=sg["dg"], dtype="bf16", kv=kv, **sub) for kv in SERVED_FP8
            for sub in [{}] + [dict(sub=n) for n in SERVED_SUB_BLOCKS]],
+        # The late blocks of the device-side validity marks (a PD decode server's transferred pages): every (d, dg)
+        # in the model dtypes served, both summary dtypes, SUB runs a block, fp8 keys.
+        "summarize_listed": product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=("bf16", "fp16"), summaries=("fp32", "bf16"))
+        + [dict(d=sg["d"], dg=sg["dg"], dtype="bf16", summaries=sm, **x) for sm in ("fp32", "bf16")
+           for x in [dict(sub=n) for n in SERVED_SUB_BLOCKS] + [dict(kv=kv) for kv in SERVED_FP8]],
+        # The step's late-block list (int64 tables, bool marks): one variant whatever the geometry.
+        "late_blocks": [dict(bs=bs, m=m) for bs, m in ((1, 127), (8, 2047))],
         # The CI grid: every (d, dg) in bf16 and every dtype at the spec geometry, not their product.
         "summary_update": (product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=DTYPES, summaries=("fp32", "bf16")) if full else
                            product(d=HEAD_DIMS, dg=GATE_DIMS, dtype=("bf16",), summaries=("fp32",))
@@ -297,7 +306,7 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
         gate_query_triton(torch.empty(bs, h_kv * g, d, dtype=_dt(p["dtype"])), torch.ones(bs, d),
                           torch.empty(h_kv, g, d, dg), torch.empty(dg), torch.empty(bs, dg),
                           out=torch.empty(bs, h_kv, dg), split=p["split"])
-    elif op in ("summarize_pages", "summary_update"):
+    elif op in ("summarize_pages", "summary_update", "summarize_listed"):
         from sas_backend.ops.summary import triton as st
 
         d, dg = p["d"], p["dg"]
@@ -308,10 +317,23 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
             n = p["n"]
             st.summarize_pages_triton(k_buffer, torch.zeros(n, dtype=i64), torch.zeros(n, dtype=i64),
                                       model_t, gate_t, w_k, k_norm, BLOCK // p.get("sub", 1))
+        elif op == "summarize_listed":  # the step's late-block list: bs x M entries and the count, on the device
+            sub = p.get("sub", 1)
+            summaries = torch.empty(pages + 1, h_kv, sub * dg, dtype=_dt(p["summaries"]))
+            listed = torch.zeros(bs * m + 1, dtype=i64)
+            st.summarize_listed_triton(k_buffer, summaries, listed, listed, torch.zeros(1, dtype=i64), BLOCK,
+                                       model_t, gate_t, w_k, k_norm, sub_blocks=sub, programs=max(1, 264 // h_kv))
         else:
             summaries = torch.empty(pages + 1, h_kv, dg, dtype=_dt(p["summaries"]))
             st.summary_update_decode_triton(k_buffer, summaries, table, seq_lens, BLOCK, model_t, gate_t,
                                             w_k, k_norm)
+    elif op == "late_blocks":
+        from sas_backend.ops.late_blocks.triton import list_late_blocks_triton
+
+        listed = torch.zeros(bs * m + 1, dtype=i64)
+        list_late_blocks_triton(table, torch.full((bs,), m, dtype=i64), seq_lens, torch.zeros(pages, dtype=torch.bool),
+                                BLOCK, listed, listed, torch.zeros(1, dtype=i64), torch.zeros((), dtype=torch.bool),
+                                torch.zeros(1, dtype=i64))
     elif op == "score":
         from sas_backend.ops.score.triton import score_blocks_triton
 

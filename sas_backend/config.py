@@ -92,9 +92,11 @@ class SASConfig:
         (`backend.step_settings.resolve`).
     force_sparse: 1: eager CPU steps select even when every candidate fits the budget (where dense attention
         is exactly the result), so tests run the sparse path itself; tests/debug only.
-    summary_marks: 0 turns the summary pool's validity marks off (pages whose KV came without an extend through
-        sas, e.g. a PD decode server's, then keep whatever summary their row holds): a negative control for
-        tests only; 1 (default) keeps them.
+    summary_marks: the summary pool's validity marks (pages whose KV came without an extend through sas, e.g. a
+        PD decode server's, are summarized at decode before any selection): 1 (default) in the device's form (CPU:
+        planned on the host; CUDA: listed and repaired on the device, capturable, for selectors with a capturable
+        repair); 2: the device-side form on CPU too (tests drive it there); 0: off, pages keep whatever summary
+        their row holds (a negative control for tests only).
     debug_dir: if set, each decode step appends selection statistics there (slow; tests only).
     cpu_extend: who runs extend (prefill) attention on CPU: "sas" (ops/extend: the new queries only)
         or "torch_native" (SGLang's, which pads each request's queries to its whole length).
@@ -275,6 +277,9 @@ class SASConfig:
         if self.kernels == "triton" and not kind.fused_kernels:
             raise SASConfigError(f"--sas-kernels triton runs the fused kernels, which the {self.selector} selector "
                                  "does not have: that selector runs with --sas-kernels torch (or auto)")
+        if self.summary_marks not in (0, 1, 2):
+            raise SASConfigError(f"SAS_SUMMARY_MARKS must be 0 (off), 1 (the device's form) or 2 (the device-side "
+                                 f"form everywhere), got {self.summary_marks}")
         if self.cpu_extend not in CPU_EXTENDS:
             raise SASConfigError(f"SAS_CPU_EXTEND must be one of {', '.join(CPU_EXTENDS)}, got {self.cpu_extend!r}")
         return self

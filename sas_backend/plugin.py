@@ -198,13 +198,18 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
 
 def _check_pd_decode(cfg, on_cuda: bool) -> None:
     """A prefill-decode disaggregation decode server: a transferred request's KV lands in pages this server
-    allocated without an extend through sas. On CPU the summary pool's validity marks summarize those pages at the
-    request's first decode step; what the prompt's extend alone computes (prompt anchors) is refused."""
-    if on_cuda:
+    allocated without an extend through sas. The summary pool's validity marks summarize those pages at the
+    request's first decode step (on CPU planned on the host; on CUDA listed and repaired on the device, which needs
+    a selector with a capturable repair); what the prompt's extend alone computes (prompt anchors) is refused."""
+    from sas_backend.selection import selector_class
+
+    kind = selector_class(cfg.selector)
+    if on_cuda and kind.keeps_summaries and not kind.capturable_repair:
         raise SASConfigError(
-            "the sas backend serves a prefill-decode disaggregation decode server (--disaggregation-mode decode) on "
-            "CPU only yet: on CUDA its transferred KV pages would be selected over without block summaries. Serve "
-            "the decode side with a dense backend; a prefill server (--disaggregation-mode prefill) may use sas")
+            f"the sas backend serves a prefill-decode disaggregation decode server (--disaggregation-mode decode) on "
+            f"CUDA with the gate selector only: the {cfg.selector} selector's late summaries of transferred KV pages "
+            "need a host sync, which CUDA graphs cannot hold. Use --sas-selector gate, serve the decode side on CPU, "
+            "or with a dense backend")
     if cfg.prompt_anchors:
         raise SASConfigError(
             f"--sas-prompt-anchors {cfg.prompt_anchors} cannot be served on a prefill-decode disaggregation decode "

@@ -36,7 +36,7 @@ from sas_backend.ops.anchors import force_anchors
 from sas_backend.ops.gate import gate_query_post_rope
 from sas_backend.ops.quest import key_bounds, quest_scores, update_key_bounds
 from sas_backend.ops.score import score_blocks
-from sas_backend.ops.summary import completed_blocks, summarize_pages, update_summaries
+from sas_backend.ops.summary import completed_blocks, summarize_listed, summarize_pages, update_summaries
 from sas_backend.ops.topk import select_blocks
 
 
@@ -94,6 +94,8 @@ class Selector:
     ranks = True
     #: Keeps per-page summaries (`summary_dim` > 0; `--sas-sub-blocks` sets how many a block has).
     keeps_summaries = True
+    #: `repair` runs without a host sync (CUDA graphs): the pages' validity marks are served on CUDA.
+    capturable_repair = False
 
     def __init__(self, rule: SelectionRule):
         self.rule = rule
@@ -122,6 +124,18 @@ class Selector:
 
     def scores(self, gate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates, max_blocks):
         raise NotImplementedError
+
+    def repair(self, gate, k_buffer, summaries, pages, starts, count, model_table, gate_table,
+               k_scale: float = 1.0) -> None:
+        """Summarize the first `count` listed blocks (a decode step's late blocks, `backend.page_marks.
+        late_block_list`) into their rows of `summaries` `[num_pages, H_kv, S]`, as `summarize` would. pages,
+        starts: `[L]` int64; count: `[1]` int64. This default reads the count on the host (CPU); a selector
+        with `capturable_repair` keeps it on the device."""
+        n = int(count.reshape(-1)[0])
+        if n:
+            rows = pages[:n].long()
+            summaries[rows] = self.summarize(gate, k_buffer, rows, starts[:n].long(), model_table, gate_table,
+                                             k_scale).to(summaries.dtype)
 
     def _runs(self, pages: torch.Tensor, starts: torch.Tensor):
         """(run pages `[N * n]`, run starts `[N * n]`) of the n = sub_blocks runs of each block, as pages of
@@ -216,6 +230,7 @@ class GateSelector(Selector):
     help = "the trained gate, needs --sas-gate"
     needs_gate = True
     fused_kernels = True
+    capturable_repair = True
 
     def summary_dim(self, head_dim: int, gate_dim: int) -> int:
         return gate_dim * self.rule.sub_blocks
@@ -262,6 +277,11 @@ class GateSelector(Selector):
             k_buffer, summaries, block_table, seq_lens, self.rule.block_size, model_table, gate_table,
             gate.attngate_linear_k.weight, gate.attngate_knorm.weight, k_scale,
         )
+
+    def repair(self, gate: AttnGate, k_buffer, summaries, pages, starts, count, model_table, gate_table,
+               k_scale: float = 1.0) -> None:
+        summarize_listed(k_buffer, summaries, pages, starts, count, self.rule.block_size, model_table, gate_table,
+                         gate.attngate_linear_k.weight, gate.attngate_knorm.weight, k_scale, self.rule.sub_blocks)
 
     def scores(self, gate: AttnGate, q_post, model_cos_sin, gate_cos_sin, summaries, block_table, num_candidates,
                max_blocks):

@@ -28,7 +28,7 @@ class Rig:
     """A SAS backend over real SGLang CPU pools, with requests placed on random pages."""
 
     def __init__(self, budget, sink=0, local=0, seed=0, dense_below=0, inner=None, anchors=0, draft_tokens=0,
-                 force_sparse=False, sub_blocks=1):
+                 force_sparse=False, sub_blocks=1, summary_marks=1):
         self.g = torch.Generator().manual_seed(seed)
         self.req_pool = ReqToTokenPool(MAX_REQS, MAX_CTX, "cpu", False)
         self.kv_pool = MHATokenToKVPool(PAGES * B, B, torch.float32, H_KV, D, LAYERS, "cpu", False)
@@ -38,7 +38,7 @@ class Rig:
         )
         cfg = SASConfig(gate_path="unused", budget=budget * B, block_size=B, sink_blocks=sink, local_blocks=local,
                         dense_below=dense_below, prompt_anchors=anchors,
-                        force_sparse=force_sparse, sub_blocks=sub_blocks)
+                        force_sparse=force_sparse, sub_blocks=sub_blocks, summary_marks=summary_marks)
         gates = {}
         for lid in range(LAYERS):
             gate = AttnGate(H_KV, H_Q // H_KV, D, DG)

@@ -97,7 +97,8 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--sas-prompt-anchors", "31", "--sas-budget", "2048", "--sas-sink-blocks", "1", "--sas-local-blocks", "1"],
          "prompt anchor"),
         (["--disaggregation-mode", "decode", "--sas-prompt-anchors", "4"], "computed at the prompt's extend"),
-        (["--disaggregation-mode", "decode", "--device", "cuda"], "CPU only yet"),
+        (["--disaggregation-mode", "decode", "--device", "cuda", "--sas-selector", "quest"],
+         "CUDA with the gate selector only"),
         (["--enable-lmcache"], "external cache yet (--enable-lmcache)"),
         (["--hicache-storage-backend", "file"], "external cache yet (--hicache-storage-backend)"),
         (["--sas-sub-blocks", "3"], "power of two dividing the block size 64"),
@@ -117,6 +118,9 @@ def test_pd_servers_are_accepted(parse, clean_env, gate):
     assert parse("--attention-backend", "sas", "--sas-gate", gate, "--disaggregation-mode", "prefill").page_size == 64
     assert parse("--attention-backend", "sas", "--sas-gate", gate, "--disaggregation-mode", "decode",
                  "--device", "cpu").page_size == 64
+    # CUDA: the gate's late summaries are listed and repaired on the device (capturable; tests/test_summary_marks.py)
+    assert parse("--attention-backend", "sas", "--sas-gate", gate, "--disaggregation-mode", "decode",
+                 "--device", "cuda").page_size == 64
 
 
 def test_ngram_chain_launch_is_accepted(parse, clean_env, gate):

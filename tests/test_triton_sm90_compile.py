@@ -31,7 +31,9 @@ import compile_triton as ct  # noqa: E402  (gpu_kit/, on pytest's pythonpath; st
 SERVING_KERNELS = {
     "ops.gate._gate_query_kernel", "ops.gate._gate_query_partial_kernel", "ops.gate._gate_query_finish_kernel",
     "ops.summary._summarize_pages_kernel",
-    "ops.summary._summary_update_decode_kernel", "ops.score._score_blocks_kernel",
+    "ops.summary._summary_update_decode_kernel", "ops.summary._summarize_listed_kernel",
+    "ops.late_blocks._late_blocks_kernel",
+    "ops.score._score_blocks_kernel",
     "ops.topk._chunk_select_kernel", "ops.topk._merge_select_kernel", "ops.gather._build_kv_indices_kernel",
     "ops.fused_step._front_kernel", "ops.fused_step._select_kernel", "ops.fused_step._attend_kernel",
 }

@@ -32,6 +32,9 @@ class StepTensors:
     current one. model_cos_sin `[bs, D]`, gate_cos_sin `[bs, Dg]`: RoPE table rows at each
     position. block_table: `[bs, M + 1]` int64 KV slot of the first token of each logical block
     (column M covers the current block of the longest request; see `sas_backend.selection`).
+    late_pages, late_starts `[bs * M + 1]` int64, late_count `[1]` int64, late_flag 0-d bool: where the step lists
+    the complete blocks whose pages hold no valid summary (`ops.late_blocks`; written by `DecodeStep.repair`, not
+    by `compute`; None: the step keeps no device-side validity marks).
     """
 
     positions: torch.Tensor
@@ -41,6 +44,10 @@ class StepTensors:
     model_cos_sin: torch.Tensor
     gate_cos_sin: torch.Tensor
     block_table: torch.Tensor
+    late_pages: Optional[torch.Tensor] = None
+    late_starts: Optional[torch.Tensor] = None
+    late_count: Optional[torch.Tensor] = None
+    late_flag: Optional[torch.Tensor] = None
 
     @staticmethod
     def compute(
@@ -52,26 +59,39 @@ class StepTensors:
         gate_rope_table: torch.Tensor,
         block_size: int,
         max_blocks: int,
+        late: bool = False,
     ) -> "StepTensors":
-        """Fresh step tensors from the batch's device tensors; fixed shapes, no host sync."""
+        """Fresh step tensors from the batch's device tensors; fixed shapes, no host sync. late: with (empty)
+        buffers for the step's late blocks."""
         # Padded graph rows may carry any position: clamp so the table lookup stays in range.
         pos = positions.long().clamp(0, model_rope_table.shape[0] - 1)
         table = req_to_token[req_pool_indices.long(), : (max_blocks + 1) * block_size : block_size].long()
         if table.shape[1] < max_blocks + 1:  # context width not a multiple of b: pad the last column
             table = torch.nn.functional.pad(table, (0, max_blocks + 1 - table.shape[1]))
+        num_candidates = candidate_counts(seq_lens.long(), block_size)
+        bufs = late_buffers(table.shape[0] * max_blocks + 1, table.device) if late else {}
         return StepTensors(
             positions=positions,
             seq_lens=seq_lens,
             req_pool_indices=req_pool_indices,
-            num_candidates=candidate_counts(seq_lens.long(), block_size),
+            num_candidates=num_candidates,
             model_cos_sin=model_rope_table[pos],
             gate_cos_sin=gate_rope_table[pos],
             block_table=table,
+            **bufs,
         )
 
     def tensors(self) -> list:
         """Every tensor this step owns (not the batch's own inputs), in a fixed order."""
         return [self.num_candidates, self.model_cos_sin, self.gate_cos_sin, self.block_table]
+
+
+def late_buffers(entries: int, device) -> dict:
+    """Empty `StepTensors` late-block buffers of `entries` list entries."""
+    return dict(late_pages=torch.zeros(entries, dtype=torch.int64, device=device),
+                late_starts=torch.zeros(entries, dtype=torch.int64, device=device),
+                late_count=torch.zeros(1, dtype=torch.int64, device=device),
+                late_flag=torch.zeros((), dtype=torch.bool, device=device))
 
 
 class StepBuffers:
@@ -81,20 +101,26 @@ class StepBuffers:
     recomputes the step into them, so every replay sees its own positions and lengths.
     """
 
-    def __init__(self, max_bs: int, max_blocks: int, head_dim: int, gate_dim: int, device):
+    def __init__(self, max_bs: int, max_blocks: int, head_dim: int, gate_dim: int, device, late: bool = False):
         self.max_blocks = max_blocks
         self._num_candidates = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self._model_cs = torch.zeros(max_bs, head_dim, dtype=torch.float32, device=device)
         self._gate_cs = torch.zeros(max_bs, gate_dim, dtype=torch.float32, device=device)
         self._table = torch.zeros(max_bs, max_blocks + 1, dtype=torch.int64, device=device)
+        # late: the step lists its late blocks (the device-side validity marks): as many entries as the table.
+        self._late = late_buffers(max_bs * max_blocks + 1, device) if late else None
         self.nbytes = sum(t.numel() * t.element_size() for t in self._all())
 
     def _all(self) -> list:
-        return [self._num_candidates, self._model_cs, self._gate_cs, self._table]
+        return [self._num_candidates, self._model_cs, self._gate_cs, self._table] + list((self._late or {}).values())
 
     def view(self, positions, seq_lens, req_pool_indices) -> StepTensors:
         """Views of the first bs rows, bound to the batch's (static) input tensors."""
         bs = seq_lens.shape[0]
+        late = {}
+        if self._late is not None:
+            n = bs * self.max_blocks + 1
+            late = dict(self._late, late_pages=self._late["late_pages"][:n], late_starts=self._late["late_starts"][:n])
         return StepTensors(
             positions=positions,
             seq_lens=seq_lens,
@@ -103,6 +129,7 @@ class StepBuffers:
             model_cos_sin=self._model_cs[:bs],
             gate_cos_sin=self._gate_cs[:bs],
             block_table=self._table[:bs],
+            **late,
         )
 
     @staticmethod

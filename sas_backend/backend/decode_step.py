@@ -5,6 +5,7 @@
     step.init_graph_state(max_bs)                                  # CUDA graphs: persistent step buffers
     plan = step.plan(positions, seq_lens, req_pool_indices, seq_lens_cpu, graph_bs)
     step.fill(plan)                                                # captured: the step's device state
+    step.repair(plan, {layer_id: k_buffer})                        # repair_late: the late blocks, every layer
     out = step.run(plan, layer_id, q, k_buffer, v_buffer)          # per sparse layer
 
 The step holds what its layers read: the summary pool, the prompt-anchor pool, the gates (and the fused front's
@@ -33,8 +34,10 @@ from typing import Mapping, Optional
 import torch
 
 from sas_backend.backend.decode_plan import DecodePlan, StepBuffers, StepTensors
+from sas_backend.backend.graph_branch import captured_if, capturing, conditional_nodes_supported
 from sas_backend.backend.step_settings import StepSettings
 from sas_backend.ops import fused_step
+from sas_backend.ops.late_blocks import list_late_blocks
 from sas_backend.ops.sparse_decode import make_sparse_decode
 
 # Most rows the fused path serves in one step: its workspace grows with it (~57.5 MiB at Qwen3-4B shapes and
@@ -62,14 +65,18 @@ class DecodeStep:
 
     force_sparse: eager CPU steps select even where dense attention is exactly what selection would attend
     (tests: the sparse path itself is checked); workspace: a float workspace FlashInfer may share;
-    rows_per_request: decode rows a request may bring to one step (n draft tokens of a speculative verify).
+    rows_per_request: decode rows a request may bring to one step (n draft tokens of a speculative verify);
+    repair_late: the step keeps the summary pool's validity marks on the device (`summaries.valid`; the form CUDA
+    graphs can hold): `repair` lists the complete blocks whose pages hold no valid summary, marks the step's
+    complete blocks and summarizes the listed ones in every sparse layer before the step's layers run
+    (`ops.late_blocks`).
     """
 
     def __init__(self, selector, geometry: fused_step.StepGeometry, req_to_token: torch.Tensor, device, q_dtype,
                  kv_dtype, scaling: float, settings: StepSettings = StepSettings(), *,
                  summaries: Optional[Mapping] = None, gates=None, rope=None, anchors: Optional[Mapping] = None,
                  kv_scales: Optional[Mapping] = None, force_sparse: bool = False,
-                 workspace: Optional[torch.Tensor] = None, rows_per_request: int = 1):
+                 workspace: Optional[torch.Tensor] = None, rows_per_request: int = 1, repair_late: bool = False):
         self.device = torch.device(device)
         self.settings = settings.check(self.device, selector)
         if geometry.sub_blocks != selector.rule.sub_blocks:
@@ -109,6 +116,10 @@ class DecodeStep:
             max_rows=max_rows * geometry.num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype, workspace=workspace,
         ) if self.per_op_attention(settings, max_rows) else None
         self.buffers: Optional[StepBuffers] = None
+        self.repair_late = bool(repair_late)
+        if self.repair_late and getattr(summaries, "valid", None) is None:
+            raise ValueError("repair_late needs summaries with validity marks (a SummaryPool's `valid`)")
+        self.late_total = torch.zeros(1, dtype=torch.int64, device=self.device)  # blocks listed late (/sas/info)
         self.last_selected: Optional[torch.Tensor] = None  # the last run's selection (debug log, tests)
         self._attach_gates()
 
@@ -189,7 +200,7 @@ class DecodeStep:
     # ------------------------------------------------------------------ plan (host)
     def init_graph_state(self, max_bs: int, model_dim: int, gate_dim: int) -> None:
         """Persistent step buffers for captured batches of up to max_bs rows."""
-        self.buffers = StepBuffers(max_bs, self.max_blocks, model_dim, gate_dim, self.device)
+        self.buffers = StepBuffers(max_bs, self.max_blocks, model_dim, gate_dim, self.device, late=self.repair_late)
 
     def short_step(self, seq_lens_cpu: torch.Tensor) -> bool:
         """`--sas-dense-below`: the step's requests hold at most that many tokens in all. Rows of length <= 1
@@ -199,10 +210,11 @@ class DecodeStep:
             return False
         return int(seq_lens_cpu[seq_lens_cpu > 1].sum()) <= self.dense_below
 
-    def compute(self, positions, seq_lens, req_pool_indices, max_blocks) -> StepTensors:
-        """The step's device tensors (fixed shapes, no host sync), at the step's RoPE tables."""
+    def compute(self, positions, seq_lens, req_pool_indices, max_blocks, late: bool = False) -> StepTensors:
+        """The step's device tensors (fixed shapes, no host sync), at the step's RoPE tables; late: with buffers
+        for its late blocks (an eager step's own; a captured one's are `StepBuffers`')."""
         return StepTensors.compute(positions, seq_lens, req_pool_indices, self.req_to_token, self.model_table,
-                                   self.gate_table, self.block_size, max_blocks)
+                                   self.gate_table, self.block_size, max_blocks, late=late)
 
     def plan(self, positions, seq_lens, req_pool_indices, seq_lens_cpu: torch.Tensor, graph_bs: Optional[int] = None,
              branched: bool = False, short: Optional[bool] = None) -> DecodePlan:
@@ -228,7 +240,7 @@ class DecodeStep:
                               fused=self._fused(graph_bs))
         most = int(seq_lens_cpu.max()) if bs else 1
         max_blocks = max(1, (most - 1) // self.block_size)  # the longest request's candidates
-        step = self.compute(positions, seq_lens, req_pool_indices, max_blocks)
+        step = self.compute(positions, seq_lens, req_pool_indices, max_blocks, late=self.repair_late)
         # Which rows' newest token completes a block is known on the host. On a device, copying their indices
         # over would be a blocking host-to-device copy every such step: every row runs the masked update.
         done = (seq_lens_cpu > 0) & (seq_lens_cpu % self.block_size == 0)
@@ -299,6 +311,33 @@ class DecodeStep:
             selected = selected[..., : plan.max_blocks]
         return self.sparse_decode.run(q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,
                                       k_scale=k_scale, v_scale=v_scale)
+
+    def repair(self, plan: DecodePlan, k_buffers: Mapping[int, torch.Tensor]) -> None:
+        """`repair_late`: list the step's late blocks and mark its rows' complete blocks (`ops.late_blocks`), then
+        summarize the listed blocks in every sparse layer from `k_buffers` {layer: `[slots, H_kv, D]`} (as `run`),
+        before any layer of the step runs (after `plan`, or `fill` in a graph). Their KV is in the cache already: a
+        late block is complete before the step's own rows. (A verify step's later draft rows may list a block an
+        earlier draft completes: that row's update writes its summary again in each layer before anything selects
+        from it.) Fixed shapes, no host sync (CUDA: `Selector.capturable_repair`); under CUDA-graph capture with IF
+        nodes the summaries sit in one IF node on the list's flag, so a step with nothing late replays the list's
+        launch and one condition, not a launch a layer."""
+        if not self.repair_late:
+            return
+        step = plan.step
+        list_late_blocks(step.block_table, step.num_candidates, step.seq_lens, self.summaries.valid, self.block_size,
+                         step.late_pages, step.late_starts, step.late_count, step.late_flag, self.late_total)
+
+        def summarize():
+            for lid, k_buffer in k_buffers.items():
+                self.selector.repair(self.gate(lid), k_buffer, self.summaries[lid], step.late_pages,
+                                     step.late_starts, step.late_count, self.model_table, self.gate_table,
+                                     self.scales(lid)[0])
+
+        if capturing() and conditional_nodes_supported():
+            with captured_if(step.late_flag):
+                summarize()
+        else:
+            summarize()
 
     def update_summaries(self, plan: DecodePlan, layer_id: int, k_buffer: torch.Tensor) -> None:
         """The per-op summary update of the block each row's newest token completed (dense steps, the per-op

@@ -1,5 +1,6 @@
 """Which KV pages the allocator hands out, for the summary pool's validity marks (`SummaryPool.valid`), and which
-complete blocks of a decode batch have no valid summary yet (`unmarked_blocks`), planned on the host.
+complete blocks of a decode batch have no valid summary yet, planned on the host (`unmarked_blocks`, CPU; on CUDA
+the decode step lists them on the device: `ops.late_blocks`).
 
 A page is handed to a request by one of the allocator's public `alloc*` methods (`alloc`, `alloc_extend`,
 `alloc_decode`, on every SGLang release we support), which return the token slots they allocated: every page
@@ -69,3 +70,4 @@ def completing_pages(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: t
     done = (seq_lens > 0) & (seq_lens % block_size == 0)
     firsts = req_to_token[rows[done], (seq_lens[done] // block_size - 1) * block_size].long()
     return torch.div(firsts, block_size, rounding_mode="floor")
+

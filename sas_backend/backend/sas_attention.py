@@ -34,7 +34,7 @@ from sas_backend.backend.sglang_compat import save_kv
 from sas_backend.backend.summary_pool import SummaryPool
 from sas_backend.backend import verify_rows
 from sas_backend.backend.verify_rows import check_chain, draft_tokens
-from sas_backend.config import SASConfig
+from sas_backend.config import SASConfig, SASConfigError
 from sas_backend.gate.module import AttnGate
 from sas_backend.ops import FP8_DTYPES
 from sas_backend.ops.extend import paged_extend_attention
@@ -140,17 +140,24 @@ class SASAttnBackend(AttentionBackend):
         summary_dim = selector.summary_dim(head_dim, gate_dim)
         summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, summary_dim, self.device,
                                 dtype=settings.summary_dtype)
-        # Validity marks (SummaryPool.valid), kept and read on CPU, where decode planning is host-side anyway: a page
-        # handed out again loses its mark; a decode step's candidate pages without one are summarized first
-        # (_summarize_unmarked): a PD decode server's transferred pages, pages handed to another request. The CUDA
-        # path keeps none yet (PD decode servers and external KV loads are refused there at launch).
-        # SAS_SUMMARY_MARKS=0 turns them off (a negative control for tests).
-        self.check_marks = not self.on_device and selector.keeps_summaries and bool(cfg.summary_marks)
+        # Validity marks (SummaryPool.valid): a page handed out again loses its mark; the complete blocks of a decode
+        # step's requests without one are summarized before any selection (a PD decode server's transferred pages,
+        # pages handed to another request). Two forms (backend/page_marks.py): on CPU the host plans them
+        # (_summarize_unmarked); on CUDA (or SAS_SUMMARY_MARKS=2) the step lists them on the device and summarizes
+        # them in every sparse layer before its layers run, capturable (DecodeStep.repair, _repair_late).
+        # SAS_SUMMARY_MARKS=0 turns them off (a test control).
+        marks = int(cfg.summary_marks) if selector.keeps_summaries else 0
+        if marks == 2 and self.on_device and not selector.capturable_repair:
+            raise SASConfigError(f"SAS_SUMMARY_MARKS=2 (validity marks kept on the device) needs a selector whose "
+                                 f"late summaries run without a host sync; {selector.name}'s do not")
+        self.check_marks = marks == 1 and not self.on_device
+        self.device_marks = marks == 2 or (marks == 1 and self.on_device and selector.capturable_repair)
         allocator = getattr(runner, "token_to_kv_pool_allocator", None)
-        if self.check_marks and allocator is not None:
+        if (self.check_marks or self.device_marks) and allocator is not None:
             watched = watch_allocations(allocator, self.block_size, summaries.invalidate)
-            logger.info("sas: summary validity marks: pages handed out by %s lose theirs", "/".join(watched))
-        self.late_summaries = 0  # pages summarized at decode planning (their KV came without an extend through sas)
+            logger.info("sas: summary validity marks (%s): pages handed out by %s lose theirs",
+                        "device" if self.device_marks else "host", "/".join(watched))
+        self._late_host = 0  # pages summarized at host decode planning (their KV came without an extend through sas)
         max_reqs = self.req_to_token_pool.req_to_token.shape[0]
         # --sas-prompt-anchors: per request row, sparse layer and kv head, the blocks its last prompt token
         # attended most (written at each extend, read by every decode step; ops/anchors).
@@ -169,6 +176,7 @@ class SASAttnBackend(AttentionBackend):
             # The wrapped FlashInfer backend's float workspace: used in stream order, never at the
             # same time as ours, so one buffer serves both (backend/memory.py counts it so).
             workspace=getattr(inner, "workspace_buffer", None), rows_per_request=max(1, int(draft_tokens)),
+            repair_late=self.device_marks,
         )
         self.draft_tokens = int(draft_tokens)
         self._verify_buffers = None  # captured verify steps: persistent decode-row lengths and req rows
@@ -242,6 +250,12 @@ class SASAttnBackend(AttentionBackend):
         return self.step.selector
 
     @property
+    def late_summaries(self) -> int:
+        """Blocks summarized at decode because their pages held no valid summary (reads the device counter: for
+        /sas/info and tests, never a step)."""
+        return self._late_host + int(self.step.late_total.item())
+
+    @property
     def summaries(self):
         """The decode step's `SummaryPool`."""
         return self.step.summaries
@@ -256,6 +270,7 @@ class SASAttnBackend(AttentionBackend):
             if self.check_marks:
                 self._summarize_unmarked(forward_batch)
             self._plan = self._plan_decode(forward_batch, graph_bs=None)
+            self._repair_late()
             self._count_step(self._plan)
             self._extend = None
             # The wrapped backend's decode metadata (on CUDA a full-KV plan) is read only by dense
@@ -280,6 +295,11 @@ class SASAttnBackend(AttentionBackend):
                     "sas: --sas-dense-below %d needs CUDA graph IF nodes (CUDA 12.4+ and a torch that exposes them); "
                     "without them captured decode steps always select (eager steps still follow the rule)",
                     self.step.dense_below)
+        if self.device_marks and not conditional_nodes_supported():
+            logger.warning(
+                "sas: the summary validity marks' repairs need CUDA graph IF nodes (CUDA 12.4+ and a torch that "
+                "exposes them) to be skipped when nothing is late; without them each captured decode step launches "
+                "them in every sparse layer (they exit at once)")
         # The wrapped backend's graph buffers serve only dense layers and the dense branch: none without.
         if self._inner_in_graphs():
             self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
@@ -324,6 +344,13 @@ class SASAttnBackend(AttentionBackend):
             verify_rows.expand(forward_batch.seq_lens, forward_batch.req_pool_indices, draft_tokens(forward_batch),
                                out=(self._plan.step.seq_lens, self._plan.step.req_pool_indices))
         self.step.fill(self._plan)
+        self._repair_late()
+
+    def _repair_late(self) -> None:
+        """Device-side validity marks: the step's late blocks summarized in every sparse layer before its layers run
+        (`DecodeStep.repair`; nothing without them)."""
+        if self.device_marks:
+            self.step.repair(self._plan, {lid: self.token_to_kv_pool.get_key_buffer(lid) for lid in self.gates})
 
     @staticmethod
     def _host_seq_lens(fb) -> torch.Tensor:
@@ -385,7 +412,7 @@ class SASAttnBackend(AttentionBackend):
             for lid in self.gates:
                 self.step.summarize_blocks(lid, self.token_to_kv_pool.get_key_buffer(lid), *late)
             self.summaries.mark_valid(late[0])
-            self.late_summaries += late[0].numel()
+            self._late_host += late[0].numel()
         if not verify:
             self.summaries.mark_valid(completing_pages(req_to_token, rows, host, self.block_size))
 
@@ -394,7 +421,7 @@ class SASAttnBackend(AttentionBackend):
         in every sparse layer)."""
         plan = ExtendPlan.make(fb, self.req_to_token_pool.req_to_token, self.block_size, self.device,
                                self.own_cpu_extend, self.step.anchors is not None)
-        if self.check_marks and plan.blocks is not None:
+        if (self.check_marks or self.device_marks) and plan.blocks is not None:
             self.summaries.mark_valid(plan.blocks[0])
         return plan
 

@@ -16,8 +16,9 @@ class SummaryPool:
     `valid` `[num_pages]` bool marks the pages whose summaries were written for the KV they hold now: set when
     an extend or a decode step summarizes a page, cleared when the allocator hands the page out again
     (`backend.page_marks.watch_allocations`). A page whose KV landed without an extend through sas (a
-    prefill-decode transfer, a load-back) stays unmarked, and the eager decode planning summarizes it before
-    any selection reads it (`SASAttnBackend._summarize_unmarked`). All False at startup: nothing is written yet.
+    prefill-decode transfer, a load-back) stays unmarked, and the decode step summarizes it before any selection
+    reads it: planned on the host on CPU (`SASAttnBackend._summarize_unmarked`), listed on the device and
+    summarized in each sparse layer on CUDA (`DecodeStep.repair`). All False at startup: nothing is written yet.
     """
 
     def __init__(self, layer_ids, num_pages: int, num_kv_heads: int, gate_dim: int, device, dtype=torch.float32):

@@ -31,7 +31,7 @@ import requests
 from sas_backend.testing.server import ON_GPU, Server, free_port
 from tests.server.compare import FP32, assert_same_decodes, decode_from_response, generate
 
-pytestmark = pytest.mark.skipif(ON_GPU, reason="sas serves a PD decode server on CPU only (validity marks)")
+pytestmark = pytest.mark.skipif(ON_GPU, reason="the PD pair runs on CPU (Mooncake over TCP between CPU tensors)")
 
 NEW_TOKENS = 24
 PROMPTS = ((5000, 1600), (40000, 1400))  # (start in the essays, length): both far above the budget
@@ -67,11 +67,11 @@ def prefill_server(mooncake, model_dir):
         yield s
 
 
-def _decode_server(model_dir, seed_gate, marks: bool):
+def _decode_server(model_dir, seed_gate, marks: int):
     args = ["--sas-gate", seed_gate, *SAS_DECODE, *POOL, "--disaggregation-mode", "decode",
             "--disaggregation-transfer-backend", "mooncake", "--disaggregation-decode-retraction-backup",
             "cpu_tensor"]
-    return Server(model_dir, backend="sas", extra_args=args, env={**PD_ENV, "SAS_SUMMARY_MARKS": str(int(marks))})
+    return Server(model_dir, backend="sas", extra_args=args, env={**PD_ENV, "SAS_SUMMARY_MARKS": str(marks)})
 
 
 def _pd_generate(prefill, decode, prompt):
@@ -122,8 +122,9 @@ def _pd_disconnect(prefill, decode, prompt, chunks: int) -> int:
     return read
 
 
-def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: bool, disconnect: bool = False):
-    """(decodes of PROMPTS through `prefill` and a new sas decode server, its /sas/info pool after them). With
+def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: int, disconnect: bool = False):
+    """(decodes of PROMPTS through `prefill` and a new sas decode server, its /sas/info pool after them). marks:
+    SAS_SUMMARY_MARKS (1: CPU's host-planned form, 2: CUDA's device-side form, 0: off). With
     `disconnect`, then two requests whose clients leave mid-transfer and mid-decode (`_pd_disconnect`), and
     PROMPTS[0] again: its decode is appended to the decodes."""
     with _decode_server(model_dir, seed_gate, marks) as decode:
@@ -153,7 +154,7 @@ def test_pd_decode_server_decodes_as_colocated_sas(prefill_server, model_dir, se
     """Both prompts decode as colocated sas; then clients leaving a request mid-transfer and mid-decode leave no page
     or summary row held on the decode server, and the first prompt again (on pages the aborted requests held)
     decodes as colocated sas: both servers go on serving."""
-    outs, pool = _pd_run(prefill_server, model_dir, seed_gate, essay_ids, marks=True, disconnect=True)
+    outs, pool = _pd_run(prefill_server, model_dir, seed_gate, essay_ids, marks=1, disconnect=True)
     assert_same_decodes(colocated, outs[: len(PROMPTS)], FP32,
                         "PD (dense prefill, sas decode over Mooncake TCP) vs colocated sas", n=NEW_TOKENS)
     assert_same_decodes(colocated[:1], outs[len(PROMPTS):], FP32, "PD after a client disconnect vs colocated sas",
@@ -173,6 +174,19 @@ def test_pd_decode_server_decodes_as_colocated_sas(prefill_server, model_dir, se
           f"{pool['late_summaries']}; the aborted requests' decode steps: {extra}")
 
 
+def test_pd_decode_server_with_device_side_marks(prefill_server, model_dir, seed_gate, essay_ids, colocated):
+    """The form a CUDA decode server runs (SAS_SUMMARY_MARKS=2 here): each decode step lists its requests' complete
+    blocks without a valid summary on the device, every sparse layer summarizes them before it selects, the last
+    marks them; the same decodes as colocated sas. (The Triton kernel CUDA runs for the summaries:
+    tests/ops/test_summary_listed.py; here the torch path reads the count.)"""
+    outs, pool = _pd_run(prefill_server, model_dir, seed_gate, essay_ids, marks=2)
+    assert_same_decodes(colocated, outs, FP32, "PD with device-side validity marks vs colocated sas", n=NEW_TOKENS)
+    assert pool["decode_steps"]["sparse"] >= len(PROMPTS) * (NEW_TOKENS - 1), pool["decode_steps"]
+    # Listed once per request at its first decode step (the device form counts listed blocks), then marked.
+    assert sum(n // 64 for _, n in PROMPTS) <= pool["late_summaries"] <= sum(-(-n // 64) for _, n in PROMPTS), pool
+    assert pool["kv_pages"]["in_use"] == 0 and pool["summary_rows"]["held"] == 0, pool
+
+
 @pytest.mark.skipif(os.environ.get("SAS_PD_CONTROL") != "1",
                     reason="the negative control's second decode server (~1.5 min): SAS_PD_CONTROL=1 runs it "
                            "(docs/pd.md has its figures); in CI test_pd_decode_server_decodes_as_colocated_sas "
@@ -180,7 +194,7 @@ def test_pd_decode_server_decodes_as_colocated_sas(prefill_server, model_dir, se
 def test_pd_without_validity_marks_diverges(prefill_server, model_dir, seed_gate, essay_ids, colocated):
     """The negative control: with the marks off the transferred pages keep their rows' old summaries (zeros for
     the first request, the first request's for the second), and the decode is no longer colocated sas's."""
-    outs, pool = _pd_run(prefill_server, model_dir, seed_gate, essay_ids, marks=False)
+    outs, pool = _pd_run(prefill_server, model_dir, seed_gate, essay_ids, marks=0)
     assert pool["late_summaries"] == 0, pool
     gaps = [max(abs(a - b) for a, b in zip(ref.logprobs, got.logprobs)) for ref, got in zip(colocated, outs)]
     print(f"\nPD without validity marks: largest |dlogprob| per prompt {gaps}")

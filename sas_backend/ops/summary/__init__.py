@@ -5,6 +5,9 @@
 - `update_summaries(...)`: the block each request's newest token completed, at decode; fixed
   shapes and no host sync on both paths (CUDA-graph capturable).
 
+- `summarize_listed(...)`: the blocks a decode step listed as late (`backend.page_marks.late_block_list`),
+  before its selection; capturable on CUDA (the count stays on the device).
+
 - `completed_blocks(...)`: per request, its last complete block and whether this step completed it.
 
 `torch_path.py` is the torch path (capturable; also the pre-RoPE statement the HF model's gate module runs);
@@ -80,4 +83,24 @@ def update_summaries(
     )
 
 
-__all__ = ["completed_blocks", "summarize_pages", "update_summaries"]
+def summarize_listed(k_buffer: torch.Tensor, summaries_out: torch.Tensor, pages: torch.Tensor, starts: torch.Tensor,
+                     count: torch.Tensor, block_size: int, model_cos_sin: torch.Tensor, gate_cos_sin: torch.Tensor,
+                     w_k: torch.Tensor, k_norm: torch.Tensor, k_scale: float = 1.0,
+                     sub_blocks: int = 1) -> torch.Tensor:
+    """Summarize the first `count` listed whole blocks into their pages, in place.
+
+    pages, starts: `[L]` int64 (physical page, first position) of which the first count are read; count: `[1]`
+    int64 (on the device: no host sync on CUDA); summaries_out `[num_pages, H_kv, n * Dg]` with n = sub_blocks
+    summaries a block (run j: tokens j*S .. (j+1)*S - 1, S = b / n, in columns j*Dg ..); the rest as
+    `summarize_pages`. Returns summaries_out.
+    """
+    if k_buffer.is_cuda:
+        from sas_backend.ops.summary.triton import summarize_listed_triton
+
+        return summarize_listed_triton(k_buffer, summaries_out, pages, starts, count, block_size, model_cos_sin,
+                                       gate_cos_sin, w_k, k_norm, k_scale, sub_blocks)
+    return torch_path.summarize_listed(k_buffer, summaries_out, pages, starts, count, block_size, model_cos_sin,
+                                      gate_cos_sin, w_k, k_norm, k_scale, sub_blocks)
+
+
+__all__ = ["completed_blocks", "summarize_listed", "summarize_pages", "update_summaries"]

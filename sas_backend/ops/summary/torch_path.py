@@ -8,6 +8,8 @@
   contract test) that decision must stay on the device. Here every request summarizes its last complete block
   and writes it to its page if the newest token completed it, otherwise to page 0, SGLang's padding page, which
   no request ever owns.
+- `summarize_listed`: the blocks a decode step listed as late (their pages' validity marks were off); the host
+  reads the count (the capturable form is the Triton kernel's).
 """
 
 from __future__ import annotations
@@ -102,3 +104,44 @@ def summary_update_decode_masked(
     summ = summarize_pages(k_buffer, pages, starts, model_cos_sin, gate_cos_sin, w_k, k_norm, block_size, k_scale)
     summaries_out.index_copy_(0, torch.where(done, pages, 0), summ.to(summaries_out.dtype))
     return summaries_out
+
+
+def summarize_listed(
+    k_buffer: torch.Tensor, summaries_out: torch.Tensor, pages: torch.Tensor, starts: torch.Tensor,
+    count: torch.Tensor, block_size: int, model_cos_sin: torch.Tensor, gate_cos_sin: torch.Tensor, w_k: torch.Tensor,
+    k_norm: torch.Tensor, k_scale: float = 1.0, sub_blocks: int = 1, fixed_shapes: "bool | None" = None,
+) -> torch.Tensor:
+    """Summarize the first `count` listed blocks into their pages, in place (`ops.summary.summarize_listed`). With
+    n = sub_blocks, run j of a block (its tokens j*S .. (j+1)*S - 1, S = b / n) is summarized as a block of S tokens
+    at position start + j*S into columns j*Dg .. (j+1)*Dg - 1 of summaries_out `[num_pages, H_kv, n * Dg]`.
+
+    fixed_shapes False (default on CPU): the count is read on the host and only the listed blocks are summarized.
+    True (default elsewhere: a device without the Triton kernel, the tests' `meta` stand-in for one): every entry is
+    summarized and those past the count write page 0, SGLang's padding page: capturable, at the cost of the whole
+    list every layer."""
+    if not (k_buffer.device.type != "cpu" if fixed_shapes is None else fixed_shapes):
+        n = int(count.reshape(-1)[0])
+        if n == 0:
+            return summaries_out
+        rows = pages[:n].long()
+        summaries_out[rows] = _listed_runs(k_buffer, rows, starts[:n], block_size, model_cos_sin, gate_cos_sin, w_k,
+                                           k_norm, k_scale, sub_blocks).to(summaries_out.dtype)
+        return summaries_out
+    listed = torch.arange(pages.shape[0], device=pages.device) < count.reshape(-1)[0]
+    rows = torch.where(listed, pages.long(), 0)
+    summ = _listed_runs(k_buffer, rows, torch.where(listed, starts.long(), 0), block_size, model_cos_sin, gate_cos_sin,
+                        w_k, k_norm, k_scale, sub_blocks)
+    summaries_out.index_copy_(0, rows, summ.to(summaries_out.dtype))
+    return summaries_out
+
+
+def _listed_runs(k_buffer, pages, starts, block_size, model_cos_sin, gate_cos_sin, w_k, k_norm, k_scale,
+                 sub_blocks) -> torch.Tensor:
+    """`[N, H_kv, n * Dg]` fp32 summaries of N whole blocks, n = sub_blocks runs each (see `summarize_listed`)."""
+    size = block_size // sub_blocks
+    j = torch.arange(sub_blocks, device=pages.device)
+    run_pages = (pages.long()[:, None] * sub_blocks + j).reshape(-1)
+    run_starts = (starts.long()[:, None] + j * size).reshape(-1)
+    runs = summarize_pages(k_buffer, run_pages, run_starts, model_cos_sin, gate_cos_sin, w_k, k_norm, size, k_scale)
+    n, h_kv, dg = pages.shape[0], runs.shape[1], runs.shape[2]
+    return runs.view(n, sub_blocks, h_kv, dg).transpose(1, 2).reshape(n, h_kv, sub_blocks * dg)

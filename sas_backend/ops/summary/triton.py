@@ -1,7 +1,8 @@
 """Block summaries (Triton), fused: read post-RoPE keys from the paged cache, undo the model's
 RoPE, max/min/mean pool, project with w_k[h], RMSNorm, gate RoPE at the block start.
 
-Same results as `sas_backend.ops.summary.torch_path.summarize_pages` / `naive.summary_update_decode`.
+Same results as `sas_backend.ops.summary.torch_path.summarize_pages` / `naive.summary_update_decode` /
+`torch_path.summarize_listed`.
 One program per (tile of 16 blocks, kv head): the 16 pooled rows go through the projection as
 `tl.dot`s (fp32, IEEE precision), so w_k[h] is read once per tile rather than once per block.
 Vectors are processed as their two RoPE halves (neox layout, see `sas_backend.ops.rope`).
@@ -187,6 +188,35 @@ def _summary_update_decode_kernel(
         )
 
 
+@triton.jit
+def _summarize_listed_kernel(
+    k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, pages_ptr, starts_ptr, count_ptr, n_programs,
+    stride_ks, stride_kh, stride_os, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc,
+    eps, k_scale, n_tok, n_seg,
+    N_SUB: tl.constexpr, BLOCK_SIZE: tl.constexpr, HALF_D: tl.constexpr, HALF_DG: tl.constexpr,
+    BLOCK_HD: tl.constexpr, BLOCK_HDG: tl.constexpr, BN: tl.constexpr,
+):
+    # Persistent: a fixed grid (capturable) strides over tiles of BN runs; the run count is read on the device, so
+    # a step with nothing listed costs each program one load. Run r is run j = r % N_SUB of listed block r // N_SUB:
+    # BLOCK_SIZE (the run's tokens) apart in its page, N_SUB runs a page, written at column j * Dg of its row.
+    h = tl.program_id(1)
+    n_runs = tl.load(count_ptr).to(tl.int32) * N_SUB
+    for tile in range(tl.program_id(0), tl.cdiv(n_runs, BN), n_programs):
+        r = tile * BN + tl.arange(0, BN)
+        ok = r < n_runs
+        e = r // N_SUB
+        j = (r % N_SUB).to(tl.int64)
+        page = tl.load(pages_ptr + e, mask=ok, other=0).to(tl.int64)
+        start = tl.load(starts_ptr + e, mask=ok, other=0).to(tl.int64) + j * BLOCK_SIZE
+        out_at = page * stride_os + j * (2 * HALF_DG)  # element offsets: passed with a row stride of 1
+        _summarize_tile(
+            k_ptr, out_ptr, mcs_ptr, gcs_ptr, wk_ptr, kn_ptr, page * N_SUB + j, start, out_at, ok, h,
+            stride_ks, stride_kh, 1, stride_oh, stride_mcs, stride_gcs, stride_wh, stride_wr, stride_wc,
+            eps, k_scale, n_tok, n_seg,
+            BLOCK_SIZE, HALF_D, HALF_DG, BLOCK_HD, BLOCK_HDG, BN,
+        )
+
+
 def _check_geometry(k_buffer, model_cos_sin, gate_cos_sin, w_k, k_norm):
     """Validate shapes; return (H_kv, D, Dg)."""
     _, h_kv, d = k_buffer.shape
@@ -272,5 +302,36 @@ def summary_update_decode_triton(
         mcs.stride(0), gcs.stride(0), w_k.stride(0), w_k.stride(1), w_k.stride(2),
         GATE_NORM_EPS, float(k_scale), block_size, 6,
         **_meta(block_size, d, dg),
+    )
+    return summaries_out
+
+
+def summarize_listed_triton(
+    k_buffer: torch.Tensor, summaries_out: torch.Tensor, pages: torch.Tensor, starts: torch.Tensor,
+    count: torch.Tensor, block_size: int, model_cos_sin: torch.Tensor, gate_cos_sin: torch.Tensor, w_k: torch.Tensor,
+    k_norm: torch.Tensor, k_scale: float = 1.0, sub_blocks: int = 1, programs: "int | None" = None,
+) -> torch.Tensor:
+    """`ops.summary.summarize_listed` on CUDA (its docstring has the shapes); capturable: a fixed grid of
+    `programs` x H_kv persistent programs (default: enough to fill the device's SMs) reads `count` on the device."""
+    h_kv, d, dg = _check_geometry(k_buffer, model_cos_sin, gate_cos_sin, w_k, k_norm)
+    if summaries_out.shape[1:] != (h_kv, sub_blocks * dg) or summaries_out.stride(-1) != 1:
+        raise ValueError(f"summaries_out {tuple(summaries_out.shape)} must be [num_pages, {h_kv}, {sub_blocks * dg}] "
+                         "with a contiguous last axis")
+    if block_size % sub_blocks:
+        raise ValueError(f"sub_blocks {sub_blocks} must divide the block size {block_size}")
+    if h_kv == 0 or pages.numel() == 0:
+        return summaries_out
+    if programs is None:
+        sms = torch.cuda.get_device_properties(k_buffer.device).multi_processor_count if k_buffer.is_cuda else 2
+        programs = max(1, 2 * sms // h_kv)
+    mcs, gcs = _last_contig(model_cos_sin), _last_contig(gate_cos_sin)
+    k_norm = _last_contig(k_norm)
+    size = block_size // sub_blocks
+    _summarize_listed_kernel[(programs, h_kv)](
+        k_buffer, summaries_out, mcs, gcs, w_k, k_norm, pages, starts, count, programs,
+        k_buffer.stride(0), k_buffer.stride(1), summaries_out.stride(0), summaries_out.stride(1),
+        mcs.stride(0), gcs.stride(0), w_k.stride(0), w_k.stride(1), w_k.stride(2),
+        GATE_NORM_EPS, float(k_scale), size, 6, N_SUB=sub_blocks,
+        **_meta(size, d, dg),
     )
     return summaries_out
