@@ -174,17 +174,30 @@ def test_pd_decode_server_decodes_as_colocated_sas(prefill_server, model_dir, se
           f"{pool['late_summaries']}; the aborted requests' decode steps: {extra}")
 
 
-def test_pd_decode_server_with_device_side_marks(prefill_server, model_dir, seed_gate, essay_ids, colocated):
-    """The form a CUDA decode server runs (SAS_SUMMARY_MARKS=2 here): each decode step lists its requests' complete
-    blocks without a valid summary on the device, every sparse layer summarizes them before it selects, the last
-    marks them; the same decodes as colocated sas. (The Triton kernel CUDA runs for the summaries:
-    tests/ops/test_summary_listed.py; here the torch path reads the count.)"""
-    outs, pool = _pd_run(prefill_server, model_dir, seed_gate, essay_ids, marks=2)
-    assert_same_decodes(colocated, outs, FP32, "PD with device-side validity marks vs colocated sas", n=NEW_TOKENS)
+def test_pd_sas_prefill_and_device_side_marks(model_dir, seed_gate, essay_ids, colocated):
+    """A `sas` prefill server (its extend is dense; it summarizes and sends KV only) and a decode server running the
+    marks in the form a CUDA server runs them (SAS_SUMMARY_MARKS=2 here): each decode step lists its requests'
+    complete blocks without a valid summary on the device, every sparse layer's summaries of them are written before
+    the layers run, the step marks them; the same decodes as colocated sas, and nothing held on either side
+    afterwards. (The Triton kernels CUDA runs for the list and the summaries: tests/ops/test_late_blocks.py,
+    tests/ops/test_summary_listed.py; here their torch paths.)"""
+    bootstrap = free_port()
+    args = ["--sas-gate", seed_gate, *SAS_DECODE, *POOL, "--disable-radix-cache", "--disaggregation-mode", "prefill",
+            "--disaggregation-transfer-backend", "mooncake", "--disaggregation-bootstrap-port", str(bootstrap)]
+    with Server(model_dir, backend="sas", extra_args=args, env=PD_ENV) as prefill:
+        prefill.bootstrap_port = bootstrap
+        outs, pool = _pd_run(prefill, model_dir, seed_gate, essay_ids, marks=2)
+        prefill_pool = _pool(prefill)
+    assert_same_decodes(colocated, outs, FP32, "PD (sas prefill; sas decode, device-side marks) vs colocated sas",
+                        n=NEW_TOKENS)
     assert pool["decode_steps"]["sparse"] >= len(PROMPTS) * (NEW_TOKENS - 1), pool["decode_steps"]
     # Listed once per request at its first decode step (the device form counts listed blocks), then marked.
     assert sum(n // 64 for _, n in PROMPTS) <= pool["late_summaries"] <= sum(-(-n // 64) for _, n in PROMPTS), pool
     assert pool["kv_pages"]["in_use"] == 0 and pool["summary_rows"]["held"] == 0, pool
+    assert prefill_pool["kv_pages"]["in_use"] == 0 and prefill_pool["summary_rows"]["held"] == 0, prefill_pool
+    assert prefill_pool["decode_steps"]["sparse"] == 0, prefill_pool  # it only prefills
+    print(f"\nPD, sas prefill and device-side marks: {pool['decode_steps']}, blocks listed late "
+          f"{pool['late_summaries']}")
 
 
 @pytest.mark.skipif(os.environ.get("SAS_PD_CONTROL") != "1",
