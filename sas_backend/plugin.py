@@ -171,7 +171,7 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
             raise SASConfigError(f"the sas backend cannot serve KV pages loaded from an external cache yet ({name}): "
                                  "they arrive without block summaries; drop that flag")
     if getattr(args, "disaggregation_mode", None) == "decode":
-        _check_pd_decode(cfg, on_cuda=_launch_on_cuda(args))
+        _check_pd_decode(cfg, on_cuda=_launch_on_cuda(args), speculative=getattr(args, "speculative_algorithm", None))
     if str(getattr(args, "kv_cache_dtype", "")).startswith("fp8"):
         from sas_backend.backend.kv_scales import check_param_path_file
 
@@ -196,7 +196,7 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
             )
 
 
-def _check_pd_decode(cfg, on_cuda: bool) -> None:
+def _check_pd_decode(cfg, on_cuda: bool, speculative=None) -> None:
     """A prefill-decode disaggregation decode server: a transferred request's KV lands in pages this server
     allocated without an extend through sas. The summary pool's validity marks summarize those pages at the
     request's first decode step (on CPU planned on the host; on CUDA listed and repaired on the device, which needs
@@ -210,6 +210,12 @@ def _check_pd_decode(cfg, on_cuda: bool) -> None:
             f"CUDA with the gate selector only: the {cfg.selector} selector's late summaries of transferred KV pages "
             "need a host sync, which CUDA graphs cannot hold. Use --sas-selector gate, serve the decode side on CPU, "
             "or with a dense backend")
+    if str(speculative or "").upper() == "NGRAM":
+        raise SASConfigError(
+            "--speculative-algorithm NGRAM on a prefill-decode disaggregation decode server: SGLang 0.5.21's decode "
+            "scheduler fails on the first transferred request (overlap_utils._maybe_init_ngram_bufs reads the "
+            "draft tokens a transferred NGRAM request does not have), whatever the attention backend. Drop the "
+            "speculative flags on the decode server")
     if cfg.prompt_anchors:
         raise SASConfigError(
             f"--sas-prompt-anchors {cfg.prompt_anchors} cannot be served on a prefill-decode disaggregation decode "

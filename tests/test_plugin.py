@@ -97,6 +97,8 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--sas-prompt-anchors", "31", "--sas-budget", "2048", "--sas-sink-blocks", "1", "--sas-local-blocks", "1"],
          "prompt anchor"),
         (["--disaggregation-mode", "decode", "--sas-prompt-anchors", "4"], "computed at the prompt's extend"),
+        (["--disaggregation-mode", "decode", "--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth",
+          "1"], "_maybe_init_ngram_bufs"),
         (["--disaggregation-mode", "decode", "--device", "cuda", "--sas-selector", "quest"],
          "CUDA with the gate selector only"),
         (["--enable-lmcache"], "external cache yet (--enable-lmcache)"),
