@@ -601,7 +601,7 @@ RETRIEVAL_DIR = "2026-12-05-retrieval"
 RETRIEVAL = ((f"{RETRIEVAL_DIR}/qwen-16k.json", f"{RETRIEVAL_DIR}/qwen-16k-s1.json",  # haystacks read together
               f"{RETRIEVAL_DIR}/qwen-16k-s2.json", f"{RETRIEVAL_DIR}/qwen-16k-s3.json"),
              (f"{RETRIEVAL_DIR}/qwen-32k.json", f"{RETRIEVAL_DIR}/qwen-32k-s1.json",
-              f"{RETRIEVAL_DIR}/qwen-32k-s2.json"))
+              f"{RETRIEVAL_DIR}/qwen-32k-s2.json", f"{RETRIEVAL_DIR}/qwen-32k-s3.json"))
 SUB_PPL = ((f"{RETRIEVAL_DIR}/smollm2-sub4-handbook-ood.json", "2026-11-27-free-gate/quality-handbook-ood.json",
             "prose", f"{RETRIEVAL_DIR}/smollm2-trained-sub4-handbook-ood.json"),
            # @site-packages follows the venv's pinned packages: this venv's windows differ from 2026-11-27's
