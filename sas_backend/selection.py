@@ -127,8 +127,8 @@ class Selector:
 
     def repair(self, gate, k_buffer, summaries, pages, starts, count, model_table, gate_table,
                k_scale: float = 1.0) -> None:
-        """Summarize the first `count` listed blocks (a decode step's late blocks, `backend.page_marks.
-        late_block_list`) into their rows of `summaries` `[num_pages, H_kv, S]`, as `summarize` would. pages,
+        """Summarize the first `count` listed blocks (a decode step's late blocks, `ops.late_blocks.
+        list_late_blocks`) into their rows of `summaries` `[num_pages, H_kv, S]`, as `summarize` would. pages,
         starts: `[L]` int64; count: `[1]` int64. This default reads the count on the host (CPU); a selector
         with `capturable_repair` keeps it on the device."""
         n = int(count.reshape(-1)[0])

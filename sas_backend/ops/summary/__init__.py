@@ -5,7 +5,7 @@
 - `update_summaries(...)`: the block each request's newest token completed, at decode; fixed
   shapes and no host sync on both paths (CUDA-graph capturable).
 
-- `summarize_listed(...)`: the blocks a decode step listed as late (`backend.page_marks.late_block_list`),
+- `summarize_listed(...)`: the blocks a decode step listed as late (`ops.late_blocks.list_late_blocks`),
   before its selection; capturable on CUDA (the count stays on the device).
 
 - `completed_blocks(...)`: per request, its last complete block and whether this step completed it.
