@@ -35,7 +35,7 @@ def test_a_registered_toy_selector_is_served_by_its_own_state(model_dir, essay_i
     assert info["config"]["selector"] == "toy-recency" and "gate" not in info
     # Its pages carry validity marks (it keeps summaries), and a colocated server fills every page through an
     # extend or a decode step, which mark it: none is summarized late (tests/test_summary_marks.py: when one is).
-    assert "summary validity marks: pages handed out by alloc/alloc_extend/alloc_decode lose theirs" in log
+    assert "summary validity marks (host): pages handed out by alloc/alloc_extend/alloc_decode lose theirs" in log
     assert info["pool"][0]["late_summaries"] == 0, info["pool"]
     records = [json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.open()]
     assert len(records) >= NEW_TOKENS - 1
