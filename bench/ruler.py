@@ -132,6 +132,9 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=3, help="samples per task and length (lm-eval generates 500)")
     ap.add_argument("--budgets", type=int, nargs="*", default=[512], help="sas servers besides the serve default")
     ap.add_argument("--server-arg", action="append", default=[], help="one more launch argument for every server")
+    ap.add_argument("--sas-arg", action="append", default=[],
+                    help="one more launch argument for the sas servers only (e.g. --sas-arg=--sas-sub-blocks "
+                         "--sas-arg=4); named in their rows")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--resume", default=None, metavar="PARTIAL_JSON", help="a killed run's .partial.json")
@@ -160,6 +163,8 @@ def main(argv=None) -> int:
     rows, started = [], time.time()
     code = git_state()  # the code the servers run: taken now, as the tree may change during an hours-long run
     for name, backend, extra in server_configs(args.gate, args.budgets):
+        if backend == "sas" and args.sas_arg:
+            name, extra = f"{name} {' '.join(args.sas_arg)}", [*extra, *args.sas_arg]
         row = done.get(name, {"server": name, "launch": portable_argv(map(str, extra)), "scores": {}, "seconds": {}})
         rows.append(row)
         todo = [n for n in args.lengths if str(n) not in row["scores"]]
