@@ -4,7 +4,7 @@
 #
 #   bash bench/qwen_gate_16k.sh OUT_DIR [STEP ...]       # e.g. bench/results/2026-11-26-qwen-gate16k
 #
-# Steps (default: all): caches train needle-score harness.
+# Steps (default: caches train needle-score harness): caches train needle-score harness retrieval.
 #   caches        16384-token feature caches, tail 1024: RECALL_ROWS recall rows (@essays + @docs, 8 facts each,
 #                 seed RECALL_SEED, every fact RECALL_MIN_DISTANCE tokens or more before the tail; 0: anywhere) and
 #                 CODE_ROWS @stdlib rows, VAL_ROWS held-out recall rows (0: none); two shard processes, one thread
@@ -13,6 +13,13 @@
 #                 budget 2048, STEPS_TRAIN steps (~2.6 s a step)
 #   needle-score  bench/needle_score.py at 16K, passphrase answers, shipped vs fine-tuned vs oracle
 #   harness       eval_ppl, last 512 of one held-out window, budgets 512-4096, code and essays at 8K and 16K
+#   retrieval     bench/retrieval.py at 16K (RETRIEVAL_SEEDS, default "0 1 2 3"): the fine-tuned gate as served,
+#                 with SUB_BLOCKS runs a block and 4 prompt anchors, beside dense, from the haystacks' cached
+#                 prefills (build/retrieval-cache; a haystack not cached yet costs its dense prefill once)
+# Long rows and sub-blocks (issue 63): SEQ_LEN (default 16384) is the rows' length; LONG_ROWS > 0 adds that many
+# recall rows of LONG_LEN tokens (default 32768; one thread, ~4x a 16K row); SUB_BLOCKS > 1 pools the caches' keys
+# per run of 64 / SUB_BLOCKS tokens and trains the gate for --sas-sub-blocks SUB_BLOCKS (`features --sub-blocks`,
+# `distill_cached --sub-blocks`; its checkpoint serves that way by itself).
 # Working files go to $WORK (default models/qwen16k: caches, the fine-tuned gate), results to OUT_DIR; NAME
 # (default ft16k) names the gate in the results. The 2026-11-26 run used the defaults; the free gate
 # (2026-11-28): WORK=models/qwen16k-free NAME=free16k FORCED="0 0" DTYPE=bfloat16 RECALL_SEED=3 RECALL_ROWS=20
@@ -43,17 +50,25 @@ read -r SINK LOCAL <<< "$FORCED"
 DTYPE=${DTYPE:-float32}
 dtype_arg=()  # passed only when not the default: a cache's manifest keeps its build command, resumes compare it
 [ "$DTYPE" != float32 ] && dtype_arg=(--dtype "$DTYPE")
+SEQ_LEN=${SEQ_LEN:-16384}
+LONG_ROWS=${LONG_ROWS:-0}
+LONG_LEN=${LONG_LEN:-32768}
+SUB_BLOCKS=${SUB_BLOCKS:-1}
+sub_arg=()  # likewise only when not the default
+[ "$SUB_BLOCKS" != 1 ] && sub_arg=(--sub-blocks "$SUB_BLOCKS")
+RETRIEVAL_SEEDS=${RETRIEVAL_SEEDS:-0 1 2 3}
 mkdir -p "$OUT" "$WORK"
 say() { echo "[qwen-gate-16k $(date +%H:%M:%S)] $*"; }
 
-cache() {  # $1 out dir, rest: features arguments
-    local out=$1 pids=() i ok=1
-    shift
+cache() {  # $1 out dir, $2 row length, rest: features arguments
+    local out=$1 len=$2 pids=() i ok=1
+    shift 2
     [ -e "$out/.complete" ] && { say "cache $out: done"; return; }
     say "cache $out"
     for i in 0 1; do
-        OMP_NUM_THREADS=1 $PY -m sas_backend.training.features --model $M --seq-len 16384 --tail 1024 \
-            --no-progress --out "$out" --shard $i/2 ${dtype_arg[@]+"${dtype_arg[@]}"} "$@" > "$OUT/features-$(basename "$out")-$i.log" 2>&1 &
+        OMP_NUM_THREADS=1 $PY -m sas_backend.training.features --model $M --seq-len "$len" --tail 1024 \
+            --no-progress --out "$out" --shard $i/2 ${dtype_arg[@]+"${dtype_arg[@]}"} ${sub_arg[@]+"${sub_arg[@]}"} \
+            "$@" > "$OUT/features-$(basename "$out")-$i.log" 2>&1 &
         pids+=($!)
     done
     for i in "${pids[@]}"; do wait "$i" || ok=0; done
@@ -63,12 +78,17 @@ cache() {  # $1 out dir, rest: features arguments
 for step in $STEPS; do
     case $step in
         caches)
-            cache $WORK/recall --data @essays @docs --max-tokens $RECALL_TOKENS --seed $RECALL_SEED --recall-rows 1 \
-                --recall-facts 8 --max-rows $RECALL_ROWS ${far_arg[@]+"${far_arg[@]}"} &&
-            cache $WORK/code --data @stdlib --max-tokens $CODE_TOKENS --max-rows $CODE_ROWS &&
+            cache $WORK/recall $SEQ_LEN --data @essays @docs --max-tokens $RECALL_TOKENS --seed $RECALL_SEED \
+                --recall-rows 1 --recall-facts 8 --max-rows $RECALL_ROWS ${far_arg[@]+"${far_arg[@]}"} &&
+            cache $WORK/code $SEQ_LEN --data @stdlib --max-tokens $CODE_TOKENS --max-rows $CODE_ROWS &&
+            if [ "$LONG_ROWS" -gt 0 ]; then
+                # another seed than the SEQ_LEN rows', so the long rows' facts and text are others
+                cache $WORK/recall-long $LONG_LEN --data @essays @docs --max-tokens $((LONG_ROWS * LONG_LEN * 2)) \
+                    --seed $((RECALL_SEED + 100)) --recall-rows 1 --recall-facts 8 --max-rows $LONG_ROWS
+            fi &&
             if [ "$VAL_ROWS" -gt 0 ]; then
-                cache $WORK/val-recall --data @essays @docs --split heldout --seed $RECALL_SEED --recall-rows 1 \
-                    --recall-facts 8 --max-rows $VAL_ROWS
+                cache $WORK/val-recall $SEQ_LEN --data @essays @docs --split heldout --seed $RECALL_SEED \
+                    --recall-rows 1 --recall-facts 8 --max-rows $VAL_ROWS
             fi ;;
         train)
             if [ -e $FT/.complete ]; then say "train: done"; else
@@ -77,9 +97,12 @@ for step in $STEPS; do
                 [ -e $FT/train_state.pt ] && resume=--resume
                 val=""
                 [ "$VAL_ROWS" -gt 0 ] && val="--val-cache $WORK/val-recall"
-                $PY -m sas_backend.training.distill_cached --model $M --cache $WORK/recall $WORK/code $val --out $FT \
-                    --budget 2048 --sink-blocks $SINK --local-blocks $LOCAL --steps $STEPS_TRAIN --rows-per-step 4 --lr 1e-3 \
-                    --warmup 10 --init-gate $SHIP --save-every 25 --no-progress $resume && touch $FT/.complete
+                long=""
+                [ "$LONG_ROWS" -gt 0 ] && long=$WORK/recall-long
+                $PY -m sas_backend.training.distill_cached --model $M --cache $WORK/recall $WORK/code $long $val \
+                    --out $FT --budget 2048 --sink-blocks $SINK --local-blocks $LOCAL --steps $STEPS_TRAIN \
+                    --rows-per-step 4 --lr 1e-3 --warmup 10 --init-gate $SHIP --save-every 25 --no-progress \
+                    ${sub_arg[@]+"${sub_arg[@]}"} $resume && touch $FT/.complete
             fi ;;
         needle-score)
             tag=qwen-16k-${NAME%16k}  # ft16k -> qwen-16k-ft (the 2026-11-26 files)
@@ -99,6 +122,15 @@ for step in $STEPS; do
                     --gate shipped=$SHIP --gate $NAME=$FT --gate-forced 1,1 --baselines oracle quest sink-local \
                     --no-recall --no-progress --data "$2" --window "$1" --max-windows 1 --split heldout \
                     --json "$OUT/quality-$3-L$1.json" --plot "$OUT/quality-$3-L$1" || exit 1
+            done ;;
+        retrieval)
+            runs=gate
+            [ "$SUB_BLOCKS" != 1 ] && runs=gatesub$((64 / SUB_BLOCKS))
+            for seed in $RETRIEVAL_SEEDS; do
+                say "retrieval 16K haystack $seed"
+                $PY bench/retrieval.py --model $M --gate $FT --lengths 16384 --seeds "$seed" --configs dense "$runs@a4" \
+                    --budgets 2048 --threads 1 --cache-dir build/retrieval-cache \
+                    --out "$OUT/retrieval-16k-$NAME-s$seed.json" || exit 1
             done ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac || { say "$step failed"; exit 1; }
