@@ -36,7 +36,9 @@ from sas_backend.ops.anchors import force_anchors
 from sas_backend.ops.gate import gate_query_post_rope
 from sas_backend.ops.quest import key_bounds, quest_scores, update_key_bounds
 from sas_backend.ops.score import score_blocks
-from sas_backend.ops.summary import completed_blocks, summarize_listed, summarize_pages, update_summaries
+from sas_backend.ops.summary import (
+    completed_blocks, run_pages, runs_per_block, summarize_listed, summarize_pages, update_summaries,
+)
 from sas_backend.ops.topk import select_blocks
 
 
@@ -138,17 +140,12 @@ class Selector:
                                              k_scale).to(summaries.dtype)
 
     def _runs(self, pages: torch.Tensor, starts: torch.Tensor):
-        """(run pages `[N * n]`, run starts `[N * n]`) of the n = sub_blocks runs of each block, as pages of
-        sub_size tokens: run j of physical page p is run page p * n + j (its slots p*b + j*S ..), in order."""
-        n, size = self.rule.sub_blocks, self.rule.sub_size
-        j = torch.arange(n, device=pages.device)
-        return (pages.long()[:, None] * n + j).reshape(-1), (starts.long()[:, None] + j * size).reshape(-1)
+        """(run pages, run starts) `[N * n]` of each block's n = sub_blocks runs (`ops.summary.run_pages`)."""
+        return run_pages(pages, starts, self.rule.sub_blocks, self.rule.sub_size)
 
     def _per_block(self, run_summaries: torch.Tensor) -> torch.Tensor:
-        """`[N * n, H_kv, S]` run summaries -> `[N, H_kv, n * S]`, run j in columns j*S .. (j+1)*S - 1."""
-        n = self.rule.sub_blocks
-        rows, h_kv, width = run_summaries.shape
-        return run_summaries.view(rows // n, n, h_kv, width).transpose(1, 2).reshape(rows // n, h_kv, n * width)
+        """`[N * n, H_kv, S]` run summaries -> `[N, H_kv, n * S]` (`ops.summary.runs_per_block`)."""
+        return runs_per_block(run_summaries, self.rule.sub_blocks)
 
     def _update_masked(self, gate, k_buffer, summaries, block_table, seq_lens, model_table, gate_table,
                        k_scale: float = 1.0) -> None:

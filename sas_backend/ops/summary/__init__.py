@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from sas_backend.ops.summary import torch_path
-from sas_backend.ops.summary.torch_path import completed_blocks
+from sas_backend.ops.summary.torch_path import completed_blocks, run_pages, runs_per_block
 
 
 def summarize_pages(
@@ -103,4 +103,6 @@ def summarize_listed(k_buffer: torch.Tensor, summaries_out: torch.Tensor, pages:
                                       gate_cos_sin, w_k, k_norm, k_scale, sub_blocks)
 
 
-__all__ = ["completed_blocks", "summarize_listed", "summarize_pages", "update_summaries"]
+__all__ = [
+    "completed_blocks", "run_pages", "runs_per_block", "summarize_listed", "summarize_pages", "update_summaries",
+]

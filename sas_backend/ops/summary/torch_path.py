@@ -135,13 +135,27 @@ def summarize_listed(
     return summaries_out
 
 
+def run_pages(pages: torch.Tensor, starts: torch.Tensor, sub_blocks: int, run_size: int):
+    """The runs of whole blocks as pages of `run_size` tokens: pages, starts `[N]` -> (run pages, run starts)
+    `[N * sub_blocks]`, run j of physical page p being run page p * sub_blocks + j (its first slot p*b + j*run_size),
+    in block order. A sub-block summary is the summary of its run page (every reader's layout)."""
+    j = torch.arange(sub_blocks, device=pages.device)
+    return ((pages.long()[:, None] * sub_blocks + j).reshape(-1),
+            (starts.long()[:, None] + j * run_size).reshape(-1))
+
+
+def runs_per_block(run_summaries: torch.Tensor, sub_blocks: int) -> torch.Tensor:
+    """`[N * n, H_kv, S]` run summaries (n = sub_blocks, in `run_pages` order) -> `[N, H_kv, n * S]`, run j in
+    columns j*S .. (j+1)*S - 1: the summary pool's row of a block."""
+    rows, h_kv, width = run_summaries.shape
+    return (run_summaries.view(rows // sub_blocks, sub_blocks, h_kv, width).transpose(1, 2)
+            .reshape(rows // sub_blocks, h_kv, sub_blocks * width))
+
+
 def _listed_runs(k_buffer, pages, starts, block_size, model_cos_sin, gate_cos_sin, w_k, k_norm, k_scale,
                  sub_blocks) -> torch.Tensor:
     """`[N, H_kv, n * Dg]` fp32 summaries of N whole blocks, n = sub_blocks runs each (see `summarize_listed`)."""
     size = block_size // sub_blocks
-    j = torch.arange(sub_blocks, device=pages.device)
-    run_pages = (pages.long()[:, None] * sub_blocks + j).reshape(-1)
-    run_starts = (starts.long()[:, None] + j * size).reshape(-1)
-    runs = summarize_pages(k_buffer, run_pages, run_starts, model_cos_sin, gate_cos_sin, w_k, k_norm, size, k_scale)
-    n, h_kv, dg = pages.shape[0], runs.shape[1], runs.shape[2]
-    return runs.view(n, sub_blocks, h_kv, dg).transpose(1, 2).reshape(n, h_kv, sub_blocks * dg)
+    pages_r, starts_r = run_pages(pages, starts, sub_blocks, size)
+    runs = summarize_pages(k_buffer, pages_r, starts_r, model_cos_sin, gate_cos_sin, w_k, k_norm, size, k_scale)
+    return runs_per_block(runs, sub_blocks)
