@@ -8,7 +8,7 @@
 #   caches        16384-token feature caches, tail 1024: RECALL_ROWS recall rows (@essays + @docs, 8 facts each,
 #                 seed RECALL_SEED, every fact RECALL_MIN_DISTANCE tokens or more before the tail; 0: anywhere) and
 #                 CODE_ROWS @stdlib rows, VAL_ROWS held-out recall rows (0: none); two shard processes, one thread
-#                 each (~2.5 min a row, fp32 or DTYPE=bfloat16 alike: at 16K attention dominates)
+#                 each (SHARDS, default 2; ~2.5 min a row, fp32 or DTYPE=bfloat16 alike: at 16K attention dominates)
 #   train         distill_cached from the shipped gate on those rows, forced blocks FORCED ("SINK LOCAL"),
 #                 budget 2048, STEPS_TRAIN steps (~2.6 s a step)
 #   needle-score  bench/needle_score.py at 16K, passphrase answers, shipped vs fine-tuned vs oracle
@@ -57,6 +57,7 @@ SUB_BLOCKS=${SUB_BLOCKS:-1}
 sub_arg=()  # likewise only when not the default
 [ "$SUB_BLOCKS" != 1 ] && sub_arg=(--sub-blocks "$SUB_BLOCKS")
 RETRIEVAL_SEEDS=${RETRIEVAL_SEEDS:-0 1 2 3}
+SHARDS=${SHARDS:-2}  # feature processes at once, one thread each (a rerun with another count skips written rows)
 mkdir -p "$OUT" "$WORK"
 say() { echo "[qwen-gate-16k $(date +%H:%M:%S)] $*"; }
 
@@ -65,9 +66,9 @@ cache() {  # $1 out dir, $2 row length, rest: features arguments
     shift 2
     [ -e "$out/.complete" ] && { say "cache $out: done"; return; }
     say "cache $out"
-    for i in 0 1; do
+    for ((i = 0; i < SHARDS; i++)); do
         OMP_NUM_THREADS=1 $PY -m sas_backend.training.features --model $M --seq-len "$len" --tail 1024 \
-            --no-progress --out "$out" --shard $i/2 ${dtype_arg[@]+"${dtype_arg[@]}"} ${sub_arg[@]+"${sub_arg[@]}"} \
+            --no-progress --out "$out" --shard $i/$SHARDS ${dtype_arg[@]+"${dtype_arg[@]}"} ${sub_arg[@]+"${sub_arg[@]}"} \
             "$@" > "$OUT/features-$(basename "$out")-$i.log" 2>&1 &
         pids+=($!)
     done
