@@ -20,7 +20,9 @@ def add_run_args(p: argparse.ArgumentParser, *, steps: int, lr: float, save_ever
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
     p.add_argument("--seed", type=int, default=0, help="gate init seed and data order")
-    p.add_argument("--gate-dim", type=int, default=128)
+    p.add_argument("--gate-dim", type=int, default=None,
+                   help="the gate's width Dg (default 128, or --init-gate's; narrower than --init-gate's: training "
+                        "starts from its every (Dg / N)-th rotary pair, sas_backend.gate.narrow)")
     p.add_argument("--init-gate", default=None, metavar="DIR",
                    help="start from this gate checkpoint (it must fit the model and the block size) instead of "
                         "the seeded init")
@@ -64,9 +66,10 @@ def loss_record(losses: list, window: int) -> dict:
             "final_loss_window": len(tail)}
 
 
-def load_init_gate(path: str, geometry, block_size: int):
+def load_init_gate(path: str, geometry, block_size: int, width: int | None = None):
     """`(tensors, init record)` of the checkpoint a run starts from (`--init-gate`), as fp32 tensors
-    `{layer: {name: tensor}}`; SystemExit with the reason where it does not fit `geometry` / `block_size`."""
+    `{layer: {name: tensor}}`, cut to `width` dims when that is narrower (`gate.narrow`); SystemExit with the reason
+    where it does not fit `geometry` / `block_size` / `width`."""
     from sas_backend.gate.checkpoint import load_gate_checkpoint, validate_for_geometry
     from sas_backend.gate.errors import GateCheckpointError
     from sas_backend.gate.gate_file import checkpoint_identity
@@ -79,6 +82,20 @@ def load_init_gate(path: str, geometry, block_size: int):
     except GateCheckpointError as e:
         raise SystemExit(f"error: --init-gate: {e}") from None
     tensors = {i: {k: v.float() for k, v in t.items()} for i, t in tensors.items()}
+    narrowed = {}
+    if width is not None and width != config.gate_dim:
+        from sas_backend.gate.narrow import narrow_gate_tensors
+
+        if width > config.gate_dim:
+            raise SystemExit(f"error: --gate-dim {width} is wider than --init-gate's {config.gate_dim}: a gate can "
+                             "start from a wider one (cut), not a narrower one")
+        try:
+            tensors = narrow_gate_tensors(tensors, width)
+        except ValueError as e:
+            raise SystemExit(f"error: --gate-dim: {e}") from None
+        narrowed = {"narrowed_from_gate_dim": config.gate_dim, "gate_dim": width,
+                    "method": "every rotary pair whose frequency the narrow gate turns at (sas_backend.gate.narrow)"}
     # The record names the checkpoint relative to the repository (or as the user gave it), never by an absolute
     # path of this machine: records travel with the shipped checkpoint.
-    return tensors, {"checkpoint": portable_path(path), "sha256": ident["sha256"], "training": config.training}
+    return tensors, {"checkpoint": portable_path(path), "sha256": ident["sha256"], "training": config.training,
+                     **narrowed}

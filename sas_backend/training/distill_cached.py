@@ -297,11 +297,13 @@ def main(argv: Optional[list] = None) -> int:
     val_rows = [r for _, c in vals for r in c.rows]
 
     torch.manual_seed(args.seed)
-    gate_config, tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim, block_size=spec.block_size)
+    gate_config, tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim or 128,
+                                           block_size=spec.block_size)
     init_record = {"seed": args.seed, "method": "init_gate_state(seed) (sas_backend.gate.checkpoint)"}
     if args.init_gate:
-        tensors, init_record = load_init_gate(args.init_gate, geometry, spec.block_size)
+        tensors, init_record = load_init_gate(args.init_gate, geometry, spec.block_size, args.gate_dim)
         gate_config = dataclasses.replace(gate_config, gate_dim=int(tensors[0]["attngate_linear_q.weight"].shape[-1]))
+    args.gate_dim = gate_config.gate_dim  # resolved before a resume compares it
     gates = gates_from_tensors(tensors, range(geometry.num_layers), gate_dim=gate_config.gate_dim)
     trained = {i: gates[i] for i in (args.layers or range(geometry.num_layers))}  # layers are independent
     for g in trained.values():

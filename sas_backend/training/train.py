@@ -200,7 +200,7 @@ def recall_tail(args) -> int:
 def _check_args(args, device) -> None:
     bad = []
     for name in ("seq_len", "block_size", "budget", "steps", "batch_size", "grad_accum", "gate_dim", "query_chunk"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:  # gate_dim None: 128 or --init-gate's
             bad.append(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0 or args.save_every < 0 or args.clip < 0:
         bad.append("--warmup, --save-every and --clip must be >= 0")
@@ -266,13 +266,14 @@ def main(argv: Optional[list] = None) -> int:
                          distill_target=args.distill_target, sink_blocks=args.sink_blocks,
                          local_blocks=args.local_blocks)
     geometry = ModelGeometry.from_model_dir(args.model)
-    gate_config, init_tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim,
+    gate_config, init_tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim or 128,
                                                 block_size=args.block_size)
     init_record = {"seed": args.seed, "method": "init_gate_state(seed) (sas_backend.gate.checkpoint)"}
     if args.init_gate:
-        init_tensors, init_record = load_init_gate(args.init_gate, geometry, args.block_size)
+        init_tensors, init_record = load_init_gate(args.init_gate, geometry, args.block_size, args.gate_dim)
         gate_config = dataclasses.replace(gate_config,
                                           gate_dim=int(init_tensors[0]["attngate_linear_q.weight"].shape[-1]))
+    args.gate_dim = gate_config.gate_dim  # resolved before a resume compares it
     args.init_record = init_record
     attach_gates(model, spec, init_tensors, max_pos=max(args.seq_len, geometry.max_position_embeddings or 0))
     kernel = model.model.layers[0].self_attn._sas_train.kernel

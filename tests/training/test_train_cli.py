@@ -308,6 +308,35 @@ def test_init_gate_and_train_last_stage(trained, setup):
         train.main(bad)
 
 
+def test_a_narrower_gate_starts_from_a_cut_of_the_init(trained, setup):
+    """--gate-dim narrower than --init-gate's: the run starts from `gate.narrow`'s cut (at lr 0 the checkpoint is
+    that cut exactly), records it, and its checkpoint is the narrow width; wider or not dividing is refused."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+    from sas_backend.gate.narrow import narrow_gate_tensors
+    from sas_backend.training import train
+
+    root, model_dir, essays = setup
+    out = str(root / "narrow")
+    args = ["--model", model_dir, "--data", *essays, "--out", out, "--steps", "1", "--init-gate", trained,
+            "--gate-dim", "32", *COMMON]
+    args[args.index("--lr") + 1] = "0"
+    assert train.main(args) == 0
+    config, tensors = load_gate_checkpoint(out)
+    _, first = load_gate_checkpoint(trained)
+    assert config.gate_dim == 32
+    assert config.training["init"]["narrowed_from_gate_dim"] == 128
+    cut = narrow_gate_tensors(first, 32)
+    for layer in cut:
+        for name, w in cut[layer].items():
+            torch.testing.assert_close(tensors[layer][name].float(), w.float(), msg=name)
+    for width, message in (("256", "wider than --init-gate's 128"), ("48", "even width dividing")):
+        bad = list(args)
+        bad[bad.index("--gate-dim") + 1] = width
+        bad[bad.index("--out") + 1] = str(root / f"narrow-{width}")
+        with pytest.raises(SystemExit, match=message):
+            train.main(bad)
+
+
 def test_forced_blocks_stage(trained, setup):
     """`--sink-blocks/--local-blocks` train as the server forces blocks: recorded, kept on resume,
     refused when they leave the gate none of the K blocks."""
