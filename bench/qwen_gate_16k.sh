@@ -9,8 +9,8 @@
 #                 seed RECALL_SEED, every fact RECALL_MIN_DISTANCE tokens or more before the tail; 0: anywhere) and
 #                 CODE_ROWS @stdlib rows, VAL_ROWS held-out recall rows (0: none); two shard processes, one thread
 #                 each (SHARDS, default 2; ~2.5 min a row, fp32 or DTYPE=bfloat16 alike: at 16K attention dominates)
-#   train         distill_cached from the shipped gate (INIT; "none" with GATE_DIM: a new gate that wide) on those
-#                 rows, forced blocks FORCED ("SINK LOCAL"), budget 2048, STEPS_TRAIN steps (~2.6 s a step), LR
+#   train         distill_cached from the shipped gate (INIT; "none": a seeded init; GATE_DIM: the gate's width, a
+#                 cut of INIT when narrower, gate/narrow.py) on those rows, forced blocks FORCED ("SINK LOCAL"), budget 2048, STEPS_TRAIN steps (~2.6 s a step), LR
 #   needle-score  bench/needle_score.py at 16K, passphrase answers, shipped vs fine-tuned vs oracle
 #   harness       eval_ppl, last 512 of one held-out window, budgets 512-4096, code and essays at 8K and 16K
 #   retrieval     bench/retrieval.py at 16K (RETRIEVAL_SEEDS, default "0 1 2 3"): the fine-tuned gate as served,
@@ -57,11 +57,12 @@ SUB_BLOCKS=${SUB_BLOCKS:-1}
 sub_arg=()  # likewise only when not the default
 [ "$SUB_BLOCKS" != 1 ] && sub_arg=(--sub-blocks "$SUB_BLOCKS")
 RETRIEVAL_SEEDS=${RETRIEVAL_SEEDS:-0 1 2 3}
-INIT=${INIT:-$SHIP}  # the gate training starts from; "none": a seeded init of GATE_DIM (default 128) dims
-GATE_DIM=${GATE_DIM:-128}
+INIT=${INIT:-$SHIP}  # the gate training starts from; "none": a seeded init
+GATE_DIM=${GATE_DIM:-}  # the trained gate's width (default: INIT's, or 128); narrower than INIT's: a cut of it
 LR=${LR:-1e-3}
-init_arg=(--init-gate "$INIT")
-[ "$INIT" = none ] && init_arg=(--gate-dim "$GATE_DIM")
+init_arg=()
+[ "$INIT" != none ] && init_arg=(--init-gate "$INIT")
+[ -n "$GATE_DIM" ] && init_arg+=(--gate-dim "$GATE_DIM")
 SHARDS=${SHARDS:-2}  # feature processes at once, one thread each (a rerun with another count skips written rows)
 mkdir -p "$OUT" "$WORK"
 say() { echo "[qwen-gate-16k $(date +%H:%M:%S)] $*"; }
@@ -107,7 +108,7 @@ for step in $STEPS; do
                 [ "$LONG_ROWS" -gt 0 ] && long=$WORK/recall-long
                 $PY -m sas_backend.training.distill_cached --model $M --cache $WORK/recall $WORK/code $long $val \
                     --out $FT --budget 2048 --sink-blocks $SINK --local-blocks $LOCAL --steps $STEPS_TRAIN \
-                    --rows-per-step 4 --lr "$LR" --warmup 10 "${init_arg[@]}" --save-every 25 --no-progress \
+                    --rows-per-step 4 --lr "$LR" --warmup 10 ${init_arg[@]+"${init_arg[@]}"} --save-every 25 --no-progress \
                     ${sub_arg[@]+"${sub_arg[@]}"} $resume && touch $FT/.complete
             fi ;;
         needle-score)
