@@ -10,7 +10,8 @@
 #                 CODE_ROWS @stdlib rows, VAL_ROWS held-out recall rows (0: none); two shard processes, one thread
 #                 each (SHARDS, default 2; ~2.5 min a row, fp32 or DTYPE=bfloat16 alike: at 16K attention dominates)
 #   train         distill_cached from the shipped gate (INIT; "none": a seeded init; GATE_DIM: the gate's width, a
-#                 cut of INIT when narrower, gate/narrow.py) on those rows, forced blocks FORCED ("SINK LOCAL"), budget 2048, STEPS_TRAIN steps (~2.6 s a step), LR
+#                 cut of INIT when narrower, gate/narrow.py) on those rows, forced blocks FORCED ("SINK LOCAL"),
+#                 budget 2048, STEPS_TRAIN steps (~2.6 s a step), LR
 #   needle-score  bench/needle_score.py at 16K, passphrase answers, shipped vs fine-tuned vs oracle
 #   harness       eval_ppl, last 512 of one held-out window, budgets 512-4096, code and essays at 8K and 16K
 #   retrieval     bench/retrieval.py at 16K (RETRIEVAL_SEEDS, default "0 1 2 3"): the fine-tuned gate as served,
