@@ -563,7 +563,7 @@ def block_smollm2_quality_report(page: pathlib.Path) -> str:
 
 RULER_DIR = "2026-12-03-ruler"
 RULER = (f"{RULER_DIR}/ruler-2026-12-03-smollm2-4k.json", f"{RULER_DIR}/ruler-2026-12-03-smollm2-8k.json",
-         f"{RULER_DIR}/ruler-2026-12-03-qwen-16k.json")
+         f"{RULER_DIR}/ruler-2026-12-03-qwen-16k.json", "2026-12-06-ruler-sub4/ruler-2026-12-06-qwen-16k-sub4.json")
 MODEL_NAMES = {"models/SmolLM2-135M-Instruct": "SmolLM2-135M",
                "models/Qwen2.5-Coder-0.5B-Instruct": "Qwen2.5-Coder-0.5B"}
 
