@@ -51,18 +51,23 @@ def qwen3_dir(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def qwen3_gate(qwen3_dir, tmp_path_factory):
+def qwen3_gates(qwen3_dir, tmp_path_factory):
+    """Seeded gates of width 128 and 32 (a quarter-width gate: with 4 runs a block it reads one summary's bytes)."""
     from sas_backend.gate.checkpoint import init_gate_checkpoint
 
-    out = tmp_path_factory.mktemp("gates") / "qwen3-tiny-seed0"
-    init_gate_checkpoint(out, model_dir=qwen3_dir, seed=0)
-    return out
+    gates = {}
+    for dg in (128, 32):
+        gates[dg] = tmp_path_factory.mktemp("gates") / f"qwen3-tiny-seed0-dg{dg}"
+        init_gate_checkpoint(gates[dg], model_dir=qwen3_dir, seed=0, gate_dim=dg)
+    return gates
 
 
-@pytest.mark.parametrize("sub_blocks,kernels", [(1, "auto"), (4, "auto"), (4, "triton")])
-def test_qwen3_decode_matches_the_oracle(qwen3_dir, qwen3_gate, essay_ids, tmp_path, sub_blocks, kernels):
+@pytest.mark.parametrize("sub_blocks,kernels,gate_dim", [(1, "auto", 128), (4, "auto", 32), (4, "triton", 128)])
+def test_qwen3_decode_matches_the_oracle(qwen3_dir, qwen3_gates, essay_ids, tmp_path, sub_blocks, kernels, gate_dim):
     """kernels "triton": the fused front / select / attend (Triton's interpreter on CPU) summarize each decode-made
-    block's 4 runs and rank by the best run, as the oracle states it."""
+    block's 4 runs and rank by the best run, as the oracle states it. gate_dim 32: a gate a quarter as wide, its 4
+    runs a block as wide as one summary of the 128-wide gate."""
+    qwen3_gate = qwen3_gates[gate_dim]
     if kernels == "triton" and ON_GPU:
         pytest.skip("on a GPU the fused kernels are the default path (the auto cases)")
     args = ["--sas-gate", str(qwen3_gate), "--sas-budget", str(BUDGET), "--sas-sink-blocks", "1",
