@@ -35,7 +35,7 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -128,36 +128,56 @@ def layer_loss(gate, batch: RowBatch, spec, gate_table: torch.Tensor, top_k: int
     return loss
 
 
+def by_length(rows, spec, lengths: Optional[Sequence[int]] = None) -> List[Tuple[object, list, float]]:
+    """`[(spec at length L, the rows of L tokens, their share of the rows)]`: caches of several row lengths (16K and
+    32K rows) train together, each length stacked on its own (`RowBatch` needs one length) and weighted by its rows,
+    so a step's loss is the mean over its rows as with one length. lengths: each row's tokens (None: spec's)."""
+    if lengths is None:
+        return [(spec, list(rows), 1.0)]
+    groups: Dict[int, list] = {}
+    for row, length in zip(rows, lengths):
+        groups.setdefault(int(length), []).append(row)
+    return [(dataclasses.replace(spec, seq_len=length), group, len(group) / len(rows))
+            for length, group in sorted(groups.items())]
+
+
 def mean_loss(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks,
-              coverage: Optional[Coverage] = None) -> float:
-    """Sum over layers of the layer losses of `rows`, accumulating each layer's gradient as it goes
-    (layers are independent, so each graph is freed before the next is built)."""
+              coverage: Optional[Coverage] = None, lengths: Optional[Sequence[int]] = None) -> float:
+    """Sum over layers of the layer losses of `rows` (of `lengths` tokens each, `by_length`), accumulating each
+    layer's gradient as it goes (layers are independent, so each graph is freed before the next is built)."""
     total = 0.0
+    groups = by_length(rows, spec, lengths)
     for layer, gate in gates.items():
-        loss = layer_loss(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k, sink_blocks, local_blocks,
-                          coverage)
-        loss.backward()
-        total += float(loss.detach())
+        for s, group, share in groups:
+            loss = layer_loss(gate, RowBatch(group, layer, s), s, gate_table, top_k, sink_blocks, local_blocks,
+                              coverage)
+            if share != 1.0:
+                loss = loss * share
+            loss.backward()
+            total += float(loss.detach())
     return total
 
 
-def evaluate(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, picks) -> Tuple[float, Dict[int, float]]:
+def evaluate(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, picks,
+             lengths: Optional[Sequence[int]] = None) -> Tuple[float, Dict[int, float]]:
     """(sum over layers of the mean per-query KL, {k: hard top-k coverage of the target averaged
-    over layers}) of `rows`, no gradient: the held-out numbers."""
+    over layers}) of `rows` (`by_length`), no gradient: the held-out numbers."""
     from sas_backend.training.model import distill_kl, topk_coverage
 
     kl, cov = 0.0, {k: 0.0 for k in picks}
     with torch.no_grad():
         for layer, gate in gates.items():
-            log_g, target, cand = layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
-                                               sink_blocks, local_blocks)
-            kl += float(distill_kl(target, log_g))
-            for k in picks:
-                cov[k] += float(topk_coverage(target, log_g, cand, k)) / len(gates)
+            for s, group, share in by_length(rows, spec, lengths):
+                log_g, target, cand = layer_scores(gate, RowBatch(group, layer, s), s, gate_table, top_k,
+                                                   sink_blocks, local_blocks)
+                kl += float(distill_kl(target, log_g)) * share
+                for k in picks:
+                    cov[k] += float(topk_coverage(target, log_g, cand, k)) * share / len(gates)
     return kl, cov
 
 
-def oracle_coverage(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, picks) -> Dict[int, float]:
+def oracle_coverage(gates, rows, spec, gate_table, top_k, sink_blocks, local_blocks, picks,
+                    lengths: Optional[Sequence[int]] = None) -> Dict[int, float]:
     """{k: hard top-k coverage of the target by its own top k (the oracle selector), averaged over
     layers} of `rows`: the ceiling the gates' held-out coverage (`evaluate`) is read against. The
     gates only lend their layers and geometry; their scores are not used."""
@@ -166,12 +186,13 @@ def oracle_coverage(gates, rows, spec, gate_table, top_k, sink_blocks, local_blo
     cov = {k: 0.0 for k in picks}
     with torch.no_grad():
         for layer, gate in gates.items():
-            _, target, _ = layer_scores(gate, RowBatch(rows, layer, spec), spec, gate_table, top_k,
-                                        sink_blocks, local_blocks)
-            has_prev = target.sum(-1) > 0
-            for k in picks:
-                best = oracle_topk_mass(target, k)
-                cov[k] += float((best * has_prev).sum() / has_prev.sum().clamp_min(1)) / len(gates)
+            for s, group, share in by_length(rows, spec, lengths):
+                _, target, _ = layer_scores(gate, RowBatch(group, layer, s), s, gate_table, top_k,
+                                            sink_blocks, local_blocks)
+                has_prev = target.sum(-1) > 0
+                for k in picks:
+                    best = oracle_topk_mass(target, k)
+                    cov[k] += float((best * has_prev).sum() / has_prev.sum().clamp_min(1)) * share / len(gates)
     return cov
 
 
@@ -180,11 +201,11 @@ def _coverage_text(entry: dict) -> str:
 
 
 def check_compatible(caches) -> None:
-    """Exit with an error unless every (path, cache) of `caches` was made with the same model, lengths,
-    block size and target."""
+    """Exit with an error unless every (path, cache) of `caches` was made with the same model, tail, block size and
+    target (row lengths may differ: `by_length`)."""
     first = caches[0][1].manifest
     for path, cache in caches[1:]:
-        diff = [k for k in _SPEC_KEYS if cache.manifest.get(k) != first.get(k)]
+        diff = [k for k in _SPEC_KEYS if k != "seq_len" and cache.manifest.get(k) != first.get(k)]
         if cache.spec.sub_blocks != caches[0][1].spec.sub_blocks:
             diff.append("sub_blocks")
         if diff:
@@ -295,6 +316,11 @@ def main(argv: Optional[list] = None) -> int:
         args.layers = sorted(set(args.layers))
     rows = LazyRows([f for _, c in caches for f in c.rows.files])  # iterating would read every row
     val_rows = [r for _, c in vals for r in c.rows]
+    seq_lens = sorted({c.spec.seq_len for _, c in caches + vals})
+    row_lens = val_lens = None  # one length: every row is spec's
+    if len(seq_lens) > 1:
+        row_lens = [c.spec.seq_len for _, c in caches for _ in c.rows.files]
+        val_lens = [c.spec.seq_len for _, c in vals for _ in c.rows]
 
     torch.manual_seed(args.seed)
     gate_config, tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim or 128,
@@ -308,7 +334,7 @@ def main(argv: Optional[list] = None) -> int:
     trained = {i: gates[i] for i in (args.layers or range(geometry.num_layers))}  # layers are independent
     for g in trained.values():
         g.requires_grad_(True)
-    gate_table = gate_rope_table(gate_config.gate_dim, geometry, spec.seq_len)
+    gate_table = gate_rope_table(gate_config.gate_dim, geometry, seq_lens[-1])
     params = [p for g in trained.values() for p in g.parameters()]
     loop = GateLoop(args, gates, params, resume_keys=_RESUME_KEYS, resume_defaults=_RESUME_DEFAULTS)
     start, end, losses = loop.start, loop.end, loop.losses
@@ -320,7 +346,7 @@ def main(argv: Optional[list] = None) -> int:
         if not val_rows:
             return None
         kl, cov = evaluate(gates, val_rows, spec, gate_table, top_k, args.sink_blocks, args.local_blocks,
-                           tuple(picks.values()))
+                           tuple(picks.values()), val_lens)
         val_log.append({"step": step, "kl": kl, "coverage": {str(c): round(cov[k], 5) for c, k in picks.items()}})
         return kl
 
@@ -350,6 +376,7 @@ def main(argv: Optional[list] = None) -> int:
                                  "data": c.manifest["data"], "recall": c.manifest["recall"],
                                  "command": c.manifest.get("command")} for p, c in caches],
                      "rows": len(rows), "seq_len": spec.seq_len, "tail": spec.tail,
+                     **({"seq_lens": seq_lens} if len(seq_lens) > 1 else {}),
                      "val_caches": [portable_path(p) for p, _ in vals]},
             "steps": step,
             "seq_len": spec.seq_len,
@@ -374,14 +401,15 @@ def main(argv: Optional[list] = None) -> int:
 
     per_cache = ", ".join(f"{p}: {c.manifest['rows']}" for p, c in caches)
     print(f"[distill_cached] {len(rows)} cached rows ({per_cache}) "
-          f"| tail {spec.tail} of {spec.seq_len} | target {spec.target} | budget {args.budget} (K={top_k}, "
+          f"| tail {spec.tail} of {' / '.join(map(str, seq_lens))} | target {spec.target} "
+          f"| budget {args.budget} (K={top_k}, "
           + (f"{args.sub_blocks} sub-block summaries a block, " if args.sub_blocks > 1 else "")
           + f"sink {args.sink_blocks}, local {args.local_blocks}) | {len(val_rows)} held-out rows "
           f"| steps {start}->{end}",
           flush=True)
     if val_rows:
         cov = oracle_coverage(gates, val_rows, spec, gate_table, top_k, args.sink_blocks, args.local_blocks,
-                              tuple(picks.values()))
+                              tuple(picks.values()), val_lens)
         oracle_cov = {str(c): round(cov[k], 5) for c, k in picks.items()}
         print(f"[distill_cached] held-out oracle {_coverage_text({'coverage': oracle_cov})} (the best a selector "
               "of that many blocks covers)", flush=True)
@@ -393,7 +421,8 @@ def main(argv: Optional[list] = None) -> int:
         t0 = time.time()
         idx = batch_rows(step, 0, 0, world=1, batch=args.rows_per_step, accum=1, n_rows=len(rows), seed=args.seed)
         loss = mean_loss(trained, [rows[i] for i in idx.tolist()], spec, gate_table, top_k, args.sink_blocks,
-                         args.local_blocks, coverage=coverage)
+                         args.local_blocks, coverage=coverage,
+                         lengths=None if row_lens is None else [row_lens[i] for i in idx.tolist()])
         lr_used, grad_norm = loop.step()
         done = step + 1
         seconds = time.time() - t0

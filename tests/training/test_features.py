@@ -66,6 +66,36 @@ def test_cached_loss_and_gradients_equal_train_distill(monkeypatch, target, forc
             torch.testing.assert_close(p.grad, want_grads[i][n], rtol=1e-4, atol=1e-6)
 
 
+def test_rows_of_two_lengths_train_together_weighted_by_rows(monkeypatch):
+    """`mean_loss` over rows of SEQ and 2 x SEQ tokens (`lengths`): each length stacked on its own and weighted by
+    its share of the rows, so the loss and every gradient are the row-weighted mean of each length's own
+    `mean_loss`; one length given explicitly is the plain call."""
+    monkeypatch.setattr(feats, "STORE_DTYPE", torch.float32)
+    from sas_backend.geometry import ModelGeometry, gate_rope_table
+
+    model = tiny_llama()
+    short, long_ = FeatureSpec(SEQ, TAIL, B, "mass"), FeatureSpec(2 * SEQ, TAIL, B, "mass")
+    rows_s = [feats.row_features(model, r, short) for r in _rows(2, seed=1)]
+    rows_l = [feats.row_features(model, r, long_)
+              for r in torch.randint(0, 256, (1, 2 * SEQ), generator=torch.Generator().manual_seed(2))]
+    table = gate_rope_table(32, ModelGeometry.from_hf_config(model.config), 2 * SEQ)
+
+    def run(rows, spec, lengths=None):
+        gates = _gates()
+        loss = mean_loss(gates, rows, spec, table, 3, 1, 1, lengths=lengths)
+        return loss, {i: {n: p.grad.clone() for n, p in g.named_parameters()} for i, g in gates.items()}
+
+    both, both_grads = run([rows_l[0], *rows_s], short, [2 * SEQ, SEQ, SEQ])
+    only_s, grads_s = run(rows_s, short)
+    only_l, grads_l = run(rows_l, long_)
+    assert both == pytest.approx(2 / 3 * only_s + 1 / 3 * only_l, rel=1e-5)
+    for i in both_grads:
+        for n, g in both_grads[i].items():
+            torch.testing.assert_close(g, 2 / 3 * grads_s[i][n] + 1 / 3 * grads_l[i][n], rtol=1e-4, atol=1e-6)
+    same, _ = run(rows_s, short, [SEQ, SEQ])
+    assert same == only_s
+
+
 def test_row_features_shapes_and_target():
     """q is the tail's pre-RoPE q, pooled the complete blocks' max|min|mean, the target a
     distribution over each query's previous blocks (zero elsewhere)."""
@@ -293,6 +323,29 @@ def test_cli_distills_resumes_and_writes_a_servable_checkpoint(cli_caches, tmp_p
         _distill(root, model_dir, tmp_path / "c", "--budget", "128")
     with pytest.raises(SystemExit, match="not a multiple"):
         _distill(root, model_dir, tmp_path / "c", "--budget", "100")
+
+
+def test_cli_trains_caches_of_two_row_lengths_together(cli_caches, tmp_path):
+    """Issue 63: 16K and 32K rows in one run. A cache of 1024-token rows beside the 512-token ones (same tail and
+    block): the run reports both lengths, records them, and its held-out KL falls; a cache of another tail is
+    still refused."""
+    from sas_backend.gate.checkpoint import load_gate_checkpoint
+    from sas_backend.training.features import main as features
+
+    root, model_dir = cli_caches
+    common = ["--model", model_dir, "--data", ESSAYS_DIR, "--tail", "192", "--no-progress", "--max-rows", "2"]
+    assert features(common + ["--seq-len", "1024", "--out", str(tmp_path / "long")]) == 0
+    assert _distill(root, model_dir, tmp_path / "gate", "--cache", str(root / "train"), str(tmp_path / "long"),
+                    "--steps", "20") == 0
+    config, _ = load_gate_checkpoint(str(tmp_path / "gate"))
+    rec = config.training
+    assert rec["data"]["seq_lens"] == [512, 1024] and rec["data"]["rows"] == 8
+    kl = [v["kl"] for v in rec["heldout_kl"]]
+    assert kl[-1] < kl[0]
+    assert features(["--model", model_dir, "--data", ESSAYS_DIR, "--tail", "128", "--no-progress", "--max-rows", "1",
+                     "--seq-len", "1024", "--out", str(tmp_path / "tail128")]) == 0
+    with pytest.raises(SystemExit, match="differs from .* in tail"):
+        _distill(root, model_dir, tmp_path / "bad", "--cache", str(root / "train"), str(tmp_path / "tail128"))
 
 
 def test_cli_coverage_term_raises_held_out_coverage_and_is_recorded(cli_caches, tmp_path):
