@@ -43,13 +43,18 @@ DOWNLOADED_TASKS = ["niah_single_2", "niah_single_3", "niah_multikey_1", "niah_m
                     "ruler_qa_squad", "ruler_qa_hotpot"]
 
 
-def server_configs(gate: str, budgets: list[int]) -> list[tuple[str, str, list]]:
+def server_configs(gate: str, budgets: list[int], sas_args: tuple = ()) -> list[tuple[str, str, list]]:
     """(name, backend, extra flags) of every server, dense first, then the gate's serve default, then the gate
-    at each budget (its record's forced blocks): bench/needle.py's list, so the two studies name servers alike."""
+    at each budget (its record's forced blocks): bench/needle.py's list, so the two studies name servers alike.
+    sas_args: more launch flags for the sas servers only, named in their rows."""
     import needle  # bench/ is the script's directory, so on sys.path
 
-    return needle.server_configs(argparse.Namespace(gate=gate, gate_forced=None, serve_default=True,
-                                                    selectors=["gate"], budgets=budgets, prompt_anchors=None))
+    configs = needle.server_configs(argparse.Namespace(gate=gate, gate_forced=None, serve_default=True,
+                                                       selectors=["gate"], budgets=budgets, prompt_anchors=None))
+    if not sas_args:
+        return configs
+    return [(f"{name} {' '.join(sas_args)}", backend, [*extra, *sas_args]) if backend == "sas"
+            else (name, backend, extra) for name, backend, extra in configs]
 
 
 def lm_eval_cmd(model: str, url: str, tasks: list[str], length: int, limit: int, out_dir: str) -> list[str]:
@@ -162,9 +167,7 @@ def main(argv=None) -> int:
     partial = out / f"{tag}.partial.json"
     rows, started = [], time.time()
     code = git_state()  # the code the servers run: taken now, as the tree may change during an hours-long run
-    for name, backend, extra in server_configs(args.gate, args.budgets):
-        if backend == "sas" and args.sas_arg:
-            name, extra = f"{name} {' '.join(args.sas_arg)}", [*extra, *args.sas_arg]
+    for name, backend, extra in server_configs(args.gate, args.budgets, tuple(args.sas_arg)):
         row = done.get(name, {"server": name, "launch": portable_argv(map(str, extra)), "scores": {}, "seconds": {}})
         rows.append(row)
         todo = [n for n in args.lengths if str(n) not in row["scores"]]

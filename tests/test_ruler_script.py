@@ -21,6 +21,19 @@ def test_servers_dense_first_then_serve_default_then_budgets():
     assert configs[2][2] == ["--sas-selector", "gate", "--sas-budget", "512", "--sas-gate", gate]
 
 
+def test_sas_args_go_to_the_sas_servers_only_and_name_their_rows():
+    """--sas-arg (e.g. --sas-sub-blocks 4): dense gets none of it, each sas server all of it, in its name too."""
+    import ruler
+
+    gate = str(default_gate(DEFAULT_MODEL))
+    plain = ruler.server_configs(gate, [512])
+    configs = ruler.server_configs(gate, [512], ("--sas-sub-blocks", "4"))
+    assert configs[0] == plain[0] == ("dense", "torch_native", [])
+    for (name, backend, extra), (name0, _, extra0) in zip(configs[1:], plain[1:]):
+        assert backend == "sas" and name == f"{name0} --sas-sub-blocks 4"
+        assert extra == [*extra0, "--sas-sub-blocks", "4"]
+
+
 def test_lm_eval_command_one_length_and_its_tokenizer():
     import ruler
 
