@@ -56,6 +56,9 @@ def register() -> None:
     from sas_backend import dense_verify
 
     dense_verify.register(HookRegistry, HookType)
+    from sas_backend.backend import pd_anchors
+
+    pd_anchors.register(HookRegistry, HookType)  # prompt anchors ride in SGLang's PD metadata (both sides)
     from sas_backend import speculative
 
     speculative.register(HookRegistry, HookType)  # NGRAM drafts as chains, for a sas target only
@@ -171,7 +174,8 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
             raise SASConfigError(f"the sas backend cannot serve KV pages loaded from an external cache yet ({name}): "
                                  "they arrive without block summaries; drop that flag")
     if getattr(args, "disaggregation_mode", None) == "decode":
-        _check_pd_decode(cfg, on_cuda=_launch_on_cuda(args), speculative=getattr(args, "speculative_algorithm", None))
+        _check_pd_decode(cfg, on_cuda=_launch_on_cuda(args), speculative=getattr(args, "speculative_algorithm", None),
+                         tp_size=int(getattr(args, "tp_size", 1) or 1))
     if str(getattr(args, "kv_cache_dtype", "")).startswith("fp8"):
         from sas_backend.backend.kv_scales import check_param_path_file
 
@@ -196,11 +200,11 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
             )
 
 
-def _check_pd_decode(cfg, on_cuda: bool, speculative=None) -> None:
+def _check_pd_decode(cfg, on_cuda: bool, speculative=None, tp_size: int = 1) -> None:
     """A prefill-decode disaggregation decode server: a transferred request's KV lands in pages this server
     allocated without an extend through sas. The summary pool's validity marks summarize those pages at the
     request's first decode step (on CPU planned on the host; on CUDA listed and repaired on the device, which needs
-    a selector with a capturable repair); what the prompt's extend alone computes (prompt anchors) is refused."""
+    a selector with a capturable repair); prompt anchors arrive from a sas prefill server (backend/pd_anchors.py)."""
     from sas_backend.selection import selector_class
 
     kind = selector_class(cfg.selector)
@@ -217,10 +221,29 @@ def _check_pd_decode(cfg, on_cuda: bool, speculative=None) -> None:
             "draft tokens a transferred NGRAM request does not have), whatever the attention backend. Drop the "
             "speculative flags on the decode server")
     if cfg.prompt_anchors:
+        _check_pd_anchors(cfg.prompt_anchors, tp_size)
+
+
+def _check_pd_anchors(count: int, tp_size: int) -> None:
+    """Prompt anchors on a PD decode server: they come from the prefill server's extend, through one more buffer of
+    SGLang's PD metadata (backend/pd_anchors.py)."""
+    from sas_backend.backend import pd_anchors
+
+    fix = "Pass --sas-prompt-anchors 0 on the decode server"
+    if not pd_anchors.hooks_available():
         raise SASConfigError(
-            f"--sas-prompt-anchors {cfg.prompt_anchors} cannot be served on a prefill-decode disaggregation decode "
-            "server: the anchors are the blocks the prompt's last token attended most, computed at the prompt's "
-            "extend, which runs on the prefill server. Pass --sas-prompt-anchors 0 on the decode server")
+            f"--sas-prompt-anchors {count} on a prefill-decode disaggregation decode server: the anchors are computed "
+            "at the prompt's extend on the prefill server and travel in SGLang's PD metadata, whose functions this "
+            f"SGLang release does not have ({', '.join(pd_anchors.TARGETS)}). {fix}")
+    if count > pd_anchors.CAPACITY:
+        raise SASConfigError(
+            f"--sas-prompt-anchors {count} on a prefill-decode disaggregation decode server: the PD metadata row "
+            f"carries at most {pd_anchors.CAPACITY} anchors per layer and kv head. Pass at most "
+            f"{pd_anchors.CAPACITY}, or 0")
+    if tp_size > 1:
+        raise SASConfigError(
+            f"--sas-prompt-anchors {count} on a prefill-decode disaggregation decode server with --tp-size {tp_size}: "
+            f"the anchors' transfer is proved at TP 1 only (each rank would carry its own kv heads' anchors). {fix}")
 
 
 def _needs_gate(cfg) -> bool:

@@ -52,7 +52,8 @@ def scheduler_pool_state(scheduler) -> dict:
     colocated server; None on another backend); `kv_cache`: the KV dtype the sas backend reads and, for an fp8
     cache, where its layers' scales came from (`backend.kv_scales.SOURCES`: layers per source) and their range
     (None on another backend); `memory`: the sas backend's device bytes by name, `held` and `reserved`
-    (`_memory_state`).
+    (`_memory_state`); `pd_prompt_anchors`: on a PD decode server keeping prompt anchors, the transferred requests
+    whose anchors arrived or were missing (`_pd_anchor_counts`).
     """
     backend = _attn_backend(scheduler)
     page = int(getattr(backend, "block_size", 0) or getattr(scheduler, "page_size", 1) or 1)
@@ -87,10 +88,22 @@ def scheduler_pool_state(scheduler) -> dict:
     settings = getattr(backend, "settings", None)
     state["dense_below"] = getattr(settings, "dense_below", None)
     state["late_summaries"] = getattr(backend, "late_summaries", None)
+    state["pd_prompt_anchors"] = _pd_anchor_counts(backend)
     state["kv_cache"] = _kv_cache_state(backend)
     state["memory"] = _memory_state(backend)
     state["pid"] = os.getpid()
     return state
+
+
+def _pd_anchor_counts(backend) -> Optional[dict]:
+    """On a sas backend keeping prompt anchors: the transferred requests whose anchors arrived from the prefill server
+    (`received`) or did not (`missing`: they decode without; backend/pd_anchors.py). None elsewhere."""
+    from sas_backend.backend import pd_anchors
+
+    step = getattr(backend, "step", None)
+    if getattr(step, "anchors", None) is None or pd_anchors.SERVED.pool is not step.anchors:
+        return None
+    return pd_anchors.SERVED.counts()
 
 
 def _memory_state(backend) -> Optional[dict]:

@@ -96,7 +96,9 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--sas-prompt-anchors", "2", "--enable-mixed-chunk"], "--enable-mixed-chunk"),
         (["--sas-prompt-anchors", "31", "--sas-budget", "2048", "--sas-sink-blocks", "1", "--sas-local-blocks", "1"],
          "prompt anchor"),
-        (["--disaggregation-mode", "decode", "--sas-prompt-anchors", "4"], "computed at the prompt's extend"),
+        (["--disaggregation-mode", "decode", "--sas-prompt-anchors", "4", "--tp-size", "2"], "proved at TP 1 only"),
+        (["--disaggregation-mode", "decode", "--sas-prompt-anchors", "9", "--sas-budget", "4096"],
+         "at most 8 anchors per layer and kv head"),
         (["--disaggregation-mode", "decode", "--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth",
           "1"], "_maybe_init_ngram_bufs"),
         (["--disaggregation-mode", "decode", "--device", "cuda", "--sas-selector", "quest"],
@@ -115,7 +117,7 @@ def test_refusals_are_messages(parse, clean_env, gate, argv, needle):
 
 
 def test_pd_servers_are_accepted(parse, clean_env, gate):
-    """A PD prefill server's extend is dense and sends KV only; a CPU decode server without prompt anchors
+    """A PD prefill server's extend is dense and sends KV (and prompt anchors) only; a CPU decode server
     summarizes the transferred pages at their first decode step (tests/server/test_pd.py)."""
     assert parse("--attention-backend", "sas", "--sas-gate", gate, "--disaggregation-mode", "prefill").page_size == 64
     assert parse("--attention-backend", "sas", "--sas-gate", gate, "--disaggregation-mode", "decode",
@@ -123,6 +125,9 @@ def test_pd_servers_are_accepted(parse, clean_env, gate):
     # CUDA: the gate's late summaries are listed and repaired on the device (capturable; tests/test_summary_marks.py)
     assert parse("--attention-backend", "sas", "--sas-gate", gate, "--disaggregation-mode", "decode",
                  "--device", "cuda").page_size == 64
+    # prompt anchors arrive from a sas prefill server in SGLang's PD metadata (backend/pd_anchors.py)
+    assert parse("--attention-backend", "sas", "--sas-gate", gate, "--disaggregation-mode", "decode",
+                 "--device", "cpu", "--sas-prompt-anchors", "4").page_size == 64
 
 
 def test_ngram_chain_launch_is_accepted(parse, clean_env, gate):

@@ -23,6 +23,7 @@ from typing import Dict, Optional
 
 import torch
 
+from sas_backend.backend import pd_anchors
 from sas_backend.backend.anchor_pool import AnchorPool
 from sas_backend.backend.decode_plan import DecodePlan
 from sas_backend.backend.decode_step import DecodeStep
@@ -163,6 +164,8 @@ class SASAttnBackend(AttentionBackend):
         # attended most (written at each extend, read by every decode step; ops/anchors).
         anchor_count = cfg.prompt_anchors or 0
         anchors = AnchorPool(gates, max_reqs, num_kv_heads, anchor_count, self.device) if anchor_count else None
+        if anchors is not None:  # under PD, the prefill side sends them and the decode side receives them here
+            pd_anchors.attach(anchors)
         v_dim = self.token_to_kv_pool.get_value_buffer(min(gates)).shape[-1]
         geometry = StepGeometry(num_kv_heads, num_q_heads // num_kv_heads, head_dim, v_dim, max(gate_dim, 2),
                                 self.top_k, self.block_size, selector.rule.sub_blocks)

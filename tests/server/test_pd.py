@@ -9,7 +9,8 @@ runs the configuration of the suite's `sas_sparse_server` (seeded gate, budget 2
 compare.FP32. Two prompts (1600 and 1400 tokens) one after the other, so the second request's pages are the
 first's, freed and handed out again. The negative control (SAS_PD_CONTROL=1; out of CI for time): the same decode
 server with the marks off (SAS_SUMMARY_MARKS=0) selects over summaries that are zeros or the first request's, and
-diverges.
+diverges. Prompt anchors: a `sas` prefill server computes them at the prompt's extend and they travel in SGLang's PD
+metadata (backend/pd_anchors.py); the anchored pair decodes as a colocated server with the same anchors.
 
 No router: the client sends each request to both servers with the prefill server's bootstrap address and a room
 id (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`), as SGLang's router would. The prefill server needs
@@ -39,6 +40,10 @@ PROMPTS = ((5000, 1600), (40000, 1400))  # (start in the essays, length): both f
 POOL = ["--max-total-tokens", "4096"]
 SAS_DECODE = ["--sas-budget", "256", "--sas-sink-blocks", "1", "--sas-local-blocks", "1", "--sas-prompt-anchors",
               "0", "--dtype", "float32"]
+# The anchored pair (a sas prefill server computing prompt anchors, a decode server receiving them in SGLang's PD
+# metadata; backend/pd_anchors.py): 8 blocks a step, of which sink 1 + local 1 + 4 anchors, 2 chosen by the gate.
+SAS_ANCHORED = ["--sas-budget", "512", "--sas-sink-blocks", "1", "--sas-local-blocks", "1", "--sas-prompt-anchors",
+                "4", "--dtype", "float32"]
 PD_ENV = {"MC_FORCE_TCP": "1", "SGLANG_HOST_IP": "127.0.0.1"}  # Mooncake over TCP on loopback
 
 
@@ -67,8 +72,8 @@ def prefill_server(mooncake, model_dir):
         yield s
 
 
-def _decode_server(model_dir, seed_gate, marks: int):
-    args = ["--sas-gate", seed_gate, *SAS_DECODE, *POOL, "--disaggregation-mode", "decode",
+def _decode_server(model_dir, seed_gate, marks: int, sas_args=SAS_DECODE):
+    args = ["--sas-gate", seed_gate, *sas_args, *POOL, "--disaggregation-mode", "decode",
             "--disaggregation-transfer-backend", "mooncake", "--disaggregation-decode-retraction-backup",
             "cpu_tensor"]
     return Server(model_dir, backend="sas", extra_args=args, env={**PD_ENV, "SAS_SUMMARY_MARKS": str(marks)})
@@ -122,12 +127,14 @@ def _pd_disconnect(prefill, decode, prompt, chunks: int) -> int:
     return read
 
 
-def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: int, disconnect: bool = False):
+def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: int, disconnect: bool = False, sas_args=SAS_DECODE,
+            then=None):
     """(decodes of PROMPTS through `prefill` and a new sas decode server, its /sas/info pool after them). marks:
     SAS_SUMMARY_MARKS (1: CPU's host-planned form, 2: CUDA's device-side form, 0: off). With
     `disconnect`, then two requests whose clients leave mid-transfer and mid-decode (`_pd_disconnect`), and
-    PROMPTS[0] again: its decode is appended to the decodes."""
-    with _decode_server(model_dir, seed_gate, marks) as decode:
+    PROMPTS[0] again: its decode is appended to the decodes. `then(decode)`, if given, runs last and its value is
+    kept under pool["then"]."""
+    with _decode_server(model_dir, seed_gate, marks, sas_args) as decode:
         outs = [_pd_generate(prefill, decode, essay_ids[s: s + n]) for s, n in PROMPTS]
         pool = _pool(decode)
         if disconnect:  # mid-transfer, then mid-decode
@@ -141,6 +148,8 @@ def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: int, disconnect: bo
             start, n = PROMPTS[0]
             outs.append(_pd_generate(prefill, decode, essay_ids[start: start + n]))
             pool["after_disconnects"] = _pool(decode)
+        if then is not None:
+            pool["then"] = then(decode)
         return outs, pool
 
 
@@ -174,30 +183,54 @@ def test_pd_decode_server_decodes_as_colocated_sas(prefill_server, model_dir, se
           f"{pool['late_summaries']}; the aborted requests' decode steps: {extra}")
 
 
-def test_pd_sas_prefill_and_device_side_marks(model_dir, seed_gate, essay_ids, colocated):
-    """A `sas` prefill server (its extend is dense; it summarizes and sends KV only) and a decode server running the
-    marks in the form a CUDA server runs them (SAS_SUMMARY_MARKS=2 here): each decode step lists its requests'
-    complete blocks without a valid summary on the device, every sparse layer's summaries of them are written before
-    the layers run, the step marks them; the same decodes as colocated sas, and nothing held on either side
-    afterwards. (The Triton kernels CUDA runs for the list and the summaries: tests/ops/test_late_blocks.py,
-    tests/ops/test_summary_listed.py; here their torch paths.)"""
+@pytest.fixture(scope="module")
+def colocated_anchored(model_dir, seed_gate, essay_ids):
+    """A colocated sas server with prompt anchors (SAS_ANCHORED): the anchored pair's reference."""
+    with Server(model_dir, backend="sas", extra_args=["--sas-gate", seed_gate, *SAS_ANCHORED, *POOL]) as s:
+        return [generate(s.url, essay_ids[st: st + n], NEW_TOKENS) for st, n in PROMPTS]
+
+
+def test_pd_sas_prefill_anchors_and_device_side_marks(prefill_server, model_dir, seed_gate, essay_ids,
+                                                      colocated_anchored):
+    """A `sas` prefill server (its extend is dense; it summarizes, computes the prompt anchors and sends KV and
+    anchors) and a decode server with prompt anchors, running the validity marks in the form a CUDA server runs them
+    (SAS_SUMMARY_MARKS=2 here): each decode step lists its requests' complete blocks without a valid summary on the
+    device, every sparse layer's summaries of them are written before the layers run, the step marks them. The same
+    decodes as a colocated sas server with the same anchors, both requests' anchors received, and nothing held on
+    either side afterwards. Control: the first prompt again through the dense prefill server, which sends no
+    anchors: counted missing, and that request decodes otherwise. (The Triton kernels CUDA runs for the list and the
+    summaries: tests/ops/test_late_blocks.py, tests/ops/test_summary_listed.py; here their torch paths.)"""
     bootstrap = free_port()
-    args = ["--sas-gate", seed_gate, *SAS_DECODE, *POOL, "--disable-radix-cache", "--disaggregation-mode", "prefill",
-            "--disaggregation-transfer-backend", "mooncake", "--disaggregation-bootstrap-port", str(bootstrap)]
+    args = ["--sas-gate", seed_gate, *SAS_ANCHORED, *POOL, "--disable-radix-cache", "--disaggregation-mode",
+            "prefill", "--disaggregation-transfer-backend", "mooncake", "--disaggregation-bootstrap-port",
+            str(bootstrap)]
+
+    def through_dense_prefill(decode):
+        start, n = PROMPTS[0]
+        return _pd_generate(prefill_server, decode, essay_ids[start: start + n]), _pool(decode)
+
     with Server(model_dir, backend="sas", extra_args=args, env=PD_ENV) as prefill:
         prefill.bootstrap_port = bootstrap
-        outs, pool = _pd_run(prefill, model_dir, seed_gate, essay_ids, marks=2)
+        outs, pool = _pd_run(prefill, model_dir, seed_gate, essay_ids, marks=2, sas_args=SAS_ANCHORED,
+                             then=through_dense_prefill)
         prefill_pool = _pool(prefill)
-    assert_same_decodes(colocated, outs, FP32, "PD (sas prefill; sas decode, device-side marks) vs colocated sas",
+    assert_same_decodes(colocated_anchored, outs, FP32,
+                        "PD (sas prefill with prompt anchors; sas decode, device-side marks) vs colocated sas",
                         n=NEW_TOKENS)
+    assert pool["pd_prompt_anchors"] == {"received": len(PROMPTS), "missing": 0}, pool
     assert pool["decode_steps"]["sparse"] >= len(PROMPTS) * (NEW_TOKENS - 1), pool["decode_steps"]
     # Listed once per request at its first decode step (the device form counts listed blocks), then marked.
     assert sum(n // 64 for _, n in PROMPTS) <= pool["late_summaries"] <= sum(-(-n // 64) for _, n in PROMPTS), pool
     assert pool["kv_pages"]["in_use"] == 0 and pool["summary_rows"]["held"] == 0, pool
     assert prefill_pool["kv_pages"]["in_use"] == 0 and prefill_pool["summary_rows"]["held"] == 0, prefill_pool
     assert prefill_pool["decode_steps"]["sparse"] == 0, prefill_pool  # it only prefills
-    print(f"\nPD, sas prefill and device-side marks: {pool['decode_steps']}, blocks listed late "
-          f"{pool['late_summaries']}")
+    unanchored, after = pool["then"]
+    assert after["pd_prompt_anchors"] == {"received": len(PROMPTS), "missing": 1}, after
+    drift = max(abs(a - b) for a, b in zip(unanchored.logprobs, colocated_anchored[0].logprobs))
+    assert drift > FP32.logprob, "the anchors made no difference to this request: the test proves nothing"
+    print(f"\nPD, sas prefill with anchors, device-side marks: {pool['decode_steps']}, blocks listed late "
+          f"{pool['late_summaries']}, anchors {after['pd_prompt_anchors']}; without them the first prompt's "
+          f"logprobs move by up to {drift:.3g}")
 
 
 @pytest.mark.skipif(os.environ.get("SAS_PD_CONTROL") != "1",
