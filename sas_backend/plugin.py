@@ -174,8 +174,7 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
             raise SASConfigError(f"the sas backend cannot serve KV pages loaded from an external cache yet ({name}): "
                                  "they arrive without block summaries; drop that flag")
     if getattr(args, "disaggregation_mode", None) == "decode":
-        _check_pd_decode(cfg, on_cuda=_launch_on_cuda(args), speculative=getattr(args, "speculative_algorithm", None),
-                         tp_size=int(getattr(args, "tp_size", 1) or 1))
+        _check_pd_decode(cfg, on_cuda=_launch_on_cuda(args), speculative=getattr(args, "speculative_algorithm", None))
     if str(getattr(args, "kv_cache_dtype", "")).startswith("fp8"):
         from sas_backend.backend.kv_scales import check_param_path_file
 
@@ -200,7 +199,7 @@ def _apply_sas_args(args: argparse.Namespace) -> None:
             )
 
 
-def _check_pd_decode(cfg, on_cuda: bool, speculative=None, tp_size: int = 1) -> None:
+def _check_pd_decode(cfg, on_cuda: bool, speculative=None) -> None:
     """A prefill-decode disaggregation decode server: a transferred request's KV lands in pages this server
     allocated without an extend through sas. The summary pool's validity marks summarize those pages at the
     request's first decode step (on CPU planned on the host; on CUDA listed and repaired on the device, which needs
@@ -221,10 +220,10 @@ def _check_pd_decode(cfg, on_cuda: bool, speculative=None, tp_size: int = 1) -> 
             "draft tokens a transferred NGRAM request does not have), whatever the attention backend. Drop the "
             "speculative flags on the decode server")
     if cfg.prompt_anchors:
-        _check_pd_anchors(cfg.prompt_anchors, tp_size)
+        _check_pd_anchors(cfg.prompt_anchors)
 
 
-def _check_pd_anchors(count: int, tp_size: int) -> None:
+def _check_pd_anchors(count: int) -> None:
     """Prompt anchors on a PD decode server: they come from the prefill server's extend, through one more buffer of
     SGLang's PD metadata (backend/pd_anchors.py)."""
     from sas_backend.backend import pd_anchors
@@ -240,10 +239,6 @@ def _check_pd_anchors(count: int, tp_size: int) -> None:
             f"--sas-prompt-anchors {count} on a prefill-decode disaggregation decode server: the PD metadata row "
             f"carries at most {pd_anchors.CAPACITY} anchors per layer and kv head. Pass at most "
             f"{pd_anchors.CAPACITY}, or 0")
-    if tp_size > 1:
-        raise SASConfigError(
-            f"--sas-prompt-anchors {count} on a prefill-decode disaggregation decode server with --tp-size {tp_size}: "
-            f"the anchors' transfer is proved at TP 1 only (each rank would carry its own kv heads' anchors). {fix}")
 
 
 def _needs_gate(cfg) -> bool:

@@ -96,7 +96,6 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--sas-prompt-anchors", "2", "--enable-mixed-chunk"], "--enable-mixed-chunk"),
         (["--sas-prompt-anchors", "31", "--sas-budget", "2048", "--sas-sink-blocks", "1", "--sas-local-blocks", "1"],
          "prompt anchor"),
-        (["--disaggregation-mode", "decode", "--sas-prompt-anchors", "4", "--tp-size", "2"], "proved at TP 1 only"),
         (["--disaggregation-mode", "decode", "--sas-prompt-anchors", "9", "--sas-budget", "4096"],
          "at most 8 anchors per layer and kv head"),
         (["--disaggregation-mode", "decode", "--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth",

@@ -250,26 +250,31 @@ def test_pd_without_validity_marks_diverges(prefill_server, model_dir, seed_gate
 @pytest.mark.skipif(os.environ.get("SAS_PD_TP") != "1",
                     reason="tensor parallelism on both PD servers (two servers of 3 ranks on 2 cores, ~8 min): "
                            "SAS_PD_TP=1 runs it (docs/pd.md has its figures)")
-def test_pd_tensor_parallel_decode_server(model_dir, seed_gate, essay_ids, colocated, mooncake):
-    """TP 3 (SmolLM2's 3 kv heads, one a rank) on both servers: each rank's pool summarizes its kv head's
-    transferred pages at the first decode step, and the decode is colocated sas's (at TP 1: the pages and their
-    summaries are per kv head either way). A decode server of another TP size than its prefill server fails in
-    SGLang's transfer before sas sees the request (0.5.21: "Failed to get kvcache from prefill instance")."""
+def test_pd_tensor_parallel_decode_server(model_dir, seed_gate, essay_ids, colocated_anchored, mooncake):
+    """TP 3 (SmolLM2's 3 kv heads, one a rank) on both servers, a sas prefill server and a decode server with prompt
+    anchors: each rank sends and receives its own kv head's anchors in its PD metadata row, each rank's pool
+    summarizes its kv head's transferred pages at the first decode step, and the decode is colocated sas's with the
+    same anchors (at TP 1: the pages, their summaries and the anchors are per kv head either way). A decode server of
+    another TP size than its prefill server fails in SGLang's transfer before sas sees the request (0.5.21: "Failed
+    to get kvcache from prefill instance")."""
     start, n = PROMPTS[0]
     bootstrap = free_port()
     env = {**PD_ENV, "SGLANG_CPU_OMP_THREADS_BIND": cpu_threads_bind(3)}
     tp = ["--tp-size", "3"]
-    args = [*POOL, "--dtype", "float32", "--page-size", "64", "--disable-radix-cache", "--disaggregation-mode",
+    args = ["--sas-gate", seed_gate, *SAS_ANCHORED, *POOL, "--disable-radix-cache", "--disaggregation-mode",
             "prefill", "--disaggregation-transfer-backend", "mooncake", "--disaggregation-bootstrap-port",
             str(bootstrap), *tp]
-    decode_args = ["--sas-gate", seed_gate, *SAS_DECODE, *POOL, "--disaggregation-mode", "decode",
+    decode_args = ["--sas-gate", seed_gate, *SAS_ANCHORED, *POOL, "--disaggregation-mode", "decode",
                    "--disaggregation-transfer-backend", "mooncake", "--disaggregation-decode-retraction-backup",
                    "cpu_tensor", *tp]
-    with Server(model_dir, backend="torch_native", extra_args=args, env=env) as prefill:
+    with Server(model_dir, backend="sas", extra_args=args, env=env) as prefill:
         prefill.bootstrap_port = bootstrap
         with Server(model_dir, backend="sas", extra_args=decode_args, env=env) as decode:
             outs = [_pd_generate(prefill, decode, essay_ids[start: start + n])]
-            pool = _pool(decode)
-    assert_same_decodes(colocated[:1], outs, FP32, "PD at TP 3 (both servers) vs colocated sas at TP 1", n=NEW_TOKENS)
+            pool = _pool(decode)  # rank 0's (SGLang's internal-state reply comes from it)
+    # Each rank's kv head selects with its own anchors: a rank without them would move its head's attention.
+    assert_same_decodes(colocated_anchored[:1], outs, FP32, "PD at TP 3 (both servers, prompt anchors) vs colocated "
+                        "sas at TP 1", n=NEW_TOKENS)
+    assert pool["pd_prompt_anchors"] == {"received": 1, "missing": 0}, pool
     assert pool["decode_steps"]["sparse"] >= NEW_TOKENS - 1 and pool["late_summaries"] >= n // 64, pool
     assert pool["kv_pages"]["in_use"] == 0 and pool["summary_rows"]["held"] == 0, pool
