@@ -219,6 +219,12 @@ def _check_pd_decode(cfg, on_cuda: bool, speculative=None) -> None:
             "scheduler fails on the first transferred request (overlap_utils._maybe_init_ngram_bufs reads the "
             "draft tokens a transferred NGRAM request does not have), whatever the attention backend. Drop the "
             "speculative flags on the decode server")
+    if speculative:
+        raise SASConfigError(
+            f"--speculative-algorithm {speculative} on a prefill-decode disaggregation decode server with the sas "
+            "backend is not verified: a transferred request's first draft step reads the prefill server's draft "
+            "state, and no test has run that pair (it needs CUDA on both sides). Drop the speculative flags on the "
+            "decode server")
     if cfg.prompt_anchors:
         _check_pd_anchors(cfg.prompt_anchors)
 

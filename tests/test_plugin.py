@@ -100,6 +100,7 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
          "at most 8 anchors per layer and kv head"),
         (["--disaggregation-mode", "decode", "--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth",
           "1"], "_maybe_init_ngram_bufs"),
+        (["--disaggregation-mode", "decode", "--speculative-algorithm", "EAGLE"], "is not verified"),
         (["--disaggregation-mode", "decode", "--device", "cuda", "--sas-selector", "quest"],
          "CUDA with the gate selector only"),
         (["--enable-lmcache"], "external cache yet (--enable-lmcache)"),
