@@ -13,8 +13,9 @@ Wire format: every PD server whose process loads this plugin adds the buffer, pr
 whatever its attention backend and flags (a dense prefill server sends rows no decode server accepts; a decode
 server without anchors ignores them), so any two such servers register the same buffers: SGLang's transfer engines
 address a row on one side with the other side's row length and buffer index. The width depends only on the model
-(`slot_width`). A server without this plugin registers one buffer fewer, and SGLang's transfer between it and one
-with the plugin fails (docs/pd.md): install sas-backend on both sides.
+(`slot_width`). A server without this plugin registers one buffer fewer: install sas-backend on both sides (read
+from SGLang 0.5.21's Mooncake path, not run: a prefill server without it indexes its own shorter list with the
+decode side's buffers and fails the transfer; the other way round the extra buffer is not sent; docs/pd.md).
 
 A row is `[HEADER]` int32 (magic, the request's bootstrap room as two int32, R, the sparse layer count, the first
 sparse layer, kv heads, 0), then `[layers, kv heads, R]` block ids. The decode server takes a row only when its
