@@ -140,3 +140,14 @@ def test_fp8_kv_cache(model_dir, seed_gate, essay_ids, tmp_path_factory):
         out = generate(s.url, prompt, NEW_TOKENS)
     assert kv["dtype"] == "float8_e4m3fn" and kv["scales"]["sources"] == {"quantization-param-path": LAYERS}, kv
     _check_against_oracle(out, prompt, model_dir, _rule(seed_gate, len(prompt)))
+
+
+def test_pd_anchor_hooks():
+    """The PD metadata functions the prompt anchors' transfer wraps (backend/pd_anchors.py) exist in this release,
+    and its MetadataBuffers take the hooks as the default release's do (tests/test_pd_anchors.py, run here)."""
+    from sas_backend.backend import pd_anchors
+    from tests import test_pd_anchors
+
+    assert pd_anchors.hooks_available()
+    test_pd_anchors.test_both_sides_register_one_more_buffer_last_of_the_same_width()
+    test_pd_anchors.test_prefill_row_reaches_the_decode_pool()
