@@ -105,6 +105,7 @@ def test_prefill_row_reaches_the_decode_pool():
         pd_anchors.SERVED.pool = prefill_pool
         pd_anchors._around_set_buf(lambda *a: None, prefill, _req(3, ROOM, 6))
         row = getattr(prefill, pd_anchors.BUFFER)[6].clone()
+        assert torch.equal(row, pd_anchors.encode(sent, ROOM, FIRST, row.numel()))
         # a dense prefill server (no pool) sends an invalid row
         dense = _buffers("prefill", None)
         pd_anchors.SERVED.pool = None
@@ -145,5 +146,33 @@ def test_prefill_row_reaches_the_decode_pool():
         counts = pd_anchors.SERVED.counts()
         commit(row, 1, ROOM, host=FAKE_BOOTSTRAP_HOST)
         assert int(decode_pool[FIRST][1].max()) == -1 and pd_anchors.SERVED.counts() == counts
+    finally:
+        pd_anchors.SERVED.pool = saved
+
+
+def test_retracted_request_takes_its_anchors_to_its_new_slot():
+    """The decode server retracts a request with its KV backed up (its slot freed, perhaps reused) and resumes it
+    in another slot: its anchors follow it there."""
+    pool = AnchorPool(range(FIRST, LAYERS), 7, HEADS, COUNT, "cpu")
+    sent = _anchors(2)
+    for i, lid in enumerate(range(FIRST, LAYERS)):
+        pool[lid][2] = sent[i]
+    req = _req(2, ROOM, 0)
+    saved = pd_anchors.SERVED.pool
+    try:
+        pd_anchors.SERVED.pool = pool
+        before = pd_anchors.SERVED.counts()["restored"]
+        assert pd_anchors._around_backup(lambda r, *a: True, req, "tree", "pool", "alloc", "cpu_tensor") is True
+        for lid in range(FIRST, LAYERS):
+            pool[lid][2] = 99  # the freed slot handed to another request
+
+        def resume(r, *a):
+            r.kv.req_pool_idx = 6  # SGLang's _pre_alloc gives it a new slot before the restore
+
+        pd_anchors._around_restore(resume, req, "tree", "pool", "alloc", "cpu_tensor")
+        for i, lid in enumerate(range(FIRST, LAYERS)):
+            assert torch.equal(pool[lid][6], sent[i])
+        assert pd_anchors.SERVED.counts()["restored"] == before + 1
+        assert getattr(req, pd_anchors.STASH) is None
     finally:
         pd_anchors.SERVED.pool = saved

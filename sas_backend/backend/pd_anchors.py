@@ -7,7 +7,9 @@ MetadataBuffers`, one row per request moved by the transfer engine beside the KV
 `sas_prompt_anchors`, appended last to the buffers it registers. A `sas` prefill server writes the request's
 anchors there when SGLang fills the row (`set_buf`); the decode server reads them when it commits the transfer
 (`DecodeTransferQueue._commit_transfer_to_req`) into its anchor pool at the request's slot, before the request's
-first decode step. The decode step then reads them as a colocated server's does.
+first decode step. The decode step then reads them as a colocated server's does. A request the decode server
+retracts with its KV backed up (`--disaggregation-decode-retraction-backup`) keeps its anchors on the request and
+gets them back in the slot it resumes in (`backup_kv_cache` / `restore_kv_cache`).
 
 Wire format: every PD server whose process loads this plugin adds the buffer, prefill and decode side alike,
 whatever its attention backend and flags (a dense prefill server sends rows no decode server accepts; a decode
@@ -45,7 +47,12 @@ BUFFERS_INIT = "sglang.srt.disaggregation.utils.MetadataBuffers.__init__"
 BUF_INFOS = "sglang.srt.disaggregation.utils.MetadataBuffers.get_buf_infos"
 SET_BUF = "sglang.srt.disaggregation.utils.MetadataBuffers.set_buf"
 COMMIT = "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
-TARGETS = (INIT_TARGET, BUFFERS_INIT, BUF_INFOS, SET_BUF, COMMIT)
+# A retracted request's KV backed up and restored later into another request slot (the decode server's retraction
+# backup, cpu_tensor or host_pool): its anchors go with it. The names as the calling modules import them.
+BACKUP = "sglang.srt.managers.schedule_batch.backup_kv_cache"
+RESTORE = "sglang.srt.disaggregation.decode.restore_kv_cache"
+TARGETS = (INIT_TARGET, BUFFERS_INIT, BUF_INFOS, SET_BUF, COMMIT, BACKUP, RESTORE)
+STASH = "_sas_prompt_anchors"  # a retracted request's anchors, `[layers, kv heads, R]` on the host
 
 
 def slot_width(num_layers: int, num_kv_heads: int) -> int:
@@ -94,11 +101,12 @@ class _Served:
         self.model_shape: Optional[tuple] = None  # (layers, kv heads) while the scheduler builds its PD buffers
         self.received = 0
         self.missing = 0
+        self.restored = 0
         self._warned: set = set()
         self._lock = threading.Lock()
 
     def counts(self) -> dict:
-        return {"received": self.received, "missing": self.missing}
+        return {"received": self.received, "missing": self.missing, "restored": self.restored}
 
     def warn_once(self, reason: str) -> None:
         with self._lock:
@@ -139,6 +147,8 @@ def register(registry, hook_type) -> None:
     registry.register(BUF_INFOS, _around_buf_infos, hook_type.AROUND)
     registry.register(SET_BUF, _around_set_buf, hook_type.AROUND)
     registry.register(COMMIT, _around_commit, hook_type.AROUND)
+    registry.register(BACKUP, _around_backup, hook_type.AROUND)
+    registry.register(RESTORE, _around_restore, hook_type.AROUND)
 
 
 def _around_init_disaggregation(original, scheduler, *args, **kwargs):
@@ -198,9 +208,43 @@ def _around_set_buf(original, buffers, req, *args, **kwargs):
     if pool is None or slot is None:
         buf[idx].fill_(-1)
         return result
+    buf[idx].copy_(encode(_rows(pool, slot), req.bootstrap_room, min(pool.anchors), buf.shape[1]))
+    return result
+
+
+def _rows(pool, slot: int) -> torch.Tensor:
+    """`[layers, kv heads, R]` int32 on the host: one request slot's anchors in every sparse layer (one copy)."""
+    return torch.stack([pool[lid][slot] for lid in sorted(pool.anchors)]).cpu()
+
+
+def _write(pool, slot: int, rows: Optional[torch.Tensor]) -> None:
+    """rows (None: none, -1) into every sparse layer's anchors at `slot`, complete before this returns."""
     layers = sorted(pool.anchors)
-    rows = torch.stack([pool[lid][slot] for lid in layers]).cpu()  # [layers, kv heads, R]: one copy
-    buf[idx].copy_(encode(rows, req.bootstrap_room, layers[0], buf.shape[1]))
+    device = pool[layers[0]].device
+    if rows is not None:
+        rows = rows.to(device)
+    for i, lid in enumerate(layers):
+        pool[lid][slot] = -1 if rows is None else rows[i]
+    if device.type == "cuda":  # the request's next step may run on SGLang's forward stream
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _around_backup(original, req, *args, **kwargs):
+    """Decode side, a request retracted with its KV backed up: its anchors kept on the request (its slot is freed)."""
+    pool, slot = SERVED.pool, _slot(req)
+    if pool is not None and slot is not None:
+        setattr(req, STASH, _rows(pool, slot))
+    return original(req, *args, **kwargs)
+
+
+def _around_restore(original, req, *args, **kwargs):
+    """Decode side, a retracted request resumed in a new slot with its KV restored: its anchors there too."""
+    result = original(req, *args, **kwargs)
+    rows, pool, slot = getattr(req, STASH, None), SERVED.pool, _slot(req)
+    if rows is not None and pool is not None and slot is not None:
+        _write(pool, slot, rows)
+        setattr(req, STASH, None)
+        SERVED.restored += 1
     return result
 
 
@@ -216,20 +260,13 @@ def _around_commit(original, queue, decode_req, *args, **kwargs):
         return result
     layers = sorted(pool.anchors)
     if _fake(req):  # SGLang's warmup (or the `fake` backend): no prefill server, nothing to receive or count
-        for lid in layers:
-            pool[lid][slot] = -1
+        _write(pool, slot, None)
         return result
     got, why = decode(row, req.bootstrap_room, pool.count, layers[0], len(layers), pool[layers[0]].shape[1])
     if got is None:
         SERVED.warn_once(why)
-        for lid in layers:
-            pool[lid][slot] = -1
+        _write(pool, slot, None)
         return result
-    device = pool[layers[0]].device
-    got = got.to(device)
-    for i, lid in enumerate(layers):
-        pool[lid][slot] = got[i]
-    if device.type == "cuda":  # the request's first step may run on SGLang's forward stream
-        torch.cuda.current_stream(device).synchronize()
+    _write(pool, slot, got)
     SERVED.received += 1
     return result

@@ -72,11 +72,12 @@ def prefill_server(mooncake, model_dir):
         yield s
 
 
-def _decode_server(model_dir, seed_gate, marks: int, sas_args=SAS_DECODE):
+def _decode_server(model_dir, seed_gate, marks: int, sas_args=SAS_DECODE, env=None):
     args = ["--sas-gate", seed_gate, *sas_args, *POOL, "--disaggregation-mode", "decode",
             "--disaggregation-transfer-backend", "mooncake", "--disaggregation-decode-retraction-backup",
             "cpu_tensor"]
-    return Server(model_dir, backend="sas", extra_args=args, env={**PD_ENV, "SAS_SUMMARY_MARKS": str(marks)})
+    return Server(model_dir, backend="sas", extra_args=args,
+                  env={**PD_ENV, "SAS_SUMMARY_MARKS": str(marks), **(env or {})})
 
 
 def _pd_generate(prefill, decode, prompt):
@@ -128,13 +129,13 @@ def _pd_disconnect(prefill, decode, prompt, chunks: int) -> int:
 
 
 def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: int, disconnect: bool = False, sas_args=SAS_DECODE,
-            then=None):
+            then=None, env=None):
     """(decodes of PROMPTS through `prefill` and a new sas decode server, its /sas/info pool after them). marks:
     SAS_SUMMARY_MARKS (1: CPU's host-planned form, 2: CUDA's device-side form, 0: off). With
     `disconnect`, then two requests whose clients leave mid-transfer and mid-decode (`_pd_disconnect`), and
     PROMPTS[0] again: its decode is appended to the decodes. `then(decode)`, if given, runs last and its value is
     kept under pool["then"]."""
-    with _decode_server(model_dir, seed_gate, marks, sas_args) as decode:
+    with _decode_server(model_dir, seed_gate, marks, sas_args, env) as decode:
         outs = [_pd_generate(prefill, decode, essay_ids[s: s + n]) for s, n in PROMPTS]
         pool = _pool(decode)
         if disconnect:  # mid-transfer, then mid-decode
@@ -198,38 +199,58 @@ def test_pd_sas_prefill_anchors_and_device_side_marks(prefill_server, model_dir,
     device, every sparse layer's summaries of them are written before the layers run, the step marks them. The same
     decodes as a colocated sas server with the same anchors, both requests' anchors received, and nothing held on
     either side afterwards. Control: the first prompt again through the dense prefill server, which sends no
-    anchors: counted missing, and that request decodes otherwise. (The Triton kernels CUDA runs for the list and the
-    summaries: tests/ops/test_late_blocks.py, tests/ops/test_summary_listed.py; here their torch paths.)"""
+    anchors: counted missing, and that request decodes otherwise. Then both prompts at once, the decode server
+    retracting one of them every third step (SGLANG_TEST_RETRACT) and resuming it in a new slot: its KV restored, its
+    summaries repaired by the marks, its anchors restored (counted), and still colocated sas's decodes. (The Triton
+    kernels CUDA runs for the list and the summaries: tests/ops/test_late_blocks.py, tests/ops/test_summary_listed.py;
+    here their torch paths.)"""
     bootstrap = free_port()
     args = ["--sas-gate", seed_gate, *SAS_ANCHORED, *POOL, "--disable-radix-cache", "--disaggregation-mode",
             "prefill", "--disaggregation-transfer-backend", "mooncake", "--disaggregation-bootstrap-port",
             str(bootstrap)]
 
-    def through_dense_prefill(decode):
+    def then(decode):
+        """The first prompt through the dense prefill server; then both prompts at once through the sas one, so that
+        the decode server (SGLANG_TEST_RETRACT: every 3rd step it retracts one of two running requests, its KV backed
+        up as CPU tensors, and resumes it later in a new slot) retracts and restores them."""
         start, n = PROMPTS[0]
-        return _pd_generate(prefill_server, decode, essay_ids[start: start + n]), _pool(decode)
+        unanchored = _pd_generate(prefill_server, decode, essay_ids[start: start + n])
+        after = _pool(decode)
+        both = {}
+        threads = [threading.Thread(target=lambda j=j, st=st, n=n: both.__setitem__(
+            j, _pd_generate(prefill, decode, essay_ids[st: st + n]))) for j, (st, n) in enumerate(PROMPTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return unanchored, after, [both.get(j) for j in range(len(PROMPTS))], _pool(decode)
 
     with Server(model_dir, backend="sas", extra_args=args, env=PD_ENV) as prefill:
         prefill.bootstrap_port = bootstrap
-        outs, pool = _pd_run(prefill, model_dir, seed_gate, essay_ids, marks=2, sas_args=SAS_ANCHORED,
-                             then=through_dense_prefill)
+        outs, pool = _pd_run(prefill, model_dir, seed_gate, essay_ids, marks=2, sas_args=SAS_ANCHORED, then=then,
+                             env={"SGLANG_TEST_RETRACT": "1"})
         prefill_pool = _pool(prefill)
     assert_same_decodes(colocated_anchored, outs, FP32,
                         "PD (sas prefill with prompt anchors; sas decode, device-side marks) vs colocated sas",
                         n=NEW_TOKENS)
-    assert pool["pd_prompt_anchors"] == {"received": len(PROMPTS), "missing": 0}, pool
+    assert pool["pd_prompt_anchors"] == {"received": len(PROMPTS), "missing": 0, "restored": 0}, pool
     assert pool["decode_steps"]["sparse"] >= len(PROMPTS) * (NEW_TOKENS - 1), pool["decode_steps"]
     # Listed once per request at its first decode step (the device form counts listed blocks), then marked.
     assert sum(n // 64 for _, n in PROMPTS) <= pool["late_summaries"] <= sum(-(-n // 64) for _, n in PROMPTS), pool
     assert pool["kv_pages"]["in_use"] == 0 and pool["summary_rows"]["held"] == 0, pool
     assert prefill_pool["kv_pages"]["in_use"] == 0 and prefill_pool["summary_rows"]["held"] == 0, prefill_pool
     assert prefill_pool["decode_steps"]["sparse"] == 0, prefill_pool  # it only prefills
-    unanchored, after = pool["then"]
-    assert after["pd_prompt_anchors"] == {"received": len(PROMPTS), "missing": 1}, after
+    unanchored, after, retracted, last = pool["then"]
+    assert after["pd_prompt_anchors"] == {"received": len(PROMPTS), "missing": 1, "restored": 0}, after
     drift = max(abs(a - b) for a, b in zip(unanchored.logprobs, colocated_anchored[0].logprobs))
     assert drift > FP32.logprob, "the anchors made no difference to this request: the test proves nothing"
+    # Retracted and restored (KV, summaries repaired by the marks, anchors) and still colocated sas's decodes.
+    assert last["pd_prompt_anchors"]["restored"] >= 1, last
+    assert_same_decodes(colocated_anchored, retracted, FP32, "PD, two requests at once, retracted and restored on the "
+                        "decode server, vs colocated sas", n=NEW_TOKENS)
+    assert last["kv_pages"]["in_use"] == 0 and last["summary_rows"]["held"] == 0, last
     print(f"\nPD, sas prefill with anchors, device-side marks: {pool['decode_steps']}, blocks listed late "
-          f"{pool['late_summaries']}, anchors {after['pd_prompt_anchors']}; without them the first prompt's "
+          f"{pool['late_summaries']}, anchors {last['pd_prompt_anchors']}; without them the first prompt's "
           f"logprobs move by up to {drift:.3g}")
 
 
@@ -275,6 +296,6 @@ def test_pd_tensor_parallel_decode_server(model_dir, seed_gate, essay_ids, coloc
     # Each rank's kv head selects with its own anchors: a rank without them would move its head's attention.
     assert_same_decodes(colocated_anchored[:1], outs, FP32, "PD at TP 3 (both servers, prompt anchors) vs colocated "
                         "sas at TP 1", n=NEW_TOKENS)
-    assert pool["pd_prompt_anchors"] == {"received": 1, "missing": 0}, pool
+    assert pool["pd_prompt_anchors"] == {"received": 1, "missing": 0, "restored": 0}, pool
     assert pool["decode_steps"]["sparse"] >= NEW_TOKENS - 1 and pool["late_summaries"] >= n // 64, pool
     assert pool["kv_pages"]["in_use"] == 0 and pool["summary_rows"]["held"] == 0, pool
