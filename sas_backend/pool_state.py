@@ -53,7 +53,7 @@ def scheduler_pool_state(scheduler) -> dict:
     cache, where its layers' scales came from (`backend.kv_scales.SOURCES`: layers per source) and their range
     (None on another backend); `memory`: the sas backend's device bytes by name, `held` and `reserved`
     (`_memory_state`); `pd_prompt_anchors`: on a PD decode server keeping prompt anchors, the transferred requests
-    whose anchors arrived or were missing (`_pd_anchor_counts`).
+    whose anchors arrived, were missing or were restored after a retraction (`_pd_anchor_counts`).
     """
     backend = _attn_backend(scheduler)
     page = int(getattr(backend, "block_size", 0) or getattr(scheduler, "page_size", 1) or 1)
@@ -97,7 +97,8 @@ def scheduler_pool_state(scheduler) -> dict:
 
 def _pd_anchor_counts(backend) -> Optional[dict]:
     """On a sas backend keeping prompt anchors: the transferred requests whose anchors arrived from the prefill server
-    (`received`) or did not (`missing`: they decode without; backend/pd_anchors.py). None elsewhere."""
+    (`received`) or did not (`missing`: they decode without), and retracted requests whose anchors went with them to
+    the slot they resumed in (`restored`; backend/pd_anchors.py). None elsewhere."""
     from sas_backend.backend import pd_anchors
 
     step = getattr(backend, "step", None)
