@@ -66,6 +66,25 @@ def loss_record(losses: list, window: int) -> dict:
             "final_loss_window": len(tail)}
 
 
+def initial_gate(args, geometry, block_size: int):
+    """`(GateConfig, {layer: {name: tensor}}, init record)` a trainer starts from: `--init-gate`'s checkpoint (cut to
+    `--gate-dim` when narrower) or the seeded init of `--gate-dim` (default: GateConfig's). Sets `args.gate_dim` to
+    the resolved width, which a resume compares."""
+    import dataclasses
+
+    from sas_backend.gate.checkpoint import init_gate_state
+    from sas_backend.gate.config import GateConfig
+
+    width = args.gate_dim or GateConfig.gate_dim
+    config, tensors = init_gate_state(geometry, seed=args.seed, gate_dim=width, block_size=block_size)
+    record = {"seed": args.seed, "method": "init_gate_state(seed) (sas_backend.gate.checkpoint)"}
+    if args.init_gate:
+        tensors, record = load_init_gate(args.init_gate, geometry, block_size, args.gate_dim)
+        config = dataclasses.replace(config, gate_dim=int(tensors[0]["attngate_linear_q.weight"].shape[-1]))
+    args.gate_dim = config.gate_dim
+    return config, tensors, record
+
+
 def load_init_gate(path: str, geometry, block_size: int, width: int | None = None):
     """`(tensors, init record)` of the checkpoint a run starts from (`--init-gate`), as fp32 tensors
     `{layer: {name: tensor}}`, cut to `width` dims when that is narrower (`gate.narrow`); SystemExit with the reason

@@ -41,7 +41,7 @@ import torch
 
 from sas_backend.ops import sub_blocks_ok
 
-from sas_backend.training.cli import add_run_args, command_line, load_init_gate, loss_record, schedule_record
+from sas_backend.training.cli import add_run_args, command_line, initial_gate, loss_record, schedule_record
 from sas_backend.training.loop import STATE_FILE, GateLoop, batch_rows, progress_bar
 
 # Arguments a resumed run must share with the run that wrote the state.
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from sas_backend.gate.checkpoint import init_gate_state, save_gate_checkpoint
+    from sas_backend.gate.checkpoint import save_gate_checkpoint
     from sas_backend.gate.module import gates_from_tensors
     from sas_backend.geometry import ModelGeometry, gate_rope_table
     from sas_backend.provenance import portable_path
@@ -323,13 +323,7 @@ def main(argv: Optional[list] = None) -> int:
         val_lens = [c.spec.seq_len for _, c in vals for _ in c.rows]
 
     torch.manual_seed(args.seed)
-    gate_config, tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim or 128,
-                                           block_size=spec.block_size)
-    init_record = {"seed": args.seed, "method": "init_gate_state(seed) (sas_backend.gate.checkpoint)"}
-    if args.init_gate:
-        tensors, init_record = load_init_gate(args.init_gate, geometry, spec.block_size, args.gate_dim)
-        gate_config = dataclasses.replace(gate_config, gate_dim=int(tensors[0]["attngate_linear_q.weight"].shape[-1]))
-    args.gate_dim = gate_config.gate_dim  # resolved before a resume compares it
+    gate_config, tensors, init_record = initial_gate(args, geometry, spec.block_size)
     gates = gates_from_tensors(tensors, range(geometry.num_layers), gate_dim=gate_config.gate_dim)
     trained = {i: gates[i] for i in (args.layers or range(geometry.num_layers))}  # layers are independent
     for g in trained.values():

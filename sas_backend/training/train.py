@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from sas_backend.geometry import supported_families
-from sas_backend.training.cli import add_run_args, command_line, load_init_gate, loss_record, schedule_record
+from sas_backend.training.cli import add_run_args, command_line, initial_gate, loss_record, schedule_record
 from sas_backend.training.loop import STATE_FILE, GateLoop, batch_rows, progress_bar
 
 # Arguments a resumed run must share with the run that wrote the state.
@@ -239,7 +239,6 @@ def main(argv: Optional[list] = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sas_backend.gate.checkpoint import init_gate_state
     from sas_backend.geometry import ModelGeometry
     from sas_backend.training.data import load_packed
     from sas_backend.training.model import (GateTrainSpec, attach_gates, gate_parameters, gates_of,
@@ -266,14 +265,7 @@ def main(argv: Optional[list] = None) -> int:
                          distill_target=args.distill_target, sink_blocks=args.sink_blocks,
                          local_blocks=args.local_blocks)
     geometry = ModelGeometry.from_model_dir(args.model)
-    gate_config, init_tensors = init_gate_state(geometry, seed=args.seed, gate_dim=args.gate_dim or 128,
-                                                block_size=args.block_size)
-    init_record = {"seed": args.seed, "method": "init_gate_state(seed) (sas_backend.gate.checkpoint)"}
-    if args.init_gate:
-        init_tensors, init_record = load_init_gate(args.init_gate, geometry, args.block_size, args.gate_dim)
-        gate_config = dataclasses.replace(gate_config,
-                                          gate_dim=int(init_tensors[0]["attngate_linear_q.weight"].shape[-1]))
-    args.gate_dim = gate_config.gate_dim  # resolved before a resume compares it
+    gate_config, init_tensors, init_record = initial_gate(args, geometry, args.block_size)
     args.init_record = init_record
     attach_gates(model, spec, init_tensors, max_pos=max(args.seq_len, geometry.max_position_embeddings or 0))
     kernel = model.model.layers[0].self_attn._sas_train.kernel
