@@ -17,8 +17,8 @@ dense (prefill), the reply's tokens sparse decode queries under each config. Per
 A config is a selector (`hf.sparse_eval.eval_selectors()` or a candidate of `hf.candidates`), optionally `@aR`:
 R prompt anchors (the blocks the prompt's last token attended most, forced inside K, as
 `--sas-prompt-anchors R`). Every sparse config uses the same forced blocks (--sink / --local, default the
-Qwen gate's serve default 1 / 1) and budget rule. `pairs<R>` is calibrated once on --calib-tokens of @essays
-(the gates' training text, never a haystack). The record is rewritten after every question, and a rerun
+Qwen gate's serve default 1 / 1) and budget rule. `pairs<R>` and `pca<R>` are calibrated once on --calib-tokens
+of @essays (the gates' training text, never a haystack). The record is rewritten after every question, and a rerun
 with the same --out resumes (rows already there are kept, the key must match).
 """
 
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--local", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--filler", default="@handbook", help="the haystacks' prose (a named corpus)")
-    ap.add_argument("--calib-tokens", type=int, default=4096, help="@essays tokens that calibrate pairs<R>")
+    ap.add_argument("--calib-tokens", type=int, default=4096, help="@essays tokens that calibrate pairs<R> and pca<R>")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     ap.add_argument("--cache-dir", default=str(REPO / "build" / "retrieval-cache"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sas_backend.hf.candidates import calibrate_model_pairs, is_candidate, top_pairs
+    from sas_backend.hf.candidates import calibrate_model_pairs, calibrate_model_pca, is_candidate, top_pairs
     from sas_backend.hf.sparse_eval import SparseEvalSpec, eval_selectors, prompt_anchors
     from sas_backend.training.eval_ppl import load_gates
 
@@ -269,15 +269,20 @@ def main(argv=None) -> int:
         print(f"[retrieval] resuming {out}: {len(record['rows'])} rows", flush=True)
     done = {(r["length"], r["seed"], r["qid"], r["label"]) for r in record["rows"]}
 
-    index = {}
+    index = {}  # config name -> its calibrated index (`SparseEvalSpec.index`)
     pair_counts = {int(name[5:]) for _, name, _ in configs if name.startswith("pairs")}
-    if pair_counts:
+    pca_ranks = {int(name[3:].removesuffix("mass")) for _, name, _ in configs if name.startswith("pca")}
+    if pair_counts or pca_ranks:
         from sas_backend.training.data import read_documents
 
         essays = "\n\n".join(d.text for d in sorted(read_documents(["@essays"]), key=lambda d: d.name))
-        calib = tok(essays, add_special_tokens=False)["input_ids"][: args.calib_tokens]
-        spread = calibrate_model_pairs(model, torch.tensor(calib))
-        index = {r: top_pairs(spread, r) for r in pair_counts}
+        calib = torch.tensor(tok(essays, add_special_tokens=False)["input_ids"][: args.calib_tokens])
+        if pair_counts:
+            spread = calibrate_model_pairs(model, calib)
+            index.update({f"pairs{r}": top_pairs(spread, r) for r in pair_counts})
+        if pca_ranks:
+            for r, fit in calibrate_model_pca(model, calib, sorted(pca_ranks)).items():
+                index.update({f"pca{r}": fit, f"pca{r}mass": fit})
     filler = filler_text(args.filler, tok)
     stop_ids = {tok.eos_token_id, *tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])} - {None}
     t_start = time.time()
@@ -316,7 +321,7 @@ def main(argv=None) -> int:
                                               selector=name, gates=gates, sink_blocks=args.sink,
                                               local_blocks=args.local, sparse_from=n_prompt,
                                               anchors=anchors_of.get(n_anchor) if n_anchor else None,
-                                              index=index.get(int(name[5:])) if name.startswith("pairs") else None)
+                                              index=index.get(name))
                     t0 = time.time()
                     nll, reply = answer_run(model, cache, n_prompt, last, gold[i], spec, MAX_NEW[q.task], tok,
                                             stop_ids, q.answers)

@@ -13,6 +13,17 @@ server selector:
   kv head by their calibrated magnitude (`calibrate_pairs`). A pair's partial dot product is exactly its
   share of q.k at any position (RoPE rotates within the pair), so it needs no new weights: a static
   SparQ. Per token it keeps 2R values: R = D/32 reads 1/16 of dense's bytes at the same dtype.
+- `pca<R>`: the same max over a LEARNED R-dim projection per layer and kv head (Loki's low-rank keys, fitted to
+  the queries): score = (Pq q).(Pk k) with Pq = V^T W^-1, Pk = V^T W, W = E[q q^T]^(1/2) over the group's
+  post-RoPE queries and V the R leading eigenvectors of the weighted keys' covariance W Cov(k) W. That is
+  the rank-R map keeping most of the variance of q.k over keys for queries of the calibration's second
+  moments (a key's mean adds the same to every key's score, so it is left out). Fitted once from a dense
+  forward of calibration text (`calibrate_model_pca`), no training. Per token R values a kv head: R = D/8 in bf16
+  or D/4 in fp8 reads 1/16 of dense's bf16 K + V.
+- `exactmass` / `pca<R>mass`: the same per-token scores combined as the oracle combines them, a block by its
+  softmax mass (log-sum-exp over its tokens, each query head normalized over the candidates), not its best
+  token. `exactmass` is the oracle up to the normalization (candidates only); it shows how much of a gap to the
+  oracle is the combining rule, `exactmax` against it, and how much the scores.
 - `gatesub<S>` / `questsub<S>`: the server's gate / quest selector with sub-block summaries
   (`SelectionRule.sub_blocks` = b / S): each S-token run of a block summarized as a block of its own (the
   gate's max / min / mean pooling over S keys, RoPE at the run's start; quest's min / max), the block scored
@@ -33,12 +44,12 @@ import torch
 
 from sas_backend.hf.causal import causal_sdpa
 
-CANDIDATE_PATTERN = re.compile(r"^(exactmax|pairs(\d+)|(gate|quest)sub(\d+)(?:c(\d+))?)$")
+CANDIDATE_PATTERN = re.compile(r"^(exactmax|exactmass|pairs(\d+)|(gate|quest)sub(\d+)(?:c(\d+))?|pca(\d+)(mass)?)$")
 
 
 def is_candidate(name: str) -> bool:
-    """Whether `name` names a candidate selector (`exactmax`, `pairs<R>`, `gatesub<S>`, `questsub<S>`,
-    `gatesub<S>c<X>`)."""
+    """Whether `name` names a candidate selector (`exactmax`, `exactmass`, `pairs<R>`, `pca<R>`, `pca<R>mass`,
+    `gatesub<S>`, `questsub<S>`, `gatesub<S>c<X>`)."""
     return bool(CANDIDATE_PATTERN.match(name))
 
 
@@ -49,11 +60,15 @@ def candidate_mask(positions: torch.Tensor, width: int, block_size: int) -> torc
 
 
 def token_max_scores(q_post: torch.Tensor, k_post: torch.Tensor, positions: torch.Tensor, block_size: int,
-                     dims: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Scores `[P, H_kv, M]` = max over block m's tokens and the group's query heads of q.k (over `dims` only).
+                     dims: Optional[torch.Tensor] = None, proj=None, mass: bool = False) -> torch.Tensor:
+    """Scores `[P, H_kv, M]` = max over block m's tokens and the group's query heads of q.k (over `dims` only, or
+    of the projected (Pq q).(Pk k)); with `mass`, instead the log of the block's softmax mass under those scores
+    (scaled by D^-1/2, normalized per query head over the query's candidate tokens), max over the group's heads:
+    the oracle's rule (`ops.anchors.block_mass`) on the candidates' scores.
 
     q_post: `[P, H_q, D]`, k_post: `[T, H_kv, D]` post-RoPE; positions: `[P]`; dims: optional `[H_kv, R']`
-    channel indices per kv head (None: all D). M = max(T // b, 1); -inf past each query's candidates.
+    channel indices per kv head (None: all D); proj: optional (Pq, Pk), each `[H_kv, R, D]` (`fit_pca`).
+    M = max(T // b, 1); -inf past each query's candidates.
     """
     p_cnt, h_q, d = q_post.shape
     t, h_kv, _ = k_post.shape
@@ -65,8 +80,20 @@ def token_max_scores(q_post: torch.Tensor, k_post: torch.Tensor, positions: torc
     if dims is not None:
         q = torch.gather(q, 3, dims[None, :, None, :].expand(p_cnt, h_kv, g, -1))
         k = torch.gather(k, 2, dims[None].expand(k.shape[0], -1, -1))
+    if proj is not None:
+        pq, pk = (x.float().to(q.device) for x in proj)
+        q = torch.einsum("phgd,hrd->phgr", q, pq)
+        k = torch.einsum("thd,hrd->thr", k, pk)
     out = torch.full((p_cnt, h_kv, m), float("-inf"), device=q_post.device)
-    if n_blocks:
+    if n_blocks and mass:
+        dots = torch.einsum("phgr,thr->phgt", q, k) * d ** -0.5  # [P, H_kv, G, T']
+        past = torch.arange(dots.shape[-1], device=dots.device)[None, :] >= (
+            torch.div(positions, block_size, rounding_mode="floor") * block_size)[:, None]  # [P, T']
+        dots = dots.masked_fill(past[:, None, None, :], float("-inf"))
+        norm = dots - torch.logsumexp(dots, dim=-1, keepdim=True).nan_to_num(neginf=0.0)
+        blocks = torch.logsumexp(norm.view(p_cnt, h_kv, g, n_blocks, block_size), dim=-1)  # [P, H_kv, G, M']
+        out[..., :n_blocks] = blocks.amax(dim=2)
+    elif n_blocks:
         dots = torch.einsum("phgr,thr->phgt", q, k).amax(dim=2)  # [P, H_kv, T']
         out[..., :n_blocks] = dots.view(p_cnt, h_kv, n_blocks, block_size).amax(dim=-1)
     return out.masked_fill(~candidate_mask(positions, m, block_size), float("-inf"))
@@ -146,13 +173,15 @@ def keep_first_level(scores: torch.Tensor, first: torch.Tensor, keep: int,
 
 def candidate_scores(name: str, layer_idx: int, q_post, k_post, positions, block_size: int,
                      index: Optional[Dict[int, torch.Tensor]]) -> torch.Tensor:
-    """Block scores `[P, H_kv, M]` of `exactmax` or `pairs<R>` (module doc) for one layer; index:
-    `{layer: [H_kv, R]}` RoPE pairs for `pairs<R>` (`calibrate_pairs`)."""
+    """Block scores `[P, H_kv, M]` of `exactmax` / `exactmass`, `pairs<R>` or `pca<R>` / `pca<R>mass` (module doc)
+    for one layer; index:
+    `{layer: [H_kv, R]}` RoPE pairs for `pairs<R>` (`calibrate_pairs`), `{layer: (Pq, Pk)}` for `pca<R>`
+    (`fit_pca`)."""
     match = CANDIDATE_PATTERN.match(name)
     if match is None:
         raise ValueError(f"unknown candidate selector {name!r}")
-    if name == "exactmax":
-        return token_max_scores(q_post, k_post, positions, block_size)
+    if name in ("exactmax", "exactmass"):
+        return token_max_scores(q_post, k_post, positions, block_size, mass=name == "exactmass")
     if match.group(2) is not None:
         if not index or layer_idx not in index:
             raise ValueError(f"{name} needs calibrated RoPE pairs for layer {layer_idx}")
@@ -160,6 +189,13 @@ def candidate_scores(name: str, layer_idx: int, q_post, k_post, positions, block
         if pairs.shape[-1] != int(match.group(2)):
             raise ValueError(f"{name}: the calibration holds {pairs.shape[-1]} pairs a kv head")
         return token_max_scores(q_post, k_post, positions, block_size, pair_dims(pairs, q_post.shape[-1]))
+    if match.group(6) is not None:
+        if not index or layer_idx not in index:
+            raise ValueError(f"{name} needs a fitted projection for layer {layer_idx} (calibrate_model_pca)")
+        pq, pk = index[layer_idx]
+        if pk.shape[1] != int(match.group(6)):
+            raise ValueError(f"{name}: the fitted projection has {pk.shape[1]} dims a kv head")
+        return token_max_scores(q_post, k_post, positions, block_size, proj=(pq, pk), mass=bool(match.group(7)))
     raise ValueError(f"{name} runs as its server selector with sub-blocks (sub_block_alias)")
 
 
@@ -173,10 +209,9 @@ def _recording_attention(module, query, key, value, attention_mask, scaling, dro
 
 
 @torch.no_grad()
-def calibrate_model_pairs(model, ids: torch.Tensor) -> Dict[int, torch.Tensor]:
-    """`{layer: [H_kv, D/2]}` spread of every RoPE pair (`pair_spread`; `top_pairs` picks R of them) from one dense
-    forward of `ids` `[T]` through a transformers Llama / Qwen2 / Qwen3 model (calibration text: keep it out of
-    any evaluation)."""
+def record_model_qk(model, ids: torch.Tensor) -> Dict[int, tuple]:
+    """`{layer: (q [T, H_q, D], k [T, H_kv, D])}` fp32 post-RoPE, from one dense forward of `ids` `[T]` through a
+    transformers Llama / Qwen2 / Qwen3 model (calibration text: keep it out of any evaluation)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(CALIB_ATTN_NAME, _recording_attention)
@@ -192,7 +227,45 @@ def calibrate_model_pairs(model, ids: torch.Tensor) -> Dict[int, torch.Tensor]:
         model.set_attn_implementation(previous)
         for m in modules:
             del m._sas_calib
-    return {layer: pair_spread(q, k) for layer, (q, k) in seen.items()}
+    return seen
+
+
+def calibrate_model_pairs(model, ids: torch.Tensor) -> Dict[int, torch.Tensor]:
+    """`{layer: [H_kv, D/2]}` spread of every RoPE pair (`pair_spread`; `top_pairs` picks R of them) from one dense
+    forward of `ids` `[T]` (`record_model_qk`)."""
+    return {layer: pair_spread(q, k) for layer, (q, k) in record_model_qk(model, ids).items()}
+
+
+def fit_pca(q_post: torch.Tensor, k_post: torch.Tensor, rank: int, eps: float = 1e-4):
+    """(Pq, Pk), each `[H_kv, rank, D]`: the `pca<R>` projection (module doc) of one layer, from its post-RoPE
+    calibration q `[T, H_q, D]` and k `[T, H_kv, D]`. With W the group's query second moment's square root,
+    q.k = (W^-1 q).(W k) where W^-1 q has identity second moment, so the scores (Pq q).(Pk k) = q^T W^-1 V V^T W k
+    keep the `rank` directions of W k with most variance over keys: the most of Var_k(q.k) a rank-`rank` map
+    keeps, averaged over such queries."""
+    t, h_q, d = q_post.shape
+    h_kv = k_post.shape[1]
+    if not 0 < rank <= d:
+        raise ValueError(f"pca rank {rank} must be in 1..{d}")
+    q = q_post.double().view(t, h_kv, h_q // h_kv, d).transpose(0, 1).reshape(h_kv, -1, d)  # [H_kv, T*G, D]
+    k = k_post.double().transpose(0, 1)  # [H_kv, T, D]
+    sq = q.transpose(1, 2) @ q / q.shape[1]
+    sq = sq + eps * sq.diagonal(dim1=1, dim2=2).mean(-1)[:, None, None] * torch.eye(d, dtype=sq.dtype)
+    evals, evecs = torch.linalg.eigh(sq)
+    w = evecs @ torch.diag_embed(evals.sqrt()) @ evecs.transpose(1, 2)
+    w_inv = evecs @ torch.diag_embed(evals.rsqrt()) @ evecs.transpose(1, 2)
+    kc = k - k.mean(dim=1, keepdim=True)
+    white = kc @ w  # W symmetric: rows are (W k)^T
+    cov = white.transpose(1, 2) @ white / k.shape[1]
+    v = torch.linalg.eigh(cov)[1][..., -rank:]  # [H_kv, D, R], leading last
+    pq = (v.transpose(1, 2) @ w_inv).float()
+    pk = (v.transpose(1, 2) @ w).float()
+    return pq, pk
+
+
+def calibrate_model_pca(model, ids: torch.Tensor, ranks) -> Dict[int, Dict[int, tuple]]:
+    """`{rank: {layer: (Pq, Pk)}}` (`fit_pca`) for each of `ranks`, from one dense forward of `ids` `[T]`."""
+    qk = record_model_qk(model, ids)
+    return {r: {layer: fit_pca(q, k, r) for layer, (q, k) in qk.items()} for r in ranks}
 
 
 def top_pairs(spread: Dict[int, torch.Tensor], num_pairs: int) -> Dict[int, torch.Tensor]:

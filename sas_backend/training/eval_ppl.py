@@ -46,6 +46,8 @@ from sas_backend.provenance import git_state
 # The training-free selectors and evaluation references: every selector but dense and those reading gate weights.
 BASELINES = tuple(s for s in eval_selectors()
                   if s != "dense" and not (s in selector_names() and selector_class(s).needs_gate))
+# --candidates calibrated from text (hf.candidates): their numbers depend on --calib-tokens.
+CALIBRATED = ("pairs", "pca")
 # The baselines whose numbers depend on --summary-dtype (they score stored block summaries), besides the gates.
 SUMMARY_BASELINES = ("quest",)
 KV_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # --kv-fp8
@@ -75,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "query), named +aR; a gate's record's own anchors apply to its plain variant")
     p.add_argument("--baselines", nargs="*", default=[], choices=BASELINES,
                    help="training-free selectors to evaluate beside the gates")
+    p.add_argument("--candidates", nargs="*", default=[], metavar="NAME",
+                   help="candidate selectors of sas_backend.hf.candidates to evaluate beside the baselines: exactmax, "
+                        "exactmass, pairs<R>, pca<R>, pca<R>mass (the gate's sub-blocks: --sub-blocks)")
+    p.add_argument("--calib-tokens", type=int, default=4096,
+                   help="@essays tokens that calibrate the pairs<R> and pca<R> candidates")
     p.add_argument("--window-baseline", action="store_true", help="same as --baselines sink-local")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-windows", type=int, default=None, help="evaluate at most this many windows")
@@ -225,16 +232,55 @@ def gate_variants(gate_paths: Dict[str, str], records: Dict[str, dict], forced: 
     return out
 
 
+def check_candidates(names: List[str]) -> List[str]:
+    """`names` (--candidates), or SystemExit naming the first that is not a gate-free candidate selector."""
+    from sas_backend.hf.candidates import is_candidate, sub_block_alias
+
+    for name in names:
+        if not is_candidate(name) or sub_block_alias(name, 64) is not None:
+            raise SystemExit(f"error: --candidates {name}: not a gate-free candidate of sas_backend.hf.candidates "
+                             "(exactmax, exactmass, pairs<R>, pca<R>, pca<R>mass; the gate's sub-blocks: --sub-blocks)")
+    return list(names)
+
+
+def calibrate_candidates(model, tokenizer, names: List[str], calib_tokens: int) -> Dict[str, dict]:
+    """`{candidate: SparseEvalSpec.index}` of the calibrated candidates among `names` (`pairs<R>`: RoPE pairs,
+    `pca<R>[mass]`: the fitted projections), from one dense forward of the first `calib_tokens` tokens of @essays
+    (the gates' training text; keep it out of every evaluation)."""
+    import re
+
+    from sas_backend.hf.candidates import calibrate_model_pairs, calibrate_model_pca, top_pairs
+    from sas_backend.training.data import read_documents
+
+    wanted = {name: re.match(r"^(pairs|pca)(\d+)", name) for name in names}
+    wanted = {name: (m.group(1), int(m.group(2))) for name, m in wanted.items() if m}
+    if not wanted:
+        return {}
+    essays = "\n\n".join(d.text for d in sorted(read_documents(["@essays"]), key=lambda d: d.name))
+    ids = torch.tensor(tokenizer(essays, add_special_tokens=False)["input_ids"][:calib_tokens])
+    out = {}
+    if any(kind == "pairs" for kind, _ in wanted.values()):
+        spread = calibrate_model_pairs(model, ids)
+        out.update({n: top_pairs(spread, r) for n, (kind, r) in wanted.items() if kind == "pairs"})
+    ranks = sorted({r for kind, r in wanted.values() if kind == "pca"})
+    if ranks:
+        fits = calibrate_model_pca(model, ids, ranks)
+        out.update({n: fits[r] for n, (kind, r) in wanted.items() if kind == "pca"})
+    return out
+
+
 def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windows: int, window: int, last: int,
                block_size: int, budgets: List[int], variants: dict, gate_sha256: Dict[str, str],
                baselines: List[str], summary_dtype: str = "fp32",
-               gate_dtype: str = "fp32", sub_blocks: int = 1) -> Dict[str, Dict[int, str]]:
+               gate_dtype: str = "fp32", sub_blocks: int = 1,
+               calib_tokens: Optional[int] = None) -> Dict[str, Dict[int, str]]:
     """What `--reuse` takes from `ref` (an earlier run's JSON): `{selector: {budget: ref selector}}` for every
     baseline `ref` measured under the same name, and every gate variant `(gate, sink, local, anchors)` of
     `variants` whose gate weights (sha256) and forced settings `ref` measured, at each budget it has; the gates and
     the `SUMMARY_BASELINES` only when `ref`'s block summaries were stored in `summary_dtype` too, and the gates
     only when `ref` read their weights in `gate_dtype` too (a file without either field: fp32), and both only when
-    `ref` summarized blocks in `sub_blocks` runs too (a file without the field: 1).
+    `ref` summarized blocks in `sub_blocks` runs too (a file without the field: 1); calibrated candidates
+    (`pairs<R>`, `pca<R>`) only when `ref` calibrated them on `calib_tokens` tokens too.
     SystemExit when `ref` was made on other windows (data, split, window, scored tail, block size, fewer
     windows); the dense NLLs per window are compared as the run goes (`check_reused_dense`)."""
     ours = {"data": data_record, "split": split, "window": window, "last": last, "block_size": block_size}
@@ -253,7 +299,9 @@ def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windo
     same_gate_weights = ref.get("gate_dtype", "fp32") == gate_dtype
     sources = {name: by_weights[(gate_sha256[g], s_, l_, a_)] for name, (g, s_, l_, a_) in variants.items()
                if (gate_sha256[g], s_, l_, a_) in by_weights and same_summaries and same_gate_weights}
-    sources.update({name: name for name in baselines if same_summaries or name not in SUMMARY_BASELINES})
+    same_calib = ref.get("calib_tokens") == calib_tokens
+    sources.update({name: name for name in baselines if (same_summaries or name not in SUMMARY_BASELINES)
+                    and (same_calib or not name.startswith(CALIBRATED))})
     plan = {}
     for name, src in sources.items():
         got = {bud: src for bud in budgets if str(bud) in measured.get(src, {})}
@@ -431,7 +479,8 @@ def main(argv: Optional[list] = None) -> int:
 
     b = args.block_size
     check_window_budgets(args)
-    baselines = list(dict.fromkeys(args.baselines + (["sink-local"] if args.window_baseline else [])))
+    candidates = check_candidates(args.candidates)
+    baselines = list(dict.fromkeys(args.baselines + (["sink-local"] if args.window_baseline else []) + candidates))
     gate_paths = parse_gates(args.gate)
     forced = parse_forced(args.gate_forced)
     if forced is not None and not gate_paths:
@@ -454,6 +503,7 @@ def main(argv: Optional[list] = None) -> int:
             raise SystemExit(f"error: --recall-facts {args.recall_facts}: {e}") from None
         recall_rows = {**spec.record(), **made}
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+    index = calibrate_candidates(model, tokenizer, candidates, args.calib_tokens)
     loaded = {name: load_gates(path, model, b, device) for name, path in gate_paths.items()}
     gates = {name: g for name, (g, _) in loaded.items()}
     # A path names different gates at different commits: the weights' sha256 says which one was measured.
@@ -487,7 +537,7 @@ def main(argv: Optional[list] = None) -> int:
                             windows=int(rows.shape[0]), window=args.window, last=args.last, block_size=b,
                             budgets=args.budgets, variants=variants, gate_sha256=gate_sha256, baselines=baselines,
                             summary_dtype=args.summary_dtype, gate_dtype=args.gate_dtype,
-                            sub_blocks=args.sub_blocks)
+                            sub_blocks=args.sub_blocks, calib_tokens=args.calib_tokens if index else None)
         print(f"[eval_ppl] --reuse {args.reuse}: " + (", ".join(
             f"{n} (as {sorted(set(m.values()))[0]}, budgets {sorted(m)})" for n, m in reused.items())
             or "nothing fits"),
@@ -510,6 +560,7 @@ def main(argv: Optional[list] = None) -> int:
            **({"summary_dtype": args.summary_dtype} if args.summary_dtype != "fp32" else {}),
            **({"gate_dtype": args.gate_dtype} if args.gate_dtype != "fp32" else {}),
            **({"sub_blocks": args.sub_blocks} if args.sub_blocks != 1 else {}),
+           **({"calib_tokens": args.calib_tokens} if index else {}),
            **({"kv_fp8": args.kv_fp8} if kv_fp8 is not None else {})}
     progress = Progress(partial_path(args.json) if args.json else None, key, selectors, args.budgets,
                         not args.no_recall)
@@ -562,7 +613,7 @@ def main(argv: Optional[list] = None) -> int:
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from,
                                           summary_dtype=summary_dtype,
                                           sub_blocks=args.sub_blocks if name in SUMMARY_BASELINES else 1,
-                                          kv_fp8=kv_fp8)
+                                          kv_fp8=kv_fp8, index=index.get(name))
                 rec = None if recall is None else recall[name][bud]
                 per_window[name][bud].append(window_nll(model, ids, args.last, spec, cache, recall=rec))
                 progress.save()
@@ -605,6 +656,7 @@ def main(argv: Optional[list] = None) -> int:
             "gate_dtype": args.gate_dtype,
             "sub_blocks": args.sub_blocks,
             "kv_fp8": args.kv_fp8,
+            **({"calib_tokens": args.calib_tokens} if index else {}),
             "gates": gate_paths,
             "gate_sha256": gate_sha256,
             "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_,

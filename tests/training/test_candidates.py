@@ -9,7 +9,7 @@ import torch
 
 from sas_backend.gate.module import AttnGate
 from sas_backend.hf.candidates import (
-    calibrate_pairs, candidate_scores, is_candidate, pair_dims, token_max_scores,
+    calibrate_pairs, candidate_scores, fit_pca, is_candidate, pair_dims, token_max_scores,
 )
 from sas_backend.hf.sparse_eval import SparseEvalSpec, block_scores, model_rope_table, sparse_eval
 
@@ -217,6 +217,78 @@ def test_pairs_calibrated_from_a_model_forward():
     pairs = top_pairs(spread, 3)
     assert pairs[1].shape == (2, 3) and (pairs[1].diff(dim=-1) > 0).all()
     assert set(pairs[0][0].tolist()) == set(spread[0][0].topk(3).indices.tolist())
+    from sas_backend.hf.candidates import calibrate_model_pca
+
+    fitted = calibrate_model_pca(model, torch.randint(0, 64, (96,)), [2, 16])
+    assert fitted[2][1][0].shape == fitted[2][1][1].shape == (2, 2, 16)
+    assert torch.allclose(fitted[16][0][0].transpose(1, 2) @ fitted[16][0][1], torch.eye(16).expand(2, 16, 16),
+                          atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_pca_at_full_rank_is_exact_and_keeps_the_varying_directions(group):
+    """fit_pca: at rank D the projection is the identity on q.k (Pq^T Pk = I: pca<D> is exactmax). At rank 1 it
+    keeps the direction along which q.k varies most over keys, which the queries' scale decides, not the keys'
+    alone: keys vary 10x more (variance) along dim 1 than along dim 0, but queries are 100x larger along dim 0, so dim 0
+    is kept and every key's score is kept up to a per-query offset (the key mean's share), and with one query
+    head a kv head blocks rank as under exactmax."""
+    torch.manual_seed(group)
+    h_kv, d, t = 2, 8, 6 * B
+    q_scale = torch.ones(d)
+    q_scale[0], q_scale[1] = 10.0, 0.1
+    q = torch.randn(t, h_kv * group, d) * q_scale
+    k = 3.0 + 1e-3 * torch.randn(t, h_kv, d)
+    k[..., 0] += torch.randn(t, h_kv)
+    k[..., 1] += 10 ** 0.5 * torch.randn(t, h_kv)
+    pq, pk = fit_pca(q, k, d)
+    assert pq.shape == pk.shape == (h_kv, d, d)
+    assert torch.allclose(pq.transpose(1, 2) @ pk, torch.eye(d).expand(h_kv, d, d), atol=1e-4)
+    positions = torch.tensor([t - 1, 3 * B + 2])
+    exact = token_max_scores(q[-2:], k, positions, B)
+    assert torch.allclose(token_max_scores(q[-2:], k, positions, B, proj=(pq, pk)), exact, atol=1e-3)
+    pq1, pk1 = fit_pca(q, k, 1)
+    kept = (pq1.transpose(1, 2) @ pk1)[:, 0, 0]  # the map's weight on dim 0's product q0 k0
+    assert torch.allclose(kept, torch.ones(h_kv), atol=0.05), kept
+    if group == 1:  # with several query heads the max may take another head than exact's
+        low = token_max_scores(q[-2:], k, positions, B, proj=(pq1, pk1))
+        ok = torch.isfinite(exact)
+        assert torch.equal(torch.isfinite(low), ok)
+        for row_low, row_exact in zip(low[ok.any(-1)], exact[ok.any(-1)]):
+            diff = (row_low - row_exact)[torch.isfinite(row_exact)]
+            assert (diff - diff.mean()).abs().max() < 0.2 * row_exact[torch.isfinite(row_exact)].std(), diff
+    with pytest.raises(ValueError, match="rank"):
+        fit_pca(q, k, d + 1)
+
+
+def test_exactmass_ranks_blocks_as_the_oracle():
+    """exactmass is the oracle's block mass up to each query head's normalization: with one query head a kv head,
+    log(oracle mass) - exactmass is the same for every candidate block of a query (so both rank alike), and a
+    block of many moderate keys can outrank one holding the single best key, which exactmax never lets happen."""
+    from sas_backend.hf.sparse_eval import oracle_scores
+
+    torch.manual_seed(5)
+    h_kv, d, t = 2, 8, 6 * B + 3
+    q = torch.randn(3, h_kv, d)
+    k = torch.randn(t, h_kv, d)
+    positions = torch.tensor([t - 1, 4 * B + 1, 2 * B])
+    logits = torch.einsum("phd,thd->hpt", q, k)[:, None] * d ** -0.5  # [H_kv, G, P, T]
+    logits = logits.masked_fill(torch.arange(t)[None, None, None, :] > positions[None, None, :, None], -inf)
+    oracle = oracle_scores(logits, positions, B, t // B).log()
+    got = token_max_scores(q, k, positions, B, mass=True)
+    ok = torch.isfinite(got)
+    assert torch.equal(ok, torch.isfinite(oracle.masked_fill(~ok, -inf)))
+    for row_o, row_g in zip(oracle[ok.any(-1)], got[ok.any(-1)]):
+        diff = (row_o - row_g)[torch.isfinite(row_g)]
+        assert (diff - diff[0]).abs().max() < 1e-4, diff
+    # one key of score 3 against a block of 16 keys of score 2.5 (in q.k / sqrt(D) units)
+    q1 = torch.zeros(1, 1, d)
+    q1[..., 0] = d ** 0.5
+    k1 = torch.zeros(2 * B, 1, d)
+    k1[3, 0, 0] = 3.0
+    k1[B:, 0, 0] = 2.5
+    pos = torch.tensor([2 * B + 1])
+    assert token_max_scores(q1, k1, pos, B)[0, 0].argmax() == 0
+    assert token_max_scores(q1, k1, pos, B, mass=True)[0, 0].argmax() == 1
 
 
 def test_candidates_through_the_harness():
@@ -245,7 +317,15 @@ def test_candidates_through_the_harness():
     assert torch.allclose(logits("pairs8", 2, all_pairs), sparse, atol=1e-4)
     with pytest.raises(ValueError, match="calibrated"):
         logits("pairs4", 2)
+    full_pca = {layer: (torch.eye(16).expand(2, 16, 16), torch.eye(16).expand(2, 16, 16)) for layer in range(2)}
+    assert torch.allclose(logits("pca16", 2, full_pca), sparse, atol=1e-4)
+    with pytest.raises(ValueError, match="fitted projection"):
+        logits("pca4", 2)
+    with pytest.raises(ValueError, match="has 16 dims"):
+        logits("pca4", 2, full_pca)
     assert is_candidate("gatesub16") and is_candidate("pairs4") and not is_candidate("pairs")
+    assert is_candidate("exactmass") and is_candidate("pca8mass") and not is_candidate("pairs8mass")
+    assert torch.allclose(logits("pca16mass", 2, full_pca), logits("exactmass", 2), atol=1e-4)
     with pytest.raises(ValueError, match="needs gates"):
         SparseEvalSpec(top_k=2, selector="gatesub16")
     with pytest.raises(ValueError, match="unknown candidate"):

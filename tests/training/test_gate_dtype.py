@@ -232,3 +232,48 @@ def test_eval_ppl_records_sub_blocks_and_runs_them(tmp_path):
     assert four["nll_per_window"]["sink-local"] == one["nll_per_window"]["sink-local"]  # no summaries
     for name in ("g+s0l0", "quest"):  # summarized by runs of 4 tokens: another selection somewhere
         assert four["nll_per_window"][name] != one["nll_per_window"][name], name
+
+
+def test_reuse_plan_takes_calibrated_candidates_only_across_the_same_calibration():
+    """--candidates: exactmax and exactmass read no calibration and are taken by name; pairs<R> / pca<R> only from a
+    file calibrated on as many tokens (a file without the field calibrated nothing)."""
+    per = {"32": [1.0], "64": [2.0]}
+    ref = {**_ref(), "nll_per_window": {"exactmass": per, "pca8": per, "pairs4": per}}
+
+    def plan(ref, calib):
+        return reuse_plan(ref, "ref.json", data_record={"d": 1}, split="train", windows=1, window=128, last=32,
+                          block_size=16, budgets=[32, 64], variants={}, gate_sha256={},
+                          baselines=["exactmass", "pca8", "pairs4"], calib_tokens=calib)
+
+    both = {32: None, 64: None}
+    assert plan({**ref, "calib_tokens": 4096}, 4096) == {n: {b: n for b in both} for n in ("exactmass", "pca8",
+                                                                                            "pairs4")}
+    assert plan({**ref, "calib_tokens": 2048}, 4096) == {"exactmass": {b: "exactmass" for b in both}}
+    assert plan(ref, 4096) == {"exactmass": {b: "exactmass" for b in both}}
+
+
+def test_eval_ppl_refuses_what_is_not_a_gate_free_candidate():
+    from sas_backend.training.eval_ppl import check_candidates
+
+    assert check_candidates(["exactmax", "pca8mass"]) == ["exactmax", "pca8mass"]
+    for bad in ("gatesub16", "pca", "maxmass"):
+        with pytest.raises(SystemExit, match=f"--candidates {bad}: not a gate-free candidate"):
+            check_candidates([bad])
+
+
+@needs_real_assets
+def test_eval_ppl_runs_candidates_calibrated_once(tmp_path):
+    """--candidates beside the baselines: exactmax / exactmass / pca<R> measured, the calibration's size recorded,
+    and a rerun with --reuse takes all of them (same calibration)."""
+    from sas_backend.training import eval_ppl
+
+    argv = tiny_eval_ppl_argv(tmp_path) + ["--candidates", "exactmax", "exactmass", "pca4", "--calib-tokens", "256"]
+    first_js, again_js = str(tmp_path / "first.json"), str(tmp_path / "again.json")
+    assert eval_ppl.main(argv + ["--json", first_js]) == 0
+    first = json.load(open(first_js))
+    assert first["calib_tokens"] == 256
+    for name in ("exactmax", "exactmass", "pca4"):
+        assert all(v[0] > 0 for v in first["nll_per_window"][name].values()), name
+    assert eval_ppl.main(argv + ["--reuse", first_js, "--json", again_js]) == 0
+    again = json.load(open(again_js))
+    assert {"exactmax", "exactmass", "pca4"} <= set(again["reused"]["measurements"])
