@@ -20,6 +20,8 @@ server selector:
   moments (a key's mean adds the same to every key's score, so it is left out). Fitted once from a dense
   forward of calibration text (`calibrate_model_pca`), no training. Per token R values a kv head: R = D/8 in bf16
   or D/4 in fp8 reads 1/16 of dense's bf16 K + V.
+- `keys<R>` / `keys<R>mass`: `pca<R>`'s projection TRAINED per layer to rank blocks by mass as the dense
+  attention does (`hf.learned_keys`): a learned per-token index key, from a file of fitted projections.
 - `exactmass` / `pca<R>mass`: the same per-token scores combined as the oracle combines them, a block by its
   softmax mass (log-sum-exp over its tokens, each query head normalized over the candidates), not its best
   token. `exactmass` is the oracle up to the normalization (candidates only); it shows how much of a gap to the
@@ -44,12 +46,13 @@ import torch
 
 from sas_backend.hf.causal import causal_sdpa
 
-CANDIDATE_PATTERN = re.compile(r"^(exactmax|exactmass|pairs(\d+)|(gate|quest)sub(\d+)(?:c(\d+))?|pca(\d+)(mass)?)$")
+CANDIDATE_PATTERN = re.compile(
+    r"^(exactmax|exactmass|pairs(\d+)|(gate|quest)sub(\d+)(?:c(\d+))?|(pca|keys)(\d+)(mass)?)$")
 
 
 def is_candidate(name: str) -> bool:
     """Whether `name` names a candidate selector (`exactmax`, `exactmass`, `pairs<R>`, `pca<R>`, `pca<R>mass`,
-    `gatesub<S>`, `questsub<S>`, `gatesub<S>c<X>`)."""
+    `keys<R>`, `keys<R>mass`, `gatesub<S>`, `questsub<S>`, `gatesub<S>c<X>`)."""
     return bool(CANDIDATE_PATTERN.match(name))
 
 
@@ -89,8 +92,9 @@ def token_max_scores(q_post: torch.Tensor, k_post: torch.Tensor, positions: torc
         dots = torch.einsum("phgr,thr->phgt", q, k) * d ** -0.5  # [P, H_kv, G, T']
         past = torch.arange(dots.shape[-1], device=dots.device)[None, :] >= (
             torch.div(positions, block_size, rounding_mode="floor") * block_size)[:, None]  # [P, T']
-        dots = dots.masked_fill(past[:, None, None, :], float("-inf"))
-        norm = dots - torch.logsumexp(dots, dim=-1, keepdim=True).nan_to_num(neginf=0.0)
+        # a large finite floor, not -inf: a query with no candidate keys then differentiates without NaNs
+        dots = dots.masked_fill(past[:, None, None, :], -1e30)
+        norm = dots - torch.logsumexp(dots, dim=-1, keepdim=True)
         blocks = torch.logsumexp(norm.view(p_cnt, h_kv, g, n_blocks, block_size), dim=-1)  # [P, H_kv, G, M']
         out[..., :n_blocks] = blocks.amax(dim=2)
     elif n_blocks:
@@ -191,11 +195,12 @@ def candidate_scores(name: str, layer_idx: int, q_post, k_post, positions, block
         return token_max_scores(q_post, k_post, positions, block_size, pair_dims(pairs, q_post.shape[-1]))
     if match.group(6) is not None:
         if not index or layer_idx not in index:
-            raise ValueError(f"{name} needs a fitted projection for layer {layer_idx} (calibrate_model_pca)")
+            raise ValueError(f"{name} needs a fitted projection for layer {layer_idx} (calibrate_model_pca, "
+                             "hf.learned_keys)")
         pq, pk = index[layer_idx]
-        if pk.shape[1] != int(match.group(6)):
+        if pk.shape[1] != int(match.group(7)):
             raise ValueError(f"{name}: the fitted projection has {pk.shape[1]} dims a kv head")
-        return token_max_scores(q_post, k_post, positions, block_size, proj=(pq, pk), mass=bool(match.group(7)))
+        return token_max_scores(q_post, k_post, positions, block_size, proj=(pq, pk), mass=bool(match.group(8)))
     raise ValueError(f"{name} runs as its server selector with sub-blocks (sub_block_alias)")
 
 

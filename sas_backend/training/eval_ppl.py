@@ -79,9 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training-free selectors to evaluate beside the gates")
     p.add_argument("--candidates", nargs="*", default=[], metavar="NAME",
                    help="candidate selectors of sas_backend.hf.candidates to evaluate beside the baselines: exactmax, "
-                        "exactmass, pairs<R>, pca<R>, pca<R>mass (the gate's sub-blocks: --sub-blocks)")
+                        "exactmass, pairs<R>, pca<R>[mass], keys<R>[mass] (with --keys-index; the gate's sub-blocks: "
+                        "--sub-blocks)")
     p.add_argument("--calib-tokens", type=int, default=4096,
                    help="@essays tokens that calibrate the pairs<R> and pca<R> candidates")
+    p.add_argument("--keys-index", default=None, metavar="FILE",
+                   help="the keys<R>[mass] candidates' learned projections (bench/learned_keys.py writes them)")
     p.add_argument("--window-baseline", action="store_true", help="same as --baselines sink-local")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-windows", type=int, default=None, help="evaluate at most this many windows")
@@ -239,7 +242,8 @@ def check_candidates(names: List[str]) -> List[str]:
     for name in names:
         if not is_candidate(name) or sub_block_alias(name, 64) is not None:
             raise SystemExit(f"error: --candidates {name}: not a gate-free candidate of sas_backend.hf.candidates "
-                             "(exactmax, exactmass, pairs<R>, pca<R>, pca<R>mass; the gate's sub-blocks: --sub-blocks)")
+                             "(exactmax, exactmass, pairs<R>, pca<R>[mass], keys<R>[mass]; the gate's sub-blocks: "
+                             "--sub-blocks)")
     return list(names)
 
 
@@ -269,18 +273,43 @@ def calibrate_candidates(model, tokenizer, names: List[str], calib_tokens: int) 
     return out
 
 
+def load_keys_index(path: Optional[str], names: List[str], index: Dict[str, dict]) -> Optional[str]:
+    """Put the learned projections of `path` (`{"index": {rank: {layer: (Pq, Pk)}}}`, bench/learned_keys.py) under
+    every `keys<R>[mass]` of `names` into `index`; returns the file's sha256 (None without such candidates).
+    SystemExit when a keys candidate has no file or the file no projections of its rank."""
+    import hashlib
+
+    keys = [n for n in names if n.startswith("keys")]
+    if not keys:
+        if path:
+            raise SystemExit("error: --keys-index without a keys<R> candidate in --candidates")
+        return None
+    if not path:
+        raise SystemExit(f"error: --candidates {keys[0]} needs --keys-index (bench/learned_keys.py)")
+    with open(path, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    fitted = torch.load(path, map_location="cpu")["index"]
+    for name in keys:
+        rank = int(name[4:].removesuffix("mass"))
+        if rank not in fitted:
+            raise SystemExit(f"error: --keys-index {path} holds ranks {sorted(fitted)}, not {rank} ({name})")
+        index[name] = fitted[rank]
+    return sha
+
+
 def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windows: int, window: int, last: int,
                block_size: int, budgets: List[int], variants: dict, gate_sha256: Dict[str, str],
                baselines: List[str], summary_dtype: str = "fp32",
                gate_dtype: str = "fp32", sub_blocks: int = 1,
-               calib_tokens: Optional[int] = None) -> Dict[str, Dict[int, str]]:
+               calib_tokens: Optional[int] = None, keys_sha256: Optional[str] = None) -> Dict[str, Dict[int, str]]:
     """What `--reuse` takes from `ref` (an earlier run's JSON): `{selector: {budget: ref selector}}` for every
     baseline `ref` measured under the same name, and every gate variant `(gate, sink, local, anchors)` of
     `variants` whose gate weights (sha256) and forced settings `ref` measured, at each budget it has; the gates and
     the `SUMMARY_BASELINES` only when `ref`'s block summaries were stored in `summary_dtype` too, and the gates
     only when `ref` read their weights in `gate_dtype` too (a file without either field: fp32), and both only when
     `ref` summarized blocks in `sub_blocks` runs too (a file without the field: 1); calibrated candidates
-    (`pairs<R>`, `pca<R>`) only when `ref` calibrated them on `calib_tokens` tokens too.
+    (`pairs<R>`, `pca<R>`) only when `ref` calibrated them on `calib_tokens` tokens too, and learned keys
+    (`keys<R>`) only from the same projections file (`keys_sha256`).
     SystemExit when `ref` was made on other windows (data, split, window, scored tail, block size, fewer
     windows); the dense NLLs per window are compared as the run goes (`check_reused_dense`)."""
     ours = {"data": data_record, "split": split, "window": window, "last": last, "block_size": block_size}
@@ -300,8 +329,9 @@ def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windo
     sources = {name: by_weights[(gate_sha256[g], s_, l_, a_)] for name, (g, s_, l_, a_) in variants.items()
                if (gate_sha256[g], s_, l_, a_) in by_weights and same_summaries and same_gate_weights}
     same_calib = ref.get("calib_tokens") == calib_tokens
+    same_keys = keys_sha256 is not None and ref.get("keys_index_sha256") == keys_sha256
     sources.update({name: name for name in baselines if (same_summaries or name not in SUMMARY_BASELINES)
-                    and (same_calib or not name.startswith(CALIBRATED))})
+                    and (same_calib or not name.startswith(CALIBRATED)) and (same_keys or not name.startswith("keys"))})
     plan = {}
     for name, src in sources.items():
         got = {bud: src for bud in budgets if str(bud) in measured.get(src, {})}
@@ -504,6 +534,7 @@ def main(argv: Optional[list] = None) -> int:
         recall_rows = {**spec.record(), **made}
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
     index = calibrate_candidates(model, tokenizer, candidates, args.calib_tokens)
+    keys_sha = load_keys_index(args.keys_index, candidates, index)
     loaded = {name: load_gates(path, model, b, device) for name, path in gate_paths.items()}
     gates = {name: g for name, (g, _) in loaded.items()}
     # A path names different gates at different commits: the weights' sha256 says which one was measured.
@@ -537,7 +568,8 @@ def main(argv: Optional[list] = None) -> int:
                             windows=int(rows.shape[0]), window=args.window, last=args.last, block_size=b,
                             budgets=args.budgets, variants=variants, gate_sha256=gate_sha256, baselines=baselines,
                             summary_dtype=args.summary_dtype, gate_dtype=args.gate_dtype,
-                            sub_blocks=args.sub_blocks, calib_tokens=args.calib_tokens if index else None)
+                            sub_blocks=args.sub_blocks, calib_tokens=args.calib_tokens if index else None,
+                            keys_sha256=keys_sha)
         print(f"[eval_ppl] --reuse {args.reuse}: " + (", ".join(
             f"{n} (as {sorted(set(m.values()))[0]}, budgets {sorted(m)})" for n, m in reused.items())
             or "nothing fits"),
@@ -561,6 +593,7 @@ def main(argv: Optional[list] = None) -> int:
            **({"gate_dtype": args.gate_dtype} if args.gate_dtype != "fp32" else {}),
            **({"sub_blocks": args.sub_blocks} if args.sub_blocks != 1 else {}),
            **({"calib_tokens": args.calib_tokens} if index else {}),
+           **({"keys_index_sha256": keys_sha} if keys_sha else {}),
            **({"kv_fp8": args.kv_fp8} if kv_fp8 is not None else {})}
     progress = Progress(partial_path(args.json) if args.json else None, key, selectors, args.budgets,
                         not args.no_recall)
@@ -657,6 +690,7 @@ def main(argv: Optional[list] = None) -> int:
             "sub_blocks": args.sub_blocks,
             "kv_fp8": args.kv_fp8,
             **({"calib_tokens": args.calib_tokens} if index else {}),
+            **({"keys_index": args.keys_index, "keys_index_sha256": keys_sha} if keys_sha else {}),
             "gates": gate_paths,
             "gate_sha256": gate_sha256,
             "gate_variants": {v: {"gate": g, "sink_blocks": s_, "local_blocks": l_,
