@@ -128,14 +128,12 @@ def _pd_disconnect(prefill, decode, prompt, chunks: int) -> int:
     return read
 
 
-def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: int, disconnect: bool = False, sas_args=SAS_DECODE,
-            then=None, env=None):
+def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: int, disconnect: bool = False):
     """(decodes of PROMPTS through `prefill` and a new sas decode server, its /sas/info pool after them). marks:
     SAS_SUMMARY_MARKS (1: CPU's host-planned form, 2: CUDA's device-side form, 0: off). With
     `disconnect`, then two requests whose clients leave mid-transfer and mid-decode (`_pd_disconnect`), and
-    PROMPTS[0] again: its decode is appended to the decodes. `then(decode)`, if given, runs last and its value is
-    kept under pool["then"]."""
-    with _decode_server(model_dir, seed_gate, marks, sas_args, env) as decode:
+    PROMPTS[0] again: its decode is appended to the decodes."""
+    with _decode_server(model_dir, seed_gate, marks) as decode:
         outs = [_pd_generate(prefill, decode, essay_ids[s: s + n]) for s, n in PROMPTS]
         pool = _pool(decode)
         if disconnect:  # mid-transfer, then mid-decode
@@ -149,8 +147,6 @@ def _pd_run(prefill, model_dir, seed_gate, essay_ids, marks: int, disconnect: bo
             start, n = PROMPTS[0]
             outs.append(_pd_generate(prefill, decode, essay_ids[start: start + n]))
             pool["after_disconnects"] = _pool(decode)
-        if then is not None:
-            pool["then"] = then(decode)
         return outs, pool
 
 
@@ -196,62 +192,53 @@ def test_pd_sas_prefill_anchors_and_device_side_marks(prefill_server, model_dir,
     """A `sas` prefill server (its extend is dense; it summarizes, computes the prompt anchors and sends KV and
     anchors) and a decode server with prompt anchors, running the validity marks in the form a CUDA server runs them
     (SAS_SUMMARY_MARKS=2 here): each decode step lists its requests' complete blocks without a valid summary on the
-    device, every sparse layer's summaries of them are written before the layers run, the step marks them. The same
-    decodes as a colocated sas server with the same anchors, both requests' anchors received, and nothing held on
-    either side afterwards. Control: the first prompt again through the dense prefill server, which sends no
-    anchors: counted missing, and that request decodes otherwise. Then both prompts at once, the decode server
-    retracting one of them every third step (SGLANG_TEST_RETRACT) and resuming it in a new slot: its KV restored, its
-    summaries repaired by the marks, its anchors restored (counted), and still colocated sas's decodes. (The Triton
+    device, every sparse layer's summaries of them are written before the layers run, the step marks them. Both
+    prompts at once, the decode server retracting one of them every third step (SGLANG_TEST_RETRACT: its KV backed
+    up as CPU tensors) and resuming it in a new slot: its KV restored, its summaries repaired by the marks, its
+    anchors restored (counted); the same decodes as a colocated sas server with the same anchors, both requests'
+    anchors received, nothing held on either side afterwards. Control: the first prompt again through the dense
+    prefill server, which sends no anchors: counted missing, and that request decodes otherwise. (The Triton
     kernels CUDA runs for the list and the summaries: tests/ops/test_late_blocks.py, tests/ops/test_summary_listed.py;
-    here their torch paths.)"""
+    here their torch paths. One request at a time through the pair: test_pd_decode_server_decodes_as_colocated_sas.)
+    """
     bootstrap = free_port()
     args = ["--sas-gate", seed_gate, *SAS_ANCHORED, *POOL, "--disable-radix-cache", "--disaggregation-mode",
             "prefill", "--disaggregation-transfer-backend", "mooncake", "--disaggregation-bootstrap-port",
             str(bootstrap)]
-
-    def then(decode):
-        """The first prompt through the dense prefill server; then both prompts at once through the sas one, so that
-        the decode server (SGLANG_TEST_RETRACT: every 3rd step it retracts one of two running requests, its KV backed
-        up as CPU tensors, and resumes it later in a new slot) retracts and restores them."""
-        start, n = PROMPTS[0]
-        unanchored = _pd_generate(prefill_server, decode, essay_ids[start: start + n])
-        after = _pool(decode)
-        both = {}
-        threads = [threading.Thread(target=lambda j=j, st=st, n=n: both.__setitem__(
-            j, _pd_generate(prefill, decode, essay_ids[st: st + n]))) for j, (st, n) in enumerate(PROMPTS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return unanchored, after, [both.get(j) for j in range(len(PROMPTS))], _pool(decode)
-
     with Server(model_dir, backend="sas", extra_args=args, env=PD_ENV) as prefill:
         prefill.bootstrap_port = bootstrap
-        outs, pool = _pd_run(prefill, model_dir, seed_gate, essay_ids, marks=2, sas_args=SAS_ANCHORED, then=then,
-                             env={"SGLANG_TEST_RETRACT": "1"})
+        with _decode_server(model_dir, seed_gate, 2, SAS_ANCHORED, {"SGLANG_TEST_RETRACT": "1"}) as decode:
+            both = {}
+            threads = [threading.Thread(target=lambda j=j, st=st, n=n: both.__setitem__(
+                j, _pd_generate(prefill, decode, essay_ids[st: st + n]))) for j, (st, n) in enumerate(PROMPTS)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            pool = _pool(decode)
+            start, n = PROMPTS[0]
+            unanchored = _pd_generate(prefill_server, decode, essay_ids[start: start + n])
+            after = _pool(decode)
         prefill_pool = _pool(prefill)
-    assert_same_decodes(colocated_anchored, outs, FP32,
-                        "PD (sas prefill with prompt anchors; sas decode, device-side marks) vs colocated sas",
-                        n=NEW_TOKENS)
-    assert pool["pd_prompt_anchors"] == {"received": len(PROMPTS), "missing": 0, "restored": 0}, pool
+    # Retracted and restored (KV, summaries repaired by the marks, anchors) and still colocated sas's decodes.
+    assert_same_decodes(colocated_anchored, [both.get(j) for j in range(len(PROMPTS))], FP32,
+                        "PD (sas prefill with prompt anchors; sas decode, device-side marks), two requests at once, "
+                        "retracted and restored on the decode server, vs colocated sas", n=NEW_TOKENS)
+    anchors = pool["pd_prompt_anchors"]
+    assert anchors["received"] == len(PROMPTS) and anchors["missing"] == 0 and anchors["restored"] >= 1, pool
     assert pool["decode_steps"]["sparse"] >= len(PROMPTS) * (NEW_TOKENS - 1), pool["decode_steps"]
-    # Listed once per request at its first decode step (the device form counts listed blocks), then marked.
-    assert sum(n // 64 for _, n in PROMPTS) <= pool["late_summaries"] <= sum(-(-n // 64) for _, n in PROMPTS), pool
+    # Listed at each request's first decode step (the device form counts listed blocks), again after a restore.
+    assert pool["late_summaries"] >= sum(n // 64 for _, n in PROMPTS), pool
     assert pool["kv_pages"]["in_use"] == 0 and pool["summary_rows"]["held"] == 0, pool
     assert prefill_pool["kv_pages"]["in_use"] == 0 and prefill_pool["summary_rows"]["held"] == 0, prefill_pool
     assert prefill_pool["decode_steps"]["sparse"] == 0, prefill_pool  # it only prefills
-    unanchored, after, retracted, last = pool["then"]
-    assert after["pd_prompt_anchors"] == {"received": len(PROMPTS), "missing": 1, "restored": 0}, after
+    assert after["pd_prompt_anchors"] == {**anchors, "missing": 1}, after
     drift = max(abs(a - b) for a, b in zip(unanchored.logprobs, colocated_anchored[0].logprobs))
     assert drift > FP32.logprob, "the anchors made no difference to this request: the test proves nothing"
-    # Retracted and restored (KV, summaries repaired by the marks, anchors) and still colocated sas's decodes.
-    assert last["pd_prompt_anchors"]["restored"] >= 1, last
-    assert_same_decodes(colocated_anchored, retracted, FP32, "PD, two requests at once, retracted and restored on the "
-                        "decode server, vs colocated sas", n=NEW_TOKENS)
-    assert last["kv_pages"]["in_use"] == 0 and last["summary_rows"]["held"] == 0, last
-    print(f"\nPD, sas prefill with anchors, device-side marks: {pool['decode_steps']}, blocks listed late "
-          f"{pool['late_summaries']}, anchors {last['pd_prompt_anchors']}; without them the first prompt's "
-          f"logprobs move by up to {drift:.3g}")
+    assert after["kv_pages"]["in_use"] == 0 and after["summary_rows"]["held"] == 0, after
+    print(f"\nPD, sas prefill with anchors, device-side marks, retraction: {pool['decode_steps']}, blocks listed "
+          f"late {pool['late_summaries']}, anchors {anchors}; without them the first prompt's logprobs move by up to "
+          f"{drift:.3g}")
 
 
 @pytest.mark.skipif(os.environ.get("SAS_PD_CONTROL") != "1",
