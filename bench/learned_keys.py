@@ -57,8 +57,12 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     per_row = []
     for source in args.data:
-        text = "\n\n".join(d.text for d in sorted(read_documents([source]), key=lambda d: d.name))
-        ids = tok(text, add_special_tokens=False)["input_ids"][: args.seq_len]
+        ids = []
+        for doc in sorted(read_documents([source]), key=lambda d: d.name):  # tokenized until the row is full
+            ids += tok(doc.text + "\n\n", add_special_tokens=False)["input_ids"]
+            if len(ids) >= args.seq_len:
+                break
+        ids = ids[: args.seq_len]
         if len(ids) < args.seq_len:
             raise SystemExit(f"error: {source} holds {len(ids)} tokens, fewer than --seq-len {args.seq_len}")
         per_row.append(record_model_qk(model, torch.tensor(ids)))

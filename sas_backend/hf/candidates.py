@@ -22,6 +22,10 @@ server selector:
   or D/4 in fp8 reads 1/16 of dense's bf16 K + V.
 - `keys<R>` / `keys<R>mass`: `pca<R>`'s projection TRAINED per layer to rank blocks by mass as the dense
   attention does (`hf.learned_keys`): a learned per-token index key, from a file of fitted projections.
+- `gatec<X>exact`: two levels, the second exact. The gate (with the spec's summaries a block) keeps its best
+  X x K blocks per query and kv head, and `exactmass` ranks only those: a step would read one summary a block
+  plus the K half of X x K blocks (X / 2 times what the sparse attention itself reads), bounded by the budget,
+  not the context.
 - `exactmass` / `pca<R>mass`: the same per-token scores combined as the oracle combines them, a block by its
   softmax mass (log-sum-exp over its tokens, each query head normalized over the candidates), not its best
   token. `exactmass` is the oracle up to the normalization (candidates only); it shows how much of a gap to the
@@ -48,12 +52,25 @@ from sas_backend.hf.causal import causal_sdpa
 
 CANDIDATE_PATTERN = re.compile(
     r"^(exactmax|exactmass|pairs(\d+)|(gate|quest)sub(\d+)(?:c(\d+))?|(pca|keys)(\d+)(mass)?)$")
+# Two levels with an exact second: the gate (its summaries a block as the spec says) keeps X x K blocks, exactmass
+# ranks only those.
+GATE_EXACT_PATTERN = re.compile(r"^gatec(\d+)exact$")
 
 
 def is_candidate(name: str) -> bool:
     """Whether `name` names a candidate selector (`exactmax`, `exactmass`, `pairs<R>`, `pca<R>`, `pca<R>mass`,
-    `keys<R>`, `keys<R>mass`, `gatesub<S>`, `questsub<S>`, `gatesub<S>c<X>`)."""
-    return bool(CANDIDATE_PATTERN.match(name))
+    `keys<R>`, `keys<R>mass`, `gatesub<S>`, `questsub<S>`, `gatesub<S>c<X>`, `gatec<X>exact`)."""
+    return bool(CANDIDATE_PATTERN.match(name) or GATE_EXACT_PATTERN.match(name))
+
+
+def gate_exact_factor(name: str) -> Optional[int]:
+    """X of `gatec<X>exact` (the gate keeps X x K blocks, exactmass ranks them), else None."""
+    match = GATE_EXACT_PATTERN.match(name)
+    if match is None:
+        return None
+    if int(match.group(1)) < 1:
+        raise ValueError(f"{name}: the first level must keep at least K blocks (X >= 1)")
+    return int(match.group(1))
 
 
 def candidate_mask(positions: torch.Tensor, width: int, block_size: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from sas_backend.gate.module import AttnGate
 from sas_backend.hf.causal import causal_sdpa
 from sas_backend.hf.candidates import (
-    candidate_scores, is_candidate, keep_first_level, sub_block_alias, two_level_factor,
+    candidate_scores, gate_exact_factor, is_candidate, keep_first_level, sub_block_alias, two_level_factor,
 )
 from sas_backend.ops.anchors import block_mass, force_anchors, top_anchors
 from sas_backend.selection import SelectionRule, make_selector, selector_class, selector_names
@@ -96,7 +96,7 @@ class SparseEvalSpec:
             raise ValueError(f"selector must be one of {eval_selectors()} or a candidate (hf.candidates), "
                              f"got {self.selector!r}")
         gated = self.selector in selector_names() and selector_class(self.selector).needs_gate
-        if (gated or self.selector.startswith("gatesub")) and not self.gates:
+        if (gated or self.selector.startswith(("gatesub", "gatec"))) and not self.gates:
             raise ValueError("the gate selector needs gates")
 
 
@@ -148,7 +148,8 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
     if spec.selector == "random":
         g = torch.Generator().manual_seed(1000 + layer_idx)
         return selector, torch.rand(positions.numel(), h_kv, m, generator=g).to(q_post.device), n_cand
-    if is_candidate(spec.selector) and alias is None:
+    exact_factor = gate_exact_factor(spec.selector)
+    if is_candidate(spec.selector) and alias is None and exact_factor is None:
         scores = candidate_scores(spec.selector, layer_idx, q_post, k_post, positions, b, spec.index)
         if spec.anchors is not None and layer_idx in spec.anchors:
             scores = force_anchors(scores, spec.anchors[layer_idx].expand(positions.numel(), -1, -1), n_cand)
@@ -169,6 +170,9 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
             whole = whole.to(spec.summary_dtype).float()
         first_scores = first.scores(gate, q_post, model_table[positions], gate_rows, whole, block_table, n_cand, m)
         scores = keep_first_level(scores, first_scores, factor * spec.top_k, n_cand)
+    if exact_factor is not None:  # the gate's scores are the first level; exactmass ranks what it keeps
+        exact = candidate_scores("exactmass", layer_idx, q_post, k_post, positions, b, None)
+        scores = keep_first_level(exact, scores, exact_factor * spec.top_k, n_cand)
     if spec.anchors is not None and layer_idx in spec.anchors:
         scores = force_anchors(scores, spec.anchors[layer_idx].expand(positions.numel(), -1, -1), n_cand)
     return selector, scores, n_cand

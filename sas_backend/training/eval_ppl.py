@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training-free selectors to evaluate beside the gates")
     p.add_argument("--candidates", nargs="*", default=[], metavar="NAME",
                    help="candidate selectors of sas_backend.hf.candidates to evaluate beside the baselines: exactmax, "
-                        "exactmass, pairs<R>, pca<R>[mass], keys<R>[mass] (with --keys-index; the gate's sub-blocks: "
-                        "--sub-blocks)")
+                        "exactmass, pairs<R>, pca<R>[mass], keys<R>[mass] (with --keys-index), gatec<X>exact (the one "
+                        "--gate keeps X x K blocks, exactmass ranks them; the gate's sub-blocks: --sub-blocks)")
     p.add_argument("--calib-tokens", type=int, default=4096,
                    help="@essays tokens that calibrate the pairs<R> and pca<R> candidates")
     p.add_argument("--keys-index", default=None, metavar="FILE",
@@ -242,8 +242,8 @@ def check_candidates(names: List[str]) -> List[str]:
     for name in names:
         if not is_candidate(name) or sub_block_alias(name, 64) is not None:
             raise SystemExit(f"error: --candidates {name}: not a gate-free candidate of sas_backend.hf.candidates "
-                             "(exactmax, exactmass, pairs<R>, pca<R>[mass], keys<R>[mass]; the gate's sub-blocks: "
-                             "--sub-blocks)")
+                             "(exactmax, exactmass, pairs<R>, pca<R>[mass], keys<R>[mass], gatec<X>exact; the gate's "
+                             "sub-blocks: --sub-blocks)")
     return list(names)
 
 
@@ -331,7 +331,8 @@ def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windo
     same_calib = ref.get("calib_tokens") == calib_tokens
     same_keys = keys_sha256 is not None and ref.get("keys_index_sha256") == keys_sha256
     sources.update({name: name for name in baselines if (same_summaries or name not in SUMMARY_BASELINES)
-                    and (same_calib or not name.startswith(CALIBRATED)) and (same_keys or not name.startswith("keys"))})
+                    and (same_calib or not name.startswith(CALIBRATED)) and (same_keys or not name.startswith("keys"))
+                    and not name.startswith("gatec")})  # a two-level candidate's first level is a gate: measured anew
     plan = {}
     for name, src in sources.items():
         got = {bud: src for bud in budgets if str(bud) in measured.get(src, {})}
@@ -512,6 +513,8 @@ def main(argv: Optional[list] = None) -> int:
     candidates = check_candidates(args.candidates)
     baselines = list(dict.fromkeys(args.baselines + (["sink-local"] if args.window_baseline else []) + candidates))
     gate_paths = parse_gates(args.gate)
+    if any(c.startswith("gatec") for c in candidates) and len(gate_paths) != 1:
+        raise SystemExit("error: a gatec<X>exact candidate takes its first level from exactly one --gate")
     forced = parse_forced(args.gate_forced)
     if forced is not None and not gate_paths:
         raise SystemExit("error: --gate-forced needs at least one --gate")
@@ -641,6 +644,12 @@ def main(argv: Optional[list] = None) -> int:
                                           sink_blocks=sink, local_blocks=local, sparse_from=sparse_from,
                                           anchors={lid: a[:, :n_anchors] for lid, a in anchors.items()}
                                           if n_anchors else None, summary_dtype=summary_dtype,
+                                          gate_dtype=gate_dtype, sub_blocks=args.sub_blocks, kv_fp8=kv_fp8)
+                elif name.startswith("gatec"):  # two levels: the one --gate first (--sub-blocks, its first
+                    _, sink, local, _ = next(iter(variants.values()))  # variant's forced blocks), exact second
+                    spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, gates=next(iter(gates.values())),
+                                          sink_blocks=sink, local_blocks=local,
+                                          sparse_from=sparse_from, summary_dtype=summary_dtype,
                                           gate_dtype=gate_dtype, sub_blocks=args.sub_blocks, kv_fp8=kv_fp8)
                 else:
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, sparse_from=sparse_from,

@@ -180,6 +180,40 @@ def test_two_level_keeps_the_first_levels_best_then_ranks_by_runs():
                      gtable)
 
 
+def test_two_level_exact_keeps_the_gates_best_then_ranks_by_block_mass():
+    """gatec<X>exact: the gate (with the spec's sub_blocks) keeps each row's X x K best candidate blocks, which take
+    their exactmass scores (stated here by the loop: log of the block's softmax mass over the candidates' keys, max
+    over the group's heads); every other block scores -inf. X x K >= the candidates: exactmass itself."""
+    gate, table, gtable = _gate_world()
+    t = 12 * B + 5
+    torch.manual_seed(4)
+    k = torch.randn(t, 2, 16)
+    q = torch.randn(3, 4, 16)
+    positions = torch.tensor([20, 100, t - 1])
+    for sub in (1, 4):
+        spec = lambda name: SparseEvalSpec(top_k=2, block_size=B, selector=name, gates={0: gate},  # noqa: E731
+                                           sub_blocks=sub)
+        first = block_scores(spec("gate"), 0, q, k, positions, table, gtable).detach()
+        got = block_scores(spec("gatec2exact"), 0, q, k, positions, table, gtable).detach()
+        for p, pos in enumerate(positions.tolist()):
+            n_cand = pos // B
+            for h in range(2):
+                ranked = sorted(range(n_cand), key=lambda m: -float(first[p, h, m]))
+                kept = set(ranked[:4])  # X x K = 2 x 2
+                logits = (q[p, 2 * h: 2 * h + 2] @ k[: n_cand * B, h].T) / 4.0  # [G, T'] (D = 16)
+                mass = torch.softmax(logits, dim=-1).view(2, n_cand, B).sum(-1).amax(0)  # [n_cand]
+                for m in range(got.shape[-1]):
+                    if m in kept:
+                        assert torch.allclose(got[p, h, m], mass[m].log(), atol=1e-5), (sub, p, h, m)
+                    else:
+                        assert got[p, h, m] == -inf, (sub, p, h, m)
+        exact = block_scores(spec("exactmass"), 0, q, k, positions, table, gtable)
+        assert torch.allclose(block_scores(spec("gatec6exact"), 0, q, k, positions, table, gtable), exact)
+    assert is_candidate("gatec2exact") and not is_candidate("gatecexact")
+    with pytest.raises(ValueError, match="needs gates"):
+        SparseEvalSpec(top_k=2, selector="gatec2exact")
+
+
 def test_sub_block_decode_update_writes_only_completed_blocks():
     """The decode update with sub-blocks writes the run summaries of the block a step completed to its page,
     and nothing to any page a request owns otherwise (page 0 is the padding page)."""

@@ -277,3 +277,22 @@ def test_eval_ppl_runs_candidates_calibrated_once(tmp_path):
     assert eval_ppl.main(argv + ["--reuse", first_js, "--json", again_js]) == 0
     again = json.load(open(again_js))
     assert {"exactmax", "exactmass", "pca4"} <= set(again["reused"]["measurements"])
+
+
+@needs_real_assets
+def test_eval_ppl_runs_the_two_level_exact_candidate_from_its_one_gate(tmp_path):
+    """--candidates gatec<X>exact takes its first level from the one --gate (its forced blocks, --sub-blocks): at
+    X x K covering every candidate it is exactmass; it is measured anew under --reuse (its first level is a gate)."""
+    from sas_backend.training import eval_ppl
+
+    argv = tiny_eval_ppl_argv(tmp_path) + ["--candidates", "exactmass", "gatec8exact"]
+    first_js, again_js = str(tmp_path / "first.json"), str(tmp_path / "again.json")
+    assert eval_ppl.main(argv + ["--json", first_js]) == 0
+    first = json.load(open(first_js))
+    assert first["nll_per_window"]["gatec8exact"] == first["nll_per_window"]["exactmass"]  # 8 x K >= 7 blocks
+    assert eval_ppl.main(argv + ["--reuse", first_js, "--json", again_js]) == 0
+    assert "gatec8exact" not in json.load(open(again_js))["reused"]["measurements"]
+    no_gate = [a for a in argv if a not in ("--gate-forced", "0,0")]
+    no_gate = no_gate[: no_gate.index("--gate")] + no_gate[no_gate.index("--gate") + 2:]
+    with pytest.raises(SystemExit, match="exactly one --gate"):
+        eval_ppl.main(no_gate)
