@@ -21,7 +21,8 @@ import torch
 from sas_backend.gate.module import AttnGate
 from sas_backend.hf.causal import causal_sdpa
 from sas_backend.hf.candidates import (
-    candidate_scores, gate_exact_factor, is_candidate, keep_first_level, sub_block_alias, two_level_factor,
+    candidate_scores, gate_exact_factor, is_candidate, keep_first_level, sub_block_alias, token_max_scores,
+    two_level_factor,
 )
 from sas_backend.ops.anchors import block_mass, force_anchors, top_anchors
 from sas_backend.selection import SelectionRule, make_selector, selector_class, selector_names
@@ -171,8 +172,8 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
         first_scores = first.scores(gate, q_post, model_table[positions], gate_rows, whole, block_table, n_cand, m)
         scores = keep_first_level(scores, first_scores, factor * spec.top_k, n_cand)
     if exact_factor is not None:  # the gate's scores are the first level; exactmass ranks what it keeps
-        exact = candidate_scores("exactmass", layer_idx, q_post, k_post, positions, b, None)
-        scores = keep_first_level(exact, scores, exact_factor * spec.top_k, n_cand)
+        kept = torch.isfinite(keep_first_level(torch.zeros_like(scores), scores, exact_factor * spec.top_k, n_cand))
+        scores = token_max_scores(q_post, k_post, positions, b, mass=True, among=kept)
     if spec.anchors is not None and layer_idx in spec.anchors:
         scores = force_anchors(scores, spec.anchors[layer_idx].expand(positions.numel(), -1, -1), n_cand)
     return selector, scores, n_cand

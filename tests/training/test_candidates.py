@@ -181,9 +181,10 @@ def test_two_level_keeps_the_first_levels_best_then_ranks_by_runs():
 
 
 def test_two_level_exact_keeps_the_gates_best_then_ranks_by_block_mass():
-    """gatec<X>exact: the gate (with the spec's sub_blocks) keeps each row's X x K best candidate blocks, which take
-    their exactmass scores (stated here by the loop: log of the block's softmax mass over the candidates' keys, max
-    over the group's heads); every other block scores -inf. X x K >= the candidates: exactmass itself."""
+    """gatec<X>exact: the gate (with the spec's sub_blocks) keeps each row's X x K best candidate blocks, which are
+    scored by their mass among themselves (stated here by the loop: log of the block's share of each query head's
+    softmax over the KEPT blocks' keys, max over the group's heads); every other block scores -inf. X x K >= the
+    candidates: exactmass itself."""
     gate, table, gtable = _gate_world()
     t = 12 * B + 5
     torch.manual_seed(4)
@@ -200,11 +201,14 @@ def test_two_level_exact_keeps_the_gates_best_then_ranks_by_block_mass():
             for h in range(2):
                 ranked = sorted(range(n_cand), key=lambda m: -float(first[p, h, m]))
                 kept = set(ranked[:4])  # X x K = 2 x 2
-                logits = (q[p, 2 * h: 2 * h + 2] @ k[: n_cand * B, h].T) / 4.0  # [G, T'] (D = 16)
-                mass = torch.softmax(logits, dim=-1).view(2, n_cand, B).sum(-1).amax(0)  # [n_cand]
+                order = sorted(kept)
+                keys = torch.cat([k[m * B:(m + 1) * B, h] for m in order])  # the kept blocks' keys only
+                logits = (q[p, 2 * h: 2 * h + 2] @ keys.T) / 4.0  # [G, 4 * B] (D = 16)
+                mass = torch.softmax(logits, dim=-1).view(2, len(order), B).sum(-1).amax(0)  # [4]
                 for m in range(got.shape[-1]):
                     if m in kept:
-                        assert torch.allclose(got[p, h, m], mass[m].log(), atol=1e-5), (sub, p, h, m)
+                        want = mass[order.index(m)].log()
+                        assert torch.allclose(got[p, h, m], want, atol=1e-5), (sub, p, h, m)
                     else:
                         assert got[p, h, m] == -inf, (sub, p, h, m)
         exact = block_scores(spec("exactmass"), 0, q, k, positions, table, gtable)
