@@ -152,15 +152,21 @@ def test_sub_block_scores_are_the_best_run():
                      positions, table, gtable)
 
 
+def _two_level_world(seed: int):
+    """(gate, model table, gate table, q [3, 4, 16], k [12 * B + 5, 2, 16], positions [3]) for the two-level tests:
+    12 complete blocks, queries with 1, 6 and 12 candidates."""
+    gate, table, gtable = _gate_world()
+    t = 12 * B + 5
+    torch.manual_seed(seed)
+    k = torch.randn(t, 2, 16)
+    q = torch.randn(3, 4, 16)
+    return gate, table, gtable, q, k, torch.tensor([20, 100, t - 1])
+
+
 def test_two_level_keeps_the_first_levels_best_then_ranks_by_runs():
     """gatesub<S>c<X>: the one-summary gate keeps each row's X x K best candidate blocks, which keep their
     gatesub<S> scores; every other block scores -inf. X x K >= the candidates: gatesub<S> itself."""
-    gate, table, gtable = _gate_world()
-    t = 12 * B + 5
-    torch.manual_seed(3)
-    k = torch.randn(t, 2, 16)
-    q = torch.randn(3, 4, 16)
-    positions = torch.tensor([20, 100, t - 1])
+    gate, table, gtable, q, k, positions = _two_level_world(3)
     spec = lambda name: SparseEvalSpec(top_k=2, block_size=B, selector=name, gates={0: gate})  # noqa: E731
     first = block_scores(spec("gate"), 0, q, k, positions, table, gtable).detach()
     runs = block_scores(spec("gatesub4"), 0, q, k, positions, table, gtable)
@@ -185,12 +191,7 @@ def test_two_level_exact_keeps_the_gates_best_then_ranks_by_block_mass():
     scored by their mass among themselves (stated here by the loop: log of the block's share of each query head's
     softmax over the KEPT blocks' keys, max over the group's heads); every other block scores -inf. X x K >= the
     candidates: exactmass itself."""
-    gate, table, gtable = _gate_world()
-    t = 12 * B + 5
-    torch.manual_seed(4)
-    k = torch.randn(t, 2, 16)
-    q = torch.randn(3, 4, 16)
-    positions = torch.tensor([20, 100, t - 1])
+    gate, table, gtable, q, k, positions = _two_level_world(4)
     for sub in (1, 4):
         spec = lambda name: SparseEvalSpec(top_k=2, block_size=B, selector=name, gates={0: gate},  # noqa: E731
                                            sub_blocks=sub)
