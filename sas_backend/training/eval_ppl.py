@@ -236,12 +236,12 @@ def gate_variants(gate_paths: Dict[str, str], records: Dict[str, dict], forced: 
 
 
 def check_candidates(names: List[str]) -> List[str]:
-    """`names` (--candidates), or SystemExit naming the first that is not a gate-free candidate selector."""
+    """`names` (--candidates), or SystemExit naming the first that is not a candidate eval_ppl runs."""
     from sas_backend.hf.candidates import is_candidate, sub_block_alias
 
     for name in names:
         if not is_candidate(name) or sub_block_alias(name, 64) is not None:
-            raise SystemExit(f"error: --candidates {name}: not a gate-free candidate of sas_backend.hf.candidates "
+            raise SystemExit(f"error: --candidates {name}: not a candidate eval_ppl runs (sas_backend.hf.candidates) "
                              "(exactmax, exactmass, pairs<R>, pca<R>[mass], keys<R>[mass], gatec<X>exact; the gate's "
                              "sub-blocks: --sub-blocks)")
     return list(names)

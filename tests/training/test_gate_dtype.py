@@ -257,7 +257,7 @@ def test_eval_ppl_refuses_what_is_not_a_gate_free_candidate():
 
     assert check_candidates(["exactmax", "pca8mass"]) == ["exactmax", "pca8mass"]
     for bad in ("gatesub16", "pca", "maxmass"):
-        with pytest.raises(SystemExit, match=f"--candidates {bad}: not a gate-free candidate"):
+        with pytest.raises(SystemExit, match=f"--candidates {bad}: not a candidate eval_ppl runs"):
             check_candidates([bad])
 
 
