@@ -234,9 +234,9 @@ def main(argv=None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sas_backend.hf.candidates import calibrate_model_pairs, calibrate_model_pca, is_candidate, top_pairs
+    from sas_backend.hf.candidates import is_candidate
     from sas_backend.hf.sparse_eval import SparseEvalSpec, eval_selectors, prompt_anchors
-    from sas_backend.training.eval_ppl import load_gates
+    from sas_backend.training.eval_ppl import calibrate_candidates, load_gates
 
     configs = [(c, *parse_config(c)) for c in args.configs]
     for c, name, _ in configs:
@@ -269,20 +269,8 @@ def main(argv=None) -> int:
         print(f"[retrieval] resuming {out}: {len(record['rows'])} rows", flush=True)
     done = {(r["length"], r["seed"], r["qid"], r["label"]) for r in record["rows"]}
 
-    index = {}  # config name -> its calibrated index (`SparseEvalSpec.index`)
-    pair_counts = {int(name[5:]) for _, name, _ in configs if name.startswith("pairs")}
-    pca_ranks = {int(name[3:].removesuffix("mass")) for _, name, _ in configs if name.startswith("pca")}
-    if pair_counts or pca_ranks:
-        from sas_backend.training.data import read_documents
-
-        essays = "\n\n".join(d.text for d in sorted(read_documents(["@essays"]), key=lambda d: d.name))
-        calib = torch.tensor(tok(essays, add_special_tokens=False)["input_ids"][: args.calib_tokens])
-        if pair_counts:
-            spread = calibrate_model_pairs(model, calib)
-            index.update({f"pairs{r}": top_pairs(spread, r) for r in pair_counts})
-        if pca_ranks:
-            for r, fit in calibrate_model_pca(model, calib, sorted(pca_ranks)).items():
-                index.update({f"pca{r}": fit, f"pca{r}mass": fit})
+    # config name -> its calibrated index (`SparseEvalSpec.index`): pairs<R> / pca<R>[mass], as eval_ppl calibrates
+    index = calibrate_candidates(model, tok, [name for _, name, _ in configs], args.calib_tokens)
     filler = filler_text(args.filler, tok)
     stop_ids = {tok.eos_token_id, *tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])} - {None}
     t_start = time.time()
