@@ -55,13 +55,14 @@ def _us(nbytes: float, gbs: float) -> float:
 
 
 def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4, sub_blocks: int = 1,
-                kv_bytes: int = 2, gate_dim: int = DG):
+                kv_bytes: int = 2, gate_dim: int = DG, rerank: int = 1):
     """[(kernel, grid, DRAM bytes, longest program's serial work, expected us)] of one sparse layer, steady
     step (the front's block-step extra as its own row). sub_blocks: run summaries a block (`--sas-sub-blocks`):
     select reads sub_blocks x Dg a block, the block step's front pools sub_blocks runs (each rereading its w_k
     rows) and finishes sub_blocks summaries. kv_bytes: bytes of a K / V element (2: bf16; 1: an fp8 KV cache, whose
     attend and block-step front read half the K / V bytes). gate_dim: the gate's Dg (a gate trained narrower reads
-    sub_blocks x gate_dim a block)."""
+    sub_blocks x gate_dim a block). rerank: X of `--sas-exact-rerank` (X > 1: select keeps X x K, and a fifth row, the
+    second level, reads those blocks' keys)."""
     import torch
 
     from sas_backend.ops.fused_step import (GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS, DecodeStepWorkspace,
@@ -72,6 +73,9 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     ws = DecodeStepWorkspace(StepGeometry(H_KV, G, D, D, gate_dim, k, B, sub_blocks), max(bs, 1), GRAPH_WIDTH,
                              torch.device("meta"),
                              target_programs=GPU_TARGET_PROGRAMS, qchunk=GPU_QCHUNK, kchunk=GPU_KCHUNK)
+    first = ws if rerank == 1 else DecodeStepWorkspace(
+        StepGeometry(H_KV, G, D, D, gate_dim, rerank * k, B, sub_blocks), max(bs, 1), GRAPH_WIDTH,
+        torch.device("meta"), target_programs=GPU_TARGET_PROGRAMS, qchunk=GPU_QCHUNK, kchunk=GPU_KCHUNK)
     rows = []
     # front, steady: UQ units of the gate query per (row, kv head); the UK summary programs exit at once.
     wq = H_KV * G * D * gate_dim * weight_bytes
@@ -89,12 +93,12 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     rows.append(("front (block step)", (bs, H_KV, ws.uq + ws.uk), wq + wk, f"{kunit // 1024} KB + finish", t_block))
     # select: NC chunk programs per (row, kv head); the active ones score `chunk` blocks' summaries.
     cand = (ctx - 1) // B
-    chunk = ws.select_chunk(bs)
+    chunk = first.select_chunk(bs)
     active = max(1, -(-cand // chunk))
-    nc = ws.select_chunks(GRAPH_WIDTH, bs)
+    nc = first.select_chunks(GRAPH_WIDTH, bs)
     summ = bs * H_KV * cand * sub_blocks * gate_dim * summary_bytes + bs * cand * 8
     prog = min(cand, chunk) * (sub_blocks * gate_dim * summary_bytes + 8)
-    survivors = active * ws.slots(bs)
+    survivors = active * first.slots(bs)
     merge = 0.0 if active == 1 else _us(survivors * 8 * 5, PROGRAM_GBS) + 4 * MERGE_PASS_US * max(1, survivors / 1024)
     t = max(FLOOR_US, _us(summ, DEVICE_GBS), _us(prog, PROGRAM_GBS) + FENCE_US) + merge
     rows.append(("select", (bs, H_KV, nc), summ,
@@ -108,7 +112,26 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     merge_b = 0 if splits == 1 else splits * G * D * 4 + splits * 2 * G * 4
     t = max(FLOOR_US, _us(kv, DEVICE_GBS), _us(prog, PROGRAM_GBS) + FENCE_US) + _us(merge_b, PROGRAM_GBS)
     rows.append(("attend", (bs, H_KV, splits), kv, f"{per} blocks ({prog // 1024} KB) + merge {merge_b // 1024} KB", t))
+    if rerank > 1:
+        rows.append(rerank_row(ctx, bs, rerank * k, kv_bytes))
     return rows
+
+
+def rerank_row(ctx: int, bs: int, first_k: int, kv_bytes: int) -> tuple:
+    """The second level (`ops.rerank`): splits of each (row, kv head)'s first_k blocks, each program reading its
+    blocks' K; the last to arrive reads the splits' log-sum-exps and radix-selects K of the first_k (as select's merge
+    does, over first_k survivors)."""
+    from sas_backend.ops.rerank import RerankWorkspace
+
+    ws = RerankWorkspace(max(bs, 1), H_KV, G, first_k, "meta")
+    splits = ws.splits(bs)
+    per = -(-first_k // splits)
+    blocks = min(first_k, (ctx - 1) // B)
+    k_bytes = bs * H_KV * blocks * B * D * kv_bytes
+    prog = per * B * D * kv_bytes
+    merge = (_us(ws.cp * G * 4, PROGRAM_GBS) if splits > 1 else 0.0) + 4 * MERGE_PASS_US * max(1, first_k / 1024)
+    t = max(FLOOR_US, _us(k_bytes, DEVICE_GBS), _us(prog, PROGRAM_GBS) + (FENCE_US if splits > 1 else 0)) + merge
+    return ("rerank", (bs, H_KV, splits), k_bytes, f"{per} blocks ({prog // 1024} KB) + select of {first_k}", t)
 
 
 def markdown() -> str:
@@ -160,8 +183,8 @@ def markdown() -> str:
                 f"{by[c, b][2]:.1f}x ({verdict(by[c, b][2] >= want)})"
                 for c, b, want in speed]
     targets.append("")
-    return "\n".join(out[:9] + ["## Summary", ""] + head + table + targets + sub_block_section() + fp8_section()
-                     + marks_section() + out[9:]).rstrip() + "\n"
+    return "\n".join(out[:9] + ["## Summary", ""] + head + table + targets + sub_block_section() + rerank_section()
+                     + fp8_section() + marks_section() + out[9:]).rstrip() + "\n"
 
 
 SUB_BLOCKS = 4  # the candidate of issue 63 (docs/quality.md, "Long-context retrieval")
@@ -170,8 +193,9 @@ SUB_BLOCKS = 4  # the candidate of issue 63 (docs/quality.md, "Long-context retr
 def steady_and_amortized(ctx: int, bs: int, **kw) -> tuple:
     """(steady us, amortized us) of one sparse layer under `kernel_rows(ctx, bs, **kw)`."""
     rows = kernel_rows(ctx, bs, **kw)
-    steady = rows[0][4] + rows[2][4] + rows[3][4]
-    return steady, (63 * steady + rows[1][4] + rows[2][4] + rows[3][4]) / 64
+    rest = sum(r[4] for r in rows[2:])  # select, attend (and the second level)
+    steady = rows[0][4] + rest
+    return steady, (63 * steady + rows[1][4] + rest) / 64
 
 
 def sub_block_section() -> list:
@@ -205,6 +229,46 @@ def sub_block_section() -> list:
 
     out += ["", f"Issue 63's serving-cost target, the step within 1.3x of one summary a block at 8K-256K: worst "
                 f"{verdict(worst)} at Dg {DG}, {verdict(worst_narrow)} at Dg {narrow}.", ""]
+    return out
+
+
+RERANKS = (2, 4)  # --sas-exact-rerank X measured in docs/quality.md
+
+
+def rerank_section() -> list:
+    """What `--sas-exact-rerank X` costs on paper: select keeps X x K, and the second level reads the keys of those
+    blocks (X x the attend's K bytes); bf16 summaries, gate weights and K/V (the CUDA default), per context and batch,
+    against one level; and the selector's bytes a step (summaries + the second level's keys) against dense's K + V."""
+    out = ["## Two levels, the second exact (`--sas-exact-rerank X`)", "",
+           "Select keeps X x K blocks (its survivors and merge grow X-fold), and one more launch reads their keys "
+           "(X x K blocks of bf16 K: X / 2 of the attend's K + V bytes), sums each block's softmax mass per query "
+           "head and keeps K (`ops.rerank`). bf16 summaries and gate weights (the CUDA default), amortized over 64 "
+           "steps:", "",
+           "| context | batch | one level us | " + " | ".join(f"X = {x} us | ratio" for x in RERANKS)
+           + " | dense us | selector bytes / dense's, " + " / ".join(f"X = {x}" for x in RERANKS) + " |",
+           "| ---: | ---: | ---: | " + " | ".join("---: | ---:" for _ in RERANKS) + " | ---: | ---: |"]
+    worst = {x: 0.0 for x in RERANKS}
+    for bs in BATCHES:
+        for ctx in CONTEXTS:
+            one = steady_and_amortized(ctx, bs, summary_bytes=2, weight_bytes=2)[1]
+            cells, shares = [], []
+            cand = (ctx - 1) // B
+            for x in RERANKS:
+                two = steady_and_amortized(ctx, bs, summary_bytes=2, weight_bytes=2, rerank=x)[1]
+                worst[x] = max(worst[x], two / one)
+                cells.append(f"{two:.1f} | {two / one:.2f}")
+                selector = cand * DG * 2 + min(x * BUDGET // B, cand) * B * D * 2  # a kv head's bytes a step
+                shares.append(f"1/{ctx * D * 2 * 2 / selector:.1f}")
+            out.append(f"| {ctx // 1024}K | {bs} | {one:.1f} | " + " | ".join(cells) + f" | {DENSE_US[ctx, bs]:.1f} | "
+                       + " / ".join(shares) + " |")
+
+    def verdict(x):
+        return f"{x:.2f}x ({'expected met' if x <= 1.3 else 'expected MISSED'})"
+
+    out += ["", "Issue 63's serving-cost target, the step within 1.3x of today's at 8K-256K: worst "
+            + ", ".join(f"{verdict(worst[x])} at X = {x}" for x in RERANKS) + ". The selector's bytes (summaries + "
+            "the second level's keys) reach 1/16 of dense's K + V only where X x the budget is under 1/8 of the "
+            "context.", ""]
     return out
 
 

@@ -79,6 +79,7 @@ KERNEL_MODULES = (
     "sas_backend.ops.topk.triton",
     "sas_backend.ops.gather.triton",
     "sas_backend.ops.fused_step.triton",
+    "sas_backend.ops.rerank.triton",
     "sas_backend.training.ops.gated_attention.fused",
 )
 TRAINING_MODULES = ("sas_backend.training.",)
@@ -102,7 +103,8 @@ RUNTIME_KEYS = dict(gate_query=("bs", "h_kv"), summarize_pages=("h_kv", "n"), su
                     summarize_listed=("h_kv",), late_blocks=("bs", "m"),
                     score=("bs", "h_kv", "m"), topk=("bs", "h_kv", "m", "sink", "local"),
                     gather=("bs", "h_kv", "m"), gated_attention=(), decode_front=("bs", "h_kv"),
-                    decode_select=("bs", "h_kv", "m", "sink", "local"), decode_attend=("bs", "h_kv"))
+                    decode_select=("bs", "h_kv", "m", "sink", "local"), decode_attend=("bs", "h_kv"),
+                    rerank=("bs", "h_kv"))
 # The one fp32 training geometry of the CI grid: the cheapest (about 20 CPU s for its 4 kernels).
 CI_FP32_TRAINING = dict(d=64, g=1)
 CI_HALF_TRAINING = ("bf16",)  # the 16-bit training dtype of the CI grid
@@ -181,6 +183,15 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
                           + [dict(d=sg["d"], g=sg["g"], dtype=sg["dtype"], k=k, **s) for s in spec for k in ks])
         if full else [dict(d=d, g=sg["g"], dtype=dt, k=sg["k"])
                       for d, dt in ((128, "bf16"), (128, "fp32"), (64, "fp16"))],
+        # The exact second level (--sas-exact-rerank X): first levels of X x K blocks (CP, K_TILE), every group and
+        # dim in bf16, the dtypes (fp8 keys with bf16 queries) at the spec geometry; the CI grid: the spec geometry at
+        # the serve default K with X = 2 and 4, G 1 and 7, fp32 and fp8 keys, anchors.
+        "rerank": (product(d=HEAD_DIMS, g=GROUPS, dtype=("bf16",), k=(sg["k"],), x=(2,))
+                   + [dict(d=sg["d"], g=sg["g"], dtype=dt, k=k, x=x, anchors=SERVED_ANCHORS)
+                      for dt in ("bf16", "fp32", "fp8e4", "fp8e5") for k in ks for x in (2, 4)]) if full else
+        [dict(d=sg["d"], g=g, dtype="bf16", k=sg["k"], x=x, anchors=SERVED_ANCHORS) for g in (1, sg["g"], 7)
+         for x in (2, 4)]
+        + [dict(d=d, g=sg["g"], dtype=dt, k=sg["k"], x=2) for d, dt in ((128, "fp32"), (128, "fp8e4"), (64, "bf16"))],
         "gated_attention": [p for p in product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES)
                             if grid == "full" or p["dtype"] in CI_HALF_TRAINING
                             or (p["dtype"] == "fp32" and all(p[k] == v for k, v in CI_FP32_TRAINING.items()))],
@@ -385,6 +396,19 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
         else:
             fused.attend(ws, torch.empty(bs, h_kv * g, d, dtype=dt), k_buffer, torch.empty_like(k_buffer),
                          torch.zeros(bs, h_kv, k, dtype=i32), table, seq_lens, d**-0.5)
+    elif op == "rerank":
+        from sas_backend.ops.rerank import RerankWorkspace
+        from sas_backend.ops.rerank.triton import rerank_blocks_triton
+
+        d, g, k, c = p["d"], p["g"], p["k"], p["k"] * p["x"]
+        kv = p["dtype"] if p["dtype"].startswith("fp8") else None
+        q = torch.empty(bs, h_kv * g, d, dtype=_dt("bf16" if kv else p["dtype"]))
+        k_buffer = torch.empty(pages * BLOCK, h_kv, d, dtype=_dt(kv or p["dtype"]))
+        anchors = torch.full((bs + 3, h_kv, p["anchors"]), -1, dtype=i32) if p.get("anchors") else None
+        rerank_blocks_triton(q, k_buffer, torch.zeros(bs, h_kv, c, dtype=i32), table, torch.full((bs,), m, dtype=i64),
+                             k, d**-0.5, BLOCK, *SERVED_FORCED, anchors,
+                             torch.zeros(bs, dtype=i64) if anchors is not None else None, 1.0,
+                             RerankWorkspace(bs, h_kv, g, c, "cpu"))
     elif op == "gated_attention":
         from sas_backend.training.ops.gated_attention import gated_attention
 

@@ -80,6 +80,8 @@ class SASConfig:
     sub_blocks: summaries per block (gate and quest): each b / sub_blocks-token run of a block is summarized as a
         block of its own and the block scores its best run (`SelectionRule.sub_blocks`). None: the gate's
         record, else 1.
+    exact_rerank: X > 1: two levels. The selector picks X x K blocks (forced blocks and anchors in), and the K of
+        highest exact attention mass among them are attended (`ops.rerank`). None: the gate's record, else 1.
     dense_below: a decode step whose requests hold at most this many context tokens in all (the
         sum of their lengths: what dense attention reads) attends every block densely instead of
         selecting; 0: never. None: on CPU budget + CPU_DENSE_MARGIN tokens (the measured batch-1
@@ -141,6 +143,12 @@ class SASConfig:
         "Summaries per block for the gate and quest selectors: each run of block-size / N tokens is summarized "
         "on its own and a block scores its best run (keeps needle-like keys; N x the summary pool and the bytes "
         "selection reads). 1: one summary a block.",
+        "default: the gate's record, else 1")
+    exact_rerank: Optional[int] = _setting(
+        None, "SAS_EXACT_RERANK", "--sas-exact-rerank",
+        "Two-level selection: the selector picks X x K blocks, then the K of highest exact attention mass among them "
+        "are attended (reads the keys of X x K blocks a step: X x the attention's K bytes; keeps what pooled "
+        "summaries rank coarsely). 1: one level.",
         "default: the gate's record, else 1")
     dense_below: Optional[int] = _setting(
         None, "SAS_DENSE_BELOW", "--sas-dense-below",
@@ -217,6 +225,10 @@ class SASConfig:
         ranked = (f"the {self.selector} selector chooses the other {free} of {self.top_k} blocks" if free < self.top_k
                   else f"the {self.selector} selector chooses all {self.top_k} blocks, none forced")
         anchors = f", prompt anchors {self.prompt_anchors} ({origins['prompt_anchors']})" if self.prompt_anchors else ""
+        x = self.exact_rerank or 1
+        if x > 1:
+            ranked += (f" from {x * self.top_k} it picks, by their exact attention mass (--sas-exact-rerank {x}, "
+                       f"{origins['exact_rerank']})")
         return (f"budget {self.budget} tokens ({origins['budget']}); forced blocks: sink {self.sink_blocks} "
                 f"({origins['sink_blocks']}), local {self.local_blocks} ({origins['local_blocks']}){anchors}; {ranked}")
 
@@ -236,6 +248,8 @@ class SASConfig:
                 f"(it is spent in whole blocks), got {self.budget}; "
                 f"for example --sas-budget {max(1, round(self.budget / self.block_size)) * self.block_size}"
             )
+        if self.exact_rerank is not None and self.exact_rerank < 1:
+            raise SASConfigError(f"--sas-exact-rerank must be >= 1 (1: one level), got {self.exact_rerank}")
         for name in ("first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "dense_below"):
             if (getattr(self, name) or 0) < 0:
                 raise SASConfigError(f"SAS {name} must be >= 0, got {getattr(self, name)}")
@@ -258,6 +272,9 @@ class SASConfig:
                 f"SAS sink ({self.sink_blocks}) + local ({self.local_blocks}) + prompt anchor "
                 f"({self.prompt_anchors}) blocks exceed the {self.top_k} blocks the budget {self.budget} allows"
             )
+        if (self.exact_rerank or 1) > 1 and not kind.ranks:
+            raise SASConfigError(f"--sas-exact-rerank ranks the blocks a selector picks; {self.selector} forces every "
+                                 "block it selects (choose gate or quest)")
         if self.prompt_anchors and not kind.ranks:
             raise SASConfigError(f"--sas-prompt-anchors needs a ranking selector: {self.selector} forces every block "
                                  "it selects")
@@ -315,7 +332,8 @@ class SASConfig:
 
 
 #: Settings a gate checkpoint may supply (`GateConfig.serve_defaults`), with their fallbacks.
-_FROM_GATE = {"budget": DEFAULT_BUDGET, "sink_blocks": 0, "local_blocks": 0, "prompt_anchors": 0, "sub_blocks": 1}
+_FROM_GATE = {"budget": DEFAULT_BUDGET, "sink_blocks": 0, "local_blocks": 0, "prompt_anchors": 0, "sub_blocks": 1,
+              "exact_rerank": 1}
 
 
 @dataclasses.dataclass(frozen=True)

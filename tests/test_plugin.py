@@ -224,7 +224,7 @@ def test_settings_table_is_the_fields(parse):
     assert [s.field for s in SETTINGS if s.flag is None] == ["force_sparse", "summary_marks", "debug_dir", "cpu_extend"]
     assert {s.field for s in SETTINGS if s.type is int} == {
         "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "sub_blocks",
-        "dense_below", "force_sparse", "summary_marks"}
+        "exact_rerank", "dense_below", "force_sparse", "summary_marks"}
     import argparse
 
     from sglang.srt.server_args import ServerArgs
@@ -415,7 +415,7 @@ def test_launch_logs_the_forced_blocks_and_where_they_came_from(parse, clean_env
     assert "trained with" not in text
     assert SASConfig(selector="quest").origins() == {"budget": "default", "sink_blocks": "default",
                                                      "local_blocks": "default", "prompt_anchors": "default",
-                                                     "sub_blocks": "default"}
+                                                     "sub_blocks": "default", "exact_rerank": "default"}
 
 
 def test_records_keep_no_machine_paths():

@@ -29,6 +29,7 @@ rows gathered, FlashInfer's paged decode; CUDA only) or "torch" (one masked SDPA
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Optional
 
 import torch
@@ -38,6 +39,7 @@ from sas_backend.backend.graph_branch import captured_if, capturing, conditional
 from sas_backend.backend.step_settings import StepSettings
 from sas_backend.ops import fused_step
 from sas_backend.ops.late_blocks import list_late_blocks
+from sas_backend.ops.rerank import RerankWorkspace, rerank_blocks
 from sas_backend.ops.sparse_decode import make_sparse_decode
 
 # Most rows the fused path serves in one step: its workspace grows with it (~57.5 MiB at Qwen3-4B shapes and
@@ -69,14 +71,16 @@ class DecodeStep:
     repair_late: the step keeps the summary pool's validity marks on the device (`summaries.valid`; the form CUDA
     graphs can hold): `repair` lists the complete blocks whose pages hold no valid summary, marks the step's
     complete blocks and summarizes the listed ones in every sparse layer before the step's layers run
-    (`ops.late_blocks`).
+    (`ops.late_blocks`); exact_rerank: X > 1 selects in two levels (`--sas-exact-rerank`): the selector (or the fused
+    select) picks X x K blocks, `ops.rerank` keeps the K of highest exact attention mass among them.
     """
 
     def __init__(self, selector, geometry: fused_step.StepGeometry, req_to_token: torch.Tensor, device, q_dtype,
                  kv_dtype, scaling: float, settings: StepSettings = StepSettings(), *,
                  summaries: Optional[Mapping] = None, gates=None, rope=None, anchors: Optional[Mapping] = None,
                  kv_scales: Optional[Mapping] = None, force_sparse: bool = False,
-                 workspace: Optional[torch.Tensor] = None, rows_per_request: int = 1, repair_late: bool = False):
+                 workspace: Optional[torch.Tensor] = None, rows_per_request: int = 1, repair_late: bool = False,
+                 exact_rerank: int = 1):
         self.device = torch.device(device)
         self.settings = settings.check(self.device, selector)
         if geometry.sub_blocks != selector.rule.sub_blocks:
@@ -110,6 +114,25 @@ class DecodeStep:
                                                            self.device, chunk=settings.select_chunk,
                                                            target_programs=settings.target_programs,
                                                            launch=settings.launch)
+        # Two levels (--sas-exact-rerank X): the first picks X x K blocks (its own fused select workspace), the
+        # second keeps K by exact mass (its kernel's workspace on CUDA; its K-wide output persists for graphs).
+        self.exact_rerank = max(1, int(exact_rerank))
+        self.first_selector, self.first_ws, self.rerank_ws, self.rerank_out = selector, self.fused_ws, None, None
+        if self.exact_rerank > 1:
+            first_k = self.exact_rerank * self.top_k
+            if not selector.ranks:
+                raise ValueError(f"exact_rerank ranks the blocks a selector picks; {selector.name} forces them all")
+            self.first_selector = type(selector)(dataclasses.replace(selector.rule, top_k=first_k))
+            if self.fused_ws is not None:
+                self.first_ws = fused_step.DecodeStepWorkspace(
+                    dataclasses.replace(geometry, top_k=first_k), self.fused_rows(max_rows), self.max_blocks,
+                    self.device, chunk=settings.select_chunk, target_programs=settings.target_programs,
+                    launch=settings.launch)
+            if self.on_device or self.fused_ws is not None:  # the kernel: CUDA, or the interpreter on CPU
+                self.rerank_ws = RerankWorkspace(max_rows, geometry.num_kv_heads, geometry.group, first_k,
+                                                 self.device)
+            self.rerank_out = torch.full((max_rows, geometry.num_kv_heads, self.top_k), -1, dtype=torch.int32,
+                                         device=self.device)
         # The per-op attention: every step when attention is not "triton", else batches past the workspace.
         self.sparse_decode = make_sparse_decode(
             self.device, geometry.num_kv_heads, geometry.group, geometry.head_dim, self.top_k, self.block_size,
@@ -146,10 +169,33 @@ class DecodeStep:
         return sum(t.numel() * t.element_size() for ts in self._front_weights.values() for t in ts)
 
     @property
+    def rerank_nbytes(self) -> int:
+        """Device bytes of the second level's buffers (the first level's fused select workspace, the rerank kernel's
+        workspace, the selection it writes); 0 with one level."""
+        if self.exact_rerank == 1:
+            return 0
+        first = self.first_ws.nbytes if self.first_ws is not None else 0
+        return first + (self.rerank_ws.nbytes if self.rerank_ws is not None else 0) + self.rerank_out.numel() * 4
+
+    @staticmethod
+    def rerank_bytes_for(exact_rerank: int, num_kv_heads: int, group: int, top_k: int, max_rows: int,
+                         on_device: bool, first_workspace_bytes: int = 0) -> int:
+        """`rerank_nbytes` of a step of these sizes (`backend.memory` reserves it): first_workspace_bytes, the fused
+        select workspace at X x K when the fused kernels run (`memory.decode_step_workspace_bytes`; the rerank
+        kernel's workspace exists on a device or beside it)."""
+        if exact_rerank <= 1:
+            return 0
+        kernel = on_device or first_workspace_bytes > 0
+        ws = RerankWorkspace.nbytes_for(max_rows, num_kv_heads, group, exact_rerank * top_k) if kernel else 0
+        return first_workspace_bytes + ws + max_rows * num_kv_heads * top_k * 4
+
+    @property
     def device_nbytes(self) -> int:
-        """Device bytes this object allocated (the fused workspace and the front's gate-weight copies; the pools it
-        was handed and FlashInfer's buffers are counted by `backend.memory` under their own names)."""
-        return (self.fused_ws.nbytes if self.fused_ws is not None else 0) + self.front_weight_nbytes
+        """Device bytes this object allocated (the fused workspace, the front's gate-weight copies and the second
+        level's buffers; the pools it was handed and FlashInfer's buffers are counted by `backend.memory` under their
+        own names)."""
+        return (self.fused_ws.nbytes if self.fused_ws is not None else 0) + self.front_weight_nbytes \
+            + self.rerank_nbytes
 
     def follow_rope(self) -> None:
         """Take the RoPE tables' current tensors (host side, before a step or an extend: `RopeTables` follows SGLang
@@ -293,14 +339,22 @@ class DecodeStep:
             gq = fused_step.front(ws, q, step.model_cos_sin, step.gate_cos_sin, w_q, q_norm, k_buffer,
                                   self.model_table, self.gate_table, w_k, k_norm, summaries, step.block_table,
                                   step.seq_lens, k_scale)
-            selected = fused_step.select(ws, gq, summaries, step.block_table, step.num_candidates, plan.max_blocks,
-                                         rule.sink_blocks, rule.local_blocks, anchors, step.req_pool_indices)
+            selected = fused_step.select(self.first_ws, gq, summaries, step.block_table, step.num_candidates,
+                                         plan.max_blocks, rule.sink_blocks, rule.local_blocks, anchors,
+                                         step.req_pool_indices)
         else:
             if update:
                 self.update_summaries(plan, layer_id, k_buffer)
             rows = None if anchors is None else anchors[step.req_pool_indices.long()]
-            selected = self.selector.select(gate, q, step.model_cos_sin, step.gate_cos_sin, summaries,
-                                            step.block_table, step.num_candidates, plan.max_blocks, rows)
+            selected = self.first_selector.select(gate, q, step.model_cos_sin, step.gate_cos_sin, summaries,
+                                                  step.block_table, step.num_candidates, plan.max_blocks, rows)
+        if self.exact_rerank > 1:
+            # the fused path launches the kernel on CPU too (Triton's interpreter), as it does its own three
+            selected = rerank_blocks(q, k_buffer, selected, step.block_table, step.num_candidates, self.top_k,
+                                     plan.max_blocks, self.scaling, self.block_size, rule.sink_blocks,
+                                     rule.local_blocks, anchors, step.req_pool_indices, k_scale, self.rerank_ws,
+                                     self.rerank_out[:plan.bs], self.settings.launch,
+                                     kernel=True if plan.fused else None)
         self.last_selected = selected
         if self._triton_attention(plan.bs):
             return fused_step.attend(self.fused_ws, q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,

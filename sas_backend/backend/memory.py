@@ -25,6 +25,9 @@ K = budget // b, R = max running requests + 1 = rows of `req_to_token`):
   FlashInfer alike) and FlashInfer's last-page-len `[R * H_kv]` int32 buffer (also there),
   FlashInfer's 128 MiB float workspace (unless shared with the wrapped backend's) and 8 MiB of int
   workspace per FlashInfer wrapper (one eager + one per captured decode batch size).
+- `--sas-exact-rerank X` (two levels): the second level's `[rows, H_kv, K]` int32 selection, on CUDA its kernel's
+  per-(row, kv head) block log-sum-exps (`ops.rerank.RerankWorkspace`) and, under the fused kernels, the first level's
+  select workspace at X x K (`DecodeStep.rerank_bytes_for`).
 
 Not reserved here: the wrapped dense backend's own buffers (the dense FlashInfer backend
 allocates the same ones when SGLang serves dense, and SGLang's default mem_fraction_static
@@ -99,6 +102,7 @@ def sas_memory(
     front_gate_bytes: int = 0,
     anchor_scratch_bytes: int = 0,
     rows_per_request: int = 1,
+    rerank_bytes: int = 0,
 ) -> SASMemory:
     """The sas backend's allocation on one rank (see the module doc for each term).
 
@@ -117,7 +121,8 @@ def sas_memory(
     (`decode_step_workspace_bytes`); front_gate_bytes: bytes per element of the fused front's copy of the gate
     weights (2 under `--sas-gate-dtype bf16`; 0: it reads the gate itself); anchor_scratch_bytes: the prompt
     anchors' scratch at extend (`ops.anchors.anchor_scratch_bytes`, one layer at a time); rows_per_request: decode
-    rows a request brings to one step (n draft tokens under speculative decoding: a verify step).
+    rows a request brings to one step (n draft tokens under speculative decoding: a verify step); rerank_bytes: the
+    second level's buffers under `--sas-exact-rerank` (`DecodeStep.rerank_bytes_for`).
     """
     from sas_backend.backend.anchor_pool import AnchorPool
     from sas_backend.backend.rope_tables import RopeTables
@@ -144,6 +149,8 @@ def sas_memory(
             fixed[TRANSIENT] = anchor_scratch_bytes
     if decode_step_bytes:
         fixed["decode step workspace"] = decode_step_bytes
+    if rerank_bytes:
+        fixed["exact rerank"] = rerank_bytes
     if on_cuda and flashinfer_attention:
         fixed["flashinfer sparse decode"] = FlashInferSparseDecode.nbytes_for(
             (max_reqs + 1) * rows_per_request * num_kv_heads, top_k, block_size, 1 + num_graph_batch_sizes,
@@ -310,16 +317,21 @@ def memory_for_sglang(owner, max_reqs: Optional[int] = None) -> tuple:
     from sas_backend.backend.verify_rows import draft_tokens_from_args
 
     rows_per_request = max(1, draft_tokens_from_args(server_args))  # a verify step: n decode rows a request
-    fused_bytes = 0
+    fused_bytes = first_bytes = 0
+    rerank = cfg.exact_rerank or 1
     if DecodeStep.fused_workspace(settings):
         from sas_backend.backend.sglang_compat import req_to_token_width
 
         # sized, as DecodeStep sizes it, for the slot table's width (else the RoPE table's: never narrower)
         width = req_to_token_width(owner.model_config) or context_len
-        fused_bytes = decode_step_workspace_bytes(kv_heads, geo.group_size, geo.head_dim, gate_dim, cfg.top_k,
-                                                  cfg.block_size, max_reqs, width, on_cuda,
-                                                  settings.select_chunk, settings.target_programs, rows_per_request,
-                                                  selector.rule.sub_blocks)
+
+        def fused_at(top_k: int) -> int:
+            return decode_step_workspace_bytes(kv_heads, geo.group_size, geo.head_dim, gate_dim, top_k,
+                                               cfg.block_size, max_reqs, width, on_cuda, settings.select_chunk,
+                                               settings.target_programs, rows_per_request, selector.rule.sub_blocks)
+
+        fused_bytes = fused_at(cfg.top_k)
+        first_bytes = fused_at(rerank * cfg.top_k) if rerank > 1 else 0  # the first level's select at X x K
     mem = sas_memory(
         num_sparse_layers=geo.num_layers - cfg.first_sparse_layer,
         num_kv_heads=kv_heads,
@@ -340,6 +352,8 @@ def memory_for_sglang(owner, max_reqs: Optional[int] = None) -> tuple:
         flashinfer_attention=DecodeStep.per_op_attention(settings, (max_reqs + 1) * rows_per_request),
         rows_per_request=rows_per_request,
         decode_step_bytes=fused_bytes,
+        rerank_bytes=DecodeStep.rerank_bytes_for(rerank, kv_heads, geo.group_size, cfg.top_k,
+                                                 (max_reqs + 1) * rows_per_request, on_cuda, first_bytes),
         anchor_scratch_bytes=anchor_scratch_bytes(kv_heads, geo.group_size, geo.head_dim, kv_elem, cfg.block_size,
                                                   context_len) if cfg.prompt_anchors else 0,
         # DecodeStep's copies of the gate weights for the fused front (--sas-gate-dtype bf16)

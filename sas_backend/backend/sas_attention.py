@@ -179,7 +179,7 @@ class SASAttnBackend(AttentionBackend):
             # The wrapped FlashInfer backend's float workspace: used in stream order, never at the
             # same time as ours, so one buffer serves both (backend/memory.py counts it so).
             workspace=getattr(inner, "workspace_buffer", None), rows_per_request=max(1, int(draft_tokens)),
-            repair_late=self.device_marks,
+            repair_late=self.device_marks, exact_rerank=cfg.exact_rerank or 1,
         )
         self.draft_tokens = int(draft_tokens)
         self._verify_buffers = None  # captured verify steps: persistent decode-row lengths and req rows
@@ -207,10 +207,11 @@ class SASAttnBackend(AttentionBackend):
                     str(settings.gate_dtype).replace("torch.", ""), settings.launch, settings.source)
         logger.info(
             "sas: %s selector, %d sparse layers from layer %d, budget %d tokens (K=%d blocks of %d), "
-            "sink %d, local %d, prompt anchors %d, %d summaries a block; summary pool %d pages x %d kv heads x %d "
-            "dims = %.1f MiB",
+            "sink %d, local %d, prompt anchors %d, %d summaries a block, exact rerank %d; summary pool %d pages x %d "
+            "kv heads x %d dims = %.1f MiB",
             cfg.selector, len(gates), cfg.first_sparse_layer, cfg.budget, self.top_k, self.block_size,
-            selector.rule.sink_blocks, selector.rule.local_blocks, anchor_count, selector.rule.sub_blocks, num_pages,
+            selector.rule.sink_blocks, selector.rule.local_blocks, anchor_count, selector.rule.sub_blocks,
+            self.step.exact_rerank, num_pages,
             num_kv_heads, summary_dim, summaries.nbytes / 2**20,
         )
 
@@ -241,6 +242,8 @@ class SASAttnBackend(AttentionBackend):
             held["prompt anchors"] = step.anchors.nbytes
         if step.fused_ws is not None:
             held["decode step workspace"] = step.fused_ws.nbytes
+        if step.rerank_nbytes:
+            held["exact rerank"] = step.rerank_nbytes
         per_op = step.sparse_decode.device_nbytes() if step.sparse_decode is not None else 0
         if per_op:
             held["flashinfer sparse decode"] = per_op

@@ -75,7 +75,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 #: Integer settings a gate's `serving` record may hold (see `GateConfig.serve_defaults`).
-_SERVING_INTS = ("budget", "sink_blocks", "local_blocks", "prompt_anchors", "sub_blocks")
+_SERVING_INTS = ("budget", "sink_blocks", "local_blocks", "prompt_anchors", "sub_blocks", "exact_rerank")
 
 
 def _serving_problems(serving: Any, block_size: int) -> list[str]:
@@ -89,6 +89,8 @@ def _serving_problems(serving: Any, block_size: int) -> list[str]:
             problems.append(f"serving.{k} must be a non-negative integer, got {v!r}")
     if problems:
         return problems
+    if serving.get("exact_rerank") == 0:
+        problems.append("serving.exact_rerank must be >= 1 (1: one level), got 0")
     sub = serving.get("sub_blocks")
     if sub is not None and not sub_blocks_ok(sub, block_size):
         problems.append(f"serving.sub_blocks {sub} is not a power of two dividing the block size {block_size}")
@@ -194,8 +196,8 @@ class GateConfig:
             raise GateCheckpointError(where + "invalid gate config: " + "; ".join(problems))
 
     def serve_defaults(self) -> dict:
-        """`{"budget", "sink_blocks", "local_blocks", "prompt_anchors", "sub_blocks"}` the server uses when the launch
-        names none:
+        """`{"budget", "sink_blocks", "local_blocks", "prompt_anchors", "sub_blocks", "exact_rerank"}` the server uses
+        when the launch names none:
         the `serving` record, else the training budget (under the one budget rule K = budget // b,
         the K the gate was trained with) and no forced blocks; keys it cannot tell are left out."""
         out = {k: self.serving[k] for k in _SERVING_INTS if k in self.serving}

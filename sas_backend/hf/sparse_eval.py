@@ -21,10 +21,10 @@ import torch
 from sas_backend.gate.module import AttnGate
 from sas_backend.hf.causal import causal_sdpa
 from sas_backend.hf.candidates import (
-    candidate_scores, gate_exact_factor, is_candidate, keep_first_level, sub_block_alias, token_max_scores,
-    two_level_factor,
+    candidate_scores, gate_exact_factor, is_candidate, keep_first_level, sub_block_alias, two_level_factor,
 )
 from sas_backend.ops.anchors import block_mass, force_anchors, top_anchors
+from sas_backend.ops.rerank import rerank_blocks
 from sas_backend.selection import SelectionRule, make_selector, selector_class, selector_names
 
 ATTN_NAME = "sas_sparse_eval"
@@ -171,12 +171,36 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
             whole = whole.to(spec.summary_dtype).float()
         first_scores = first.scores(gate, q_post, model_table[positions], gate_rows, whole, block_table, n_cand, m)
         scores = keep_first_level(scores, first_scores, factor * spec.top_k, n_cand)
-    if exact_factor is not None:  # the gate's scores are the first level; exactmass ranks what it keeps
-        kept = torch.isfinite(keep_first_level(torch.zeros_like(scores), scores, exact_factor * spec.top_k, n_cand))
-        scores = token_max_scores(q_post, k_post, positions, b, mass=True, among=kept)
+    anchors = None
     if spec.anchors is not None and layer_idx in spec.anchors:
-        scores = force_anchors(scores, spec.anchors[layer_idx].expand(positions.numel(), -1, -1), n_cand)
+        anchors = spec.anchors[layer_idx].expand(positions.numel(), -1, -1)
+        scores = force_anchors(scores, anchors, n_cand)
+    if exact_factor is not None:  # the server's two levels (`--sas-exact-rerank X`, ops.rerank), as it runs them
+        scores = _exact_second_level(selector, exact_factor, scores, q_post, k_post, block_table, n_cand, m, anchors)
     return selector, scores, n_cand
+
+
+# Rows of queries the exact second level scores at once (its torch path gathers each row's X x K blocks' keys).
+_RERANK_ROWS = 64
+
+
+def _exact_second_level(selector, factor: int, scores, q_post, k_post, block_table, n_cand, m: int, anchors):
+    """Scores `[P, H_kv, M]` that `selector.pick` turns into the server's two-level selection: the first level picks
+    factor x K blocks from `scores` (forced blocks and anchors in), `ops.rerank.rerank_blocks` keeps K of them by
+    their exact attention mass; the kept blocks score 0, the rest -inf (the pick then takes exactly them: they
+    hold the forced ones, and a row with at most K candidates keeps all). The softmax scale is D^-1/2 (every model
+    evaluated here)."""
+    rule = selector.rule
+    first = make_selector(selector.name, dataclasses.replace(rule, top_k=factor * rule.top_k)).pick(scores, n_cand)
+    out = torch.full_like(scores, float("-inf"))
+    for r0 in range(0, q_post.shape[0], _RERANK_ROWS):
+        rows = slice(r0, r0 + _RERANK_ROWS)
+        kept = rerank_blocks(q_post[rows], k_post, first[rows], block_table[rows], n_cand[rows], rule.top_k, m,
+                             q_post.shape[-1] ** -0.5, rule.block_size, rule.sink_blocks, rule.local_blocks,
+                             None if anchors is None else anchors[rows])
+        wide = torch.full((kept.shape[0], kept.shape[1], m + 1), float("-inf"), device=scores.device)
+        out[rows] = wide.scatter_(-1, torch.where(kept >= 0, kept.long(), m), 0.0)[..., :m]
+    return out
 
 
 def oracle_scores(logits: torch.Tensor, positions: torch.Tensor, block_size: int, width: int) -> torch.Tensor:

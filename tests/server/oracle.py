@@ -68,7 +68,7 @@ def _per_head(scale: Scale) -> torch.Tensor:
 class Rule:
     """What the server under test was launched with: --sas-budget (K = budget // b), --sas-selector,
     --sas-gate (a canonical checkpoint directory), --sas-sink-blocks, --sas-local-blocks, --sas-prompt-anchors,
-    --sas-sub-blocks.
+    --sas-sub-blocks, --sas-exact-rerank.
     sparse_from: the first sparse query position (the prompt length: the prefill is dense)."""
 
     budget: int
@@ -80,6 +80,7 @@ class Rule:
     prompt_anchors: int = 0
     block_size: int = 64
     sub_blocks: int = 1
+    exact_rerank: int = 1  # X > 1: the selector picks X x K blocks, the K of most attention mass among them are kept
     kv_fp8: Optional[torch.dtype] = None  # the fp8 dtype of the KV cache (None: the model's dtype)
     # per layer: s or (k_s, v_s), each a float or one a kv head (tensor parallelism: a rank's own); None: 1.0
     kv_scales: Optional[Dict[int, Union[float, Tuple[Scale, Scale]]]] = None
@@ -98,9 +99,10 @@ class Rule:
         return self.sink_blocks, self.local_blocks
 
 
-def select(rule: Rule, n: int, scores: Optional[List[float]] = None, anchors=()) -> List[int]:
-    """The blocks attended (ascending) among n candidates, given their scores and the request's anchors."""
-    k = rule.top_k
+def select(rule: Rule, n: int, scores: Optional[List[float]] = None, anchors=(), k: Optional[int] = None) -> List[int]:
+    """The blocks attended (ascending) among n candidates, given their scores and the request's anchors (k blocks;
+    None: the rule's K)."""
+    k = rule.top_k if k is None else k
     if n <= k:
         return list(range(n))
     sink, local = rule.forced()
@@ -259,8 +261,18 @@ def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> O
         allowed = torch.zeros(h_kv, t - start, t, dtype=torch.bool)  # [H_kv, P, T]: keys attended
         for i, p in enumerate(positions.tolist()):
             n = p // b
-            picks = [select(rule, n, scores[i, h, :n].tolist(), anchors.get(layer, [()] * h_kv)[h])
+            head_anchors = anchors.get(layer, [()] * h_kv)
+            picks = [select(rule, n, scores[i, h, :n].tolist(), head_anchors[h], k=rule.exact_rerank * rule.top_k)
                      for h in range(h_kv)]
+            if rule.exact_rerank > 1 and n > rule.top_k:  # the second level: the picks by their mass among themselves
+                for h in range(h_kv):
+                    keys = torch.cat([k_post[m * b:(m + 1) * b, h].float() for m in picks[h]])
+                    logits = q_post[p, h * g:(h + 1) * g].float() @ keys.T * scaling  # [G, tokens of the picks]
+                    mass = torch.softmax(logits, -1).view(g, len(picks[h]), b).sum(-1).amax(0).tolist()
+                    second = [float("-inf")] * n
+                    for m, w in zip(picks[h], mass):
+                        second[m] = w
+                    picks[h] = select(rule, n, second, head_anchors[h])
             selected[layer][p] = picks
             for h in range(h_kv):
                 for m in picks[h]:  # the selected blocks' keys, then the query's own block up to the query

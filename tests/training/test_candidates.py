@@ -11,7 +11,7 @@ from sas_backend.gate.module import AttnGate
 from sas_backend.hf.candidates import (
     calibrate_pairs, candidate_scores, fit_pca, is_candidate, pair_dims, token_max_scores,
 )
-from sas_backend.hf.sparse_eval import SparseEvalSpec, block_scores, model_rope_table, sparse_eval
+from sas_backend.hf.sparse_eval import SparseEvalSpec, block_scores, model_rope_table, select_for_queries, sparse_eval
 
 B = 16
 inf = float("inf")
@@ -187,33 +187,30 @@ def test_two_level_keeps_the_first_levels_best_then_ranks_by_runs():
 
 
 def test_two_level_exact_keeps_the_gates_best_then_ranks_by_block_mass():
-    """gatec<X>exact: the gate (with the spec's sub_blocks) keeps each row's X x K best candidate blocks, which are
-    scored by their mass among themselves (stated here by the loop: log of the block's share of each query head's
-    softmax over the KEPT blocks' keys, max over the group's heads); every other block scores -inf. X x K >= the
-    candidates: exactmass itself."""
+    """gatec<X>exact selects as the server's `--sas-exact-rerank X`: the gate (with the spec's sub_blocks) picks
+    each row's X x K blocks (forced sink / local blocks in, then by score), and of those the K of highest mass among
+    themselves are kept (stated here by the loop: each query head's softmax over the KEPT blocks' keys, a block's
+    share max over the group's heads), forced blocks first. X x K >= the candidates: exactmass's own pick."""
     gate, table, gtable, q, k, positions = _two_level_world(4)
-    for sub in (1, 4):
+    for sub, sink, local in ((1, 0, 0), (4, 0, 0), (1, 1, 1)):
         spec = lambda name: SparseEvalSpec(top_k=2, block_size=B, selector=name, gates={0: gate},  # noqa: E731
-                                           sub_blocks=sub)
+                                           sub_blocks=sub, sink_blocks=sink, local_blocks=local)
         first = block_scores(spec("gate"), 0, q, k, positions, table, gtable).detach()
-        got = block_scores(spec("gatec2exact"), 0, q, k, positions, table, gtable).detach()
+        got = select_for_queries(spec("gatec2exact"), 0, q, k, positions, table, gtable)
         for p, pos in enumerate(positions.tolist()):
             n_cand = pos // B
             for h in range(2):
-                ranked = sorted(range(n_cand), key=lambda m: -float(first[p, h, m]))
-                kept = set(ranked[:4])  # X x K = 2 x 2
-                order = sorted(kept)
+                forced = sorted({m for m in range(n_cand) if m < sink or m >= n_cand - local})
+                ranked = sorted((m for m in range(n_cand) if m not in forced), key=lambda m: -float(first[p, h, m]))
+                order = sorted(forced + ranked[:4 - len(forced)])  # X x K = 2 x 2
                 keys = torch.cat([k[m * B:(m + 1) * B, h] for m in order])  # the kept blocks' keys only
                 logits = (q[p, 2 * h: 2 * h + 2] @ keys.T) / 4.0  # [G, 4 * B] (D = 16)
-                mass = torch.softmax(logits, dim=-1).view(2, len(order), B).sum(-1).amax(0)  # [4]
-                for m in range(got.shape[-1]):
-                    if m in kept:
-                        want = mass[order.index(m)].log()
-                        assert torch.allclose(got[p, h, m], want, atol=1e-5), (sub, p, h, m)
-                    else:
-                        assert got[p, h, m] == -inf, (sub, p, h, m)
-        exact = block_scores(spec("exactmass"), 0, q, k, positions, table, gtable)
-        assert torch.allclose(block_scores(spec("gatec6exact"), 0, q, k, positions, table, gtable), exact)
+                mass = torch.softmax(logits, dim=-1).view(2, len(order), B).sum(-1).amax(0)
+                best = sorted((m for m in order if m not in forced), key=lambda m: -float(mass[order.index(m)]))
+                want = sorted(forced + best[:2 - len(forced)])
+                assert got[p, h].tolist() == want + [-1] * (2 - len(want)), (sub, sink, p, h)
+        exact = select_for_queries(spec("exactmass"), 0, q, k, positions, table, gtable)
+        assert torch.equal(select_for_queries(spec("gatec6exact"), 0, q, k, positions, table, gtable), exact)
     assert is_candidate("gatec2exact") and not is_candidate("gatecexact")
     with pytest.raises(ValueError, match="needs gates"):
         SparseEvalSpec(top_k=2, selector="gatec2exact")

@@ -1,0 +1,109 @@
+"""The exact second level of a two-level selection (`--sas-exact-rerank X`): ONE entry point, the Triton kernel on
+CUDA, torch elsewhere.
+
+The first level (the selector's pick, at X x K blocks: forced sink / local blocks and prompt anchors in) names a
+candidate set per (row, kv head); this level reads those blocks' keys and keeps the K whose exact attention mass
+among them is highest (each query head's softmax over the set's tokens, a block's mass summed over its tokens, max
+over the kv group's heads), forced blocks kept. Pooled summaries rank the far blocks coarsely; the exact mass is
+what the attention will spend (bench/results/2026-12-06-long-ppl: Qwen2.5-Coder code at 16K, budget 1024, X = 2:
++1.5% perplexity where the gate alone loses +6.6% and the attention-mass oracle +0.8%).
+
+- `rerank_blocks(q, k_buffer, first, block_table, num_candidates, k, max_blocks, scale, block_size, ...)`: the K
+  blocks `[bs, H_kv, K]` int32.
+- `exact_block_scores(...)`: the torch path's `[bs, H_kv, C]` log-masses (tests, analysis).
+- `RerankWorkspace`: the kernel's buffers, planned once for a server's most rows (plan once, run many).
+
+`naive.rerank_blocks` is the plain statement (tests); `torch_path` the torch path; `triton` the kernel (imported on
+first CUDA use only).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sas_backend.ops.fused_step import _pow2
+from sas_backend.ops.rerank.torch_path import exact_block_scores, rerank_blocks_torch
+
+
+class RerankWorkspace:
+    """The kernel's buffers for at most `max_bs` rows of `num_kv_heads` kv heads with `group` query heads each and
+    first levels of `first_k` blocks. A launch splits each (row, kv head) over about `target_programs` / (bs * H_kv)
+    programs, which meet in block log-sum-exps `[rows, CP, GP]` fp32 and an arrival counter (zero, left zero by each
+    launch); a batch whose rows alone reach target_programs runs one program a row, in registers. So only the
+    (row, kv head) pairs of the split batches, fewer than target_programs, take room."""
+
+    def __init__(self, max_bs: int, num_kv_heads: int, group: int, first_k: int, device,
+                 target_programs: int = 128):
+        self.max_bs, self.num_kv_heads, self.group, self.first_k = int(max_bs), int(num_kv_heads), int(group), \
+            int(first_k)
+        self.target_programs = int(target_programs)
+        self.cp, self.gp = max(16, _pow2(first_k)), max(16, _pow2(group))
+        rows = self.split_rows(self.max_bs, self.num_kv_heads, self.target_programs)
+        self.lse = torch.zeros(rows * self.cp * self.gp, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(rows, dtype=torch.int32, device=device)
+
+    @staticmethod
+    def split_rows(max_bs: int, num_kv_heads: int, target_programs: int) -> int:
+        """(row, kv head) pairs a split launch may hold: bs * H_kv < target_programs splits (`splits`)."""
+        return max(1, min(max_bs * num_kv_heads, target_programs - 1))
+
+    @classmethod
+    def nbytes_for(cls, max_bs: int, num_kv_heads: int, group: int, first_k: int, target_programs: int = 128) -> int:
+        """Device bytes a workspace of these sizes holds (`backend.memory` reserves them)."""
+        rows = cls.split_rows(max_bs, num_kv_heads, target_programs)
+        return rows * max(16, _pow2(first_k)) * max(16, _pow2(group)) * 4 + rows * 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.lse.numel() * 4 + self.counters.numel() * 4
+
+    def splits(self, bs: int) -> int:
+        """Programs per (row, kv head): a function of bs only (a captured batch size always splits alike); 1 once
+        bs * H_kv reaches target_programs."""
+        want = -(-self.target_programs // max(1, bs * self.num_kv_heads))
+        per = -(-self.first_k // max(1, min(self.first_k, want)))
+        return -(-self.first_k // per)
+
+
+def rerank_blocks(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, block_table: torch.Tensor,
+                  num_candidates: torch.Tensor, k: int, max_blocks: int, scale: float, block_size: int,
+                  sink_blocks: int = 0, local_blocks: int = 0, anchors: Optional[torch.Tensor] = None,
+                  anchor_rows: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                  workspace: Optional[RerankWorkspace] = None, out: Optional[torch.Tensor] = None,
+                  launch=None, kernel: Optional[bool] = None) -> torch.Tensor:
+    """The K blocks of each (row, kv head) of highest exact attention mass among its first-level blocks.
+
+    q `[bs, H_q, D]` after RoPE; k_buffer `[slots, H_kv, D]` (an fp8 cache holds K / k_scale); first `[bs, H_kv, C]`
+    int32 the first level's blocks, ascending, -1 padded, holding every forced block of its row (the first level's
+    pick forced them in); block_table `[bs, >= max_blocks]` slot of each block's first token; num_candidates `[bs]`
+    complete blocks before each row's current one; k: K (<= C); max_blocks: the plan's width M (every block < M);
+    scale: the softmax scale; anchors: optional prompt anchors `[rows, H_kv, R]` int32 (-1 none), row
+    `anchor_rows[r]` for batch row r (`[bs]`; None: row r), forced like sink / local blocks.
+    Per query head, each block's log-mass is its tokens' log-sum-exp of q.k * scale * k_scale minus that of every
+    token of the row's first-level blocks; a block scores the max over the kv group; sink / local blocks and
+    anchors are kept, the rest by score, ties to the lower block index (`ops.topk.select_blocks`' rule).
+    Returns `[bs, H_kv, K]` int32 ascending, -1 padded (`out` if given). Fixed shapes, no host sync.
+    The Triton kernel on CUDA (kernel None; True: also on CPU, in Triton's interpreter), which needs `workspace` (a
+    `RerankWorkspace` for at least bs rows and C blocks) and takes `launch` (`ops.fused_step.LaunchOptions`).
+    """
+    bs, h_q, d = q.shape
+    h_kv, c = first.shape[1], first.shape[2]
+    if h_q % h_kv or k_buffer.shape[1] != h_kv or k_buffer.shape[2] != d:
+        raise ValueError(f"q {tuple(q.shape)}, k_buffer {tuple(k_buffer.shape)} and first {tuple(first.shape)} "
+                         "disagree on the heads")
+    if not 0 < k <= c:
+        raise ValueError(f"K = {k} must be in 1..C = {c} (the first level keeps at least K blocks)")
+    if q.is_cuda if kernel is None else kernel:
+        from sas_backend.ops.rerank.triton import rerank_blocks_triton
+
+        return rerank_blocks_triton(q, k_buffer, first, block_table, num_candidates, k, scale, block_size,
+                                    sink_blocks, local_blocks, anchors, anchor_rows, k_scale, workspace, out, launch)
+    anchors_b = anchors if anchors is None or anchor_rows is None else anchors[anchor_rows.long()]
+    res = rerank_blocks_torch(q, k_buffer, first, block_table, num_candidates, k, max_blocks, scale, block_size,
+                              sink_blocks, local_blocks, anchors_b, k_scale)
+    return res if out is None else out.copy_(res)
+
+
+__all__ = ["RerankWorkspace", "exact_block_scores", "rerank_blocks"]

@@ -1,0 +1,47 @@
+"""The exact second level, the torch path (off CUDA, and the evaluation): batched gathers, fixed shapes."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sas_backend.ops.anchors.torch_path import force_anchors
+from sas_backend.ops.topk import select_blocks
+
+
+def exact_block_scores(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, block_table: torch.Tensor,
+                       block_size: int, scale: float, k_scale: float = 1.0) -> torch.Tensor:
+    """`[bs, H_kv, C]` fp32: each first-level block's log attention mass among the row's first-level blocks, max
+    over the kv group's query heads (-inf at padding). q `[bs, H_q, D]` post-RoPE; k_buffer `[slots, H_kv, D]`;
+    first `[bs, H_kv, C]` int32 blocks (-1 padded); block_table `[bs, >= M]` slot of each block's first token."""
+    bs, h_q, d = q.shape
+    h_kv, c = first.shape[1], first.shape[2]
+    g = h_q // h_kv
+    valid = first >= 0
+    starts = torch.gather(block_table.long(), 1, first.clamp_min(0).long().reshape(bs, h_kv * c)).view(bs, h_kv, c)
+    slots = starts[..., None] + torch.arange(block_size, device=q.device)  # [bs, H_kv, C, b]
+    heads = torch.arange(h_kv, device=q.device)[None, :, None, None]
+    keys = k_buffer[slots, heads].float()  # [bs, H_kv, C, b, D]
+    logits = torch.einsum("rhgd,rhctd->rhgct", q.float().view(bs, h_kv, g, d), keys) * (scale * k_scale)
+    lse = torch.logsumexp(logits, dim=-1).masked_fill(~valid[:, :, None, :], float("-inf"))  # [bs, H_kv, G, C]
+    total = torch.logsumexp(lse, dim=-1, keepdim=True)
+    total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))  # a row with no blocks: all -inf
+    return (lse - total).amax(dim=2)
+
+
+def rerank_blocks_torch(q, k_buffer, first, block_table, num_candidates, k: int, max_blocks: int, scale: float,
+                        block_size: int, sink_blocks: int = 0, local_blocks: int = 0,
+                        anchors: Optional[torch.Tensor] = None, k_scale: float = 1.0) -> torch.Tensor:
+    """`ops.rerank.rerank_blocks` (same arguments, anchors `[bs, H_kv, R]` already this batch's rows): the exact
+    scores scattered into a `[bs, H_kv, max_blocks]` row (-inf elsewhere), anchors among them raised to +inf, one
+    `ops.topk.select_blocks`."""
+    bs, h_kv, c = first.shape
+    scores = exact_block_scores(q, k_buffer, first, block_table, block_size, scale, k_scale)
+    at = torch.where(first >= 0, first.long(), max_blocks)
+    wide = torch.full((bs, h_kv, max_blocks + 1), float("-inf"), device=q.device).scatter_(-1, at, scores)
+    wide = wide[..., :max_blocks]
+    if anchors is not None:  # only the anchors the first level kept (it forced every one in)
+        kept = torch.zeros(bs, h_kv, max_blocks + 1, dtype=torch.bool, device=q.device).scatter_(-1, at, True)
+        wide = force_anchors(wide, anchors, num_candidates).masked_fill(~kept[..., :max_blocks], float("-inf"))
+    return select_blocks(wide, num_candidates, k, sink_blocks, local_blocks)

@@ -1,0 +1,151 @@
+"""The exact second level as ONE Triton launch, grid `(bs, H_kv, SPLITS)`.
+
+Split s reads first-level entries `[s * PER, (s + 1) * PER)` of its (row, kv head): each block's keys through the
+block table (token o of block m at slot `block_table[r, m] + o`, one `[b, D]` tile; fp32 keys in 16-token tiles with
+an online log-sum-exp), the kv group's G query heads
+as one `tl.dot` tile (padded to 16 rows), and writes the block's log-sum-exp per query head to the workspace. The
+last split to arrive (`ops.fused_step.triton._arrive`) normalizes each head over the row's blocks, takes the max
+over the group, raises forced blocks (sink / local by `score_keys`, prompt anchors by +inf) and keeps the top K of
+the tile in registers with the radix select the other selections use (`ops.topk.triton.chunk_topk`): ascending
+block ids, -1 padded. Splits depend on the batch size only (a CUDA-graph replay launches the same grid). With one
+split (a batch whose rows fill the device alone) the program keeps its log-sum-exps in registers: no workspace, fence
+or atomic, so the workspace is sized for the small batches only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sas_backend.ops.fused_step import LaunchOptions, _interpreting, _pow2
+from sas_backend.ops.fused_step.triton import _after_predecessor, _arrive
+from sas_backend.ops.topk.triton import chunk_topk, pad_slots, score_keys
+
+
+@triton.jit
+def _rerank_kernel(
+    q_ptr, k_ptr, first_ptr, bt_ptr, ncand_ptr, anc_ptr, arows_ptr, out_ptr, lse_ptr, cnt_ptr,
+    stride_qn, stride_qh, stride_ks, stride_kh, stride_fb, stride_fh, stride_bt, stride_ab, stride_ah,
+    stride_ob, stride_oh,
+    H_KV, G, C, K, SPLITS, PER, sink_blocks, local_blocks, R, scale,
+    ANCHOR_ROWS: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOK_TILE: tl.constexpr, GP: tl.constexpr,
+    BLOCK_D: tl.constexpr, CP: tl.constexpr, K_TILE: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    PDL: tl.constexpr, ONE_SPLIT: tl.constexpr,
+):
+    _after_predecessor(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    g = tl.arange(0, GP)
+    gm = g < G
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + r * stride_qn + (h * G + g)[:, None] * stride_qh + d[None, :],
+                mask=gm[:, None] & (d < D)[None, :], other=0.0)
+    if DOT_F32:  # Triton's interpreter computes bf16 tl.dot wrongly: fp32 on CPU (as `ops.fused_step.attend`)
+        q = q.to(tl.float32)
+    row_h = r * H_KV + h
+    lse_row = lse_ptr + row_h * (CP * GP)
+    first_row = first_ptr + r * stride_fb + h * stride_fh
+    lo = s * PER
+    hi = tl.minimum(lo + PER, C)
+    c = tl.arange(0, CP)
+    tile = tl.full([CP, GP], float("-inf"), tl.float32)  # ONE_SPLIT: the row's block log-sum-exps, in registers
+    for e in range(lo, hi):
+        blk = tl.load(first_row + e).to(tl.int64)
+        lse = tl.full([GP], float("-inf"), tl.float32)
+        if blk >= 0:
+            slot0 = tl.load(bt_ptr + r * stride_bt + blk).to(tl.int64)
+            m_i = tl.full([GP], float("-inf"), tl.float32)
+            l_i = tl.zeros([GP], tl.float32)
+            # the block in token tiles (TOK_TILE < BLOCK_SIZE only for fp32 keys, whose dots need the registers)
+            for t0 in range(0, BLOCK_SIZE, TOK_TILE):
+                t = t0 + tl.arange(0, TOK_TILE)
+                kt = tl.load(k_ptr + ((slot0 + t) * stride_ks + h * stride_kh)[:, None] + d[None, :],
+                             mask=(d < D)[None, :], other=0.0).to(q.dtype)
+                if IEEE:
+                    qk = tl.dot(q, tl.trans(kt), input_precision="ieee")
+                else:
+                    qk = tl.dot(q, tl.trans(kt))
+                qk = qk * scale
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(qk - m_new[:, None]), axis=1)
+                m_i = m_new
+            lse = m_i + tl.log(l_i)
+        if ONE_SPLIT:
+            tile = tl.where((c == e)[:, None], lse[None, :], tile)
+        else:
+            tl.store(lse_row + e * GP + g, lse)
+    last = True
+    if not ONE_SPLIT:
+        last = _arrive(cnt_ptr + row_h, SPLITS)
+    if last:
+        blk = tl.load(first_row + c, mask=c < C, other=-1)
+        valid = blk >= 0
+        if not ONE_SPLIT:
+            tile = tl.load(lse_row + c[:, None] * GP + g[None, :], mask=valid[:, None] & gm[None, :],
+                           other=float("-inf"), cache_modifier=".cg")  # [CP, GP]
+        tile = tl.where(valid[:, None] & gm[None, :], tile, float("-inf"))
+        top = tl.max(tile, axis=0)
+        top = tl.where(top > float("-inf"), top, 0.0)  # a row without blocks: every entry stays -inf
+        total = top + tl.log(tl.sum(tl.exp(tile - top[None, :]), axis=0))
+        mass = tl.where(valid[:, None] & gm[None, :], tile - total[None, :], float("-inf"))
+        x = tl.max(mass, axis=1)  # [CP]: the block's log-mass, max over the group
+        n = tl.load(ncand_ptr + r).to(tl.int32)
+        if R > 0:
+            arow = r
+            if ANCHOR_ROWS:
+                arow = tl.load(arows_ptr + r).to(tl.int64)
+            for a in range(R):
+                anchor = tl.load(anc_ptr + arow * stride_ab + h * stride_ah + a)
+                x = tl.where(valid & (blk == anchor), float("inf"), x)
+        idx = blk.to(tl.int32)
+        key = score_keys(x, idx, n, sink_blocks, local_blocks)
+        n_c = tl.sum(valid.to(tl.int32), axis=0)
+        o_row = out_ptr + r * stride_ob + h * stride_oh
+        pad_slots(o_row, tl.minimum(n_c, K), K, K_TILE)
+        chunk_topk(key, valid, idx, n_c, K, o_row, o_row, WRITE_KEYS=False)
+
+
+def rerank_blocks_triton(q, k_buffer, first, block_table, num_candidates, k: int, scale: float, block_size: int,
+                         sink_blocks: int, local_blocks: int, anchors, anchor_rows, k_scale: float, ws, out=None,
+                         launch=None):
+    """`ops.rerank.rerank_blocks` as one launch (same arguments; ws: a `RerankWorkspace`, required)."""
+    bs, h_q, d = q.shape
+    h_kv, c = first.shape[1], first.shape[2]
+    g = h_q // h_kv
+    if ws is None or bs > ws.max_bs or h_kv != ws.num_kv_heads or g != ws.group or c > ws.first_k:
+        raise ValueError(f"rerank_blocks on CUDA needs a RerankWorkspace for {bs} rows, {h_kv} kv heads of {g} and "
+                         f"{c} first-level blocks")
+    if q.stride(-1) != 1 or k_buffer.stride(-1) != 1 or first.stride(-1) != 1:
+        raise ValueError("q, k_buffer and first need a contiguous last axis")
+    if out is None:
+        out = torch.empty(bs, h_kv, k, dtype=torch.int32, device=q.device)
+    if bs == 0:
+        return out
+    if anchors is None:
+        anchors_t, r_count, rows_t = out, 0, out  # never read
+    else:
+        if anchors.shape[1] != h_kv or anchors.dtype != torch.int32 or anchors.stride(-1) != 1:
+            raise ValueError(f"anchors must be [rows, H_kv, R] int32, got {tuple(anchors.shape)} {anchors.dtype}")
+        anchors_t, r_count = anchors, anchors.shape[2]
+        rows_t = anchor_rows if anchor_rows is not None else out
+    splits = ws.splits(bs)
+    per = -(-c // splits)
+    # fp32 keys: a 64-token fp32 tile spills at D = 128 (ptxas, Triton 3.6, sm_90), as in `ops.fused_step.attend`
+    wide = k_buffer.element_size() >= 4 and not _interpreting()
+    launch = (launch or LaunchOptions()).check()
+    _rerank_kernel[(bs, h_kv, splits)](
+        q, k_buffer, first, block_table, num_candidates, anchors_t, rows_t, out, ws.lse, ws.counters,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), first.stride(0), first.stride(1),
+        block_table.stride(0), anchors_t.stride(0), anchors_t.stride(1), out.stride(0), out.stride(1),
+        h_kv, g, c, k, splits, per, max(sink_blocks, 0), max(local_blocks, 0), r_count, float(scale) * float(k_scale),
+        ANCHOR_ROWS=anchor_rows is not None, D=d, BLOCK_SIZE=block_size,
+        TOK_TILE=min(16, block_size) if wide else block_size, GP=ws.gp, BLOCK_D=max(16, _pow2(d)),
+        CP=ws.cp, K_TILE=max(16, _pow2(k)), IEEE=q.dtype == torch.float32,
+        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(), ONE_SPLIT=splits == 1, **launch.kwargs(None, 4),
+    )
+    return out
+
+
+__all__ = ["_rerank_kernel", "rerank_blocks_triton"]
