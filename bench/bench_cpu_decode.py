@@ -83,8 +83,9 @@ def model_geometry(model: pathlib.Path, gate: pathlib.Path) -> dict:
     }
 
 
-def step_bytes(geo: dict, context: float, batch: int, budget: int | None) -> float:
-    """Bytes one decode step of `batch` requests at `context` tokens must read (budget None: dense)."""
+def step_bytes(geo: dict, context: float, batch: int, budget: int | None, rerank: int = 1) -> float:
+    """Bytes one decode step of `batch` requests at `context` tokens must read (budget None: dense; rerank X > 1:
+    `--sas-exact-rerank X` also reads the keys of X x K blocks)."""
     b = geo["bytes_per_elem"]
     per_token_kv = geo["layers"] * geo["kv_heads"] * geo["head_dim"] * 2 * b  # K and V, all layers
     if budget is None:
@@ -94,7 +95,19 @@ def step_bytes(geo: dict, context: float, batch: int, budget: int | None) -> flo
         return step_bytes(geo, context, batch, None)
     attended = (budget // BLOCK + 1) * BLOCK
     summaries = geo["layers"] * geo["kv_heads"] * scored_blocks * geo["gate_dim"] * b
-    return (geo["params"] + geo["gate_q_params"]) * b + batch * (attended * per_token_kv + summaries)
+    reranked = 0 if rerank <= 1 else min(rerank * (budget // BLOCK), scored_blocks) * BLOCK * per_token_kv / 2
+    return (geo["params"] + geo["gate_q_params"]) * b + batch * (attended * per_token_kv + summaries + reranked)
+
+
+def sas_keys(budgets: list[int], rerank: int) -> list[str]:
+    """The sas servers of a run, as the rows key them: each budget, then each budget with --sas-exact-rerank X."""
+    return [str(b) for b in budgets] + ([f"{b}r{rerank}" for b in budgets] if rerank > 1 else [])
+
+
+def key_setting(key: str) -> tuple[int, int]:
+    """(budget, rerank X) of a `sas_keys` key."""
+    budget, _, rerank = key.partition("r")
+    return int(budget), int(rerank or 1)
 
 
 # ------------------------------------------------------------------------------------- measuring
@@ -243,23 +256,24 @@ def machine() -> dict:
     }
 
 
-def markdown(rows: list[dict], budgets: list[int]) -> str:
+def markdown(rows: list[dict], keys: list[str]) -> str:
     head = "| context | batch | dense tok/s |"
     sep = "| ---: | ---: | ---: |"
-    for b in budgets:
-        head += f" sas b{b} tok/s | sas/dense | roofline |"
+    for key in keys:
+        budget, rerank = key_setting(key)
+        head += f" sas b{budget}{f' rerank {rerank}' if rerank > 1 else ''} tok/s | sas/dense | roofline |"
         sep += " ---: | ---: | ---: |"
     lines = [head, sep]
     for r in rows:
         line = f"| {r['context']} | {r['batch']} | {r['dense_tok_s']:.2f} |"
-        for b in budgets:
-            s = r["sas"][str(b)]
+        for key in keys:
+            s = r["sas"][key]
             line += f" {s['tok_s']:.2f} | {s['ratio']:.2f}x | {s['roofline_speedup']:.2f}x |"
         lines.append(line)
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], budgets: list[int], batches: list[int], path: pathlib.Path, title: str) -> None:
+def plot(rows: list[dict], keys: list[str], batches: list[int], path: pathlib.Path, title: str) -> None:
     """The latency plot, when matplotlib is installed; else a message saying how to get it (the JSON and the
     table are written already)."""
     try:
@@ -277,11 +291,12 @@ def plot(rows: list[dict], budgets: list[int], batches: list[int], path: pathlib
         rs = sorted((r for r in rows if r["batch"] == bs), key=lambda r: r["context"])
         x = [r["context"] for r in rs]
         ax.plot(x, [r["dense_tok_s"] for r in rs], "o-", color="k", label="dense (torch_native)")
-        for i, b in enumerate(budgets):
-            color = f"C{i}"
-            ax.plot(x, [r["sas"][str(b)]["tok_s"] for r in rs], "s-", color=color, label=f"sas, budget {b}")
-            ax.plot(x, [r["dense_tok_s"] * r["sas"][str(b)]["roofline_speedup"] for r in rs], "x:", color=color,
-                    label=f"dense x roofline speedup, budget {b}")
+        for i, key in enumerate(keys):
+            color, (b, rerank) = f"C{i}", key_setting(key)
+            label = f"budget {b}" + (f", rerank {rerank}" if rerank > 1 else "")
+            ax.plot(x, [r["sas"][key]["tok_s"] for r in rs], "s-", color=color, label=f"sas, {label}")
+            ax.plot(x, [r["dense_tok_s"] * r["sas"][key]["roofline_speedup"] for r in rs], "x:", color=color,
+                    label=f"dense x roofline speedup, {label}")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("decode tokens/s (all requests)")
         ax.set_title(f"batch {bs}")
@@ -311,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the result files (cpu-decode-DATE-TAG.json/.png)")
     ap.add_argument("--resume", default=None, metavar="PARTIAL_JSON",
                     help="a killed run's .partial.json: servers it finished are not run again")
+    ap.add_argument("--exact-rerank", type=int, default=1, metavar="X",
+                    help="also time every budget with --sas-exact-rerank X (two levels), side by side (1: not)")
     ap.add_argument("--sas-arg", action="append", default=[],
                     help="one more launch argument for every sas server (repeatable, e.g. --sas-arg=--sas-dense-below "
                          "--sas-arg=0 to time the sparse path where the CPU default would decode densely)")
@@ -360,8 +377,13 @@ def main(argv=None) -> int:
         return measured
 
     dense = run_or_resume("dense", "torch_native", flags)
-    sas = {b: run_or_resume(f"sas b{b}", "sas", flags + ["--sas-gate", gate, "--sas-budget", b, *args.sas_arg])
-           for b in args.budgets}
+    keys = sas_keys(args.budgets, args.exact_rerank)
+    sas = {}
+    for key in keys:
+        b, rerank = key_setting(key)
+        extra = ["--sas-exact-rerank", rerank] if rerank > 1 else []
+        sas[key] = run_or_resume(f"sas b{key}", "sas",
+                                 flags + ["--sas-gate", gate, "--sas-budget", b, *extra, *args.sas_arg])
 
     rows = []
     for ctx, bs in points:
@@ -369,10 +391,10 @@ def main(argv=None) -> int:
         d_bytes = step_bytes(geo, c, bs, None)
         row = {"context": ctx, "batch": bs, "dense_tok_s": dense[(ctx, bs)]["tok_s"], "dense": dense[(ctx, bs)],
                "dense_step_bytes": d_bytes, "sas": {}}
-        for b in args.budgets:
-            s_bytes = step_bytes(geo, c, bs, b)
-            row["sas"][str(b)] = {**sas[b][(ctx, bs)], "ratio": sas[b][(ctx, bs)]["tok_s"] / row["dense_tok_s"],
-                                  "step_bytes": s_bytes, "roofline_speedup": d_bytes / s_bytes}
+        for key in keys:
+            s_bytes = step_bytes(geo, c, bs, *key_setting(key))
+            row["sas"][key] = {**sas[key][(ctx, bs)], "ratio": sas[key][(ctx, bs)]["tok_s"] / row["dense_tok_s"],
+                               "step_bytes": s_bytes, "roofline_speedup": d_bytes / s_bytes}
         rows.append(row)
 
     mach = machine()
@@ -390,7 +412,7 @@ def main(argv=None) -> int:
     partial.unlink(missing_ok=True)
     title = (f"{model.name}, fp32, {mach['cpu']} ({mach['cores']} cores), sglang {mach['sglang']}, "
              f"torch {mach['torch']}, {date}" + (" -- REHEARSAL, not a result" if args.quick else ""))
-    plot(rows, args.budgets, args.batches, out / f"{tag}.png", title)
+    plot(rows, keys, args.batches, out / f"{tag}.png", title)
 
     print()
     if args.quick:
@@ -398,7 +420,7 @@ def main(argv=None) -> int:
     print(f"Decode tokens/s, {title}; roofline = dense step bytes / sas step bytes "
           f"(weights {geo['params'] * 4 / 1e6:.0f} MB fp32 + KV)")
     print()
-    print(markdown(rows, args.budgets))
+    print(markdown(rows, keys))
     print()
     loads = [m["foreign_cores"] for r in rows for m in [r["dense"], *r["sas"].values()]
              if m["foreign_cores"] is not None]

@@ -630,6 +630,13 @@ def block_retrieval(page: pathlib.Path) -> str:
     return "\n".join(out)
 
 
+def shipped_variant(rec: dict, gate_dir: str, forced: str) -> str:
+    """The `<gate>+<forced>` result name of the record's gate whose weights are the shipped checkpoint's."""
+    names = [g for g, sha in (rec.get("gate_sha256") or {}).items() if sha == shipped_sha(gate_dir)]
+    assert len(names) == 1, (gate_dir, rec.get("gate_sha256"))
+    return f"{names[0]}+{forced}"
+
+
 def block_sub_blocks_ppl(page: pathlib.Path) -> str:
     """docs/quality.md's perplexity of sub-block summaries: the shipped SmolLM2 gate and quest with 4 summaries a
     block against one (the 2026-11-27 records, same windows), and the gate trained with 4 runs a block, each as its
@@ -650,7 +657,9 @@ def block_sub_blocks_ppl(page: pathlib.Path) -> str:
             return out
 
         for name, label in (("shipped+s1l1", "gate (shipped), sink 1 + local 1"), ("quest", "quest")):
-            lines.append(f"| {text} | {label} | 1 | " + " | ".join(cells(old["results"][name])) + " |")
+            # the one-summary record names the shipped gate by its weights (it also holds the gate shipped before)
+            one = shipped_variant(old, SMOL_GATE, "s1l1") if name.startswith("shipped") else name
+            lines.append(f"| {text} | {label} | 1 | " + " | ".join(cells(old["results"][one])) + " |")
             lines.append(f"| {text} | {label} | 4 | " + " | ".join(cells(new["results"][name])) + " |")
             if name.startswith("shipped"):
                 lines.append(f"| {text} | gate trained with 4 runs a block, sink 1 + local 1 | 4 | "

@@ -234,6 +234,7 @@ class Variant:
     anchors: bool = False  # select reads the world's prompt-anchor pool (World.anchors)
     sub_blocks: int = 1  # run summaries a block (--sas-sub-blocks): a quality setting, timed for its cost only
     kv: str = "bf16"  # the KV cache's dtype ("fp8_e4m3": --kv-cache-dtype fp8_e4m3, issue 66), timed for its cost only
+    exact_rerank: int = 1  # --sas-exact-rerank X (issue 63's two levels), timed for its cost only
 
     @property
     def kv_dtype(self):
@@ -298,6 +299,9 @@ COSTS = (
     # An fp8 KV cache (issue 66): the attend and the block step's front read 1-byte K / V; docs/launch-budget.md
     # expects no gain at batch 1 and 1.3-1.6x at batch 8.
     dataclasses.replace(SERVED, name="cost: served, fp8 e4m3 KV", kv="fp8_e4m3"),
+    # Two levels (issue 63, --sas-exact-rerank 2): select keeps 2 x K, one more launch reads their keys;
+    # docs/launch-budget.md expects 1.5-1.6x at batch 1 and up to 1.9x at 8K batch 8.
+    dataclasses.replace(SERVED, name="cost: served, exact rerank 2", exact_rerank=2),
 )
 
 
@@ -346,6 +350,7 @@ class ServedStep(LayerStack):
             gates=w.gates, rope=FixedRopeTables(w.model_table, w.gate_table),
             anchors=ByLayer(lambda layer: w.anchors) if variant.anchors else None,
             repair_late=cuda,  # as a CUDA server runs it: the step lists its late blocks and repairs them
+            exact_rerank=variant.exact_rerank,
         )
         self.graphs = graphs
         if graphs:

@@ -707,6 +707,24 @@ def test_the_sub_block_cost_variant_runs_checked_and_never_wins(request):
     assert bds.NEW.name in bds.chosen_settings(record, "cpu", branches={})["source"]
 
 
+def test_the_exact_rerank_cost_variant_runs_checked(request):
+    """Issue 63's two levels timed for their cost (bench_decode_step.COSTS): the served step with --sas-exact-rerank 2
+    runs the fused select at 2 x K and the rerank kernel, and its attention passes the check against the oracle over
+    the blocks it selected (the selection itself differs from one level's by design)."""
+    import argparse
+
+    import bench_decode_step as bds
+
+    torch = pytest.importorskip("torch")
+    request.addfinalizer(functools.partial(torch.set_grad_enabled, torch.is_grad_enabled()))
+    torch.set_grad_enabled(False)
+    w = bds.World(bds.TINY, 1024, 1, 2, "cpu")
+    two = next(v for v in bds.COSTS if v.exact_rerank == 2)
+    res = bds.time_variant(w, 256, two, argparse.Namespace(graphs=False, reps=1))
+    assert res["check"]["ok"], res["check"]
+    assert not two.name.startswith("new")
+
+
 def test_the_fp8_cost_variant_reads_an_fp8_cache_checked(request):
     """Issue 66's GPU point (bench_decode_step.COSTS): the served step over fp8 e4m3 K / V (the world's buffers
     rounded, scale 1) runs the fused kernels and passes the check against the oracle over the same fp8 cache; the

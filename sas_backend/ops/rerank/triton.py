@@ -88,7 +88,8 @@ def _rerank_kernel(
         tile = tl.where(valid[:, None] & gm[None, :], tile, float("-inf"))
         top = tl.max(tile, axis=0)
         top = tl.where(top > float("-inf"), top, 0.0)  # a row without blocks: every entry stays -inf
-        total = top + tl.log(tl.sum(tl.exp(tile - top[None, :]), axis=0))
+        mass_sum = tl.sum(tl.exp(tile - top[None, :]), axis=0)
+        total = top + tl.log(tl.where(mass_sum > 0, mass_sum, 1.0))  # padded heads: finite, masked below
         mass = tl.where(valid[:, None] & gm[None, :], tile - total[None, :], float("-inf"))
         x = tl.max(mass, axis=1)  # [CP]: the block's log-mass, max over the group
         n = tl.load(ncand_ptr + r).to(tl.int32)
