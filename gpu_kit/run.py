@@ -156,9 +156,9 @@ def first_command_steps() -> list:
 
 
 def sub_block_cost_step() -> Step:
-    """The served step with one and with 4 sub-block summaries and with an fp8 e4m3 KV cache side by side
-    (bench_decode_step.COSTS; issue 63's candidate selector setting, issue 66's fp8 point): the second command's last
-    step, at 32K and 256K batch 1 and 32K batch 8."""
+    """The served step with one and with 4 sub-block summaries, with an fp8 e4m3 KV cache and with two levels side
+    by side (bench_decode_step.COSTS; issue 63's candidate selector settings, issue 66's fp8 point): the second
+    command's last step, at 32K and 256K batch 1 and 32K batch 8."""
     return Step("sub-block-cost", [*STEP, "--name", "sub-block-cost", "--variants", "costs", "--no-check",
                                    "--no-branches", "--no-profile", "--budgets", "2048", "--points", "32768x1",
                                    "262144x1", "32768x8"], 1.2,

@@ -108,6 +108,8 @@ def test_explicit_matching_page_size_is_accepted(parse, clean_env, gate):
         (["--sas-sub-blocks", "3"], "power of two dividing the block size 64"),
         (["--sas-sub-blocks", "128"], "power of two dividing the block size 64"),
         (["--sas-sub-blocks", "4", "--sas-selector", "sink-local"], "sink-local keeps no summaries"),
+        (["--sas-exact-rerank", "0"], "--sas-exact-rerank must be >= 1"),
+        (["--sas-exact-rerank", "2", "--sas-selector", "sink-local"], "sink-local forces every block"),
     ],
 )
 def test_refusals_are_messages(parse, clean_env, gate, argv, needle):

@@ -575,12 +575,16 @@ def test_serving_record_gives_the_serve_defaults(tmp_path):
     raw["serving"]["sub_blocks"] = 4  # a record may choose sub-block summaries too
     (tmp_path / "g" / "config.json").write_text(json.dumps(raw))
     assert serve_defaults_of(tmp_path / "g")["sub_blocks"] == 4
+    raw["serving"]["exact_rerank"] = 2  # and two levels (--sas-exact-rerank)
+    (tmp_path / "g" / "config.json").write_text(json.dumps(raw))
+    assert serve_defaults_of(tmp_path / "g")["exact_rerank"] == 2
 
     raw = json.loads((tmp_path / "g" / "config.json").read_text())
     for serving, needle in (({"budget": 100}, "multiple of the block size"),
                             ({"budget": 2 * BLOCK, "sink_blocks": 2, "local_blocks": 1}, "exceed"),
                             ({"local_blocks": -1}, "non-negative"), ([512], "JSON object"),
-                            ({"sub_blocks": 3}, "power of two dividing")):
+                            ({"sub_blocks": 3}, "power of two dividing"), ({"exact_rerank": 0}, "exact_rerank must be"),
+                            ({"exact_rerank": -1}, "non-negative")):
         raw["serving"] = serving
         (tmp_path / "g" / "config.json").write_text(json.dumps(raw))
         with pytest.raises(GateCheckpointError, match=needle):
