@@ -601,7 +601,9 @@ RETRIEVAL_DIR = "2026-12-05-retrieval"
 RETRIEVAL = ((f"{RETRIEVAL_DIR}/qwen-16k.json", f"{RETRIEVAL_DIR}/qwen-16k-s1.json",  # haystacks read together
               f"{RETRIEVAL_DIR}/qwen-16k-s2.json", f"{RETRIEVAL_DIR}/qwen-16k-s3.json"),
              (f"{RETRIEVAL_DIR}/qwen-32k.json", f"{RETRIEVAL_DIR}/qwen-32k-s1.json",
-              f"{RETRIEVAL_DIR}/qwen-32k-s2.json", f"{RETRIEVAL_DIR}/qwen-32k-s3.json"))
+              f"{RETRIEVAL_DIR}/qwen-32k-s2.json", f"{RETRIEVAL_DIR}/qwen-32k-s3.json"),
+             # the served two levels (--sas-exact-rerank 2), on the 16K haystacks above (its dense rows equal theirs)
+             ("2026-12-06-exact-rerank/qwen-16k-s01.json", "2026-12-06-exact-rerank/qwen-16k-s23.json"))
 SUB_PPL = ((f"{RETRIEVAL_DIR}/smollm2-sub4-handbook-ood.json", "2026-11-27-free-gate/quality-handbook-ood.json",
             "prose", f"{RETRIEVAL_DIR}/smollm2-trained-sub4-handbook-ood.json"),
            # @site-packages follows the venv's pinned packages: this venv's windows differ from 2026-11-27's
