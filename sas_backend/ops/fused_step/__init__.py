@@ -314,6 +314,19 @@ def front(
     return gq
 
 
+def anchor_launch_args(anchors: Optional[torch.Tensor], anchor_rows: Optional[torch.Tensor], h_kv: int, bs: int,
+                       placeholder: torch.Tensor) -> tuple:
+    """(anchors, R, rows) as a kernel reading prompt anchors takes them (select here, `ops.rerank`): the pool `[rows,
+    H_kv, R]` int32 checked, R, and the batch rows' pool rows (`placeholder`, never read, where absent)."""
+    if anchors is None:
+        return placeholder, 0, placeholder
+    if anchors.shape[1] != h_kv or anchors.dtype != torch.int32 or anchors.stride(-1) != 1:
+        raise ValueError(f"anchors must be [rows, H_kv, R] int32, got {tuple(anchors.shape)} {anchors.dtype}")
+    if anchor_rows is None and anchors.shape[0] < bs:
+        raise ValueError(f"anchors has {anchors.shape[0]} rows for a batch of {bs}")
+    return anchors, anchors.shape[2], anchor_rows if anchor_rows is not None else placeholder
+
+
 def select(ws: DecodeStepWorkspace, gate_q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor,
            num_candidates: torch.Tensor, max_blocks: int, sink_blocks: int = 0, local_blocks: int = 0,
            anchors: Optional[torch.Tensor] = None, anchor_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -342,15 +355,7 @@ def select(ws: DecodeStepWorkspace, gate_q: torch.Tensor, summaries: torch.Tenso
                          f"axis; got {tuple(summaries.shape)}")
     if bs == 0 or k == 0:
         return out
-    if anchors is None:
-        anchors_t, r_count, rows_t = out, 0, out  # never read
-    else:
-        if anchors.shape[1] != h_kv or anchors.dtype != torch.int32 or anchors.stride(-1) != 1:
-            raise ValueError(f"anchors must be [rows, H_kv, R] int32, got {tuple(anchors.shape)} {anchors.dtype}")
-        if anchor_rows is None and anchors.shape[0] < bs:
-            raise ValueError(f"anchors has {anchors.shape[0]} rows for a batch of {bs}")
-        anchors_t, r_count = anchors, anchors.shape[2]
-        rows_t = anchor_rows if anchor_rows is not None else out
+    anchors_t, r_count, rows_t = anchor_launch_args(anchors, anchor_rows, h_kv, bs, out)
     nc = ws.select_chunks(max_blocks, bs)
     m = max(int(max_blocks), 0)
     merge_tile = ws.merge_tile(max_blocks, bs)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sas_backend.ops.fused_step import LaunchOptions, _interpreting, _pow2
+from sas_backend.ops.fused_step import LaunchOptions, _interpreting, _pow2, anchor_launch_args
 from sas_backend.ops.fused_step.triton import _after_predecessor, _arrive
 from sas_backend.ops.topk.triton import chunk_topk, pad_slots, score_keys
 
@@ -124,13 +124,7 @@ def rerank_blocks_triton(q, k_buffer, first, block_table, num_candidates, k: int
         out = torch.empty(bs, h_kv, k, dtype=torch.int32, device=q.device)
     if bs == 0:
         return out
-    if anchors is None:
-        anchors_t, r_count, rows_t = out, 0, out  # never read
-    else:
-        if anchors.shape[1] != h_kv or anchors.dtype != torch.int32 or anchors.stride(-1) != 1:
-            raise ValueError(f"anchors must be [rows, H_kv, R] int32, got {tuple(anchors.shape)} {anchors.dtype}")
-        anchors_t, r_count = anchors, anchors.shape[2]
-        rows_t = anchor_rows if anchor_rows is not None else out
+    anchors_t, r_count, rows_t = anchor_launch_args(anchors, anchor_rows, h_kv, bs, out)
     splits = ws.splits(bs)
     per = -(-c // splits)
     # fp32 keys: a 64-token fp32 tile spills at D = 128 (ptxas, Triton 3.6, sm_90), as in `ops.fused_step.attend`
