@@ -317,6 +317,33 @@ def test_decode_step_workspace_figure_matches_the_step_object(on_cuda, sub, chun
     assert mem.summary_bytes_per_page == GEO["num_sparse_layers"] * GEO["num_kv_heads"] * GEO["gate_dim"] * 2 + 1
 
 
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_exact_rerank_figure_matches_the_step_object(kernels):
+    """`--sas-exact-rerank 2` on a device (`meta` standing in for CUDA): the reservation equals what `DecodeStep`
+    allocates for the second level (the fused select's workspace at 2 x K with the fused kernels, the rerank kernel's
+    workspace, the K-wide selection), and the kernel's workspace stays small at a big batch (split batches only)."""
+    from sas_backend.backend.decode_step import DecodeStep
+    from sas_backend.backend.memory import decode_step_workspace_bytes
+    from sas_backend.backend.step_settings import StepSettings
+    from sas_backend.ops.fused_step import CPU_TARGET_PROGRAMS, StepGeometry
+    from sas_backend.ops.rerank import RerankWorkspace
+    from sas_backend.selection import SelectionRule, make_selector
+
+    h, g, d, dg, k, b, max_reqs, ctx = 8, 4, 128, 128, 32, 64, 300, 64 * 1024
+    req_to_token = torch.empty(max_reqs + 1, ctx, dtype=torch.int32, device="meta")
+    settings = StepSettings(kernels, "triton" if kernels == "triton" else "torch",
+                            target_programs=CPU_TARGET_PROGRAMS)
+    step = DecodeStep(make_selector("gate", SelectionRule(k, b)), StepGeometry(h, g, d, d, dg, k, b), req_to_token,
+                      "meta", torch.bfloat16, torch.bfloat16, 0.1, settings, exact_rerank=2)
+    fused = DecodeStep.fused_workspace(settings)
+    first = decode_step_workspace_bytes(h, g, d, dg, 2 * k, b, max_reqs, ctx, False) if fused else 0
+    want = DecodeStep.rerank_bytes_for(2, h, g, k, max_reqs + 1, True, fused, first)
+    assert step.rerank_nbytes == want > 0
+    assert step.rerank_ws.nbytes == RerankWorkspace.nbytes_for(max_reqs + 1, h, g, 2 * k) < 2**20
+    assert (step.first_ws is not step.fused_ws) == fused
+    assert DecodeStep.rerank_bytes_for(1, h, g, k, max_reqs + 1, True, fused, first) == 0
+
+
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_fp8_kv_is_counted_at_one_byte_an_element(sas_env, fp8):
     """An fp8 KV cache: the pool's bytes a token are half bf16's; what sas keeps beside it (summaries, gates,

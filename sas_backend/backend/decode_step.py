@@ -128,7 +128,7 @@ class DecodeStep:
                     dataclasses.replace(geometry, top_k=first_k), self.fused_rows(max_rows), self.max_blocks,
                     self.device, chunk=settings.select_chunk, target_programs=settings.target_programs,
                     launch=settings.launch)
-            if self.on_device or self.fused_ws is not None:  # the kernel: CUDA, or the interpreter on CPU
+            if self.rerank_kernel(self.on_device, self.fused_ws is not None):
                 self.rerank_ws = RerankWorkspace(max_rows, geometry.num_kv_heads, geometry.group, first_k,
                                                  self.device)
             self.rerank_out = torch.full((max_rows, geometry.num_kv_heads, self.top_k), -1, dtype=torch.int32,
@@ -178,14 +178,20 @@ class DecodeStep:
         return first + (self.rerank_ws.nbytes if self.rerank_ws is not None else 0) + self.rerank_out.numel() * 4
 
     @staticmethod
-    def rerank_bytes_for(exact_rerank: int, num_kv_heads: int, group: int, top_k: int, max_rows: int,
-                         on_device: bool, first_workspace_bytes: int = 0) -> int:
-        """`rerank_nbytes` of a step of these sizes (`backend.memory` reserves it): first_workspace_bytes, the fused
-        select workspace at X x K when the fused kernels run (`memory.decode_step_workspace_bytes`; the rerank
-        kernel's workspace exists on a device or beside it)."""
+    def rerank_kernel(on_device: bool, fused: bool) -> bool:
+        """Whether the second level's Triton kernel (and its workspace) exists: on a device, or beside the fused
+        kernels (Triton's interpreter on CPU). `__init__` and `rerank_bytes_for` decide by this one rule."""
+        return on_device or fused
+
+    @classmethod
+    def rerank_bytes_for(cls, exact_rerank: int, num_kv_heads: int, group: int, top_k: int, max_rows: int,
+                         on_device: bool, fused: bool, first_workspace_bytes: int = 0) -> int:
+        """`rerank_nbytes` of a step of these sizes (`backend.memory` reserves it): fused, whether the fused kernels'
+        workspace exists (`fused_workspace`); first_workspace_bytes, their select workspace at X x K
+        (`memory.decode_step_workspace_bytes`)."""
         if exact_rerank <= 1:
             return 0
-        kernel = on_device or first_workspace_bytes > 0
+        kernel = cls.rerank_kernel(on_device, fused)
         ws = RerankWorkspace.nbytes_for(max_rows, num_kv_heads, group, exact_rerank * top_k) if kernel else 0
         return first_workspace_bytes + ws + max_rows * num_kv_heads * top_k * 4
 

@@ -353,7 +353,8 @@ def memory_for_sglang(owner, max_reqs: Optional[int] = None) -> tuple:
         rows_per_request=rows_per_request,
         decode_step_bytes=fused_bytes,
         rerank_bytes=DecodeStep.rerank_bytes_for(rerank, kv_heads, geo.group_size, cfg.top_k,
-                                                 (max_reqs + 1) * rows_per_request, on_cuda, first_bytes),
+                                                 (max_reqs + 1) * rows_per_request, on_cuda,
+                                                 DecodeStep.fused_workspace(settings), first_bytes),
         anchor_scratch_bytes=anchor_scratch_bytes(kv_heads, geo.group_size, geo.head_dim, kv_elem, cfg.block_size,
                                                   context_len) if cfg.prompt_anchors else 0,
         # DecodeStep's copies of the gate weights for the fused front (--sas-gate-dtype bf16)

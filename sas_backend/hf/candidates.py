@@ -22,11 +22,11 @@ server selector:
   or D/4 in fp8 reads 1/16 of dense's bf16 K + V.
 - `keys<R>` / `keys<R>mass`: `pca<R>`'s projection TRAINED per layer to rank blocks by mass as the dense
   attention does (`hf.learned_keys`): a learned per-token index key, from a file of fitted projections.
-- `gatec<X>exact`: two levels, the second exact. The gate (with the spec's summaries a block) keeps its best
-  X x K blocks per query and kv head, and `exactmass` over those blocks alone (each query head's softmax
-  normalized over their keys, as a second-level kernel would see them) ranks them: a step would read one summary a block
-  plus the K half of X x K blocks (X / 2 times what the sparse attention itself reads), bounded by the budget,
-  not the context.
+- `gatec<X>exact`: two levels, the second exact, as the server runs them (`--sas-exact-rerank X`): the gate (with
+  the spec's summaries a block) picks X x K blocks per query and kv head (forced blocks and anchors in), and
+  `ops.rerank.rerank_blocks` keeps the K of highest exact mass among those blocks alone (`hf.sparse_eval` calls the
+  served op): a step reads one summary a block plus the K half of X x K blocks (X / 2 times what the sparse
+  attention itself reads), bounded by the budget, not the context.
 - `exactmass` / `pca<R>mass`: the same per-token scores combined as the oracle combines them, a block by its
   softmax mass (log-sum-exp over its tokens, each query head normalized over the candidates), not its best
   token. `exactmass` is the oracle up to the normalization (candidates only); it shows how much of a gap to the
@@ -81,17 +81,15 @@ def candidate_mask(positions: torch.Tensor, width: int, block_size: int) -> torc
 
 
 def token_max_scores(q_post: torch.Tensor, k_post: torch.Tensor, positions: torch.Tensor, block_size: int,
-                     dims: Optional[torch.Tensor] = None, proj=None, mass: bool = False,
-                     among: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     dims: Optional[torch.Tensor] = None, proj=None, mass: bool = False) -> torch.Tensor:
     """Scores `[P, H_kv, M]` = max over block m's tokens and the group's query heads of q.k (over `dims` only, or
     of the projected (Pq q).(Pk k)); with `mass`, instead the log of the block's softmax mass under those scores
     (scaled by D^-1/2, normalized per query head over the query's candidate tokens), max over the group's heads:
     the oracle's rule (`ops.anchors.block_mass`) on the candidates' scores.
 
     q_post: `[P, H_q, D]`, k_post: `[T, H_kv, D]` post-RoPE; positions: `[P]`; dims: optional `[H_kv, R']`
-    channel indices per kv head (None: all D); proj: optional (Pq, Pk), each `[H_kv, R, D]` (`fit_pca`); among:
-    optional `[P, H_kv, M]` bool, with `mass` the blocks whose tokens normalize it (a second level sees only the
-    blocks its first kept), -inf elsewhere. M = max(T // b, 1); -inf past each query's candidates.
+    channel indices per kv head (None: all D); proj: optional (Pq, Pk), each `[H_kv, R, D]` (`fit_pca`).
+    M = max(T // b, 1); -inf past each query's candidates.
     """
     p_cnt, h_q, d = q_post.shape
     t, h_kv, _ = k_post.shape
@@ -114,16 +112,13 @@ def token_max_scores(q_post: torch.Tensor, k_post: torch.Tensor, positions: torc
             torch.div(positions, block_size, rounding_mode="floor") * block_size)[:, None]  # [P, T']
         # a large finite floor, not -inf: a query with no candidate keys then differentiates without NaNs
         dots = dots.masked_fill(past[:, None, None, :], -1e30)
-        if among is not None:
-            dots = dots.masked_fill(~among[..., :n_blocks].repeat_interleave(block_size, -1)[:, :, None, :], -1e30)
         norm = dots - torch.logsumexp(dots, dim=-1, keepdim=True)
         blocks = torch.logsumexp(norm.view(p_cnt, h_kv, g, n_blocks, block_size), dim=-1)  # [P, H_kv, G, M']
         out[..., :n_blocks] = blocks.amax(dim=2)
     elif n_blocks:
         dots = torch.einsum("phgr,thr->phgt", q, k).amax(dim=2)  # [P, H_kv, T']
         out[..., :n_blocks] = dots.view(p_cnt, h_kv, n_blocks, block_size).amax(dim=-1)
-    out = out.masked_fill(~candidate_mask(positions, m, block_size), float("-inf"))
-    return out if among is None else out.masked_fill(~among, float("-inf"))
+    return out.masked_fill(~candidate_mask(positions, m, block_size), float("-inf"))
 
 
 def pair_dims(pairs: torch.Tensor, head_dim: int) -> torch.Tensor:
