@@ -115,7 +115,9 @@ def test_resume_continues_exactly(trained, setup):
     _, full = load_gate_checkpoint(trained)
     for layer in full:
         for name in full[layer]:
-            torch.testing.assert_close(resumed[layer][name], full[layer][name], rtol=1e-5, atol=1e-6)
+            # Not bit-exact: under a loaded CPU the float reductions' order may differ between the two runs
+            # (1.1e-5 seen once); a resume that lost the optimizer moments moves a weight by 1.6e-2 (checked).
+            torch.testing.assert_close(resumed[layer][name], full[layer][name], rtol=1e-4, atol=1e-5)
     with pytest.raises(SystemExit, match="different settings"):
         train.main(base + ["--resume", "--lr", "5e-3"])
 
