@@ -210,7 +210,9 @@ def write_record(path: pathlib.Path, record: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--gate", default=None, help="gate checkpoint (for gate and gatesub<S> configs)")
+    ap.add_argument("--gate", default=None, help="gate checkpoint (for the gate, gatesub<S>, gatec<X>exact and "
+                    "gatesub<S>c<X>exact configs: the last two the server's --sas-exact-rerank X, with "
+                    "--sas-sub-blocks 64 / S)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[16384], help="haystack tokens")
     ap.add_argument("--haystacks", type=int, default=4, help="haystacks per length (seeds 0..N-1)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None,

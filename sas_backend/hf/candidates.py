@@ -22,8 +22,9 @@ server selector:
   or D/4 in fp8 reads 1/16 of dense's bf16 K + V.
 - `keys<R>` / `keys<R>mass`: `pca<R>`'s projection TRAINED per layer to rank blocks by mass as the dense
   attention does (`hf.learned_keys`): a learned per-token index key, from a file of fitted projections.
-- `gatec<X>exact`: two levels, the second exact, as the server runs them (`--sas-exact-rerank X`): the gate (with
-  the spec's summaries a block) picks X x K blocks per query and kv head (forced blocks and anchors in), and
+- `gatec<X>exact` / `gatesub<S>c<X>exact`: two levels, the second exact, as the server runs them
+  (`--sas-exact-rerank X`; with `sub<S>` over `--sas-sub-blocks b / S`): the gate (with the spec's summaries a
+  block, or b / S of them) picks X x K blocks per query and kv head (forced blocks and anchors in), and
   `ops.rerank.rerank_blocks` keeps the K of highest exact mass among those blocks alone (`hf.sparse_eval` calls the
   served op): a step reads one summary a block plus the K half of X x K blocks (X / 2 times what the sparse
   attention itself reads), bounded by the budget, not the context.
@@ -53,25 +54,27 @@ from sas_backend.hf.causal import causal_sdpa
 
 CANDIDATE_PATTERN = re.compile(
     r"^(exactmax|exactmass|pairs(\d+)|(gate|quest)sub(\d+)(?:c(\d+))?|(pca|keys)(\d+)(mass)?)$")
-# Two levels with an exact second: the gate (its summaries a block as the spec says) keeps X x K blocks, exactmass
-# ranks only those.
-GATE_EXACT_PATTERN = re.compile(r"^gatec(\d+)exact$")
+# Two levels with an exact second: the gate (its summaries a block as the spec says, or b / S of them with sub<S>)
+# keeps X x K blocks, exactmass ranks only those.
+GATE_EXACT_PATTERN = re.compile(r"^gate(?:sub(\d+))?c(\d+)exact$")
 
 
 def is_candidate(name: str) -> bool:
     """Whether `name` names a candidate selector (`exactmax`, `exactmass`, `pairs<R>`, `pca<R>`, `pca<R>mass`,
-    `keys<R>`, `keys<R>mass`, `gatesub<S>`, `questsub<S>`, `gatesub<S>c<X>`, `gatec<X>exact`)."""
+    `keys<R>`, `keys<R>mass`, `gatesub<S>`, `questsub<S>`, `gatesub<S>c<X>`, `gatec<X>exact`,
+    `gatesub<S>c<X>exact`)."""
     return bool(CANDIDATE_PATTERN.match(name) or GATE_EXACT_PATTERN.match(name))
 
 
 def gate_exact_factor(name: str) -> Optional[int]:
-    """X of `gatec<X>exact` (the gate keeps X x K blocks, exactmass ranks them), else None."""
+    """X of `gatec<X>exact` / `gatesub<S>c<X>exact` (the gate keeps X x K blocks, exactmass ranks them), else
+    None."""
     match = GATE_EXACT_PATTERN.match(name)
     if match is None:
         return None
-    if int(match.group(1)) < 1:
+    if int(match.group(2)) < 1:
         raise ValueError(f"{name}: the first level must keep at least K blocks (X >= 1)")
-    return int(match.group(1))
+    return int(match.group(2))
 
 
 def candidate_mask(positions: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
@@ -160,15 +163,19 @@ def pair_spread(q_post: torch.Tensor, k_post: torch.Tensor, queries: int = 256, 
 
 
 def sub_block_alias(name: str, block_size: int):
-    """(server selector, sub_blocks) that `gatesub<S>` / `questsub<S>` name (`SelectionRule.sub_blocks` =
-    b / S: the selector's summaries over S-token runs, a block scoring its best run), else None."""
-    match = CANDIDATE_PATTERN.match(name)
-    if match is None or match.group(3) is None:
+    """(server selector, sub_blocks) that `gatesub<S>` / `questsub<S>` / `gatesub<S>c<X>exact` name
+    (`SelectionRule.sub_blocks` = b / S: the selector's summaries over S-token runs, a block scoring its best run),
+    else None."""
+    match, exact = CANDIDATE_PATTERN.match(name), GATE_EXACT_PATTERN.match(name)
+    if exact is not None and exact.group(1) is not None:
+        selector, size = "gate", int(exact.group(1))
+    elif match is not None and match.group(3) is not None:
+        selector, size = match.group(3), int(match.group(4))
+    else:
         return None
-    size = int(match.group(4))
     if size <= 0 or block_size % size:
         raise ValueError(f"{name}: the run size {size} must divide the block size {block_size}")
-    return match.group(3), block_size // size
+    return selector, block_size // size
 
 
 def two_level_factor(name: str) -> Optional[int]:

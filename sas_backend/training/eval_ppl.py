@@ -39,6 +39,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from sas_backend.hf.candidates import gate_exact_factor  # noqa: E402
 from sas_backend.hf.sparse_eval import GATE_DTYPES, SUMMARY_DTYPES, eval_selectors  # noqa: E402
 from sas_backend.selection import selector_class, selector_names  # noqa: E402
 from sas_backend.provenance import git_state
@@ -332,7 +333,7 @@ def reuse_plan(ref: dict, ref_path: str, *, data_record: dict, split: str, windo
     same_keys = keys_sha256 is not None and ref.get("keys_index_sha256") == keys_sha256
     sources.update({name: name for name in baselines if (same_summaries or name not in SUMMARY_BASELINES)
                     and (same_calib or not name.startswith(CALIBRATED)) and (same_keys or not name.startswith("keys"))
-                    and not name.startswith("gatec")})  # a two-level candidate's first level is a gate: measured anew
+                    and gate_exact_factor(name) is None})  # a two-level candidate's first level is a gate: anew
     plan = {}
     for name, src in sources.items():
         got = {bud: src for bud in budgets if str(bud) in measured.get(src, {})}
@@ -513,7 +514,7 @@ def main(argv: Optional[list] = None) -> int:
     candidates = check_candidates(args.candidates)
     baselines = list(dict.fromkeys(args.baselines + (["sink-local"] if args.window_baseline else []) + candidates))
     gate_paths = parse_gates(args.gate)
-    if any(c.startswith("gatec") for c in candidates) and len(gate_paths) != 1:
+    if any(gate_exact_factor(c) is not None for c in candidates) and len(gate_paths) != 1:
         raise SystemExit("error: a gatec<X>exact candidate takes its first level from exactly one --gate")
     forced = parse_forced(args.gate_forced)
     if forced is not None and not gate_paths:
@@ -645,7 +646,7 @@ def main(argv: Optional[list] = None) -> int:
                                           anchors={lid: a[:, :n_anchors] for lid, a in anchors.items()}
                                           if n_anchors else None, summary_dtype=summary_dtype,
                                           gate_dtype=gate_dtype, sub_blocks=args.sub_blocks, kv_fp8=kv_fp8)
-                elif name.startswith("gatec"):  # two levels: the one --gate first (--sub-blocks, its first
+                elif gate_exact_factor(name) is not None:  # two levels: the one --gate first (--sub-blocks, its first
                     _, sink, local, _ = next(iter(variants.values()))  # variant's forced blocks), exact second
                     spec = SparseEvalSpec(top_k=k, block_size=b, selector=name, gates=next(iter(gates.values())),
                                           sink_blocks=sink, local_blocks=local,

@@ -9,7 +9,7 @@ import torch
 
 from sas_backend.gate.module import AttnGate
 from sas_backend.hf.candidates import (
-    calibrate_pairs, candidate_scores, fit_pca, is_candidate, pair_dims, token_max_scores,
+    calibrate_pairs, candidate_scores, fit_pca, gate_exact_factor, is_candidate, pair_dims, token_max_scores,
 )
 from sas_backend.hf.sparse_eval import SparseEvalSpec, block_scores, model_rope_table, select_for_queries, sparse_eval
 
@@ -214,6 +214,14 @@ def test_two_level_exact_keeps_the_gates_best_then_ranks_by_block_mass():
     assert is_candidate("gatec2exact") and not is_candidate("gatecexact")
     with pytest.raises(ValueError, match="needs gates"):
         SparseEvalSpec(top_k=2, selector="gatec2exact")
+    # gatesub<S>c<X>exact names its first level's runs itself (bench/retrieval.py has no --sub-blocks): the same
+    # selection as gatec<X>exact over b / S summaries a block, which here differs from one summary's.
+    spec = lambda name, sub: SparseEvalSpec(top_k=2, block_size=B, selector=name, gates={0: gate},  # noqa: E731
+                                            sub_blocks=sub)
+    runs = select_for_queries(spec(f"gatesub{B // 4}c2exact", 1), 0, q, k, positions, table, gtable)
+    assert torch.equal(runs, select_for_queries(spec("gatec2exact", 4), 0, q, k, positions, table, gtable))
+    assert not torch.equal(runs, select_for_queries(spec("gatec2exact", 1), 0, q, k, positions, table, gtable))
+    assert is_candidate(f"gatesub{B // 4}c2exact") and gate_exact_factor(f"gatesub{B // 4}c3exact") == 3
 
 
 def test_sub_block_decode_update_writes_only_completed_blocks():
