@@ -100,6 +100,8 @@ class SASConfig:
         repair); 2: the device-side form on CPU too (tests drive it there); 0: off, pages keep whatever summary
         their row holds (a negative control for tests only).
     debug_dir: if set, each decode step appends selection statistics there (slow; tests only).
+    debug_layers: the layers whose selections a decode step appends to debug_dir: "first" (the first sparse
+        layer) or "all" (every sparse layer: what a check needs to follow the server's selections).
     cpu_extend: who runs extend (prefill) attention on CPU: "sas" (ops/extend: the new queries only)
         or "torch_native" (SGLang's, which pads each request's queries to its whole length).
 
@@ -174,6 +176,7 @@ class SASConfig:
     force_sparse: int = _setting(0, "SAS_FORCE_SPARSE")
     summary_marks: int = _setting(1, "SAS_SUMMARY_MARKS")
     debug_dir: Optional[str] = _setting(None, "SAS_DEBUG_DIR")
+    debug_layers: str = _setting("first", "SAS_DEBUG_LAYERS")
     cpu_extend: str = _setting("sas", "SAS_CPU_EXTEND")
 
     @property
@@ -297,6 +300,8 @@ class SASConfig:
         if self.summary_marks not in (0, 1, 2):
             raise SASConfigError(f"SAS_SUMMARY_MARKS must be 0 (off), 1 (the device's form) or 2 (the device-side "
                                  f"form everywhere), got {self.summary_marks}")
+        if self.debug_layers not in ("first", "all"):
+            raise SASConfigError(f"SAS_DEBUG_LAYERS must be first or all, got {self.debug_layers!r}")
         if self.cpu_extend not in CPU_EXTENDS:
             raise SASConfigError(f"SAS_CPU_EXTEND must be one of {', '.join(CPU_EXTENDS)}, got {self.cpu_extend!r}")
         return self

@@ -206,6 +206,9 @@ def test_config_validation_rules():
     assert cfg.cpu_extend == "torch_native"
     with pytest.raises(SASConfigError, match="SAS_CPU_EXTEND must be one of sas, torch_native"):
         SASConfig(selector="quest", cpu_extend="flash").validate()
+    assert SASConfig.from_env({"SAS_SELECTOR": "quest", "SAS_DEBUG_LAYERS": "all"}).validate().debug_layers == "all"
+    with pytest.raises(SASConfigError, match="SAS_DEBUG_LAYERS must be first or all"):
+        SASConfig(selector="quest", debug_layers="0").validate()
 
 
 def test_training_free_selector_needs_no_gate_flag(parse, clean_env):
@@ -223,7 +226,8 @@ def test_settings_table_is_the_fields(parse):
     assert all(e.startswith("SAS_") for e in envs) and len(set(envs)) == len(envs) == len(dataclasses.fields(SASConfig))
     assert all(f.startswith("--sas-") for f in flags) and len(set(flags)) == len(flags)
     assert {s.field: s.env for s in SETTINGS}["block_size"] == "SAS_BLOCK_SIZE"
-    assert [s.field for s in SETTINGS if s.flag is None] == ["force_sparse", "summary_marks", "debug_dir", "cpu_extend"]
+    assert [s.field for s in SETTINGS if s.flag is None] == [
+        "force_sparse", "summary_marks", "debug_dir", "debug_layers", "cpu_extend"]
     assert {s.field for s in SETTINGS if s.type is int} == {
         "budget", "block_size", "first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "sub_blocks",
         "exact_rerank", "dense_below", "force_sparse", "summary_marks"}

@@ -188,7 +188,7 @@ class SASAttnBackend(AttentionBackend):
         # one, which pads every request's queries to its whole length.
         self.own_cpu_extend = bool(own_cpu_extend)
         self._extend: Optional[ExtendPlan] = None  # the current extend batch's plan
-        self._debug_step = 0
+        self._debug_step = -1  # the first logged step is 0
         # Decode and verify steps served so far, by path (host counts, read by /sas/info's pool state): whether
         # a workload really decoded sparsely. Captures are not steps and are not counted.
         self.decode_steps = {"sparse": 0, "dense": 0}
@@ -542,8 +542,8 @@ class SASAttnBackend(AttentionBackend):
         plan = self._plan
         q3 = q.reshape(plan.bs, layer.tp_q_head_num, layer.qk_head_dim)
         out = self.step.run(plan, layer.layer_id, q3, k_buffer, v_buffer, update=update)
-        if self.cfg.debug_dir and layer.layer_id == self.cfg.first_sparse_layer:
-            self._debug_record(plan, self.step.last_selected)
+        if self.cfg.debug_dir and (self.cfg.debug_layers == "all" or layer.layer_id == self.cfg.first_sparse_layer):
+            self._debug_record(plan, layer.layer_id, self.step.last_selected)
         return out.reshape(plan.bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def _branched_decode(self, q, k, v, layer, forward_batch, k_buffer, v_buffer, dense_forward, **kwargs):
@@ -569,19 +569,22 @@ class SASAttnBackend(AttentionBackend):
             out.copy_(dense_out if plan.dense else sparse)
         return out
 
-    def _debug_record(self, plan: DecodePlan, selected: torch.Tensor) -> None:
-        """Append this step's selection (first sparse layer) as one JSON line. Debug/tests only."""
+    def _debug_record(self, plan: DecodePlan, layer_id: int, selected: torch.Tensor) -> None:
+        """Append this step's selection at `layer_id` (`selected` `[bs, H_kv, K]`) as one JSON line. Debug/tests
+        only."""
         os.makedirs(self.cfg.debug_dir, exist_ok=True)
+        if layer_id == self.cfg.first_sparse_layer:
+            self._debug_step += 1  # a step's records share its number, whichever layers are logged
         rec = {
             "step": self._debug_step,
+            "layer": layer_id,
             "seq_lens": plan.step.seq_lens.tolist(),
             "anchors": None if self.step.anchors is None else
-            self.step.anchors[self.cfg.first_sparse_layer][plan.step.req_pool_indices.long()].tolist(),
+            self.step.anchors[layer_id][plan.step.req_pool_indices.long()].tolist(),
             "num_candidates": plan.step.num_candidates.tolist(),
             "selected": selected.tolist(),
             "kv_heads": list(range(self.kv_head_offset, self.kv_head_offset + self.num_kv_heads)),
         }
-        self._debug_step += 1
         with open(os.path.join(self.cfg.debug_dir, f"selection-{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
 

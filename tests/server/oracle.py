@@ -32,6 +32,9 @@ The attention itself is plain softmax(q K_S^T * scale) V_S over the selected blo
 - fp8 KV cache (--kv-cache-dtype fp8_e4m3, SGLang's contract): the cache holds fp8(K / s_l) and fp8(V / s_l) with
   the layer's scale s_l (1.0 without --quantization-param-path), so every reader of K and V, the dense prefill
   included, sees fp8(K / s_l) * s_l; the gate pools those keys with the model's RoPE undone (RoPE at -position).
+A check may have the oracle attend the server's own selections (`Rule.follow`, from its debug log) while it
+still computes, reports and scores its own: where fp8 roundings flip near-tie selections, the check then asks
+whether the server's picks are near ties of the oracle's scores instead of compounding the flip.
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ class Rule:
     kv_scales: Optional[Dict[int, Union[float, Tuple[Scale, Scale]]]] = None
     kv_scales_read: bool = True  # False: a reader that drops the scales (fp8(K / s) taken as K), a negative control
     kv_scales_crossed: bool = False  # True: a reader that takes V's scale for K and K's for V, a negative control
+    # `{layer: {position: [H_kv][K]}}`: blocks the oracle attends there in place of its own picks (the server's, from
+    # its debug log), so that a check sees fp8's roundings apart from the selection flips they cause; its own picks
+    # still land in OracleRun.selected, their scores in OracleRun.scores.
+    follow: Optional[Dict[int, Dict[int, List[List[int]]]]] = None
 
     @property
     def top_k(self) -> int:
@@ -195,12 +202,15 @@ class TailRows:
 @dataclasses.dataclass
 class OracleRun:
     """logprobs `[T, V]` (`TailRows`) of the sparse (rule) and the dense forward over prompt + tokens;
-    selected `{layer: {position: [H_kv][K]}}`; anchors `{layer: [H_kv][R]}`."""
+    selected `{layer: {position: [H_kv][K]}}`; anchors `{layer: [H_kv][R]}`; scores `{layer: [P, H_kv, n]}`, the
+    selector's scores of the n complete blocks at positions sparse_from.. (gate and quest; a position's candidates
+    are its first p // b)."""
 
     sparse_logprobs: torch.Tensor
     dense_logprobs: torch.Tensor
     selected: Dict[int, Dict[int, List[List[int]]]]
     anchors: Dict[int, List[List[int]]]
+    scores: Dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=1)  # a test module asks the oracle about one model several times
@@ -224,6 +234,7 @@ def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> O
     b, start = rule.block_size, rule.sparse_from
     selected: Dict[int, Dict[int, List[List[int]]]] = {}
     anchors: Dict[int, List[List[int]]] = {}
+    all_scores: Dict[int, torch.Tensor] = {}
 
     def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         """query `[1, H_q, T, D]`, key / value `[1, H_kv, T, D]` after RoPE. Dense causal rows, then the
@@ -255,6 +266,7 @@ def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> O
             scores = quest_scores(q_post[start:], k_post, n_all * runs, run)
         if rule.selector in ("gate", "quest"):
             scores = scores.unflatten(-1, (n_all, runs)).amax(-1)
+            all_scores[layer] = scores.detach().clone()
         else:
             scores = torch.zeros(t - start, h_kv, n_all)
         selected[layer] = {}
@@ -274,6 +286,7 @@ def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> O
                         second[m] = w
                     picks[h] = select(rule, n, second, head_anchors[h])
             selected[layer][p] = picks
+            picks = ((rule.follow or {}).get(layer) or {}).get(p, picks)
             for h in range(h_kv):
                 for m in picks[h]:  # the selected blocks' keys, then the query's own block up to the query
                     allowed[h, i, m * b:(m + 1) * b] = True
@@ -312,7 +325,7 @@ def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> O
         for layer in model.model.layers:  # the cached model keeps no activations between runs
             for side in ("q", "k"):
                 layer.self_attn.__dict__.pop(f"_oracle_{side}_pre", None)
-    return OracleRun(TailRows(sparse, first), TailRows(dense, first), selected, anchors)
+    return OracleRun(TailRows(sparse, first), TailRows(dense, first), selected, anchors, all_scores)
 
 
 def oracle_check(prompt, out: Decode, records, model_dir, rule: Rule, n: int,
