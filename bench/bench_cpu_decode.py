@@ -39,6 +39,7 @@ import math
 import os
 import pathlib
 import platform
+import re
 import shlex
 import sys
 import textwrap
@@ -83,9 +84,11 @@ def model_geometry(model: pathlib.Path, gate: pathlib.Path) -> dict:
     }
 
 
-def step_bytes(geo: dict, context: float, batch: int, budget: int | None, rerank: int = 1) -> float:
+def step_bytes(geo: dict, context: float, batch: int, budget: int | None, rerank: int = 1,
+               sub_blocks: int = 1) -> float:
     """Bytes one decode step of `batch` requests at `context` tokens must read (budget None: dense; rerank X > 1:
-    `--sas-exact-rerank X` also reads the keys of X x K blocks)."""
+    `--sas-exact-rerank X` also reads the keys of X x K blocks; sub_blocks N: `--sas-sub-blocks N` scores N run
+    summaries a block)."""
     b = geo["bytes_per_elem"]
     per_token_kv = geo["layers"] * geo["kv_heads"] * geo["head_dim"] * 2 * b  # K and V, all layers
     if budget is None:
@@ -94,20 +97,38 @@ def step_bytes(geo: dict, context: float, batch: int, budget: int | None, rerank
     if scored_blocks <= budget // BLOCK:  # all would be chosen: sas skips the selection, reads as dense
         return step_bytes(geo, context, batch, None)
     attended = (budget // BLOCK + 1) * BLOCK
-    summaries = geo["layers"] * geo["kv_heads"] * scored_blocks * geo["gate_dim"] * b
+    summaries = geo["layers"] * geo["kv_heads"] * scored_blocks * sub_blocks * geo["gate_dim"] * b
     reranked = 0 if rerank <= 1 else min(rerank * (budget // BLOCK), scored_blocks) * BLOCK * per_token_kv / 2
     return (geo["params"] + geo["gate_q_params"]) * b + batch * (attended * per_token_kv + summaries + reranked)
 
 
-def sas_keys(budgets: list[int], rerank: int) -> list[str]:
-    """The sas servers of a run, as the rows key them: each budget, then each budget with --sas-exact-rerank X."""
-    return [str(b) for b in budgets] + ([f"{b}r{rerank}" for b in budgets] if rerank > 1 else [])
+def sas_keys(budgets: list[int], rerank: int, sub_blocks: int = 1) -> list[str]:
+    """The sas servers of a run, as the rows key them: each budget, then each budget with --sas-exact-rerank X; with
+    sub_blocks N > 1 the same again with --sas-sub-blocks N ("512s4", "512s4r2")."""
+    subs = [""] + ([f"s{sub_blocks}"] if sub_blocks > 1 else [])
+    reranks = [""] + ([f"r{rerank}"] if rerank > 1 else [])
+    return [f"{b}{s}{r}" for s in subs for r in reranks for b in budgets]
 
 
-def key_setting(key: str) -> tuple[int, int]:
-    """(budget, rerank X) of a `sas_keys` key."""
-    budget, _, rerank = key.partition("r")
-    return int(budget), int(rerank or 1)
+def key_setting(key: str) -> tuple[int, int, int]:
+    """(budget, rerank X, sub-blocks N) of a `sas_keys` key."""
+    m = re.fullmatch(r"(\d+)(?:s(\d+))?(?:r(\d+))?", key)
+    if m is None:
+        raise ValueError(f"not a sas server key: {key!r}")
+    return int(m[1]), int(m[3] or 1), int(m[2] or 1)
+
+
+def key_label(key: str) -> str:
+    """How tables and plots name a key's server: "b512", "b512 rerank 2", "b512 sub-blocks 4 rerank 2"."""
+    budget, rerank, sub = key_setting(key)
+    return f"b{budget}" + (f" sub-blocks {sub}" if sub > 1 else "") + (f" rerank {rerank}" if rerank > 1 else "")
+
+
+def key_flags(key: str) -> list[str]:
+    """The launch flags a key's server adds to the budget's."""
+    _, rerank, sub = key_setting(key)
+    flags = ["--sas-sub-blocks", str(sub)] if sub > 1 else []
+    return flags + (["--sas-exact-rerank", str(rerank)] if rerank > 1 else [])
 
 
 # ------------------------------------------------------------------------------------- measuring
@@ -260,8 +281,7 @@ def markdown(rows: list[dict], keys: list[str]) -> str:
     head = "| context | batch | dense tok/s |"
     sep = "| ---: | ---: | ---: |"
     for key in keys:
-        budget, rerank = key_setting(key)
-        head += f" sas b{budget}{f' rerank {rerank}' if rerank > 1 else ''} tok/s | sas/dense | roofline |"
+        head += f" sas {key_label(key)} tok/s | sas/dense | roofline |"
         sep += " ---: | ---: | ---: |"
     lines = [head, sep]
     for r in rows:
@@ -292,8 +312,7 @@ def plot(rows: list[dict], keys: list[str], batches: list[int], path: pathlib.Pa
         x = [r["context"] for r in rs]
         ax.plot(x, [r["dense_tok_s"] for r in rs], "o-", color="k", label="dense (torch_native)")
         for i, key in enumerate(keys):
-            color, (b, rerank) = f"C{i}", key_setting(key)
-            label = f"budget {b}" + (f", rerank {rerank}" if rerank > 1 else "")
+            color, label = f"C{i}", key_label(key)
             ax.plot(x, [r["sas"][key]["tok_s"] for r in rs], "s-", color=color, label=f"sas, {label}")
             ax.plot(x, [r["dense_tok_s"] * r["sas"][key]["roofline_speedup"] for r in rs], "x:", color=color,
                     label=f"dense x roofline speedup, {label}")
@@ -328,6 +347,8 @@ def main(argv=None) -> int:
                     help="a killed run's .partial.json: servers it finished are not run again")
     ap.add_argument("--exact-rerank", type=int, default=1, metavar="X",
                     help="also time every budget with --sas-exact-rerank X (two levels), side by side (1: not)")
+    ap.add_argument("--sub-blocks", type=int, default=1, metavar="N",
+                    help="also time every sas server with --sas-sub-blocks N, side by side (1: not)")
     ap.add_argument("--sas-arg", action="append", default=[],
                     help="one more launch argument for every sas server (repeatable, e.g. --sas-arg=--sas-dense-below "
                          "--sas-arg=0 to time the sparse path where the CPU default would decode densely)")
@@ -336,6 +357,8 @@ def main(argv=None) -> int:
         args.contexts, args.batches, args.budgets, args.new_tokens = [1024], [1], [512], 16
     if args.new_tokens < args.skip + 4:
         ap.error("--new-tokens must exceed --skip by at least 4")
+    if args.exact_rerank < 1 or args.sub_blocks < 1 or BLOCK % args.sub_blocks:
+        ap.error(f"--exact-rerank must be >= 1 and --sub-blocks a divisor of {BLOCK}")
     for b in args.budgets:
         if b % BLOCK:
             ap.error(f"budget {b} is not a multiple of {BLOCK}")
@@ -377,13 +400,12 @@ def main(argv=None) -> int:
         return measured
 
     dense = run_or_resume("dense", "torch_native", flags)
-    keys = sas_keys(args.budgets, args.exact_rerank)
+    keys = sas_keys(args.budgets, args.exact_rerank, args.sub_blocks)
     sas = {}
     for key in keys:
-        b, rerank = key_setting(key)
-        extra = ["--sas-exact-rerank", rerank] if rerank > 1 else []
-        sas[key] = run_or_resume(f"sas b{key}", "sas",
-                                 flags + ["--sas-gate", gate, "--sas-budget", b, *extra, *args.sas_arg])
+        sas[key] = run_or_resume(f"sas b{key}", "sas", flags + ["--sas-gate", gate, "--sas-budget",
+                                                                str(key_setting(key)[0]), *key_flags(key),
+                                                                *args.sas_arg])
 
     rows = []
     for ctx, bs in points:
