@@ -127,7 +127,7 @@ def _near_ties(oracle, rule):
             for h, (server, own) in enumerate(zip(heads, own_heads)):
                 if server == own:
                     continue
-                row = oracle.scores[layer][pos - rule.sparse_from, h, : pos // 64]
+                row = oracle.scores[layer][pos - rule.sparse_from, h, : pos // rule.block_size]
                 gave_up = row[sorted(set(own) - set(server))].sum() - row[sorted(set(server) - set(own))].sum()
                 deficits.append((gave_up / (row.max() - row.min())).item())
     return deficits
