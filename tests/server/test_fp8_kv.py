@@ -129,7 +129,7 @@ def _near_ties(oracle, rule):
                     continue
                 row = oracle.scores[layer][pos - rule.sparse_from, h, : pos // rule.block_size]
                 gave_up = row[sorted(set(own) - set(server))].sum() - row[sorted(set(server) - set(own))].sum()
-                deficits.append((gave_up / (row.max() - row.min())).item())
+                deficits.append((gave_up / (row.max() - row.min()).clamp_min(1e-12)).item())  # a flat row: ties
     return deficits
 
 
