@@ -21,6 +21,8 @@
 # recall rows of LONG_LEN tokens (default 32768; one thread, ~4x a 16K row); SUB_BLOCKS > 1 pools the caches' keys
 # per run of 64 / SUB_BLOCKS tokens and trains the gate for --sas-sub-blocks SUB_BLOCKS (`features --sub-blocks`,
 # `distill_cached --sub-blocks`; its checkpoint serves that way by itself).
+# TRAIN_ARGS adds distill_cached flags to the train step (e.g. the first level's coverage, issue 63:
+# TRAIN_ARGS="--coverage-weight 1 --coverage-budgets 2048 4096").
 # Working files go to $WORK (default models/qwen16k: caches, the fine-tuned gate), results to OUT_DIR; NAME
 # (default ft16k) names the gate in the results. The 2026-11-26 run used the defaults; the free gate
 # (2026-11-28): WORK=models/qwen16k-free NAME=free16k FORCED="0 0" DTYPE=bfloat16 RECALL_SEED=3 RECALL_ROWS=20
@@ -61,6 +63,7 @@ RETRIEVAL_SEEDS=${RETRIEVAL_SEEDS:-0 1 2 3}
 INIT=${INIT:-$SHIP}  # the gate training starts from; "none": a seeded init
 GATE_DIM=${GATE_DIM:-}  # the trained gate's width (default: INIT's, or 128); narrower than INIT's: a cut of it
 LR=${LR:-1e-3}
+read -r -a train_extra <<< "${TRAIN_ARGS:-}"  # more distill_cached flags, e.g. "--coverage-weight 1 --coverage-budgets 2048 4096"
 init_arg=()
 [ "$INIT" != none ] && init_arg=(--init-gate "$INIT")
 [ -n "$GATE_DIM" ] && init_arg+=(--gate-dim "$GATE_DIM")
@@ -110,7 +113,7 @@ for step in $STEPS; do
                 $PY -m sas_backend.training.distill_cached --model $M --cache $WORK/recall $WORK/code $long $val \
                     --out $FT --budget 2048 --sink-blocks $SINK --local-blocks $LOCAL --steps $STEPS_TRAIN \
                     --rows-per-step 4 --lr "$LR" --warmup 10 ${init_arg[@]+"${init_arg[@]}"} --save-every 25 --no-progress \
-                    ${sub_arg[@]+"${sub_arg[@]}"} $resume && touch $FT/.complete
+                    ${sub_arg[@]+"${sub_arg[@]}"} ${train_extra[@]+"${train_extra[@]}"} $resume && touch $FT/.complete
             fi ;;
         needle-score)
             tag=qwen-16k-${NAME%16k}  # ft16k -> qwen-16k-ft (the 2026-11-26 files)

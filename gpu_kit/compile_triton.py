@@ -33,7 +33,9 @@ per thread, and ptxas then takes 20-40 CPU s per variant (about 10 CPU minutes p
 less the fp16 training kernels (the bf16 ones compile the same code with the other 16-bit type; the
 full grid compiles both: bench/results/2026-11-25-triton-sm90), a minute of CI wall time; and less
 the products whose every axis value it still compiles (Top-K's K x width, the summary update's geometry x
-dtype, the fused step's sweep; `cases` says which), about 40 more CPU s.
+dtype, the fused step's sweep; `cases` says which), about 40 more CPU s; and it compiles one variant per
+configuration (`one_per_configuration`: the "== 1" / "% 16" specializations of runtime ints change no tile),
+about 50 more CPU s.
 
 A version other than "installed" is pip-installed (--no-deps --target) into build/triton-<v>/
 (git-ignored) on first use and put first on PYTHONPATH of a subprocess that runs this same file.
@@ -483,7 +485,29 @@ def record_all(grid: str = "full") -> tuple[list, int]:
                 v = variants.setdefault(key, dict(fn=fn, signature=signature, constexprs=constexprs,
                                                   attrs=attrs, options=options, op=op, cases=[]))
                 v["cases"].append(p)
-    return list(variants.values()), n
+    out = list(variants.values())
+    return (out if grid == "full" else one_per_configuration(out)), n
+
+
+def one_per_configuration(variants: list) -> list:
+    """The CI grid's variants: one per configuration (`config_key`: kernel, constexprs, pointer and float types,
+    options), the one with the most divisibility-by-16 attributes (a GPU server pads its widths to 16), carrying the
+    cases of the others. The variants dropped differ only in the "== 1" / "% 16" specializations of runtime ints,
+    which change no tile (see served_cases); the full grid compiles each of them (about 50 of 345 CPU s)."""
+    def divisible(v):
+        return sum(any(x and x[0] == "tt.divisibility" for x in a) for a in v["attrs"].values())
+
+    kept = {}
+    for v in variants:
+        key = config_key(v["fn"], v["signature"], v["constexprs"], v["options"])
+        k = kept.get(key)
+        if k is None:
+            kept[key] = v
+            continue
+        keep, drop = (v, k) if divisible(v) > divisible(k) else (k, v)
+        keep["cases"] = keep["cases"] + [c for c in drop["cases"] if c not in keep["cases"]]
+        kept[key] = keep
+    return list(kept.values())
 
 
 # ----------------------------------------------------------------------------------- compiling
