@@ -490,16 +490,16 @@ def record_all(grid: str = "full") -> tuple[list, int]:
 
 
 def one_per_configuration(variants: list) -> list:
-    """The CI grid's variants: one per configuration (`config_key`: kernel, constexprs, pointer and float types,
-    options), the one with the most divisibility-by-16 attributes (a GPU server pads its widths to 16), carrying the
-    cases of the others. The variants dropped differ only in the "== 1" / "% 16" specializations of runtime ints,
-    which change no tile (see served_cases); the full grid compiles each of them (about 50 of 345 CPU s)."""
+    """The CI grid's variants: one per op and configuration (`config_key`: kernel, constexprs, pointer and float
+    types, options), the one with the most divisibility-by-16 attributes (a GPU server pads its widths to 16),
+    carrying the cases of the others. The variants dropped differ only in the "== 1" / "% 16" specializations of
+    runtime ints, which change no tile (see served_cases); the full grid compiles each (about 50 of 345 CPU s)."""
     def divisible(v):
         return sum(any(x and x[0] == "tt.divisibility" for x in a) for a in v["attrs"].values())
 
     kept = {}
     for v in variants:
-        key = config_key(v["fn"], v["signature"], v["constexprs"], v["options"])
+        key = (v["op"], config_key(v["fn"], v["signature"], v["constexprs"], v["options"]))  # cases stay with their op
         k = kept.get(key)
         if k is None:
             kept[key] = v
