@@ -288,3 +288,30 @@ def test_every_configuration_the_cuda_path_launches_is_compiled(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["launched"] > 2500 and out["configs"] > 30, out
     assert out["n_missing"] == 0, out
+
+
+DEDUPE_PROBE = '''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import compile_triton as ct
+
+kept, n = ct.record_all("ci")
+ct.one_per_configuration = lambda variants: variants  # the CI grid's launches, every specialization its own variant
+full, _ = ct.record_all("ci")
+keys = lambda vs: [(v["op"], ct.config_key(v["fn"], v["signature"], v["constexprs"], v["options"])) for v in vs]
+cases = lambda vs: sorted({(v["op"], json.dumps(c, sort_keys=True)) for v in vs for c in v["cases"]})
+print(json.dumps(dict(kept=len(kept), every=len(full), unique=len(set(keys(kept))), configs=len(set(keys(full))),
+                      same_cases=cases(kept) == cases(full))))
+'''
+
+
+def test_the_ci_grid_compiles_one_variant_per_configuration_and_drops_no_case(tmp_path):
+    """`compile_triton.one_per_configuration`: the CI grid keeps one variant per (op, configuration), every
+    configuration its launches reach, and every case (the geometry checks above read the cases) on a kept variant."""
+    (tmp_path / "probe.py").write_text(DEDUPE_PROBE)
+    r = subprocess.run([sys.executable, str(tmp_path / "probe.py"), str(TOOL.parent)],
+                       env={**_env(), "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["kept"] == out["unique"] == out["configs"], out
+    assert out["every"] > out["kept"] and out["same_cases"], out
