@@ -56,13 +56,17 @@ CANDIDATE_PATTERN = re.compile(
     r"^(exactmax|exactmass|pairs(\d+)|(gate|quest)sub(\d+)(?:c(\d+))?|(pca|keys)(\d+)(mass)?)$")
 # Two levels with an exact second: the gate (its summaries a block as the spec says, or b / S of them with sub<S>)
 # keeps X x K blocks, exactmass ranks only those.
-GATE_EXACT_PATTERN = re.compile(r"^gate(?:sub(\d+))?c(\d+)exact$")
+# `q<bits>` (a screen, not served): the second level reads keys quantized per block and channel (`quantize_keys`).
+# `group` instead of `exact` (a screen, not served): the second level chooses inside fixed groups of X first-level
+# candidates (`grouped_second_level`), a rule an attend launch can apply split by split with no global top-K.
+# `tier` (the same, groups formed without sorting: `tier_groups`).
+GATE_EXACT_PATTERN = re.compile(r"^gate(?:sub(\d+))?c(\d+)(exact|group|tier)(?:q(\d+))?$")
 
 
 def is_candidate(name: str) -> bool:
     """Whether `name` names a candidate selector (`exactmax`, `exactmass`, `pairs<R>`, `pca<R>`, `pca<R>mass`,
     `keys<R>`, `keys<R>mass`, `gatesub<S>`, `questsub<S>`, `gatesub<S>c<X>`, `gatec<X>exact`,
-    `gatesub<S>c<X>exact`)."""
+    `gatesub<S>c<X>exact`, `group` for `exact` and `q<bits>` after either)."""
     return bool(CANDIDATE_PATTERN.match(name) or GATE_EXACT_PATTERN.match(name))
 
 
@@ -75,6 +79,117 @@ def gate_exact_factor(name: str) -> Optional[int]:
     if int(match.group(2)) < 1:
         raise ValueError(f"{name}: the first level must keep at least K blocks (X >= 1)")
     return int(match.group(2))
+
+
+def rerank_key_bits(name: str) -> Optional[int]:
+    """`bits` of `gate...c<X>exactq<bits>` (the second level reads `quantize_keys(k, bits)`), else None."""
+    match = GATE_EXACT_PATTERN.match(name)
+    if match is None or match.group(4) is None:
+        return None
+    bits = int(match.group(4))
+    if not 1 <= bits <= 8:
+        raise ValueError(f"{name}: key bits must be 1-8")
+    return bits
+
+
+def is_grouped(name: str) -> bool:
+    """Whether `name` is `gate...c<X>group...` or `gate...c<X>tier...` (`grouped_second_level`)."""
+    match = GATE_EXACT_PATTERN.match(name)
+    return match is not None and match.group(3) in ("group", "tier")
+
+
+def grouping(name: str) -> str:
+    """`snake` for `gate...c<X>group...`, `tier` for `gate...c<X>tier...`."""
+    return "tier" if GATE_EXACT_PATTERN.match(name).group(3) == "tier" else "snake"
+
+
+def snake_groups(rank: torch.Tensor, groups: torch.Tensor, factor: int) -> torch.Tensor:
+    """Group of each first-level rank (0 = best non-forced candidate): ranks laid out in `factor` rows of
+    `groups` back and forth (0..n-1, then n-1..0, ...), so the best candidate shares its group with the worst
+    one and the middle ones meet each other; -1 past factor x groups. rank, groups: broadcastable int64."""
+    n = groups.clamp_min(1)
+    row, col = torch.div(rank, n, rounding_mode="floor"), rank % n
+    group = torch.where(row % 2 == 0, col, n - 1 - col)
+    return torch.where((rank < factor * groups) & (groups > 0), group, -1)
+
+
+def tier_groups(rank: torch.Tensor, groups: torch.Tensor, factor: int, valid: torch.Tensor) -> torch.Tensor:
+    """Group of each candidate without a sort: tier = rank // groups (what a radix select's X thresholds give),
+    and inside a tier the i-th candidate in block order (the order `first` holds them) joins group i; -1 past
+    `factor` tiers. rank `[..., C]` (>= C where not `valid`), groups `[..., 1]`."""
+    n = groups.clamp_min(1)
+    tier = torch.div(rank, n, rounding_mode="floor")
+    group = torch.full_like(rank, -1)
+    for t in range(factor):
+        member = valid & (tier == t)
+        group = torch.where(member, member.long().cumsum(-1) - 1, group)
+    return torch.where((group >= 0) & (groups > 0), group, -1)
+
+
+def grouped_second_level(first: torch.Tensor, first_scores: torch.Tensor, lse: torch.Tensor,
+                         num_candidates: torch.Tensor, k: int, factor: int, sink_blocks: int, local_blocks: int,
+                         anchors: Optional[torch.Tensor] = None, rule: str = "snake") -> torch.Tensor:
+    """`[P, H_kv, C]` bool: which of the first level's blocks `first` `[P, H_kv, C]` (-1 padded) the grouped
+    second level keeps. Forced blocks (sink / local of `num_candidates` `[P]`, anchors `[P, H_kv, R]`) are kept;
+    the other candidates, ranked by `first_scores` `[P, H_kv, C]`, fill `snake_groups` of `factor`, one group per
+    place left in K, and each group keeps its block of highest mass among the group's own blocks (max over the
+    kv group's query heads of `lse` `[P, H_kv, G, C]`, a block's log-sum-exp of logits, normalized inside the
+    group): the second level needs no top-K across groups. rule: `snake` (`snake_groups`) or `tier`
+    (`tier_groups`)."""
+    p, h, c = first.shape
+    valid = first >= 0
+    n = num_candidates.view(p, 1, 1)
+    forced = valid & ((first < sink_blocks) | (first >= n - local_blocks))
+    if anchors is not None:
+        forced |= valid & (first[..., :, None] == anchors[..., None, :]).any(-1)
+    groups = (k - forced.sum(-1, keepdim=True)).clamp_min(0)  # [P, H_kv, 1]
+    key = first_scores.masked_fill(~valid | forced, float("-inf"))
+    order = key.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(c).expand_as(order))
+    free = valid & ~forced
+    if rule == "tier":
+        group = tier_groups(rank, groups, factor, free)
+    else:
+        group = snake_groups(rank, groups, factor)
+    group = group.masked_fill(~free, -1)  # [P, H_kv, C]
+    at = torch.where(group >= 0, group, k)[:, :, None, :].expand_as(lse)  # k: a bin for the dropped
+    peak = torch.full(lse.shape[:-1] + (k + 1,), float("-inf")).scatter_reduce(-1, at, lse, "amax")
+    shifted = torch.exp(lse - torch.gather(peak, -1, at).nan_to_num(neginf=0.0))
+    total = torch.zeros(peak.shape).scatter_add_(-1, at, shifted.nan_to_num(0.0))
+    share = (lse - torch.gather(peak, -1, at) - torch.log(torch.gather(total, -1, at))).amax(dim=2)  # [P,H_kv,C]
+    share = share.masked_fill(group < 0, float("-inf"))
+    # Per group the first block of highest share (ties to the lower position in `first`, ascending by block).
+    best = torch.full((p, h, k + 1), float("-inf")).scatter_reduce(-1, torch.where(group >= 0, group, k), share,
+                                                                 "amax")
+    top = (share == torch.gather(best, -1, torch.where(group >= 0, group, k))) & (group >= 0)
+    return forced | _first_per_group(top, group, k)
+
+
+def _first_per_group(top: torch.Tensor, group: torch.Tensor, k: int) -> torch.Tensor:
+    """`top` with only the lowest position of each group kept (the tie rule)."""
+    c = top.shape[-1]
+    pos = torch.arange(c).expand_as(group)
+    bins = torch.where(top & (group >= 0), group, k)
+    lowest = torch.full(group.shape[:-1] + (k + 1,), c).scatter_reduce(-1, bins, torch.where(top, pos, c), "amin")
+    return top & (torch.gather(lowest, -1, bins) == pos)
+
+
+def quantize_keys(keys: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """`keys` `[T, H_kv, D]` rounded to `bits` bits per value, asymmetric per (block of `block_size` tokens,
+    kv head, channel): each block stores its channel's min and step (KIVI's per-channel key grouping), so a
+    block of b tokens costs b x D x bits / 8 bytes plus 2 x D scales. Returned dequantized, same shape and
+    dtype (fp32 arithmetic). Partial last block: its own range."""
+    t = keys.shape[0]
+    pad = (-t) % block_size
+    x = torch.nn.functional.pad(keys.float(), (0, 0, 0, 0, 0, pad))
+    x = x.view(-1, block_size, *keys.shape[1:])  # [NB, b, H_kv, D]
+    valid = (torch.arange(x.shape[0] * block_size) < t).view(-1, block_size, 1, 1)
+    lo = x.masked_fill(~valid, float("inf")).amin(dim=1, keepdim=True)
+    hi = x.masked_fill(~valid, float("-inf")).amax(dim=1, keepdim=True)
+    levels = 2 ** bits - 1
+    step = ((hi - lo) / levels).clamp_min(1e-8)
+    q = ((x - lo) / step).round().clamp(0, levels)
+    return (q * step + lo).view(-1, *keys.shape[1:])[:t].to(keys.dtype)
 
 
 def candidate_mask(positions: torch.Tensor, width: int, block_size: int) -> torch.Tensor:

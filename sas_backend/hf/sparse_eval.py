@@ -21,10 +21,12 @@ import torch
 from sas_backend.gate.module import AttnGate
 from sas_backend.hf.causal import causal_sdpa
 from sas_backend.hf.candidates import (
-    candidate_scores, gate_exact_factor, is_candidate, keep_first_level, sub_block_alias, two_level_factor,
+    candidate_scores, gate_exact_factor, grouped_second_level, grouping, is_candidate, is_grouped, keep_first_level,
+    quantize_keys, rerank_key_bits, sub_block_alias, two_level_factor,
 )
 from sas_backend.ops.anchors import block_mass, force_anchors, top_anchors
 from sas_backend.ops.rerank import rerank_blocks
+from sas_backend.ops.rerank.torch_path import block_logsumexp
 from sas_backend.selection import SelectionRule, make_selector, selector_class, selector_names
 
 ATTN_NAME = "sas_sparse_eval"
@@ -176,7 +178,10 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
         anchors = spec.anchors[layer_idx].expand(positions.numel(), -1, -1)
         scores = force_anchors(scores, anchors, n_cand)
     if exact_factor is not None:  # the server's two levels (`--sas-exact-rerank X`, ops.rerank), as it runs them
-        scores = _exact_second_level(selector, exact_factor, scores, q_post, k_post, block_table, n_cand, m, anchors)
+        bits = rerank_key_bits(spec.selector)
+        keys = k_post if bits is None else quantize_keys(k_post, bits, b)
+        scores = _exact_second_level(selector, exact_factor, scores, q_post, keys, block_table, n_cand, m, anchors,
+                                     grouping=grouping(spec.selector) if is_grouped(spec.selector) else None)
     return selector, scores, n_cand
 
 
@@ -184,19 +189,31 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
 _RERANK_ROWS = 64
 
 
-def _exact_second_level(selector, factor: int, scores, q_post, k_post, block_table, n_cand, m: int, anchors):
+def _exact_second_level(selector, factor: int, scores, q_post, k_post, block_table, n_cand, m: int, anchors,
+                        grouping: Optional[str] = None):
     """Scores `[P, H_kv, M]` that `selector.pick` turns into the server's two-level selection: the first level picks
     factor x K blocks from `scores` (forced blocks and anchors in), `ops.rerank.rerank_blocks` keeps K of them by
     their exact attention mass; the kept blocks score 0, the rest -inf (the pick then takes exactly them: they
     hold the forced ones, and a row with at most K candidates keeps all). The softmax scale is D^-1/2 (every model
-    evaluated here)."""
+    evaluated here). `grouping` (`snake` / `tier`): `hf.candidates.grouped_second_level` in place of
+    `rerank_blocks` (a screen)."""
     rule = selector.rule
     first = make_selector(selector.name, dataclasses.replace(rule, top_k=factor * rule.top_k)).pick(scores, n_cand)
     out = torch.full_like(scores, float("-inf"))
+    scale = q_post.shape[-1] ** -0.5
     for r0 in range(0, q_post.shape[0], _RERANK_ROWS):
         rows = slice(r0, r0 + _RERANK_ROWS)
+        if grouping is not None:
+            f = first[rows]
+            lse = block_logsumexp(q_post[rows], k_post, f, block_table[rows], rule.block_size, scale)
+            first_scores = torch.gather(scores[rows], -1, f.clamp_min(0).long())
+            keep = grouped_second_level(f, first_scores, lse, n_cand[rows], rule.top_k, factor, rule.sink_blocks,
+                                        rule.local_blocks, None if anchors is None else anchors[rows], grouping)
+            wide = torch.full((f.shape[0], f.shape[1], m + 1), float("-inf"), device=scores.device)
+            out[rows] = wide.scatter_(-1, torch.where(keep, f.long(), m), 0.0)[..., :m]
+            continue
         kept = rerank_blocks(q_post[rows], k_post, first[rows], block_table[rows], n_cand[rows], rule.top_k, m,
-                             q_post.shape[-1] ** -0.5, rule.block_size, rule.sink_blocks, rule.local_blocks,
+                             scale, rule.block_size, rule.sink_blocks, rule.local_blocks,
                              None if anchors is None else anchors[rows])
         wide = torch.full((kept.shape[0], kept.shape[1], m + 1), float("-inf"), device=scores.device)
         out[rows] = wide.scatter_(-1, torch.where(kept >= 0, kept.long(), m), 0.0)[..., :m]

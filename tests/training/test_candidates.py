@@ -224,6 +224,66 @@ def test_two_level_exact_keeps_the_gates_best_then_ranks_by_block_mass():
     assert is_candidate(f"gatesub{B // 4}c2exact") and gate_exact_factor(f"gatesub{B // 4}c3exact") == 3
 
 
+def test_quantized_keys_round_each_block_and_channel_to_its_own_range():
+    """quantize_keys: per (block, kv head, channel) the values land on 2^bits - 1 even steps between the block's min
+    and max (both exact), within half a step of the input; a partial last block keeps its own range."""
+    from sas_backend.hf.candidates import quantize_keys
+
+    torch.manual_seed(5)
+    keys = torch.randn(3 * B + 5, 2, 16) * torch.linspace(0.1, 4.0, 16)  # channels of very different ranges
+    for bits in (2, 4, 8):
+        got = quantize_keys(keys, bits, B)
+        assert got.shape == keys.shape and got.dtype == keys.dtype
+        for s0 in range(0, keys.shape[0], B):
+            blk, out = keys[s0:s0 + B], got[s0:s0 + B]
+            lo, hi = blk.amin(0), blk.amax(0)
+            step = (hi - lo) / (2 ** bits - 1)
+            assert torch.allclose(out.amin(0), lo, atol=1e-5) and torch.allclose(out.amax(0), hi, atol=1e-5)
+            assert ((out - blk).abs() <= step / 2 + 1e-5).all()
+            levels = (out - lo) / step
+            assert torch.allclose(levels, levels.round(), atol=1e-3)
+    assert (quantize_keys(keys, 4, B) - keys).abs().mean() < (quantize_keys(keys, 2, B) - keys).abs().mean()
+
+
+@pytest.mark.parametrize("rule", ["group", "tier"])
+def test_grouped_second_level_keeps_the_best_of_each_group(rule):
+    """gatec<X>group / gatec<X>tier: the gate keeps each row's X x K blocks (forced ones in); the non-forced ones,
+    ranked by the gate, form K - forced groups of X (`group`: ranks laid out back and forth over X rows, rank r
+    of n groups joins r % n on even rows and n - 1 - r % n on odd ones; `tier`: the r // n-th tier, the i-th of a
+    tier in block order joins group i); each group keeps its block of highest mass among the group's own blocks
+    (each query head's softmax over the group's keys, max over the kv group's heads). Stated by the loop."""
+    gate, table, gtable, q, k, positions = _two_level_world(6)
+    for sub, sink, local, top in ((1, 0, 0, 2), (1, 1, 1, 3), (4, 1, 0, 3)):
+        spec = lambda name: SparseEvalSpec(top_k=top, block_size=B, selector=name, gates={0: gate},  # noqa: E731
+                                           sub_blocks=sub, sink_blocks=sink, local_blocks=local)
+        first = block_scores(spec("gate"), 0, q, k, positions, table, gtable).detach()
+        got = select_for_queries(spec(f"gatec2{rule}"), 0, q, k, positions, table, gtable)
+        for p, pos in enumerate(positions.tolist()):
+            n_cand = pos // B
+            for h in range(2):
+                forced = sorted({m for m in range(n_cand) if m < sink or m >= n_cand - local})
+                ranked = sorted((m for m in range(n_cand) if m not in forced), key=lambda m: -float(first[p, h, m]))
+                n = top - len(forced)
+                ranked = ranked[:2 * n]  # X x K = 2 x top, forced ones among them
+                groups = {}
+                for r, m in enumerate(ranked):
+                    if rule == "group":
+                        g = r % n if (r // n) % 2 == 0 else n - 1 - r % n
+                    else:
+                        tier = sorted(ranked[(r // n) * n:(r // n + 1) * n])
+                        g = tier.index(m)
+                    groups.setdefault(g, []).append(m)
+                want = list(forced)
+                for members in groups.values():
+                    keys = torch.cat([k[m * B:(m + 1) * B, h] for m in members])
+                    logits = (q[p, 2 * h: 2 * h + 2] @ keys.T) / 4.0  # D = 16
+                    mass = torch.softmax(logits, -1).view(2, len(members), B).sum(-1).amax(0)
+                    want.append(members[int(torch.argmax(mass))])
+                want = sorted(want)
+                assert got[p, h].tolist() == want + [-1] * (top - len(want)), (rule, sub, sink, p, h)
+    assert is_candidate("gatec2groupq4") and is_candidate("gatesub16c2tier") and not is_candidate("gatec2groupq")
+
+
 def test_sub_block_decode_update_writes_only_completed_blocks():
     """The decode update with sub-blocks writes the run summaries of the block a step completed to its page,
     and nothing to any page a request owns otherwise (page 0 is the padding page)."""

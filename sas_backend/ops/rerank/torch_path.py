@@ -10,11 +10,10 @@ from sas_backend.ops.anchors.torch_path import force_anchors
 from sas_backend.ops.topk import select_blocks
 
 
-def exact_block_scores(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, block_table: torch.Tensor,
-                       block_size: int, scale: float, k_scale: float = 1.0) -> torch.Tensor:
-    """`[bs, H_kv, C]` fp32: each first-level block's log attention mass among the row's first-level blocks, max
-    over the kv group's query heads (-inf at padding). q `[bs, H_q, D]` post-RoPE; k_buffer `[slots, H_kv, D]`;
-    first `[bs, H_kv, C]` int32 blocks (-1 padded); block_table `[bs, >= M]` slot of each block's first token."""
+def block_logsumexp(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, block_table: torch.Tensor,
+                    block_size: int, scale: float, k_scale: float = 1.0) -> torch.Tensor:
+    """`[bs, H_kv, G, C]` fp32: per query head of each kv group, the log-sum-exp of its logits over each
+    first-level block's tokens (-inf at padding). Arguments as `exact_block_scores`."""
     bs, h_q, d = q.shape
     h_kv, c = first.shape[1], first.shape[2]
     g = h_q // h_kv
@@ -24,7 +23,15 @@ def exact_block_scores(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Ten
     heads = torch.arange(h_kv, device=q.device)[None, :, None, None]
     keys = k_buffer[slots, heads].float()  # [bs, H_kv, C, b, D]
     logits = torch.einsum("rhgd,rhctd->rhgct", q.float().view(bs, h_kv, g, d), keys) * (scale * k_scale)
-    lse = torch.logsumexp(logits, dim=-1).masked_fill(~valid[:, :, None, :], float("-inf"))  # [bs, H_kv, G, C]
+    return torch.logsumexp(logits, dim=-1).masked_fill(~valid[:, :, None, :], float("-inf"))
+
+
+def exact_block_scores(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, block_table: torch.Tensor,
+                       block_size: int, scale: float, k_scale: float = 1.0) -> torch.Tensor:
+    """`[bs, H_kv, C]` fp32: each first-level block's log attention mass among the row's first-level blocks, max
+    over the kv group's query heads (-inf at padding). q `[bs, H_q, D]` post-RoPE; k_buffer `[slots, H_kv, D]`;
+    first `[bs, H_kv, C]` int32 blocks (-1 padded); block_table `[bs, >= M]` slot of each block's first token."""
+    lse = block_logsumexp(q, k_buffer, first, block_table, block_size, scale, k_scale)  # [bs, H_kv, G, C]
     total = torch.logsumexp(lse, dim=-1, keepdim=True)
     total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))  # a row with no blocks: all -inf
     return (lse - total).amax(dim=2)
