@@ -39,6 +39,8 @@ DEVICE_GBS = 3000.0
 PROGRAM_GBS = 24.0
 MERGE_PASS_US = 0.75  # 2026-11-27: the merge-select kernel's 5.0 us less a graph node's ~2 us, over its 4 passes
 FENCE_US = 1.0
+RANK_US = 0.3  # an assumption (not calibrated): one program ranking X x K scores against each other in registers
+INT4_KEY_BYTES = 0.5 + 4 / 64  # a key value at 4 bits, plus fp16 min and step per channel and 64-token block
 # Qwen3-4B attention: 36 layers, 32 q / 8 kv heads, d 128, gate dim 128, block 64, bf16 K/V, fp32 gate weights.
 LAYERS, H_KV, G, D, DG, B = 36, 8, 4, 128, 128, 64
 CONTEXTS = (8192, 32768, 65536, 131072, 262144)
@@ -55,14 +57,19 @@ def _us(nbytes: float, gbs: float) -> float:
 
 
 def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4, sub_blocks: int = 1,
-                kv_bytes: int = 2, gate_dim: int = DG, rerank: int = 1):
+                kv_bytes: int = 2, gate_dim: int = DG, rerank: int = 1, rerank_key_bytes: float = None,
+                rank_in_attend: bool = False):
     """[(kernel, grid, DRAM bytes, longest program's serial work, expected us)] of one sparse layer, steady
     step (the front's block-step extra as its own row). sub_blocks: run summaries a block (`--sas-sub-blocks`):
     select reads sub_blocks x Dg a block, the block step's front pools sub_blocks runs (each rereading its w_k
     rows) and finishes sub_blocks summaries. kv_bytes: bytes of a K / V element (2: bf16; 1: an fp8 KV cache, whose
     attend and block-step front read half the K / V bytes). gate_dim: the gate's Dg (a gate trained narrower reads
     sub_blocks x gate_dim a block). rerank: X of `--sas-exact-rerank` (X > 1: select keeps X x K, and a fifth row, the
-    second level, reads those blocks' keys)."""
+    second level, reads those blocks' keys). Two designs not served (docs/quality.md, "a cheaper second level"):
+    rerank_key_bytes, the bytes a key value costs the second level (default kv_bytes; INT4_KEY_BYTES for a 4-bit copy
+    of each complete block's keys); rank_in_attend, the second level only writes each block's log-sum-exps and every
+    attend program ranks the X x K of its row itself (no merge in the second level; the attend reads G x X x K
+    floats and pays RANK_US)."""
     import torch
 
     from sas_backend.ops.fused_step import (GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS, DecodeStepWorkspace,
@@ -110,27 +117,36 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     kv = bs * H_KV * (min(k, cand) + 1) * B * D * 2 * kv_bytes
     prog = per * B * D * 2 * kv_bytes
     merge_b = 0 if splits == 1 else splits * G * D * 4 + splits * 2 * G * 4
-    t = max(FLOOR_US, _us(kv, DEVICE_GBS), _us(prog, PROGRAM_GBS) + FENCE_US) + _us(merge_b, PROGRAM_GBS)
-    rows.append(("attend", (bs, H_KV, splits), kv, f"{per} blocks ({prog // 1024} KB) + merge {merge_b // 1024} KB", t))
+    rank = 0.0
+    if rerank > 1 and rank_in_attend:  # each program reads its row's G x X x K log-sum-exps and ranks them first
+        rank = _us(G * rerank * k * 4, PROGRAM_GBS) + RANK_US
+    t = max(FLOOR_US, _us(kv, DEVICE_GBS), _us(prog, PROGRAM_GBS) + FENCE_US) + _us(merge_b, PROGRAM_GBS) + rank
+    rows.append(("attend", (bs, H_KV, splits), kv, f"{per} blocks ({prog // 1024} KB) + merge {merge_b // 1024} KB"
+                 + (" + rank" if rank else ""), t))
     if rerank > 1:
-        rows.append(rerank_row(ctx, bs, rerank * k, kv_bytes))
+        rows.append(rerank_row(ctx, bs, rerank * k, kv_bytes if rerank_key_bytes is None else rerank_key_bytes,
+                               merge=not rank_in_attend))
     return rows
 
 
-def rerank_row(ctx: int, bs: int, first_k: int, kv_bytes: int) -> tuple:
+def rerank_row(ctx: int, bs: int, first_k: int, kv_bytes: float, merge: bool = True) -> tuple:
     """The second level (`ops.rerank`): splits of each (row, kv head)'s first_k blocks, each program reading its
-    blocks' K; the last to arrive reads the splits' log-sum-exps and radix-selects K of the first_k (as select's merge
-    does, over first_k survivors)."""
+    blocks' K (kv_bytes a value); the last to arrive reads the splits' log-sum-exps and radix-selects K of the
+    first_k (as select's merge does, over first_k survivors). merge False: no last arrival, no select (the attend
+    ranks)."""
     from sas_backend.ops.rerank import RerankWorkspace
 
     ws = RerankWorkspace(max(bs, 1), H_KV, G, first_k, "meta")
     splits = ws.splits(bs)
     per = -(-first_k // splits)
     blocks = min(first_k, (ctx - 1) // B)
-    k_bytes = bs * H_KV * blocks * B * D * kv_bytes
-    prog = per * B * D * kv_bytes
-    merge = (_us(ws.cp * G * 4, PROGRAM_GBS) if splits > 1 else 0.0) + 4 * MERGE_PASS_US * max(1, first_k / 1024)
-    t = max(FLOOR_US, _us(k_bytes, DEVICE_GBS), _us(prog, PROGRAM_GBS) + (FENCE_US if splits > 1 else 0)) + merge
+    k_bytes = int(bs * H_KV * blocks * B * D * kv_bytes)
+    prog = int(per * B * D * kv_bytes)
+    if not merge:
+        t = max(FLOOR_US, _us(k_bytes, DEVICE_GBS), _us(prog, PROGRAM_GBS))
+        return ("rerank", (bs, H_KV, splits), k_bytes, f"{per} blocks ({prog // 1024} KB)", t)
+    tail = (_us(ws.cp * G * 4, PROGRAM_GBS) if splits > 1 else 0.0) + 4 * MERGE_PASS_US * max(1, first_k / 1024)
+    t = max(FLOOR_US, _us(k_bytes, DEVICE_GBS), _us(prog, PROGRAM_GBS) + (FENCE_US if splits > 1 else 0)) + tail
     return ("rerank", (bs, H_KV, splits), k_bytes, f"{per} blocks ({prog // 1024} KB) + select of {first_k}", t)
 
 
@@ -184,7 +200,7 @@ def markdown() -> str:
                 for c, b, want in speed]
     targets.append("")
     return "\n".join(out[:9] + ["## Summary", ""] + head + table + targets + sub_block_section() + rerank_section()
-                     + fp8_section() + marks_section() + out[9:]).rstrip() + "\n"
+                     + cheaper_rerank_section() + fp8_section() + marks_section() + out[9:]).rstrip() + "\n"
 
 
 SUB_BLOCKS = 4  # the candidate of issue 63 (docs/quality.md, "Long-context retrieval")
@@ -276,6 +292,46 @@ def rerank_section() -> list:
             + ", ".join(f"{verdict(worst[v])} at {_rerank_label(*v)}" for v in RERANKS) + ". The selector's bytes "
             "(summaries + the second level's keys) reach 1/16 of dense's K + V only where X x the budget is under 1/8 "
             "of the context.", ""]
+    return out
+
+
+# (label, X, bytes a key value costs the second level, whether the attend ranks): designs, not served.
+CHEAPER = (("X = 2, 4-bit keys", 2, INT4_KEY_BYTES, False), ("X = 2, the attend ranks", 2, None, True),
+           ("X = 2, 4-bit keys, the attend ranks", 2, INT4_KEY_BYTES, True),
+           ("X = 4, 4-bit keys, the attend ranks", 4, INT4_KEY_BYTES, True))
+
+
+def cheaper_rerank_section() -> list:
+    """What a cheaper second level would cost on paper (designs, not served; their quality screens are in
+    docs/quality.md): the keys it reads at 4 bits (a copy of each complete block's keys, per-channel min and step),
+    and its top-K moved out of its own launch into the attend's programs; against one level, and the worst ratio
+    against issue 63's 1.3x. Also what the second level's own launch costs when it reads nothing at all."""
+    out = ["## A cheaper second level (designs, not served)", "",
+           "What `--sas-exact-rerank X` would cost (a) reading a 4-bit copy of each complete block's keys "
+           f"({INT4_KEY_BYTES:.4f} bytes a value with the per-channel min and step of each 64-token block, instead "
+           "of 2), and (b) with its top-K moved into the attend: the second level only writes each candidate's "
+           "log-sum-exps, every attend program reads its row's G x X x K of them and ranks them itself "
+           f"({RANK_US} us assumed), so the second level has no last arrival and no select. bf16 summaries and gate "
+           "weights, amortized over 64 steps; ratio against one level:", "",
+           "| context | batch | one level us | reading nothing, ratio | " + " | ".join(f"{c[0]}, ratio"
+                                                                            for c in CHEAPER) + " |",
+           "| ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in CHEAPER) + " |"]
+    worst = {c[0]: 0.0 for c in CHEAPER}
+    for bs in BATCHES:
+        for ctx in CONTEXTS:
+            one = steady_and_amortized(ctx, bs, summary_bytes=2, weight_bytes=2)[1]
+            free = steady_and_amortized(ctx, bs, summary_bytes=2, weight_bytes=2, rerank=2, rerank_key_bytes=0)[1]
+            cells = []
+            for label, x, key_bytes, ranked in CHEAPER:
+                two = steady_and_amortized(ctx, bs, summary_bytes=2, weight_bytes=2, rerank=x,
+                                           rerank_key_bytes=key_bytes, rank_in_attend=ranked)[1]
+                worst[label] = max(worst[label], two / one)
+                cells.append(f"{two / one:.2f}")
+            out.append(f"| {ctx // 1024}K | {bs} | {one:.1f} | {free / one:.2f} | " + " | ".join(cells) + " |")
+    out += ["", "Worst over 8K-256K against issue 63's 1.3x: " + ", ".join(
+        f"{label} {worst[label]:.2f}x ({'expected met' if worst[label] <= 1.3 else 'expected MISSED'})"
+        for label, *_ in CHEAPER) + ". A second launch of its own costs its floor and its select of K even when it "
+        "reads nothing (the second column, X = 2): at batch 1 that alone is past 1.3x.", ""]
     return out
 
 

@@ -32,3 +32,22 @@ def test_merge_tails_add_and_every_program_pays_its_fence(monkeypatch):
     monkeypatch.setattr(launch_budget, "DEVICE_GBS", 1.0)
     slow = {n: t for n, _, _, _, t in launch_budget.kernel_rows(8192, 1)}["attend"]
     assert slow == kv / 1.0 / 1e3 + merge_us  # the tail is not hidden under the bandwidth phase
+
+
+def test_cheaper_second_level_designs_change_only_what_they_name():
+    """The cheaper second-level designs (docs/launch-budget.md, not served): a 4-bit key copy scales the second
+    level's bytes by INT4_KEY_BYTES / 2 and nothing else; ranking in the attend drops the second level's select
+    tail (it costs its floor at least, even reading nothing) and adds the rank prologue to the attend alone."""
+    def rows(**kw):
+        return {n: (b, t) for n, _, b, _, t in launch_budget.kernel_rows(32768, 8, 2, 2, rerank=2, **kw)}
+
+    bf16, int4 = rows(), rows(rerank_key_bytes=launch_budget.INT4_KEY_BYTES)
+    assert int4["rerank"][0] == int(bf16["rerank"][0] * launch_budget.INT4_KEY_BYTES / 2)
+    assert int4["rerank"][1] < bf16["rerank"][1]
+    assert {n: v for n, v in int4.items() if n != "rerank"} == {n: v for n, v in bf16.items() if n != "rerank"}
+    ranked = rows(rank_in_attend=True)
+    assert ranked["rerank"][1] < bf16["rerank"][1] and ranked["attend"][1] > bf16["attend"][1]
+    assert ranked["attend"][0] == bf16["attend"][0] and ranked["select"] == bf16["select"]
+    nothing = {n: t for n, _, _, _, t in launch_budget.kernel_rows(8192, 1, 2, 2, rerank=2, rerank_key_bytes=0,
+                                                                 rank_in_attend=True)}
+    assert nothing["rerank"] == launch_budget.FLOOR_US
