@@ -82,6 +82,7 @@ KERNEL_MODULES = (
     "sas_backend.ops.gather.triton",
     "sas_backend.ops.fused_step.triton",
     "sas_backend.ops.rerank.triton",
+    "sas_backend.ops.key_codes.triton",
     "sas_backend.training.ops.gated_attention.fused",
 )
 TRAINING_MODULES = ("sas_backend.training.",)
@@ -106,7 +107,7 @@ RUNTIME_KEYS = dict(gate_query=("bs", "h_kv"), summarize_pages=("h_kv", "n"), su
                     score=("bs", "h_kv", "m"), topk=("bs", "h_kv", "m", "sink", "local"),
                     gather=("bs", "h_kv", "m"), gated_attention=(), decode_front=("bs", "h_kv"),
                     decode_select=("bs", "h_kv", "m", "sink", "local"), decode_attend=("bs", "h_kv"),
-                    rerank=("bs", "h_kv"))
+                    rerank=("bs", "h_kv"), key_codes=("h_kv",))
 # The one fp32 training geometry of the CI grid: the cheapest (about 20 CPU s for its 4 kernels).
 CI_FP32_TRAINING = dict(d=64, g=1)
 CI_HALF_TRAINING = ("bf16",)  # the 16-bit training dtype of the CI grid
@@ -188,12 +189,18 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
         # The exact second level (--sas-exact-rerank X): first levels of X x K blocks (CP, K_TILE), every group and
         # dim in bf16, the dtypes (fp8 keys with bf16 queries) at the spec geometry; the CI grid: the spec geometry at
         # the serve default K with X = 2 and 4, G 1 and 7, fp32 and fp8 keys, anchors.
-        "rerank": (product(d=HEAD_DIMS, g=GROUPS, dtype=("bf16",), k=(sg["k"],), x=(2,))
-                   + [dict(d=sg["d"], g=sg["g"], dtype=dt, k=k, x=x, anchors=SERVED_ANCHORS)
-                      for dt in ("bf16", "fp32", "fp8e4", "fp8e5") for k in ks for x in (2, 4)]) if full else
-        [dict(d=sg["d"], g=g, dtype="bf16", k=sg["k"], x=x, anchors=SERVED_ANCHORS) for g in (1, sg["g"], 7)
-         for x in (2, 4)]
-        + [dict(d=d, g=sg["g"], dtype=dt, k=sg["k"], x=2) for d, dt in ((128, "fp32"), (128, "fp8e4"), (64, "bf16"))],
+        "rerank": ((product(d=HEAD_DIMS, g=GROUPS, dtype=("bf16",), k=(sg["k"],), x=(2,))
+                    + [dict(d=sg["d"], g=sg["g"], dtype=dt, k=k, x=x, anchors=SERVED_ANCHORS)
+                       for dt in ("bf16", "fp32", "fp8e4", "fp8e5") for k in ks for x in (2, 4)]) if full else
+                   [dict(d=sg["d"], g=g, dtype="bf16", k=sg["k"], x=x, anchors=SERVED_ANCHORS) for g in (1, sg["g"], 7)
+                    for x in (2, 4)]
+                   + [dict(d=d, g=sg["g"], dtype=dt, k=sg["k"], x=2)
+                      for d, dt in ((128, "fp32"), (128, "fp8e4"), (64, "bf16"))])
+        # the keys from their 4-bit codes (`ops.key_codes`), in both grids: X = 2 and 4, G 1 / 4 / 7, D 64 / 128
+        + [dict(d=d, g=g, dtype="bf16", k=sg["k"], x=x, anchors=SERVED_ANCHORS, codes=True) for d in HEAD_DIMS
+           for g in (1, sg["g"], 7) for x in (2, 4)],
+        # 4-bit key codes of complete blocks (a cheaper second level's keys): every dim and K/V dtype, fp8 included.
+        "key_codes": product(d=HEAD_DIMS, dtype=("bf16", "fp16", "fp32") + SERVED_FP8, h_kv=(8,)),
         "gated_attention": [p for p in product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES)
                             if grid == "full" or p["dtype"] in CI_HALF_TRAINING
                             or (p["dtype"] == "fp32" and all(p[k] == v for k, v in CI_FP32_TRAINING.items()))],
@@ -407,10 +414,19 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
         q = torch.empty(bs, h_kv * g, d, dtype=_dt("bf16" if kv else p["dtype"]))
         k_buffer = torch.empty(pages * BLOCK, h_kv, d, dtype=_dt(kv or p["dtype"]))
         anchors = torch.full((bs + 3, h_kv, p["anchors"]), -1, dtype=i32) if p.get("anchors") else None
+        codes = (torch.empty(pages, h_kv, BLOCK * d // 2, dtype=torch.uint8),
+                 torch.empty(pages, h_kv, 2, d, dtype=torch.float16)) if p.get("codes") else None
         rerank_blocks_triton(q, k_buffer, torch.zeros(bs, h_kv, c, dtype=i32), table, torch.full((bs,), m, dtype=i64),
                              k, d**-0.5, BLOCK, *SERVED_FORCED, anchors,
                              torch.zeros(bs, dtype=i64) if anchors is not None else None, 1.0,
-                             RerankWorkspace(bs, h_kv, g, c, "cpu"))
+                             RerankWorkspace(bs, h_kv, g, c, "cpu"), key_codes=codes)
+    elif op == "key_codes":
+        from sas_backend.ops.key_codes.triton import encode_pages_triton
+
+        d = p["d"]
+        encode_pages_triton(torch.empty(pages * BLOCK, h_kv, d, dtype=_dt(p["dtype"])), torch.zeros(4, dtype=i64),
+                            BLOCK, torch.empty(pages, h_kv, BLOCK * d // 2, dtype=torch.uint8),
+                            torch.empty(pages, h_kv, 2, d, dtype=torch.float16), 1.0)
     elif op == "gated_attention":
         from sas_backend.training.ops.gated_attention import gated_attention
 

@@ -36,7 +36,7 @@ SERVING_KERNELS = {
     "ops.score._score_blocks_kernel",
     "ops.topk._chunk_select_kernel", "ops.topk._merge_select_kernel", "ops.gather._build_kv_indices_kernel",
     "ops.fused_step._front_kernel", "ops.fused_step._select_kernel", "ops.fused_step._attend_kernel",
-    "ops.rerank._rerank_kernel",
+    "ops.rerank._rerank_kernel", "ops.key_codes._encode_pages_kernel",
 }
 BOTH = os.environ.get("SAS_SM90_BOTH_TRITONS") == "1"
 TRAINING_KERNELS = {"training.fused._fwd_kernel", "training.fused._delta_kernel", "training.fused._bwd_dq_kernel",

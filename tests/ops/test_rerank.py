@@ -125,9 +125,54 @@ def test_exact_scores_are_the_blocks_attention_mass():
     assert abs(float(s[0, 0].exp().sum()) - 1.0) < 1e-5
 
 
+def _codes(args):
+    """`ops.key_codes` of every page of the case's cache (pages = slots // B), built by the torch path."""
+    from sas_backend.ops.key_codes import encode_pages
+
+    kb = args["k_buffer"]
+    pages, h_kv, d = kb.shape[0] // B, kb.shape[1], kb.shape[2]
+    packed = torch.zeros(pages, h_kv, B * d // 2, dtype=torch.uint8, device=kb.device)
+    scales = torch.zeros(pages, h_kv, 2, d, dtype=torch.float16, device=kb.device)
+    encode_pages(kb, torch.arange(pages, device=kb.device), B, packed, scales, args["k_scale"], kernel=False)
+    return packed, scales
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("g,dtype", [(1, torch.float32), (3, torch.bfloat16), (7, torch.float8_e4m3fn)])
+def test_keys_read_from_their_4bit_codes(impl, g, dtype):
+    """key_codes: the second level reads each block's keys from its page's 4-bit codes (`ops.key_codes`): the kernel
+    and the torch path answer as the plain statement over the decoded keys (anchors, splits, fp8 caches whose codes
+    hold K itself), and the codes are really read: scores move from the exact keys' by about the codes' error."""
+    from sas_backend.ops.rerank import naive as plain
+
+    args, m, pool, rows, _ = _case(LENS, 2, g, k=6, factor=2, dtype=dtype, seed=30 + g, anchors=2)
+    codes = _codes(args)
+    table, ncand = args["block_table"].cpu(), args["num_candidates"].cpu()
+    anchors_b = pool[rows.long().cpu()]
+    want = plain.rerank_blocks(args["q"].cpu(), args["k_buffer"].cpu(), args["first"].cpu(), table, ncand, 6, m,
+                               args["scale"], B, 1, 1, anchors_b, args["k_scale"], key_codes=codes)
+    if impl == "triton":
+        ws = RerankWorkspace(len(LENS), 2, g, 12, DEVICE, target_programs=3 * len(LENS) * 2)
+        got = rerank_blocks_triton(**args, anchors=pool.to(DEVICE), anchor_rows=rows, ws=ws, key_codes=codes)
+        assert int(ws.counters.abs().sum()) == 0
+    else:
+        got = rerank_blocks(**args, max_blocks=m, anchors=pool.to(DEVICE), anchor_rows=rows, key_codes=codes)
+    assert torch.equal(got.cpu(), want)
+    q, kb, first = args["q"].cpu(), args["k_buffer"].cpu(), args["first"].cpu()
+    exact = exact_block_scores(q, kb, first, table, B, args["scale"], args["k_scale"])
+    coded = exact_block_scores(q, kb, first, table, B, args["scale"], args["k_scale"], key_codes=codes)
+    finite = torch.isfinite(exact)
+    assert torch.equal(finite, torch.isfinite(coded))
+    gap = (exact - coded)[finite].abs()
+    assert 0 < float(gap.max()) < 1.0 and float(gap.mean()) < 0.2
+
+
 def test_bad_arguments_are_refused():
     args, m, _, _, _ = _case([10 * B], 2, 2, k=4, factor=2, dtype=torch.float32)
     with pytest.raises(ValueError, match="K = 9"):
         rerank_blocks(**{**args, "k": 9}, max_blocks=m)
     with pytest.raises(ValueError, match="RerankWorkspace"):
         rerank_blocks_triton(**args, anchors=None, anchor_rows=None, ws=RerankWorkspace(1, 2, 2, 4, DEVICE))
+    packed, scales = _codes(args)
+    with pytest.raises(ValueError, match="key codes"):
+        rerank_blocks(**args, max_blocks=m, key_codes=(packed, scales.float()))

@@ -9,7 +9,8 @@ what the attention will spend (bench/results/2026-12-06-long-ppl: Qwen2.5-Coder 
 +1.5% perplexity where the gate alone loses +6.6% and the attention-mass oracle +0.8%).
 
 - `rerank_blocks(q, k_buffer, first, block_table, num_candidates, k, max_blocks, scale, block_size, ...)`: the K
-  blocks `[bs, H_kv, K]` int32.
+  blocks `[bs, H_kv, K]` int32; with `key_codes` the keys come from each page's 4-bit codes (`ops.key_codes`,
+  0.28 of the bf16 key bytes; not served yet: docs/launch-budget.md's "cheaper second level").
 - `exact_block_scores(...)`: the torch path's `[bs, H_kv, C]` log-masses (tests, analysis).
 - `RerankWorkspace`: the kernel's buffers, planned once for a server's most rows (plan once, run many).
 
@@ -72,7 +73,7 @@ def rerank_blocks(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, 
                   sink_blocks: int = 0, local_blocks: int = 0, anchors: Optional[torch.Tensor] = None,
                   anchor_rows: Optional[torch.Tensor] = None, k_scale: float = 1.0,
                   workspace: Optional[RerankWorkspace] = None, out: Optional[torch.Tensor] = None,
-                  launch=None, kernel: Optional[bool] = None) -> torch.Tensor:
+                  launch=None, kernel: Optional[bool] = None, key_codes=None) -> torch.Tensor:
     """The K blocks of each (row, kv head) of highest exact attention mass among its first-level blocks.
 
     q `[bs, H_q, D]` after RoPE; k_buffer `[slots, H_kv, D]` (an fp8 cache holds K / k_scale); first `[bs, H_kv, C]`
@@ -85,6 +86,9 @@ def rerank_blocks(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, 
     token of the row's first-level blocks; a block scores the max over the kv group; sink / local blocks and
     anchors are kept, the rest by score, ties to the lower block index (`ops.topk.select_blocks`' rule).
     Returns `[bs, H_kv, K]` int32 ascending, -1 padded (`out` if given). Fixed shapes, no host sync.
+    key_codes: optional (packed `[num_pages, H_kv, b * D / 2]` uint8, scales `[num_pages, H_kv, 2, D]` fp16) of
+    `ops.key_codes`, every first-level block's page encoded (page = slot // b): the keys are read from the codes
+    (lo + step * code, K itself: k_scale unused) instead of k_buffer, a quarter of the bytes.
     The Triton kernel on CUDA (kernel None; True: also on CPU, in Triton's interpreter), which needs `workspace` (a
     `RerankWorkspace` for at least bs rows and C blocks) and takes `launch` (`ops.fused_step.LaunchOptions`).
     """
@@ -95,14 +99,21 @@ def rerank_blocks(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, 
                          "disagree on the heads")
     if not 0 < k <= c:
         raise ValueError(f"K = {k} must be in 1..C = {c} (the first level keeps at least K blocks)")
+    if key_codes is not None:
+        packed, scales = key_codes
+        if (packed.dtype != torch.uint8 or tuple(packed.shape[1:]) != (h_kv, block_size * d // 2)
+                or scales.dtype != torch.float16 or tuple(scales.shape[1:]) != (h_kv, 2, d)):
+            raise ValueError(f"key codes {tuple(packed.shape)} {packed.dtype} / {tuple(scales.shape)} {scales.dtype}: "
+                             f"want [pages, {h_kv}, {block_size * d // 2}] uint8 and [pages, {h_kv}, 2, {d}] float16")
     if q.is_cuda if kernel is None else kernel:
         from sas_backend.ops.rerank.triton import rerank_blocks_triton
 
         return rerank_blocks_triton(q, k_buffer, first, block_table, num_candidates, k, scale, block_size,
-                                    sink_blocks, local_blocks, anchors, anchor_rows, k_scale, workspace, out, launch)
+                                    sink_blocks, local_blocks, anchors, anchor_rows, k_scale, workspace, out, launch,
+                                    key_codes)
     anchors_b = anchors if anchors is None or anchor_rows is None else anchors[anchor_rows.long()]
     res = rerank_blocks_torch(q, k_buffer, first, block_table, num_candidates, k, max_blocks, scale, block_size,
-                              sink_blocks, local_blocks, anchors_b, k_scale)
+                              sink_blocks, local_blocks, anchors_b, k_scale, key_codes)
     return res if out is None else out.copy_(res)
 
 

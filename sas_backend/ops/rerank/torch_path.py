@@ -7,11 +7,12 @@ from typing import Optional
 import torch
 
 from sas_backend.ops.anchors.torch_path import force_anchors
+from sas_backend.ops.key_codes import decode_pages
 from sas_backend.ops.topk import select_blocks
 
 
 def block_logsumexp(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, block_table: torch.Tensor,
-                    block_size: int, scale: float, k_scale: float = 1.0) -> torch.Tensor:
+                    block_size: int, scale: float, k_scale: float = 1.0, key_codes=None) -> torch.Tensor:
     """`[bs, H_kv, G, C]` fp32: per query head of each kv group, the log-sum-exp of its logits over each
     first-level block's tokens (-inf at padding). Arguments as `exact_block_scores`."""
     bs, h_q, d = q.shape
@@ -19,19 +20,25 @@ def block_logsumexp(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor
     g = h_q // h_kv
     valid = first >= 0
     starts = torch.gather(block_table.long(), 1, first.clamp_min(0).long().reshape(bs, h_kv * c)).view(bs, h_kv, c)
-    slots = starts[..., None] + torch.arange(block_size, device=q.device)  # [bs, H_kv, C, b]
-    heads = torch.arange(h_kv, device=q.device)[None, :, None, None]
-    keys = k_buffer[slots, heads].float()  # [bs, H_kv, C, b, D]
+    if key_codes is not None:  # the pages' 4-bit codes (`ops.key_codes`: they hold K itself, k_scale applied)
+        heads = torch.arange(h_kv, device=q.device)[None, :, None]
+        keys = decode_pages(*key_codes, torch.div(starts, block_size, rounding_mode="floor"), block_size, heads)
+        k_scale = 1.0
+    else:
+        slots = starts[..., None] + torch.arange(block_size, device=q.device)  # [bs, H_kv, C, b]
+        heads = torch.arange(h_kv, device=q.device)[None, :, None, None]
+        keys = k_buffer[slots, heads].float()  # [bs, H_kv, C, b, D]
     logits = torch.einsum("rhgd,rhctd->rhgct", q.float().view(bs, h_kv, g, d), keys) * (scale * k_scale)
     return torch.logsumexp(logits, dim=-1).masked_fill(~valid[:, :, None, :], float("-inf"))
 
 
 def exact_block_scores(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, block_table: torch.Tensor,
-                       block_size: int, scale: float, k_scale: float = 1.0) -> torch.Tensor:
+                       block_size: int, scale: float, k_scale: float = 1.0, key_codes=None) -> torch.Tensor:
     """`[bs, H_kv, C]` fp32: each first-level block's log attention mass among the row's first-level blocks, max
     over the kv group's query heads (-inf at padding). q `[bs, H_q, D]` post-RoPE; k_buffer `[slots, H_kv, D]`;
-    first `[bs, H_kv, C]` int32 blocks (-1 padded); block_table `[bs, >= M]` slot of each block's first token."""
-    lse = block_logsumexp(q, k_buffer, first, block_table, block_size, scale, k_scale)  # [bs, H_kv, G, C]
+    first `[bs, H_kv, C]` int32 blocks (-1 padded); block_table `[bs, >= M]` slot of each block's first token;
+    key_codes: optional (packed, scales) of `ops.key_codes`, read in place of k_buffer (page = slot // b)."""
+    lse = block_logsumexp(q, k_buffer, first, block_table, block_size, scale, k_scale, key_codes)
     total = torch.logsumexp(lse, dim=-1, keepdim=True)
     total = torch.where(torch.isfinite(total), total, torch.zeros_like(total))  # a row with no blocks: all -inf
     return (lse - total).amax(dim=2)
@@ -39,12 +46,12 @@ def exact_block_scores(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Ten
 
 def rerank_blocks_torch(q, k_buffer, first, block_table, num_candidates, k: int, max_blocks: int, scale: float,
                         block_size: int, sink_blocks: int = 0, local_blocks: int = 0,
-                        anchors: Optional[torch.Tensor] = None, k_scale: float = 1.0) -> torch.Tensor:
+                        anchors: Optional[torch.Tensor] = None, k_scale: float = 1.0, key_codes=None) -> torch.Tensor:
     """`ops.rerank.rerank_blocks` (same arguments, anchors `[bs, H_kv, R]` already this batch's rows): the exact
     scores scattered into a `[bs, H_kv, max_blocks]` row (-inf elsewhere), anchors among them raised to +inf, one
     `ops.topk.select_blocks`."""
     bs, h_kv, c = first.shape
-    scores = exact_block_scores(q, k_buffer, first, block_table, block_size, scale, k_scale)
+    scores = exact_block_scores(q, k_buffer, first, block_table, block_size, scale, k_scale, key_codes)
     at = torch.where(first >= 0, first.long(), max_blocks)
     wide = torch.full((bs, h_kv, max_blocks + 1), float("-inf"), device=q.device).scatter_(-1, at, scores)
     wide = wide[..., :max_blocks]

@@ -9,7 +9,9 @@ over the group, raises forced blocks (sink / local by `score_keys`, prompt ancho
 the tile in registers with the radix select the other selections use (`ops.topk.triton.chunk_topk`): ascending
 block ids, -1 padded. Splits depend on the batch size only (a CUDA-graph replay launches the same grid). With one
 split (a batch whose rows fill the device alone) the program keeps its log-sum-exps in registers: no workspace, fence
-or atomic, so the workspace is sized for the small batches only.
+or atomic, so the workspace is sized for the small batches only. PACKED reads a block's keys from its page's 4-bit codes
+(`ops.key_codes`) instead: q.k = q.lo + (q * step).code, the codes unpacked to fp32 tiles of the even and the odd
+channels (two IEEE dots a token tile).
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from sas_backend.ops.topk.triton import chunk_topk, pad_slots, score_keys
 
 @triton.jit
 def _rerank_kernel(
-    q_ptr, k_ptr, first_ptr, bt_ptr, ncand_ptr, anc_ptr, arows_ptr, out_ptr, lse_ptr, cnt_ptr,
+    q_ptr, k_ptr, first_ptr, bt_ptr, ncand_ptr, anc_ptr, arows_ptr, out_ptr, lse_ptr, cnt_ptr, codes_ptr, cs_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_fb, stride_fh, stride_bt, stride_ab, stride_ah,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_cp, stride_ch, stride_sp, stride_sh,
     H_KV, G, C, K, SPLITS, PER, sink_blocks, local_blocks, R, scale,
     ANCHOR_ROWS: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOK_TILE: tl.constexpr, GP: tl.constexpr,
     BLOCK_D: tl.constexpr, CP: tl.constexpr, K_TILE: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    PDL: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    PDL: tl.constexpr, ONE_SPLIT: tl.constexpr, PACKED: tl.constexpr, BLOCK_HD: tl.constexpr,
 ):
     _after_predecessor(PDL)
     r = tl.program_id(0).to(tl.int64)
@@ -44,6 +46,12 @@ def _rerank_kernel(
                 mask=gm[:, None] & (d < D)[None, :], other=0.0)
     if DOT_F32:  # Triton's interpreter computes bf16 tl.dot wrongly: fp32 on CPU (as `ops.fused_step.attend`)
         q = q.to(tl.float32)
+    j = tl.arange(0, BLOCK_HD)
+    jm = j < D // 2
+    if PACKED:  # the query's even and odd channels, fp32: each byte of codes holds channel 2j and 2j + 1
+        q_row = q_ptr + r * stride_qn + (h * G + g)[:, None] * stride_qh
+        q_even = tl.load(q_row + 2 * j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32)
+        q_odd = tl.load(q_row + 2 * j[None, :] + 1, mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32)
     row_h = r * H_KV + h
     lse_row = lse_ptr + row_h * (CP * GP)
     first_row = first_ptr + r * stride_fb + h * stride_fh
@@ -54,24 +62,52 @@ def _rerank_kernel(
     for e in range(lo, hi):
         blk = tl.load(first_row + e).to(tl.int64)
         lse = tl.full([GP], float("-inf"), tl.float32)
-        if blk >= 0:
-            slot0 = tl.load(bt_ptr + r * stride_bt + blk).to(tl.int64)
-            m_i = tl.full([GP], float("-inf"), tl.float32)
-            l_i = tl.zeros([GP], tl.float32)
-            # the block in token tiles (TOK_TILE < BLOCK_SIZE only for fp32 keys, whose dots need the registers)
-            for t0 in range(0, BLOCK_SIZE, TOK_TILE):
-                t = t0 + tl.arange(0, TOK_TILE)
-                kt = tl.load(k_ptr + ((slot0 + t) * stride_ks + h * stride_kh)[:, None] + d[None, :],
-                             mask=(d < D)[None, :], other=0.0).to(q.dtype)
-                if IEEE:
-                    qk = tl.dot(q, tl.trans(kt), input_precision="ieee")
-                else:
-                    qk = tl.dot(q, tl.trans(kt))
-                qk = qk * scale
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(qk - m_new[:, None]), axis=1)
-                m_i = m_new
-            lse = m_i + tl.log(l_i)
+        if PACKED:
+            if blk >= 0:
+                # 4-bit codes (`ops.key_codes`): key = lo + step * code per channel, so q.k = q.lo + (q * step).code
+                page = tl.load(bt_ptr + r * stride_bt + blk).to(tl.int64) // BLOCK_SIZE
+                sc = cs_ptr + page * stride_sp + h * stride_sh + 2 * j
+                lo_e = tl.load(sc, mask=jm, other=0.0).to(tl.float32)
+                lo_o = tl.load(sc + 1, mask=jm, other=0.0).to(tl.float32)
+                st_e = tl.load(sc + D, mask=jm, other=0.0).to(tl.float32)
+                st_o = tl.load(sc + D + 1, mask=jm, other=0.0).to(tl.float32)
+                bias = tl.sum(q_even * lo_e[None, :], axis=1) + tl.sum(q_odd * lo_o[None, :], axis=1)  # [GP]
+                qs_e = q_even * st_e[None, :]
+                qs_o = q_odd * st_o[None, :]
+                m_i = tl.full([GP], float("-inf"), tl.float32)
+                l_i = tl.zeros([GP], tl.float32)
+                for t0 in range(0, BLOCK_SIZE, TOK_TILE):
+                    t = t0 + tl.arange(0, TOK_TILE)
+                    byte = tl.load(codes_ptr + page * stride_cp + h * stride_ch + t[:, None] * (D // 2) + j[None, :],
+                                   mask=jm[None, :], other=0).to(tl.int32)
+                    c_e = (byte & 15).to(tl.float32)
+                    c_o = (byte >> 4).to(tl.float32)
+                    qk = tl.dot(qs_e, tl.trans(c_e), input_precision="ieee") \
+                        + tl.dot(qs_o, tl.trans(c_o), input_precision="ieee")
+                    qk = (qk + bias[:, None]) * scale
+                    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                    l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(qk - m_new[:, None]), axis=1)
+                    m_i = m_new
+                lse = m_i + tl.log(l_i)
+        else:
+            if blk >= 0:
+                slot0 = tl.load(bt_ptr + r * stride_bt + blk).to(tl.int64)
+                m_i = tl.full([GP], float("-inf"), tl.float32)
+                l_i = tl.zeros([GP], tl.float32)
+                # the block in token tiles (TOK_TILE < BLOCK_SIZE only for fp32 keys, whose dots need the registers)
+                for t0 in range(0, BLOCK_SIZE, TOK_TILE):
+                    t = t0 + tl.arange(0, TOK_TILE)
+                    kt = tl.load(k_ptr + ((slot0 + t) * stride_ks + h * stride_kh)[:, None] + d[None, :],
+                                 mask=(d < D)[None, :], other=0.0).to(q.dtype)
+                    if IEEE:
+                        qk = tl.dot(q, tl.trans(kt), input_precision="ieee")
+                    else:
+                        qk = tl.dot(q, tl.trans(kt))
+                    qk = qk * scale
+                    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                    l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(qk - m_new[:, None]), axis=1)
+                    m_i = m_new
+                lse = m_i + tl.log(l_i)
         if ONE_SPLIT:
             tile = tl.where((c == e)[:, None], lse[None, :], tile)
         else:
@@ -110,7 +146,7 @@ def _rerank_kernel(
 
 def rerank_blocks_triton(q, k_buffer, first, block_table, num_candidates, k: int, scale: float, block_size: int,
                          sink_blocks: int, local_blocks: int, anchors, anchor_rows, k_scale: float, ws, out=None,
-                         launch=None):
+                         launch=None, key_codes=None):
     """`ops.rerank.rerank_blocks` as one launch (same arguments; ws: a `RerankWorkspace`, required)."""
     bs, h_q, d = q.shape
     h_kv, c = first.shape[1], first.shape[2]
@@ -127,18 +163,26 @@ def rerank_blocks_triton(q, k_buffer, first, block_table, num_candidates, k: int
     anchors_t, r_count, rows_t = anchor_launch_args(anchors, anchor_rows, h_kv, bs, out)
     splits = ws.splits(bs)
     per = -(-c // splits)
-    # fp32 keys: a 64-token fp32 tile spills at D = 128 (ptxas, Triton 3.6, sm_90), as in `ops.fused_step.attend`
-    wide = k_buffer.element_size() >= 4 and not _interpreting()
+    packed, cscales = key_codes if key_codes is not None else (out, out)  # unread unless PACKED
+    if key_codes is not None:
+        k_scale = 1.0  # the codes hold K itself
+        if not (packed.is_contiguous() and cscales.is_contiguous()):
+            raise ValueError("key codes must be contiguous")
+    # fp32 keys: a 64-token fp32 tile spills at D = 128 (ptxas, Triton 3.6, sm_90), as in `ops.fused_step.attend`;
+    # codes are unpacked to fp32 tiles too
+    wide = (k_buffer.element_size() >= 4 or key_codes is not None) and not _interpreting()
     launch = (launch or LaunchOptions()).check()
     _rerank_kernel[(bs, h_kv, splits)](
-        q, k_buffer, first, block_table, num_candidates, anchors_t, rows_t, out, ws.lse, ws.counters,
+        q, k_buffer, first, block_table, num_candidates, anchors_t, rows_t, out, ws.lse, ws.counters, packed, cscales,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), first.stride(0), first.stride(1),
         block_table.stride(0), anchors_t.stride(0), anchors_t.stride(1), out.stride(0), out.stride(1),
+        packed.stride(0), packed.stride(1), cscales.stride(0), cscales.stride(1),
         h_kv, g, c, k, splits, per, max(sink_blocks, 0), max(local_blocks, 0), r_count, float(scale) * float(k_scale),
         ANCHOR_ROWS=anchor_rows is not None, D=d, BLOCK_SIZE=block_size,
         TOK_TILE=min(16, block_size) if wide else block_size, GP=ws.gp, BLOCK_D=max(16, _pow2(d)),
         CP=ws.cp, K_TILE=max(16, _pow2(k)), IEEE=q.dtype == torch.float32,
-        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(), ONE_SPLIT=splits == 1, **launch.kwargs(None, 4),
+        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(), ONE_SPLIT=splits == 1,
+        PACKED=key_codes is not None, BLOCK_HD=max(16, _pow2(d // 2)), **launch.kwargs(None, 4),
     )
     return out
 
