@@ -28,6 +28,7 @@ KERNELS = ("auto", "triton", "torch")
 ATTENTIONS = ("auto", "triton", "flashinfer")
 SUMMARY_DTYPES = ("auto", "fp32", "bf16")
 GATE_DTYPES = SUMMARY_DTYPES
+RERANK_KEYS = ("kv", "int4")
 
 #: Budget when neither the launch nor the gate's record names one (and for training-free selectors).
 DEFAULT_BUDGET = 2048
@@ -82,6 +83,9 @@ class SASConfig:
         record, else 1.
     exact_rerank: X > 1: two levels. The selector picks X x K blocks (forced blocks and anchors in), and the K of
         highest exact attention mass among them are attended (`ops.rerank`). None: the gate's record, else 1.
+    rerank_keys: what that second level reads: "kv" (the KV cache's keys) or "int4" (a 4-bit copy of each complete
+        block's keys with its per-channel min and step, `ops.key_codes`: 0.28 of the bf16 key bytes, 4.5 KiB a page
+        and kv head more in the summary pool at D = 128; the same ranking quality measured).
     dense_below: a decode step whose requests hold at most this many context tokens in all (the
         sum of their lengths: what dense attention reads) attends every block densely instead of
         selecting; 0: never. None: on CPU budget + CPU_DENSE_MARGIN tokens (the measured batch-1
@@ -152,6 +156,11 @@ class SASConfig:
         "are attended (reads the keys of X x K blocks a step: X x the attention's K bytes; keeps what pooled "
         "summaries rank coarsely). 1: one level.",
         "default: the gate's record, else 1")
+    rerank_keys: str = _setting(
+        "kv", "SAS_RERANK_KEYS", "--sas-rerank-keys",
+        "Keys the exact second level (--sas-exact-rerank X > 1) reads: kv (the KV cache's) or int4 (a 4-bit copy of "
+        "each complete block's keys kept beside its summary: 0.28 of the bf16 key bytes, 4.5 KiB a page and kv head "
+        "at head dim 128).")
     dense_below: Optional[int] = _setting(
         None, "SAS_DENSE_BELOW", "--sas-dense-below",
         "Decode steps whose requests hold at most N context tokens in all attend densely (where dense "
@@ -253,6 +262,11 @@ class SASConfig:
             )
         if self.exact_rerank is not None and self.exact_rerank < 1:
             raise SASConfigError(f"--sas-exact-rerank must be >= 1 (1: one level), got {self.exact_rerank}")
+        if self.rerank_keys not in RERANK_KEYS:
+            raise SASConfigError(f"--sas-rerank-keys must be one of {', '.join(RERANK_KEYS)}, got {self.rerank_keys!r}")
+        if self.rerank_keys != "kv" and self.exact_rerank is not None and self.exact_rerank <= 1:
+            raise SASConfigError(f"--sas-rerank-keys {self.rerank_keys} sets what the second level of "
+                                 "--sas-exact-rerank X reads: it needs X > 1 (two levels)")
         for name in ("first_sparse_layer", "sink_blocks", "local_blocks", "prompt_anchors", "dense_below"):
             if (getattr(self, name) or 0) < 0:
                 raise SASConfigError(f"SAS {name} must be >= 0, got {getattr(self, name)}")

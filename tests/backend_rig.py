@@ -10,6 +10,7 @@ import torch
 from sas_backend.backend.rope_tables import FixedRopeTables
 from sas_backend.backend.sas_attention import SASAttnBackend
 from sas_backend.config import SASConfig
+from sas_backend.ops.key_codes import encode_pages
 from sas_backend.gate.module import AttnGate
 from sas_backend.ops.rope import apply_rope, rope_cos_sin_table
 from tests.cpu_graph import CpuGraph
@@ -28,7 +29,7 @@ class Rig:
     """A SAS backend over real SGLang CPU pools, with requests placed on random pages."""
 
     def __init__(self, budget, sink=0, local=0, seed=0, dense_below=0, inner=None, anchors=0, draft_tokens=0,
-                 force_sparse=False, sub_blocks=1, summary_marks=1):
+                 force_sparse=False, sub_blocks=1, summary_marks=1, exact_rerank=1, rerank_keys="kv"):
         self.g = torch.Generator().manual_seed(seed)
         self.req_pool = ReqToTokenPool(MAX_REQS, MAX_CTX, "cpu", False)
         self.kv_pool = MHATokenToKVPool(PAGES * B, B, torch.float32, H_KV, D, LAYERS, "cpu", False)
@@ -38,7 +39,8 @@ class Rig:
         )
         cfg = SASConfig(gate_path="unused", budget=budget * B, block_size=B, sink_blocks=sink, local_blocks=local,
                         dense_below=dense_below, prompt_anchors=anchors,
-                        force_sparse=force_sparse, sub_blocks=sub_blocks, summary_marks=summary_marks)
+                        force_sparse=force_sparse, sub_blocks=sub_blocks, summary_marks=summary_marks,
+                        exact_rerank=exact_rerank, rerank_keys=rerank_keys)
         gates = {}
         for lid in range(LAYERS):
             gate = AttnGate(H_KV, H_Q // H_KV, D, DG)
@@ -79,6 +81,8 @@ class Rig:
                     gate, self.kv_pool.k_buffer[lid], pages, starts, self.backend.step.model_table,
                     self.backend.step.gate_table,
                 )
+                if self.backend.summaries.key_codes:  # --sas-rerank-keys int4: the codes beside them
+                    encode_pages(self.kv_pool.k_buffer[lid], pages, B, *self.backend.summaries.key_codes[lid])
                 self.backend.summaries.mark_valid(pages)  # as an extend through sas leaves them
 
     def step_inputs(self, reqs):

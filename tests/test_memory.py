@@ -84,6 +84,22 @@ def test_training_free_selectors_count_their_own_summaries():
         assert mem.total_bytes(64 * 1000) == pool.nbytes and "gate weights" not in mem.fixed
 
 
+def test_key_codes_are_counted_per_page():
+    """`--sas-rerank-keys int4`: the summary pool also holds every sparse layer's 4-bit key codes per page and kv head
+    (b x D / 2 code bytes + the fp16 min and step of D channels); the figure is the pool's own."""
+    from sas_backend.backend.summary_pool import SummaryPool
+
+    h, d = GEO["num_kv_heads"], 64
+    plain = sas_memory(**{**GEO, "gate_dim": 0}, summary_dim=2 * d, max_reqs=8, on_cuda=False)
+    coded = sas_memory(**{**GEO, "gate_dim": 0}, summary_dim=2 * d, max_reqs=8, on_cuda=False, code_head_dim=d)
+    per_page = GEO["num_sparse_layers"] * h * (64 * d // 2 + 4 * d)
+    assert coded.summary_bytes_per_page - plain.summary_bytes_per_page == per_page
+    pool = SummaryPool(range(GEO["num_sparse_layers"]), 1000 + 1, h, 2 * d, "cpu", code_head_dim=d, block_size=64)
+    assert coded.total_bytes(64 * 1000) == pool.nbytes
+    packed, scales = pool.key_codes[0]
+    assert packed.shape == (1001, h, 64 * d // 2) and scales.shape == (1001, h, 2, d)
+
+
 def test_shared_workspace_is_not_counted():
     own = sas_memory(**GEO, max_reqs=8, on_cuda=True)
     shared = sas_memory(**GEO, max_reqs=8, on_cuda=True, shared_workspace=True)

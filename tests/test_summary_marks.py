@@ -108,6 +108,32 @@ def test_a_reused_page_never_lends_its_old_summary(sub_blocks, marks):
 
 
 @pytest.mark.parametrize("marks", [1, 2], ids=["host", "device"])
+def test_a_reused_page_never_lends_its_old_key_codes(marks):
+    """`--sas-rerank-keys int4`: the 4-bit key codes share the summaries' marks: a reused page's codes are rewritten
+    from the KV it holds now (host-planned or listed on the device) before the second level reads them; unread marks
+    leave the first request's."""
+    from sas_backend.ops.key_codes import encode_pages
+
+    for check in (True, False):
+        rig = Rig(budget=3, seed=6, force_sparse=True, summary_marks=marks, exact_rerank=2, rerank_keys="int4")
+        codes = rig.backend.summaries.key_codes
+        pages = _reuse_pages(rig, 1, 2, check_marks=check)
+        stale = {lid: codes[lid][0][pages].clone() for lid in range(LAYERS)}
+        want = {}
+        for lid in range(LAYERS):
+            packed, scales = torch.zeros_like(codes[lid][0]), torch.zeros_like(codes[lid][1])
+            encode_pages(rig.kv_pool.k_buffer[lid], pages, B, packed, scales)
+            want[lid] = (packed[pages], scales[pages])
+        _decode(rig, 2)
+        for lid in range(LAYERS):
+            got = (codes[lid][0][pages], codes[lid][1][pages])
+            if check:
+                assert torch.equal(got[0], want[lid][0]) and torch.equal(got[1], want[lid][1]), lid
+            else:
+                assert torch.equal(got[0], stale[lid]) and not torch.equal(got[0], want[lid][0]), lid
+
+
+@pytest.mark.parametrize("marks", [1, 2], ids=["host", "device"])
 def test_the_block_a_decode_step_completes_is_marked(marks):
     rig = Rig(budget=3, seed=2, summary_marks=marks)
     rig.add_request(1, 4 * B - 1)  # the next token completes block 3

@@ -38,9 +38,11 @@ from sas_backend.backend.decode_plan import DecodePlan, StepBuffers, StepTensors
 from sas_backend.backend.graph_branch import captured_if, capturing, conditional_nodes_supported
 from sas_backend.backend.step_settings import StepSettings
 from sas_backend.ops import fused_step
+from sas_backend.ops.key_codes import encode_pages
 from sas_backend.ops.late_blocks import list_late_blocks
 from sas_backend.ops.rerank import RerankWorkspace, rerank_blocks
 from sas_backend.ops.sparse_decode import make_sparse_decode
+from sas_backend.ops.summary import completed_blocks
 
 # Most rows the fused path serves in one step: its workspace grows with it (~57.5 MiB at Qwen3-4B shapes and
 # 256K context); larger batches fill the device with the per-op kernels' own grids.
@@ -99,6 +101,9 @@ class DecodeStep:
         self.force_sparse = bool(force_sparse)
         self.gate_dtype = settings.gate_dtype
         self.summaries = summaries
+        # --sas-rerank-keys int4: {layer: (packed, scales)} 4-bit key codes the second level reads (`ops.key_codes`),
+        # held by the summary pool and written wherever a page's summary is ({}: the second level reads the cache)
+        self.key_codes = getattr(summaries, "key_codes", None) or {}
         self.gates = gates if gates is not None else {}
         self.rope = rope
         self.anchors = anchors
@@ -248,6 +253,18 @@ class DecodeStep:
         self.summaries[layer_id][pages] = self.selector.summarize(
             self.gate(layer_id), k_buffer, pages, starts, self.model_table, self.gate_table,
             self.scales(layer_id)[0])
+        if self.key_codes:
+            encode_pages(k_buffer, pages, self.block_size, *self.key_codes[layer_id], self.scales(layer_id)[0])
+
+    def encode_completed(self, layer_id: int, k_buffer: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor) -> None:
+        """The 4-bit key codes of the block each row's newest token completed (`--sas-rerank-keys int4`; nothing
+        otherwise): as the summary update, fixed shapes (rows that completed nothing list page -1)."""
+        if not self.key_codes:
+            return
+        done, pages, _ = completed_blocks(block_table, seq_lens, self.block_size)
+        encode_pages(k_buffer, torch.where(done, pages, -1), self.block_size, *self.key_codes[layer_id],
+                     self.scales(layer_id)[0])
 
     # ------------------------------------------------------------------ plan (host)
     def init_graph_state(self, max_bs: int, model_dim: int, gate_dim: int) -> None:
@@ -345,6 +362,7 @@ class DecodeStep:
             gq = fused_step.front(ws, q, step.model_cos_sin, step.gate_cos_sin, w_q, q_norm, k_buffer,
                                   self.model_table, self.gate_table, w_k, k_norm, summaries, step.block_table,
                                   step.seq_lens, k_scale)
+            self.encode_completed(layer_id, k_buffer, step.block_table, step.seq_lens)
             selected = fused_step.select(self.first_ws, gq, summaries, step.block_table, step.num_candidates,
                                          plan.max_blocks, rule.sink_blocks, rule.local_blocks, anchors,
                                          step.req_pool_indices)
@@ -360,7 +378,7 @@ class DecodeStep:
                                      plan.max_blocks, self.scaling, self.block_size, rule.sink_blocks,
                                      rule.local_blocks, anchors, step.req_pool_indices, k_scale, self.rerank_ws,
                                      self.rerank_out[:plan.bs], self.settings.launch,
-                                     kernel=True if plan.fused else None)
+                                     kernel=True if plan.fused else None, key_codes=self.key_codes.get(layer_id))
         self.last_selected = selected
         if self._triton_attention(plan.bs):
             return fused_step.attend(self.fused_ws, q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,
@@ -388,10 +406,16 @@ class DecodeStep:
                          step.late_pages, step.late_starts, step.late_count, step.late_flag, self.late_total)
 
         def summarize():
+            listed = None
+            if self.key_codes:  # the listed pages past the count are -1 (skipped)
+                index = torch.arange(step.late_pages.shape[0], device=step.late_pages.device)
+                listed = torch.where(index < step.late_count.reshape(-1)[0], step.late_pages, -1)
             for lid, k_buffer in k_buffers.items():
                 self.selector.repair(self.gate(lid), k_buffer, self.summaries[lid], step.late_pages,
                                      step.late_starts, step.late_count, self.model_table, self.gate_table,
                                      self.scales(lid)[0])
+                if listed is not None:
+                    encode_pages(k_buffer, listed, self.block_size, *self.key_codes[lid], self.scales(lid)[0])
 
         if capturing() and conditional_nodes_supported():
             with captured_if(step.late_flag):
@@ -408,7 +432,9 @@ class DecodeStep:
         if plan.graph or plan.update_all_rows:  # every row runs the masked update (no host indices)
             self.selector.update(gate, k_buffer, summaries, step.block_table, step.seq_lens, self.model_table,
                                  self.gate_table, k_scale)
+            self.encode_completed(layer_id, k_buffer, step.block_table, step.seq_lens)
         elif plan.summary_rows is not None:  # eager CPU: only the rows whose newest token completed a block
             rows = plan.summary_rows
             self.selector.update(gate, k_buffer, summaries, step.block_table[rows], step.seq_lens[rows],
                                  self.model_table, self.gate_table, k_scale)
+            self.encode_completed(layer_id, k_buffer, step.block_table[rows], step.seq_lens[rows])

@@ -27,7 +27,8 @@ K = budget // b, R = max running requests + 1 = rows of `req_to_token`):
   workspace per FlashInfer wrapper (one eager + one per captured decode batch size).
 - `--sas-exact-rerank X` (two levels): the second level's `[rows, H_kv, K]` int32 selection, on CUDA its kernel's
   per-(row, kv head) block log-sum-exps (`ops.rerank.RerankWorkspace`) and, under the fused kernels, the first level's
-  select workspace at X x K (`DecodeStep.rerank_bytes_for`).
+  select workspace at X x K (`DecodeStep.rerank_bytes_for`). With `--sas-rerank-keys int4`, per page the summary
+  pool's 4-bit key codes of every sparse layer and kv head (`ops.key_codes.code_bytes`: b x D / 2 + 4 x D bytes).
 
 Not reserved here: the wrapped dense backend's own buffers (the dense FlashInfer backend
 allocates the same ones when SGLang serves dense, and SGLang's default mem_fraction_static
@@ -103,6 +104,7 @@ def sas_memory(
     anchor_scratch_bytes: int = 0,
     rows_per_request: int = 1,
     rerank_bytes: int = 0,
+    code_head_dim: int = 0,
 ) -> SASMemory:
     """The sas backend's allocation on one rank (see the module doc for each term).
 
@@ -122,7 +124,8 @@ def sas_memory(
     weights (2 under `--sas-gate-dtype bf16`; 0: it reads the gate itself); anchor_scratch_bytes: the prompt
     anchors' scratch at extend (`ops.anchors.anchor_scratch_bytes`, one layer at a time); rows_per_request: decode
     rows a request brings to one step (n draft tokens under speculative decoding: a verify step); rerank_bytes: the
-    second level's buffers under `--sas-exact-rerank` (`DecodeStep.rerank_bytes_for`).
+    second level's buffers under `--sas-exact-rerank` (`DecodeStep.rerank_bytes_for`); code_head_dim: D of the
+    summary pool's 4-bit key codes under `--sas-rerank-keys int4` (0: none).
     """
     from sas_backend.backend.anchor_pool import AnchorPool
     from sas_backend.backend.rope_tables import RopeTables
@@ -132,7 +135,8 @@ def sas_memory(
 
     # Each figure is the allocating class's own (`nbytes_for`), so a change to an allocation changes its reservation.
     per_page = SummaryPool.bytes_per_page(num_sparse_layers, num_kv_heads,
-                                          gate_dim if summary_dim is None else summary_dim, summary_bytes)
+                                          gate_dim if summary_dim is None else summary_dim, summary_bytes,
+                                          code_head_dim, block_size)
     fixed = {"summary padding page": per_page}
     if head_dim and gate_dim:
         fixed["gate weights"] = num_sparse_layers * AttnGate.nbytes_for(num_kv_heads, group_size, head_dim, gate_dim)
@@ -352,6 +356,7 @@ def memory_for_sglang(owner, max_reqs: Optional[int] = None) -> tuple:
         flashinfer_attention=DecodeStep.per_op_attention(settings, (max_reqs + 1) * rows_per_request),
         rows_per_request=rows_per_request,
         decode_step_bytes=fused_bytes,
+        code_head_dim=geo.head_dim if cfg.rerank_keys == "int4" and rerank > 1 else 0,
         rerank_bytes=DecodeStep.rerank_bytes_for(rerank, kv_heads, geo.group_size, cfg.top_k,
                                                  (max_reqs + 1) * rows_per_request, on_cuda,
                                                  DecodeStep.fused_workspace(settings), first_bytes),

@@ -139,8 +139,12 @@ class SASAttnBackend(AttentionBackend):
         self.settings = settings
         num_pages = self.token_to_kv_pool.get_key_buffer(min(gates)).shape[0] // self.block_size
         summary_dim = selector.summary_dim(head_dim, gate_dim)
+        # --sas-rerank-keys int4: each page's 4-bit key codes live beside its summaries (written where they are)
+        code_head_dim = head_dim if cfg.rerank_keys == "int4" and (cfg.exact_rerank or 1) > 1 else 0
+        if code_head_dim % 2:
+            raise SASConfigError(f"--sas-rerank-keys int4 packs two channels a byte: head_dim {head_dim} is odd")
         summaries = SummaryPool(sorted(gates), num_pages, num_kv_heads, summary_dim, self.device,
-                                dtype=settings.summary_dtype)
+                                dtype=settings.summary_dtype, code_head_dim=code_head_dim, block_size=self.block_size)
         # Validity marks (SummaryPool.valid): a page handed out again loses its mark; the complete blocks of a decode
         # step's requests without one are summarized before any selection (a PD decode server's transferred pages,
         # pages handed to another request). Two forms (backend/page_marks.py): on CPU the host plans them
@@ -207,11 +211,11 @@ class SASAttnBackend(AttentionBackend):
                     str(settings.gate_dtype).replace("torch.", ""), settings.launch, settings.source)
         logger.info(
             "sas: %s selector, %d sparse layers from layer %d, budget %d tokens (K=%d blocks of %d), "
-            "sink %d, local %d, prompt anchors %d, %d summaries a block, exact rerank %d; summary pool %d pages x %d "
+            "sink %d, local %d, prompt anchors %d, %d summaries a block, exact rerank %d%s; summary pool %d pages x %d "
             "kv heads x %d dims = %.1f MiB",
             cfg.selector, len(gates), cfg.first_sparse_layer, cfg.budget, self.top_k, self.block_size,
             selector.rule.sink_blocks, selector.rule.local_blocks, anchor_count, selector.rule.sub_blocks,
-            self.step.exact_rerank, num_pages,
+            self.step.exact_rerank, " over 4-bit key codes" if code_head_dim else "", num_pages,
             num_kv_heads, summary_dim, summaries.nbytes / 2**20,
         )
 

@@ -84,6 +84,7 @@ class Rule:
     block_size: int = 64
     sub_blocks: int = 1
     exact_rerank: int = 1  # X > 1: the selector picks X x K blocks, the K of most attention mass among them are kept
+    rerank_keys: str = "kv"  # "int4": that second level reads each block's keys at 4 bits (`_four_bit`)
     kv_fp8: Optional[torch.dtype] = None  # the fp8 dtype of the KV cache (None: the model's dtype)
     # per layer: s or (k_s, v_s), each a float or one a kv head (tensor parallelism: a rank's own); None: 1.0
     kv_scales: Optional[Dict[int, Union[float, Tuple[Scale, Scale]]]] = None
@@ -119,6 +120,16 @@ def select(rule: Rule, n: int, scores: Optional[List[float]] = None, anchors=(),
     assert len(chosen) <= k, f"{len(chosen)} forced blocks do not fit K = {k}"
     rest = sorted((m for m in range(n) if m not in chosen), key=lambda m: (-scores[m], m))
     return sorted(chosen + rest[: k - len(chosen)])
+
+
+def _four_bit(keys: torch.Tensor) -> torch.Tensor:
+    """`--sas-rerank-keys int4` stated: a block's keys `[b, D]` per channel at 4 bits, lo = its min in fp16, step =
+    (max - lo) / 15 in fp16, code = floor((key - lo) / step + 1/2) clamped to 0..15 (0 for a constant channel), read
+    back as lo + step * code (all in fp32 but the two fp16 roundings)."""
+    lo = keys.amin(0).half().float()
+    step = ((keys.amax(0) - lo) / 15.0).half().float()
+    code = torch.where(step > 0, torch.floor((keys - lo) / torch.where(step > 0, step, 1.0) + 0.5).clamp(0, 15), 0.0)
+    return lo + step * code
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -278,7 +289,10 @@ def run_oracle(model_dir, rule: Rule, prompt: List[int], tokens: List[int]) -> O
                      for h in range(h_kv)]
             if rule.exact_rerank > 1 and n > rule.top_k:  # the second level: the picks by their mass among themselves
                 for h in range(h_kv):
-                    keys = torch.cat([k_post[m * b:(m + 1) * b, h].float() for m in picks[h]])
+                    blocks = [k_post[m * b:(m + 1) * b, h].float() for m in picks[h]]
+                    if rule.rerank_keys == "int4":
+                        blocks = [_four_bit(x) for x in blocks]
+                    keys = torch.cat(blocks)
                     logits = q_post[p, h * g:(h + 1) * g].float() @ keys.T * scaling  # [G, tokens of the picks]
                     mass = torch.softmax(logits, -1).view(g, len(picks[h]), b).sum(-1).amax(0).tolist()
                     second = [float("-inf")] * n

@@ -9,6 +9,7 @@ sub-block TP3 test (test_sub_blocks.py) serves it too; the fused Triton path: te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -100,3 +101,36 @@ def test_ngram_verify_with_two_levels_gives_the_tokens_of_decode(rerank_run, mod
         for row, n_cand in enumerate(r["num_candidates"]):
             for head in r["selected"][row]:
                 assert len({m for m in head if m >= 0}) == min(n_cand, BUDGET // BLOCK), (r["seq_lens"], row, head)
+
+
+def test_the_second_level_over_4bit_key_codes_matches_the_oracle(model_dir, seed_gate, essay_ids, tmp_path):
+    """`--sas-rerank-keys int4`: the second level reads each complete block's keys from the summary pool's 4-bit codes
+    (written at extend, by chunked prefill's chunks, and when a decode step completes a block; radix-shared pages keep
+    theirs). Checked against the oracle stating the 4-bit rule itself (`oracle._four_bit`); codes left unwritten
+    (zeros: every block's keys equal) would rank the candidates alike and fail it. Reported in /sas/info and the log;
+    the codes held as reserved, inside the summary pool."""
+    first = essay_ids[9000: 9000 + PROMPT_LEN]
+    second = first[:SHARED] + essay_ids[20000: 20000 + PROMPT_LEN - SHARED]
+    args = ["--sas-gate", str(seed_gate), *ARGS, "--sas-rerank-keys", "int4", "--chunked-prefill-size", "256"]
+    with Server(model_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(tmp_path)}) as server:
+        out_a = generate(server.url, first, NEW_TOKENS)
+        seen = len(_records(tmp_path))
+        body = {"input_ids": second, "return_logprob": True, "top_logprobs_num": 2,
+                "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+        resp = requests.post(f"{server.url}/generate", json=body, timeout=900)
+        resp.raise_for_status()
+        out_b = decode_from_response(resp.json())
+        info = requests.get(f"{server.url}/sas/info", timeout=60).json()
+        memory = assert_held_as_reserved(server.url)
+        log = server.log_text()
+    assert resp.json()["meta_info"].get("cached_tokens", 0) >= SHARED
+    records = _records(tmp_path)
+    rule = dataclasses.replace(_rule(seed_gate), rerank_keys="int4")
+    oracle = oracle_check(first, out_a, records[:seen], model_dir, rule, NEW_TOKENS)
+    oracle_check(second, out_b, records[seen:], model_dir, rule, NEW_TOKENS)
+    # The codes were read, not the cache's keys: over exact keys the second level keeps other blocks somewhere.
+    exact = run_oracle(model_dir, _rule(seed_gate), first, out_a.token_ids)
+    assert any(oracle.selected[0][p] != exact.selected[0][p] for p in oracle.selected[0])
+    assert info["config"]["rerank_keys"] == "int4"
+    assert "exact rerank 2 over 4-bit key codes;" in log, log[-3000:]
+    assert memory["held"]["summary pool"] > 0

@@ -62,20 +62,21 @@ def qwen3_gates(qwen3_dir, tmp_path_factory):
     return gates
 
 
-@pytest.mark.parametrize("sub_blocks,kernels,gate_dim,rerank", [(1, "auto", 128, 1), (4, "auto", 32, 1),
-                                                                (4, "triton", 128, 2)])
+@pytest.mark.parametrize("sub_blocks,kernels,gate_dim,rerank,keys", [
+    (1, "auto", 128, 1, "kv"), (4, "auto", 32, 1, "kv"), (4, "triton", 128, 2, "kv"), (1, "triton", 128, 2, "int4")])
 def test_qwen3_decode_matches_the_oracle(qwen3_dir, qwen3_gates, essay_ids, tmp_path, sub_blocks, kernels, gate_dim,
-                                         rerank):
+                                         rerank, keys):
     """kernels "triton": the fused front / select / attend (Triton's interpreter on CPU) summarize each decode-made
     block's 4 runs and rank by the best run, as the oracle states it, the select picking 2 x K blocks and the rerank
     kernel keeping K by their exact attention mass (--sas-exact-rerank 2). gate_dim 32: a gate a quarter as wide, its
-    4 runs a block as wide as one summary of the 128-wide gate."""
+    4 runs a block as wide as one summary of the 128-wide gate. keys "int4": that rerank kernel reads each block's
+    4-bit key codes (`--sas-rerank-keys int4`), the codes of decode-made blocks written beside the fused front."""
     qwen3_gate = qwen3_gates[gate_dim]
     if kernels == "triton" and ON_GPU:
         pytest.skip("on a GPU the fused kernels are the default path (the auto cases)")
     args = ["--sas-gate", str(qwen3_gate), "--sas-budget", str(BUDGET), "--sas-sink-blocks", "1",
             "--sas-local-blocks", "1", "--sas-sub-blocks", str(sub_blocks), "--sas-kernels", kernels,
-            "--sas-exact-rerank", str(rerank),
+            "--sas-exact-rerank", str(rerank), "--sas-rerank-keys", keys,
             "--dtype", "bfloat16" if ON_GPU else "float32"]
     if ON_GPU:
         args.append("--disable-cuda-graph")  # the selection log reads the host each step
@@ -93,5 +94,5 @@ def test_qwen3_decode_matches_the_oracle(qwen3_dir, qwen3_gates, essay_ids, tmp_
         for head in rec["selected"][0]:
             assert len([m for m in head if m >= 0]) == BUDGET // BLOCK < rec["num_candidates"][0]
     rule = Rule(budget=BUDGET, sparse_from=PROMPT_LEN, gate=qwen3_gate, sink_blocks=1, local_blocks=1,
-                block_size=BLOCK, sub_blocks=sub_blocks, exact_rerank=rerank)
+                block_size=BLOCK, sub_blocks=sub_blocks, exact_rerank=rerank, rerank_keys=keys)
     oracle_check(prompt, out, records, qwen3_dir, rule, NEW_TOKENS)
