@@ -1,8 +1,10 @@
 """4-bit codes of each complete block's keys, for a second level that reads a quarter of the key bytes: ONE entry
 point, the Triton kernel on CUDA, torch elsewhere.
 
-A page (one block of b tokens) stores, per kv head, its keys as 4-bit codes (`[b * D / 2]` uint8, channel 2j in the
-low nibble of byte j of a token, 2j + 1 in the high one) and per channel the block's min and step in fp16
+A page (one block of b tokens) stores, per kv head, its keys as 4-bit codes (`[b * D / 2]` uint8, channel j in the
+low nibble of byte j of a token, channel j + D / 2 in the high one: RoPE's two halves share a byte, so each half is
+read contiguously and a program owning a slice of both halves, as the fused front's units do, writes whole bytes)
+and per channel the block's min and step in fp16
 (`[2, D]`): key = lo + step * code, within step / 2 of the key. b x D / 2 + 4 x D bytes a page and kv head
 (b = 64, D = 128: 4608, 0.28 of the bf16 keys). KIVI's grouping (keys per channel: their outlier channels keep
 their own range). Measured as the second level's keys (`hf.candidates`' `gatec<X>exactq4`,

@@ -33,13 +33,13 @@ def decode_block(codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor) -> t
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
-    """`[b, D / 2]` uint8 of codes `[b, D]`: byte j of token t holds channel 2j in its low nibble, 2j + 1 in its
+    """`[b, D / 2]` uint8 of codes `[b, D]`: byte j of token t holds channel j in its low nibble, j + D / 2 in its
     high one."""
     b, d = codes.shape
     out = torch.zeros(b, d // 2, dtype=torch.uint8)
     for t in range(b):
         for j in range(d // 2):
-            out[t, j] = int(codes[t, 2 * j]) | (int(codes[t, 2 * j + 1]) << 4)
+            out[t, j] = int(codes[t, j]) | (int(codes[t, j + d // 2]) << 4)
     return out
 
 

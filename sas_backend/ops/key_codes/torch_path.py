@@ -21,7 +21,7 @@ def encode_pages_torch(k_buffer: torch.Tensor, pages: torch.Tensor, block_size: 
     x = (keys - lo.float()[:, None]) / step.float()[:, None] + 0.5
     codes = torch.where(step.float()[:, None] > 0, torch.floor(x).clamp(0, 15), 0.0).to(torch.uint8)
     codes = codes.permute(0, 2, 1, 3)  # [n, H_kv, b, D]
-    byte = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    byte = codes[..., : d // 2] | (codes[..., d // 2:] << 4)  # channel j and j + D / 2 share byte j
     packed[pages] = byte.reshape(n, h_kv, block_size * d // 2)
     scales[pages] = torch.stack([lo, step], dim=2)
 
@@ -37,5 +37,5 @@ def decode_pages_torch(packed: torch.Tensor, scales: torch.Tensor, pages: torch.
     else:
         byte, sc = packed[p], scales[p].float()  # [..., H_kv, b * D / 2], [..., H_kv, 2, D]
     byte = byte.view(*byte.shape[:-1], block_size, -1)
-    codes = torch.stack([byte & 15, byte >> 4], dim=-1).flatten(-2).float()  # [..., b, D]
+    codes = torch.cat([byte & 15, byte >> 4], dim=-1).float()  # [..., b, D]
     return sc[..., 0:1, :] + sc[..., 1:2, :] * codes

@@ -1,6 +1,6 @@
 """4-bit key codes as ONE Triton launch, grid `(n, H_kv)`: program (i, h) reads page `pages[i]`'s keys of kv head h
-as two `[b, D / 2]` tiles (the even and the odd channels, which share a byte), takes each channel's min and max,
-rounds min and step to fp16 and writes the codes (even channel in the low nibble) and the scales. fp32 arithmetic
+as two `[b, D / 2]` tiles (RoPE's two halves, which share a byte), takes each channel's min and max, rounds min and
+step to fp16 and writes the codes (the first half's channel in the low nibble) and the scales. fp32 arithmetic
 with IEEE division (`tl.math.div_rn`), so a code equals the torch path's."""
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def _encode_pages_kernel(
         base = k_ptr + (page * BLOCK_SIZE + t)[:, None].to(tl.int64) * stride_ks + h * stride_kh
         out = packed_ptr + page * stride_pp + h * stride_ph + t[:, None] * HALF_D + j[None, :]
         byte = tl.zeros([BLOCK_SIZE, BLOCK_HD], tl.int32)
-        for parity in tl.static_range(2):
-            keys = tl.load(base + (2 * j + parity)[None, :], mask=jm[None, :], other=0.0).to(tl.float32) * k_scale
+        for half in tl.static_range(2):
+            keys = tl.load(base + (j + half * HALF_D)[None, :], mask=jm[None, :], other=0.0).to(tl.float32) * k_scale
             lo = tl.min(keys, axis=0).to(tl.float16)
             step = tl.math.div_rn(tl.max(keys, axis=0) - lo.to(tl.float32), 15.0).to(tl.float16)
             lo32 = lo.to(tl.float32)
@@ -38,8 +38,8 @@ def _encode_pages_kernel(
             x = tl.math.div_rn(keys - lo32[None, :], safe[None, :]) + 0.5
             code = tl.minimum(tl.maximum(tl.floor(x), 0.0), 15.0)
             code = tl.where((st32 > 0)[None, :], code, 0.0).to(tl.int32)
-            byte = byte | (code << (4 * parity))
-            srow = scales_ptr + page * stride_sp + h * stride_sh + 2 * j + parity
+            byte = byte | (code << (4 * half))
+            srow = scales_ptr + page * stride_sp + h * stride_sh + j + half * HALF_D
             tl.store(srow, lo, mask=jm)
             tl.store(srow + 2 * HALF_D, step, mask=jm)
         tl.store(out, byte.to(tl.uint8), mask=jm[None, :])

@@ -53,8 +53,8 @@ def rerank_blocks(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, 
 
 
 def _decoded(key_codes, page: int, h: int, block_size: int) -> torch.Tensor:
-    """`[b, D]` fp32 keys of one page and kv head from its packed codes (low nibble: the even channel)."""
+    """`[b, D]` fp32 keys of one page and kv head from its packed codes (byte j: channel j low, j + D / 2 high)."""
     packed, scales = key_codes
     byte = packed[page, h].cpu().view(block_size, -1).long()
-    codes = torch.stack([byte & 15, byte >> 4], dim=-1).flatten(-2)
+    codes = torch.cat([byte & 15, byte >> 4], dim=-1)
     return decode_block(codes, scales[page, h, 0].cpu(), scales[page, h, 1].cpu())

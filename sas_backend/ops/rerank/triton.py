@@ -10,8 +10,8 @@ the tile in registers with the radix select the other selections use (`ops.topk.
 block ids, -1 padded. Splits depend on the batch size only (a CUDA-graph replay launches the same grid). With one
 split (a batch whose rows fill the device alone) the program keeps its log-sum-exps in registers: no workspace, fence
 or atomic, so the workspace is sized for the small batches only. PACKED reads a block's keys from its page's 4-bit codes
-(`ops.key_codes`) instead: q.k = q.lo + (q * step).code, the codes unpacked to fp32 tiles of the even and the odd
-channels (two IEEE dots a token tile).
+(`ops.key_codes`) instead: q.k = q.lo + (q * step).code, the codes unpacked to fp32 tiles of RoPE's two halves
+(two IEEE dots a token tile).
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def _rerank_kernel(
         q = q.to(tl.float32)
     j = tl.arange(0, BLOCK_HD)
     jm = j < D // 2
-    if PACKED:  # the query's even and odd channels, fp32: each byte of codes holds channel 2j and 2j + 1
+    if PACKED:  # the query's two halves, fp32: byte j of the codes holds channel j and j + D / 2
         q_row = q_ptr + r * stride_qn + (h * G + g)[:, None] * stride_qh
-        q_even = tl.load(q_row + 2 * j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32)
-        q_odd = tl.load(q_row + 2 * j[None, :] + 1, mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32)
+        q_lo_half = tl.load(q_row + j[None, :], mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32)
+        q_hi_half = tl.load(q_row + j[None, :] + D // 2, mask=gm[:, None] & jm[None, :], other=0.0).to(tl.float32)
     row_h = r * H_KV + h
     lse_row = lse_ptr + row_h * (CP * GP)
     first_row = first_ptr + r * stride_fb + h * stride_fh
@@ -66,24 +66,24 @@ def _rerank_kernel(
             if blk >= 0:
                 # 4-bit codes (`ops.key_codes`): key = lo + step * code per channel, so q.k = q.lo + (q * step).code
                 page = tl.load(bt_ptr + r * stride_bt + blk).to(tl.int64) // BLOCK_SIZE
-                sc = cs_ptr + page * stride_sp + h * stride_sh + 2 * j
-                lo_e = tl.load(sc, mask=jm, other=0.0).to(tl.float32)
-                lo_o = tl.load(sc + 1, mask=jm, other=0.0).to(tl.float32)
-                st_e = tl.load(sc + D, mask=jm, other=0.0).to(tl.float32)
-                st_o = tl.load(sc + D + 1, mask=jm, other=0.0).to(tl.float32)
-                bias = tl.sum(q_even * lo_e[None, :], axis=1) + tl.sum(q_odd * lo_o[None, :], axis=1)  # [GP]
-                qs_e = q_even * st_e[None, :]
-                qs_o = q_odd * st_o[None, :]
+                sc = cs_ptr + page * stride_sp + h * stride_sh + j
+                lo_a = tl.load(sc, mask=jm, other=0.0).to(tl.float32)
+                lo_b = tl.load(sc + D // 2, mask=jm, other=0.0).to(tl.float32)
+                st_a = tl.load(sc + D, mask=jm, other=0.0).to(tl.float32)
+                st_b = tl.load(sc + D + D // 2, mask=jm, other=0.0).to(tl.float32)
+                bias = tl.sum(q_lo_half * lo_a[None, :], axis=1) + tl.sum(q_hi_half * lo_b[None, :], axis=1)  # [GP]
+                qs_a = q_lo_half * st_a[None, :]
+                qs_b = q_hi_half * st_b[None, :]
                 m_i = tl.full([GP], float("-inf"), tl.float32)
                 l_i = tl.zeros([GP], tl.float32)
                 for t0 in range(0, BLOCK_SIZE, TOK_TILE):
                     t = t0 + tl.arange(0, TOK_TILE)
                     byte = tl.load(codes_ptr + page * stride_cp + h * stride_ch + t[:, None] * (D // 2) + j[None, :],
                                    mask=jm[None, :], other=0).to(tl.int32)
-                    c_e = (byte & 15).to(tl.float32)
-                    c_o = (byte >> 4).to(tl.float32)
-                    qk = tl.dot(qs_e, tl.trans(c_e), input_precision="ieee") \
-                        + tl.dot(qs_o, tl.trans(c_o), input_precision="ieee")
+                    c_a = (byte & 15).to(tl.float32)
+                    c_b = (byte >> 4).to(tl.float32)
+                    qk = tl.dot(qs_a, tl.trans(c_a), input_precision="ieee") \
+                        + tl.dot(qs_b, tl.trans(c_b), input_precision="ieee")
                     qk = (qk + bias[:, None]) * scale
                     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
                     l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(qk - m_new[:, None]), axis=1)
