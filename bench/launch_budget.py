@@ -58,7 +58,7 @@ def _us(nbytes: float, gbs: float) -> float:
 
 def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4, sub_blocks: int = 1,
                 kv_bytes: int = 2, gate_dim: int = DG, rerank: int = 1, rerank_key_bytes: float = None,
-                rank_in_attend: bool = False, encode_launch: bool = False):
+                rank_in_attend: bool = False):
     """[(kernel, grid, DRAM bytes, longest program's serial work, expected us)] of one sparse layer, steady
     step (the front's block-step extra as its own row). sub_blocks: run summaries a block (`--sas-sub-blocks`):
     select reads sub_blocks x Dg a block, the block step's front pools sub_blocks runs (each rereading its w_k
@@ -69,8 +69,7 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     rerank_key_bytes, the bytes a key value costs the second level (default kv_bytes; INT4_KEY_BYTES for a 4-bit copy
     of each complete block's keys); rank_in_attend, the second level only writes each block's log-sum-exps and every
     attend program ranks the X x K of its row itself (no merge in the second level; the attend reads G x X x K
-    floats and pays RANK_US). encode_launch: the 4-bit codes of a block a step completes are written by a launch of
-    their own (`--sas-rerank-keys int4` as served beside the fused front: its floor every step)."""
+    floats and pays RANK_US)."""
     import torch
 
     from sas_backend.ops.fused_step import (GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS, DecodeStepWorkspace,
@@ -127,9 +126,6 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     if rerank > 1:
         rows.append(rerank_row(ctx, bs, rerank * k, kv_bytes if rerank_key_bytes is None else rerank_key_bytes,
                                merge=not rank_in_attend))
-    if encode_launch:  # `ops.key_codes`: programs of rows that completed no block exit at once
-        rows.append(("encode (key codes)", (bs, H_KV), bs * H_KV * B * D * kv_bytes, f"{B * D * kv_bytes // 1024} KB",
-                     FLOOR_US))
     return rows
 
 
@@ -299,27 +295,26 @@ def rerank_section() -> list:
     return out
 
 
-# (label, X, bytes a key value costs the second level, whether the attend ranks, whether the codes take a launch of
-# their own): the first as served (`--sas-rerank-keys int4`), the others designs (the codes written by the front).
-CHEAPER = (("X = 2, 4-bit keys (served)", 2, INT4_KEY_BYTES, False, True),
-           ("X = 2, 4-bit keys by the front", 2, INT4_KEY_BYTES, False, False),
-           ("X = 2, the attend ranks", 2, None, True, False),
-           ("X = 2, 4-bit keys by the front, the attend ranks", 2, INT4_KEY_BYTES, True, False),
-           ("X = 4, 4-bit keys by the front, the attend ranks", 4, INT4_KEY_BYTES, True, False))
+# (label, X, bytes a key value costs the second level, whether the attend ranks): the first two as served
+# (`--sas-rerank-keys int4`: the fused front writes the codes), the others designs.
+CHEAPER = (("X = 2, 4-bit keys (served)", 2, INT4_KEY_BYTES, False),
+           ("X = 4, 4-bit keys (served)", 4, INT4_KEY_BYTES, False),
+           ("X = 2, the attend ranks", 2, None, True),
+           ("X = 2, 4-bit keys, the attend ranks", 2, INT4_KEY_BYTES, True),
+           ("X = 4, 4-bit keys, the attend ranks", 4, INT4_KEY_BYTES, True))
 
 
 def cheaper_rerank_section() -> list:
     """What a cheaper second level costs on paper (docs/quality.md has the quality screens): the keys it reads at 4
-    bits (`--sas-rerank-keys int4`: a copy of each complete block's keys, per-channel min and step), as served (the
-    codes of a decode-made block written by a launch of their own beside the fused front) and with the front writing
-    them; and its top-K moved out of its own launch into the attend's programs (a design); against one level, and the
-    worst ratio against issue 63's 1.3x. Also what the second level's own launch costs when it reads nothing."""
+    bits (`--sas-rerank-keys int4`, served: a copy of each complete block's keys, per-channel min and step, written
+    by the fused front's block step), and its top-K moved out of its own launch into the attend's programs (a
+    design); against one level, and the worst ratio against issue 63's 1.3x. Also what the second level's own launch
+    costs when it reads nothing."""
     out = ["## A cheaper second level (4-bit keys served, the rest designs)", "",
            "What `--sas-exact-rerank X` costs (a) reading a 4-bit copy of each complete block's keys "
-           f"(`--sas-rerank-keys int4`: {INT4_KEY_BYTES:.4f} bytes a value with the per-channel min and step of each "
-           "64-token block, instead of 2): as served, the codes of a block a decode step completes are written by a "
-           "launch of their own beside the fused front (its floor every step); a design has the front's block step "
-           "write them; and (b, a design) with its top-K moved into the attend: the second level only writes each "
+           f"(`--sas-rerank-keys int4`, served: {INT4_KEY_BYTES:.4f} bytes a value with the per-channel min and step "
+           "of each 64-token block, instead of 2; the fused front's block step writes a decode-made block's codes), "
+           "and (b, a design) with its top-K moved into the attend: the second level only writes each "
            "candidate's log-sum-exps, every attend program reads its row's G x X x K of them and ranks them itself "
            f"({RANK_US} us assumed), so the second level has no last arrival and no select. bf16 summaries and gate "
            "weights, amortized over 64 steps; ratio against one level:", "",
@@ -332,9 +327,9 @@ def cheaper_rerank_section() -> list:
             one = steady_and_amortized(ctx, bs, summary_bytes=2, weight_bytes=2)[1]
             free = steady_and_amortized(ctx, bs, summary_bytes=2, weight_bytes=2, rerank=2, rerank_key_bytes=0)[1]
             cells = []
-            for label, x, key_bytes, ranked, encode in CHEAPER:
+            for label, x, key_bytes, ranked in CHEAPER:
                 two = steady_and_amortized(ctx, bs, summary_bytes=2, weight_bytes=2, rerank=x,
-                                           rerank_key_bytes=key_bytes, rank_in_attend=ranked, encode_launch=encode)[1]
+                                           rerank_key_bytes=key_bytes, rank_in_attend=ranked)[1]
                 worst[label] = max(worst[label], two / one)
                 cells.append(f"{two / one:.2f}")
             out.append(f"| {ctx // 1024}K | {bs} | {one:.1f} | {free / one:.2f} | " + " | ".join(cells) + " |")

@@ -259,7 +259,11 @@ def served_cases() -> dict[str, list[dict]]:
     out = {"decode_front": [dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl, **sub, **kv)
                             for dt in SERVED_DTYPES for pdl in (False, True) for bs in (1, 8)
                             for sub in [{}] + [dict(sub=n) for n in SERVED_SUB_BLOCKS]
-                            for kv in [{}] + [dict(kv=x) for x in SERVED_FP8 if dt == "bf16"]],
+                            for kv in [{}] + [dict(kv=x) for x in SERVED_FP8 if dt == "bf16"]]
+           # --sas-rerank-keys int4: the front also writes the completed block's 4-bit key codes
+           + [dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl, codes=True, **sub)
+              for dt in SERVED_DTYPES for pdl in (False, True) for bs in (1, 8)
+              for sub in [{}] + [dict(sub=n) for n in SERVED_SUB_BLOCKS]],
            "decode_select": [], "decode_attend": []}
 
     def workspace(k, **kw):
@@ -394,10 +398,12 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
         summaries = torch.empty(pages + 1, h_kv, sub * dg, dtype=_dt(p.get("summaries", "fp32")))
         if op == "decode_front":
             wt = _dt(p["weights"])
+            codes = (torch.empty(pages + 1, h_kv, BLOCK * d // 2, dtype=torch.uint8),
+                     torch.empty(pages + 1, h_kv, 2, d, dtype=torch.float16)) if p.get("codes") else None
             fused.front(ws, torch.empty(bs, h_kv * g, d, dtype=dt), torch.ones(bs, d), torch.ones(bs, dg),
                         torch.empty(h_kv, g, d, dg, dtype=wt), torch.empty(dg), k_buffer, torch.ones(4 * BLOCK, d),
                         torch.ones(4 * BLOCK, dg), torch.empty(h_kv, 3 * d, dg, dtype=wt), torch.empty(dg),
-                        summaries, table, seq_lens)
+                        summaries, table, seq_lens, key_codes=codes)
         elif op == "decode_select":
             anchors = torch.full((bs, h_kv, p["anchors"]), -1, dtype=i32) if p["anchors"] else None
             fused.select(ws, torch.empty(bs, h_kv, dg), summaries, table, torch.full((bs,), m, dtype=i64), m,

@@ -244,6 +244,10 @@ launched += [("decode_front", dict(spec, bs=bs, dtype="bf16", weights=dt, summar
              for dt in ct.SERVED_DTYPES for pdl in (False, True) for bs in (1, 3, 8, 64, 256)
              for sub in [{}] + [dict(sub=n) for n in ct.SERVED_SUB_BLOCKS]
              for kv in [{}] + [dict(kv=x) for x in ct.SERVED_FP8 if dt == "bf16"]]
+# The front writing 4-bit key codes too (--sas-rerank-keys int4).
+launched += [("decode_front", dict(spec, bs=bs, dtype="bf16", weights=dt, summaries=dt, pdl=pdl, codes=True, **sub))
+             for dt in ct.SERVED_DTYPES for pdl in (False, True) for bs in (1, 3, 8, 64, 256)
+             for sub in [{}] + [dict(sub=n) for n in ct.SERVED_SUB_BLOCKS]]
 # Select: every budget at widths from 1 block to 256K tokens (every 31st width: a chunk is at least 64 wide, so every
 # chunk count; and the servers' own:
 # SGLang's context_length + 4 for context lengths of every 4K), the benchmark's chunks at the spec K.

@@ -361,8 +361,7 @@ class DecodeStep:
             w_q, q_norm, w_k, k_norm = self.front_weights(gate)
             gq = fused_step.front(ws, q, step.model_cos_sin, step.gate_cos_sin, w_q, q_norm, k_buffer,
                                   self.model_table, self.gate_table, w_k, k_norm, summaries, step.block_table,
-                                  step.seq_lens, k_scale)
-            self.encode_completed(layer_id, k_buffer, step.block_table, step.seq_lens)
+                                  step.seq_lens, k_scale, key_codes=self.key_codes.get(layer_id))
             selected = fused_step.select(self.first_ws, gq, summaries, step.block_table, step.num_candidates,
                                          plan.max_blocks, rule.sink_blocks, rule.local_blocks, anchors,
                                          step.req_pool_indices)

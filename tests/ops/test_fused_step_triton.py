@@ -127,6 +127,37 @@ def test_front_head_dims_and_dtypes(paged_case, d, dg, b, dtype):
     assert torch.equal(summ[others], summ_before[others])
 
 
+@pytest.mark.parametrize("d,b,dtype,sub", [(16, 8, torch.float32, 1), (64, 64, torch.bfloat16, 4),
+                                           (128, 64, torch.bfloat16, 1)])
+def test_front_writes_the_completed_blocks_4bit_key_codes(paged_case, d, b, dtype, sub):
+    """key_codes (`--sas-rerank-keys int4`): each front unit writes its channels' 4-bit codes of the completed block
+    (channel i and i + D/2 in one byte) and their fp16 min and step: bit for bit the plain statement
+    (`ops.key_codes.naive`) at exactly the completed blocks' pages, nothing else touched, the summaries as without."""
+    from sas_backend.ops.key_codes import naive as codes_naive
+
+    lens = [2 * b, b + 1, 4 * b, 3]  # rows 0 and 2 complete a block
+    c = StepCase(paged_case, lens, 4, d=d, dg=32, b=b, kv_dtype=dtype, sub_blocks=sub, seed=d + b)
+    ws = c.workspace(top_k=1)
+    pages = c.summaries.shape[0]
+    packed = torch.full((pages, c.h_kv, b * d // 2), 9, dtype=torch.uint8, device=DEVICE)
+    scales = torch.full((pages, c.h_kv, 2, d), -2.0, dtype=torch.float16, device=DEVICE)
+    plain = c.summaries.clone()
+    fused.front(ws, c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table, c.w_k,
+                c.k_norm, plain, c.table, c.seq_lens)
+    summ = c.summaries.clone()
+    fused.front(ws, c.q, c.model_cs, c.gate_cs, c.w_q, c.q_norm, c.k_buf, c.model_table, c.gate_table, c.w_k,
+                c.k_norm, summ, c.table, c.seq_lens, key_codes=(packed, scales))
+    assert torch.equal(summ, plain)
+    written = {int(c.table[r, n // b - 1]) // b for r, n in enumerate(lens) if n % b == 0}
+    want = codes_naive.encode_pages(c.k_buf.cpu(), sorted(written), b)
+    for page in range(pages):
+        if page in want:
+            assert torch.equal(packed[page].cpu(), want[page][0]) and torch.equal(scales[page].cpu(), want[page][1])
+        else:
+            assert bool((packed[page] == 9).all()) and bool((scales[page] == -2.0).all()), page
+    assert int(ws.front_counters.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("top_k,sink,local,chunk", [(2, 0, 0, None), (3, 1, 1, 16), (5, 1, 2, 16), (40, 0, 0, None),
                                                     (1, 1, 0, 16), (4, 0, 0, 16)])
 def test_select_matches_reference_with_ties(paged_case, top_k, sink, local, chunk):

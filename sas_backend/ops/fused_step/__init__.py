@@ -263,6 +263,7 @@ def front(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     k_scale: float = 1.0,
+    key_codes=None,
 ) -> torch.Tensor:
     """One launch: the gate query of each row's new token, and the summary of the block it completed.
 
@@ -273,8 +274,10 @@ def front(
     (fp32 or bf16; n = geometry.sub_blocks run summaries side by side, each pooled over its b / n tokens with the
     gate RoPE at its first position) written in place for rows whose seq_len is a positive multiple of b; block_table
     `[bs, >= M + 1]` int; seq_lens `[bs]`; k_scale: the layer's key scale (an fp8 k_buffer holds K / k_scale;
-    1.0 otherwise). Returns `ws.gate_q[:bs]` `[bs, H_kv, Dg]` fp32 (= `naive.front`'s gate query; the summaries
-    as `ops.summary.update_summaries` leaves them).
+    1.0 otherwise); key_codes: optional (packed `[num_pages, H_kv, b * D / 2]` uint8, scales `[num_pages, H_kv, 2,
+    D]` fp16) of `ops.key_codes`, the completed block's page written as `ops.key_codes.encode_pages` writes it.
+    Returns `ws.gate_q[:bs]` `[bs, H_kv, Dg]` fp32 (= `naive.front`'s gate query; the summaries as
+    `ops.summary.update_summaries` leaves them).
     """
     from sas_backend.ops.fused_step import triton as kernels
     from sas_backend.ops.gate import GATE_NORM_EPS
@@ -297,19 +300,27 @@ def front(
     gq = ws.gate_q[:bs]
     if bs == 0:
         return gq
+    packed, cscales = key_codes if key_codes is not None else (summaries, summaries)  # unread without CODES
+    if key_codes is not None and (packed.shape[1:] != (h_kv, geo.block_size * d // 2) or packed.dtype != torch.uint8
+                                  or cscales.shape[1:] != (h_kv, 2, d) or cscales.dtype != torch.float16
+                                  or not (packed.is_contiguous() and cscales.is_contiguous())):
+        raise ValueError(f"key codes {tuple(packed.shape)} / {tuple(cscales.shape)} do not fit [pages, {h_kv}, "
+                         f"{geo.block_size * d // 2}] uint8 and [pages, {h_kv}, 2, {d}] float16, contiguous")
     kernels._front_kernel[(bs, h_kv, ws.uq + ws.uk)](
         q, model_cos_sin, gate_cos_sin, w_q, q_norm, gq,
         k_buffer, model_table, gate_table, w_k, k_norm, summaries, block_table, seq_lens,
-        ws.front_partials_q, ws.front_partials_k, ws.front_counters,
+        ws.front_partials_q, ws.front_partials_k, ws.front_counters, packed, cscales,
         q.stride(0), q.stride(1), model_cos_sin.stride(0), gate_cos_sin.stride(0),
         w_q.stride(0), w_q.stride(1), w_q.stride(2), w_q.stride(3),
         gq.stride(0), gq.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), model_table.stride(0), gate_table.stride(0),
         w_k.stride(0), w_k.stride(1), w_k.stride(2),
         summaries.stride(0), summaries.stride(1), block_table.stride(0),
+        packed.stride(0), packed.stride(1), cscales.stride(0), cscales.stride(1),
         h_kv, geo.group, ws.uq, ws.uq_per_head, ws.uk, GATE_NORM_EPS, float(k_scale),
         HALF_D=d // 2, HALF_DG=dg // 2, QCHUNK=ws.qchunk, KCHUNK=ws.kchunk, BLOCK_HDG=_pow2(dg // 2),
-        BLOCK_SIZE=geo.block_size, SUB=geo.sub_blocks, **ws.launch.kwargs(ws.launch.front_warps, 4),
+        BLOCK_SIZE=geo.block_size, SUB=geo.sub_blocks, CODES=key_codes is not None,
+        **ws.launch.kwargs(ws.launch.front_warps, 4),
     )
     return gq
 

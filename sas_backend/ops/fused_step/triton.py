@@ -12,7 +12,9 @@ atomic counter per row, reset by that program), so no second launch merges:
   token completed (all 64 tokens at once, RoPE undone), the last of the UK sums, RMSNorm, gate RoPE at the
   block start -> `summaries[page, h]`; rows that completed no block return at once (63 of 64 steps). With
   SUB sub-block summaries (`StepGeometry.sub_blocks`) the same is done per run of b / SUB tokens (gate RoPE
-  at the run's start), the runs' summaries side by side in the row.
+  at the run's start), the runs' summaries side by side in the row. With CODES (`--sas-rerank-keys int4`) each
+  unit also writes its channels' 4-bit key codes of the block (`ops.key_codes`: a unit owns channels i and
+  i + D/2, the two nibbles of a byte).
 - select, grid `(bs, H_kv, NC)`, NC from the plan's width, not the context: program c scores blocks
   `[c*CHUNK, (c+1)*CHUNK)` against the row's summaries (the best of a block's SUB run summaries; forced
   sink / local blocks and prompt anchors by
@@ -43,6 +45,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from sas_backend.ops.gate import GATE_NORM_EPS
 from sas_backend.ops.gate.triton import norm_rope_store, project_rows
+from sas_backend.ops.key_codes.triton import quantize_columns
 from sas_backend.ops.topk.triton import INT32_MIN, pad_slots, chunk_topk, merge_topk, score_keys
 
 _ = GATE_NORM_EPS  # re-exported for the launchers
@@ -76,16 +79,17 @@ def _front_kernel(
     q_ptr, mcs_ptr, gcs_ptr, wq_ptr, qn_ptr, gq_ptr,
     # summary of the block the newest token completed
     k_ptr, mtab_ptr, gtab_ptr, wk_ptr, kn_ptr, summ_ptr, bt_ptr, seq_ptr,
-    wsq_ptr, wsk_ptr, cnt_ptr,
+    wsq_ptr, wsk_ptr, cnt_ptr, codes_ptr, cs_ptr,
     stride_qn, stride_qh, stride_mcs, stride_gcs,
     stride_wqh, stride_wqg, stride_wqr, stride_wqc,
     stride_gqn, stride_gqh,
     stride_ks, stride_kh, stride_mtab, stride_gtab,
     stride_wkh, stride_wkr, stride_wkc,
-    stride_sp, stride_sh, stride_bt,
+    stride_sp, stride_sh, stride_bt, stride_cp, stride_ch, stride_csp, stride_csh,
     H_KV, G, UQ, UQ_PER_HEAD, UK, eps, k_scale,
     HALF_D: tl.constexpr, HALF_DG: tl.constexpr, QCHUNK: tl.constexpr, KCHUNK: tl.constexpr,
     BLOCK_HDG: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr, SUB: tl.constexpr = 1,
+    CODES: tl.constexpr = False,
 ):
     _after_predecessor(PDL)
     n = tl.program_id(0).to(tl.int64)
@@ -126,6 +130,19 @@ def _front_kernel(
             im = (i < HALF_D)[None, :]
             w_h = wk_ptr + h * stride_wkh
             ik = i < HALF_D
+            if CODES:  # --sas-rerank-keys int4: the unit's channels i and i + D/2 of the block, at 4 bits
+                tb = tl.arange(0, BLOCK_SIZE)
+                kb = k_ptr + ((slot0 + tb) * stride_ks + h * stride_kh)[:, None] + i[None, :]
+                c1, lo1, st1 = quantize_columns(tl.load(kb, mask=im, other=0.0).to(tl.float32) * k_scale)
+                c2, lo2, st2 = quantize_columns(tl.load(kb + HALF_D, mask=im, other=0.0).to(tl.float32) * k_scale)
+                page_c = slot0 // BLOCK_SIZE
+                tl.store(codes_ptr + page_c * stride_cp + h * stride_ch + tb[:, None] * HALF_D + i[None, :],
+                         (c1 | (c2 << 4)).to(tl.uint8), mask=im)
+                cs = cs_ptr + page_c * stride_csp + h * stride_csh + i  # [2, D]: lo, then step
+                tl.store(cs, lo1, mask=ik)
+                tl.store(cs + HALF_D, lo2, mask=ik)
+                tl.store(cs + 2 * HALF_D, st1, mask=ik)
+                tl.store(cs + 3 * HALF_D, st2, mask=ik)
             ws = wsk_ptr + (row_h * UK + uk) * SUB * (2 * HALF_DG)
             for run in tl.static_range(SUB):
                 t = run * (BLOCK_SIZE // SUB) + tl.arange(0, BLOCK_SIZE // SUB)

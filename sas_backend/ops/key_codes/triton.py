@@ -13,6 +13,19 @@ from sas_backend.ops.fused_step import _pow2
 
 
 @triton.jit
+def quantize_columns(x):
+    """(codes `[T, C]` int32 in 0..15, lo `[C]` fp16, step `[C]` fp16) of a key tile `[T, C]` fp32, per column over
+    its T tokens: `naive.encode_block`'s rule (the fused front's block step writes codes with it too)."""
+    lo = tl.min(x, axis=0).to(tl.float16)
+    step = tl.math.div_rn(tl.max(x, axis=0) - lo.to(tl.float32), 15.0).to(tl.float16)
+    lo32 = lo.to(tl.float32)
+    st32 = step.to(tl.float32)
+    safe = tl.where(st32 > 0, st32, 1.0)
+    code = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(x - lo32[None, :], safe[None, :]) + 0.5), 0.0), 15.0)
+    return tl.where((st32 > 0)[None, :], code, 0.0).to(tl.int32), lo, step
+
+
+@triton.jit
 def _encode_pages_kernel(
     k_ptr, pages_ptr, packed_ptr, scales_ptr,
     stride_ks, stride_kh, stride_pp, stride_ph, stride_sp, stride_sh, k_scale,
@@ -30,14 +43,7 @@ def _encode_pages_kernel(
         byte = tl.zeros([BLOCK_SIZE, BLOCK_HD], tl.int32)
         for half in tl.static_range(2):
             keys = tl.load(base + (j + half * HALF_D)[None, :], mask=jm[None, :], other=0.0).to(tl.float32) * k_scale
-            lo = tl.min(keys, axis=0).to(tl.float16)
-            step = tl.math.div_rn(tl.max(keys, axis=0) - lo.to(tl.float32), 15.0).to(tl.float16)
-            lo32 = lo.to(tl.float32)
-            st32 = step.to(tl.float32)
-            safe = tl.where(st32 > 0, st32, 1.0)
-            x = tl.math.div_rn(keys - lo32[None, :], safe[None, :]) + 0.5
-            code = tl.minimum(tl.maximum(tl.floor(x), 0.0), 15.0)
-            code = tl.where((st32 > 0)[None, :], code, 0.0).to(tl.int32)
+            code, lo, step = quantize_columns(keys)
             byte = byte | (code << (4 * half))
             srow = scales_ptr + page * stride_sp + h * stride_sh + j + half * HALF_D
             tl.store(srow, lo, mask=jm)
@@ -60,4 +66,4 @@ def encode_pages_triton(k_buffer: torch.Tensor, pages: torch.Tensor, block_size:
     )
 
 
-__all__ = ["_encode_pages_kernel", "encode_pages_triton"]
+__all__ = ["_encode_pages_kernel", "encode_pages_triton", "quantize_columns"]
