@@ -142,6 +142,7 @@ class World:
                                      generator=self._dev_gen(seed + 3))
         self._summaries_bf16 = None
         self._kv_fp8 = {}  # fp8 dtype -> (K, V) of every buffer set rounded to it (scale 1), made on first use
+        self._key_codes = None  # [(packed, scales)] a buffer set: 4-bit key codes, made on first use
         self._run_summaries = {}  # (sub_blocks, dtype) -> [distinct, pages, H_kv, sub_blocks * Dg], made on first use
         self._seed = seed
         from sas_backend.gate.module import AttnGate
@@ -179,6 +180,23 @@ class World:
         if self._summaries_bf16 is None:
             self._summaries_bf16 = self.summaries.to(torch.bfloat16)
         return self._summaries_bf16[layer % self.distinct]
+
+    def key_codes(self) -> dict:
+        """`{layer: (packed, scales)}`: the 4-bit key codes (`ops.key_codes`) of every page of each layer's buffer
+        set, encoded from its bf16 K on first use (one pair a buffer set, shared as the summaries are)."""
+        if self._key_codes is None:
+            from sas_backend.ops.key_codes import encode_pages
+
+            sets = []
+            for i in range(self.distinct):
+                k = self.k[i]
+                packed = torch.zeros(self.num_pages, k.shape[1], BLOCK * k.shape[2] // 2, dtype=torch.uint8,
+                                     device=self.device)
+                scales = torch.zeros(self.num_pages, k.shape[1], 2, k.shape[2], dtype=torch.float16, device=self.device)
+                encode_pages(k, torch.arange(self.num_pages, device=self.device), BLOCK, packed, scales)
+                sets.append((packed, scales))
+            self._key_codes = sets
+        return {layer: self._key_codes[layer % self.distinct] for layer in range(self.geo.layers)}
 
     def kv(self, layer: int, dtype=None):
         """`[slots, H_kv, D]` K and V of the buffer set `layer` uses: bf16, or (dtype an fp8 one) as an fp8 KV cache
@@ -235,6 +253,7 @@ class Variant:
     sub_blocks: int = 1  # run summaries a block (--sas-sub-blocks): a quality setting, timed for its cost only
     kv: str = "bf16"  # the KV cache's dtype ("fp8_e4m3": --kv-cache-dtype fp8_e4m3, issue 66), timed for its cost only
     exact_rerank: int = 1  # --sas-exact-rerank X (issue 63's two levels), timed for its cost only
+    rerank_keys: str = "kv"  # --sas-rerank-keys ("int4": the second level reads 4-bit key codes), cost only
 
     @property
     def kv_dtype(self):
@@ -302,16 +321,21 @@ COSTS = (
     # Two levels (issue 63, --sas-exact-rerank 2): select keeps 2 x K, one more launch reads their keys;
     # docs/launch-budget.md expects 1.5-1.6x at batch 1 and up to 1.9x at 8K batch 8.
     dataclasses.replace(SERVED, name="cost: served, exact rerank 2", exact_rerank=2),
+    # The same over 4-bit key codes (--sas-rerank-keys int4, written by the front's block step): docs/launch-budget.md
+    # expects what a rerank reading nothing costs at batch 1 (1.4-1.5x) and 1.2-1.3x at batch 8.
+    dataclasses.replace(SERVED, name="cost: served, exact rerank 2, 4-bit keys", exact_rerank=2, rerank_keys="int4"),
 )
 
 
 class ByLayer:
     """`[layer]` -> what `fn(layer)` gives: the world's shared buffer sets as the per-layer pools `DecodeStep`
-    reads (summaries, prompt anchors); valid: the summary pool's validity marks `[num_pages]` bool (summaries)."""
+    reads (summaries, prompt anchors); valid: the summary pool's validity marks `[num_pages]` bool (summaries);
+    key_codes: `{layer: (packed, scales)}` 4-bit key codes (`--sas-rerank-keys int4`; {}: none)."""
 
-    def __init__(self, fn, valid=None):
+    def __init__(self, fn, valid=None, key_codes=None):
         self.fn = fn
         self.valid = valid
+        self.key_codes = key_codes or {}
 
     def __getitem__(self, layer: int):
         return self.fn(layer)
@@ -346,7 +370,8 @@ class ServedStep(LayerStack):
             StepGeometry(geo.kv_heads, geo.group, geo.head_dim, geo.head_dim, geo.gate_dim, self.top_k, BLOCK,
                          variant.sub_blocks),
             w.req_to_token, w.device, torch.bfloat16, variant.kv_dtype, w.scale, variant.step_settings(),
-            summaries=ByLayer(lambda layer: w.summaries_of(layer, self.dtype, variant.sub_blocks), valid=w.valid),
+            summaries=ByLayer(lambda layer: w.summaries_of(layer, self.dtype, variant.sub_blocks), valid=w.valid,
+                              key_codes=w.key_codes() if variant.rerank_keys == "int4" else None),
             gates=w.gates, rope=FixedRopeTables(w.model_table, w.gate_table),
             anchors=ByLayer(lambda layer: w.anchors) if variant.anchors else None,
             repair_late=cuda,  # as a CUDA server runs it: the step lists its late blocks and repairs them

@@ -725,6 +725,26 @@ def test_the_exact_rerank_cost_variant_runs_checked(request):
     assert not two.name.startswith("new")
 
 
+def test_the_4bit_rerank_cost_variant_runs_checked(request):
+    """--sas-rerank-keys int4 timed for its cost (bench_decode_step.COSTS): the served step's rerank reads the world's
+    4-bit key codes (encoded from its K once), and its attention passes the check against the oracle over the blocks
+    it selected."""
+    import argparse
+
+    import bench_decode_step as bds
+
+    torch = pytest.importorskip("torch")
+    request.addfinalizer(functools.partial(torch.set_grad_enabled, torch.is_grad_enabled()))
+    torch.set_grad_enabled(False)
+    w = bds.World(bds.TINY, 1024, 1, 2, "cpu")
+    coded = next(v for v in bds.COSTS if v.rerank_keys == "int4")
+    assert coded.exact_rerank == 2 and not coded.name.startswith("new")
+    res = bds.time_variant(w, 256, coded, argparse.Namespace(graphs=False, reps=1))
+    assert res["check"]["ok"], res["check"]
+    packed, scales = w.key_codes()[0]
+    assert packed.shape[0] == w.num_pages and bool(scales[1:, :, 1].abs().sum() > 0)
+
+
 def test_the_fp8_cost_variant_reads_an_fp8_cache_checked(request):
     """Issue 66's GPU point (bench_decode_step.COSTS): the served step over fp8 e4m3 K / V (the world's buffers
     rounded, scale 1) runs the fused kernels and passes the check against the oracle over the same fp8 cache; the
