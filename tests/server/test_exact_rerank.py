@@ -37,12 +37,12 @@ def _records(debug, skip: int = 0) -> list:
     return [json.loads(line) for f in sorted(debug.glob("*.jsonl")) for line in f.open()][skip:]
 
 
-@pytest.fixture(scope="module")
-def rerank_run(model_dir, seed_gate, essay_ids, tmp_path_factory):
-    debug = tmp_path_factory.mktemp("sas-debug-rerank")
+def _serve_two_prompts(model_dir, seed_gate, essay_ids, debug, extra=()) -> dict:
+    """One server with ARGS (and `extra`) under chunked prefill: a prompt, then a second sharing its first SHARED
+    tokens (the radix cache); what the checks read."""
     first = essay_ids[9000: 9000 + PROMPT_LEN]
     second = first[:SHARED] + essay_ids[20000: 20000 + PROMPT_LEN - SHARED]
-    args = ["--sas-gate", str(seed_gate), *ARGS, "--chunked-prefill-size", "256"]
+    args = ["--sas-gate", str(seed_gate), *ARGS, *extra, "--chunked-prefill-size", "256"]
     with Server(model_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(debug)}) as server:
         out_a = generate(server.url, first, NEW_TOKENS)
         seen = len(_records(debug))
@@ -56,6 +56,11 @@ def rerank_run(model_dir, seed_gate, essay_ids, tmp_path_factory):
         log = server.log_text()
     return dict(prompts=(first, second), outs=(out_a, out_b), seen=seen, debug=debug, info=info, memory=memory,
                 log=log, cached=resp.json()["meta_info"].get("cached_tokens", 0))
+
+
+@pytest.fixture(scope="module")
+def rerank_run(model_dir, seed_gate, essay_ids, tmp_path_factory):
+    return _serve_two_prompts(model_dir, seed_gate, essay_ids, tmp_path_factory.mktemp("sas-debug-rerank"))
 
 
 def _rule(seed_gate, rerank: int = RERANK) -> Rule:
@@ -109,28 +114,15 @@ def test_the_second_level_over_4bit_key_codes_matches_the_oracle(model_dir, seed
     theirs). Checked against the oracle stating the 4-bit rule itself (`oracle._four_bit`); codes left unwritten
     (zeros: every block's keys equal) would rank the candidates alike and fail it. Reported in /sas/info and the log;
     the codes held as reserved, inside the summary pool."""
-    first = essay_ids[9000: 9000 + PROMPT_LEN]
-    second = first[:SHARED] + essay_ids[20000: 20000 + PROMPT_LEN - SHARED]
-    args = ["--sas-gate", str(seed_gate), *ARGS, "--sas-rerank-keys", "int4", "--chunked-prefill-size", "256"]
-    with Server(model_dir, backend="sas", extra_args=args, env={"SAS_DEBUG_DIR": str(tmp_path)}) as server:
-        out_a = generate(server.url, first, NEW_TOKENS)
-        seen = len(_records(tmp_path))
-        body = {"input_ids": second, "return_logprob": True, "top_logprobs_num": 2,
-                "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
-        resp = requests.post(f"{server.url}/generate", json=body, timeout=900)
-        resp.raise_for_status()
-        out_b = decode_from_response(resp.json())
-        info = requests.get(f"{server.url}/sas/info", timeout=60).json()
-        memory = assert_held_as_reserved(server.url)
-        log = server.log_text()
-    assert resp.json()["meta_info"].get("cached_tokens", 0) >= SHARED
-    records = _records(tmp_path)
+    run = _serve_two_prompts(model_dir, seed_gate, essay_ids, tmp_path, extra=("--sas-rerank-keys", "int4"))
+    assert run["cached"] >= SHARED
+    records, seen, (first, second), (out_a, out_b) = _records(tmp_path), run["seen"], run["prompts"], run["outs"]
     rule = dataclasses.replace(_rule(seed_gate), rerank_keys="int4")
     oracle = oracle_check(first, out_a, records[:seen], model_dir, rule, NEW_TOKENS)
     oracle_check(second, out_b, records[seen:], model_dir, rule, NEW_TOKENS)
     # The codes were read, not the cache's keys: over exact keys the second level keeps other blocks somewhere.
     exact = run_oracle(model_dir, _rule(seed_gate), first, out_a.token_ids)
     assert any(oracle.selected[0][p] != exact.selected[0][p] for p in oracle.selected[0])
-    assert info["config"]["rerank_keys"] == "int4"
-    assert "exact rerank 2 over 4-bit key codes;" in log, log[-3000:]
-    assert memory["held"]["summary pool"] > 0
+    assert run["info"]["config"]["rerank_keys"] == "int4"
+    assert "exact rerank 2 over 4-bit key codes;" in run["log"], run["log"][-3000:]
+    assert run["memory"]["held"]["summary pool"] > 0
