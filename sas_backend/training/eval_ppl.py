@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", nargs="*", default=[], metavar="NAME",
                    help="candidate selectors of sas_backend.hf.candidates to evaluate beside the baselines: exactmax, "
                         "exactmass, pairs<R>, pca<R>[mass], keys<R>[mass] (with --keys-index), gatec<X>exact (the one "
-                        "--gate keeps X x K blocks, exactmass ranks them; the gate's sub-blocks: --sub-blocks)")
+                        "--gate keeps X x K blocks, exactmass ranks them; the gate's sub-blocks: --sub-blocks), "
+                        "gatec<X>exactq<bits> (over keys quantized to bits), gatec<X>group / gatec<X>tier (choices "
+                        "inside fixed groups of X)")
     p.add_argument("--calib-tokens", type=int, default=4096,
                    help="@essays tokens that calibrate the pairs<R> and pca<R> candidates")
     p.add_argument("--keys-index", default=None, metavar="FILE",
@@ -243,8 +245,8 @@ def check_candidates(names: List[str]) -> List[str]:
     for name in names:
         if not is_candidate(name) or sub_block_alias(name, 64) is not None:
             raise SystemExit(f"error: --candidates {name}: not a candidate eval_ppl runs (sas_backend.hf.candidates) "
-                             "(exactmax, exactmass, pairs<R>, pca<R>[mass], keys<R>[mass], gatec<X>exact; the gate's "
-                             "sub-blocks: --sub-blocks)")
+                             "(exactmax, exactmass, pairs<R>, pca<R>[mass], keys<R>[mass], gatec<X>exact[q<bits>], "
+                             "gatec<X>group, gatec<X>tier; the gate's sub-blocks: --sub-blocks)")
     return list(names)
 
 
