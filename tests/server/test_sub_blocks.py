@@ -64,8 +64,9 @@ def test_sub_blocks_are_reported_and_reserved(sub_run):
 
 
 # The candidate configurations of issue 63 (the gate, 4 sub-block summaries, 2 prompt anchors, and the exact second
-# level, --sas-exact-rerank 2) under the serving features a sub-block pool meets: tensor parallelism (--tp-size 3: each
-# rank summarizes, anchors, selects and reranks its own kv head's blocks), chunked prefill (--chunked-prefill-size 256:
+# level, --sas-exact-rerank 2, over 4-bit key codes, --sas-rerank-keys int4, since 2026-12-07) under the serving
+# features a sub-block pool meets: tensor parallelism (--tp-size 3: each rank summarizes, encodes, anchors, selects and
+# reranks its own kv head's blocks), chunked prefill (--chunked-prefill-size 256:
 # a 1278-token prompt extends in 5 chunks, each summarizing the blocks it completes) and the radix cache (a second
 # prompt sharing the first's 16 leading blocks reuses their pages and their sub-block summaries). Both requests'
 # decodes, every rank's selections and anchors equal the oracle's (one server; the ranks' logs merged per step into
@@ -100,12 +101,13 @@ def test_sub_blocks_under_tp3_chunked_prefill_and_radix_match_the_oracle(model_d
 
     args = ["--sas-gate", str(seed_gate), "--sas-budget", str(TP_BUDGET), "--sas-sink-blocks", "1",
             "--sas-local-blocks", "1", "--sas-prompt-anchors", str(TP_ANCHORS), "--sas-sub-blocks", str(SUB_BLOCKS),
-            "--sas-exact-rerank", "2", "--chunked-prefill-size", "256", "--tp-size", "3", "--dtype", "float32"]
+            "--sas-exact-rerank", "2", "--sas-rerank-keys", "int4", "--chunked-prefill-size", "256", "--tp-size", "3",
+            "--dtype", "float32"]
     env = {"SAS_DEBUG_DIR": str(tmp_path), "SGLANG_CPU_OMP_THREADS_BIND": cpu_threads_bind(3)}
     first = essay_ids[9000: 9000 + PROMPT_LEN]
     second = first[:SHARED] + essay_ids[20000: 20000 + PROMPT_LEN - SHARED]  # 16 shared blocks, then new text
     rule = Rule(budget=TP_BUDGET, sparse_from=PROMPT_LEN, gate=seed_gate, sink_blocks=1, local_blocks=1,
-                prompt_anchors=TP_ANCHORS, block_size=BLOCK, sub_blocks=SUB_BLOCKS, exact_rerank=2)
+                prompt_anchors=TP_ANCHORS, block_size=BLOCK, sub_blocks=SUB_BLOCKS, exact_rerank=2, rerank_keys="int4")
     with Server(model_dir, backend="sas", extra_args=args, env=env) as server:
         out_a = generate(server.url, first, NEW_TOKENS)
         seen = len(_merged_records(tmp_path))
@@ -118,5 +120,6 @@ def test_sub_blocks_under_tp3_chunked_prefill_and_radix_match_the_oracle(model_d
         info = requests.get(f"{server.url}/sas/info", timeout=60).json()
     assert cached >= SHARED, cached  # the shared blocks' pages (and their run summaries) came from the radix cache
     assert info["config"]["sub_blocks"] == SUB_BLOCKS and info["config"]["exact_rerank"] == 2
+    assert info["config"]["rerank_keys"] == "int4"
     oracle_check(first, out_a, _merged_records(tmp_path)[:seen], model_dir, rule, NEW_TOKENS)
     oracle_check(second, out_b, _merged_records(tmp_path, skip=seen), model_dir, rule, NEW_TOKENS)
