@@ -1,4 +1,5 @@
-"""4-bit key codes, the torch path (off CUDA, and the evaluation): every listed page at once, fixed shapes."""
+"""4-bit key codes, the torch path (off CUDA, and the evaluation): every listed page at once. It drops the -1
+entries by a boolean index (a host sync, dynamic shapes): CPU only; CUDA runs the fixed-shape kernel."""
 
 from __future__ import annotations
 
