@@ -198,7 +198,12 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
                       for d, dt in ((128, "fp32"), (128, "fp8e4"), (64, "bf16"))])
         # the keys from their 4-bit codes (`ops.key_codes`), in both grids: X = 2 and 4, G 1 / 4 / 7, D 64 / 128
         + [dict(d=d, g=g, dtype="bf16", k=sg["k"], x=x, anchors=SERVED_ANCHORS, codes=True) for d in HEAD_DIMS
-           for g in (1, sg["g"], 7) for x in (2, 4)],
+           for g in (1, sg["g"], 7) for x in (2, 4)]
+        # the second level leaving its top-K to the attend (LaunchOptions.rank_in_attend, the CUDA default): its
+        # log-sum-exps only, split (batch 1) and one program a row (batch 16), exact keys and 4-bit codes
+        + [dict(d=sg["d"], g=g, dtype=dt, k=sg["k"], x=x, bs=bs, lse_only=True, **c) for g in (1, sg["g"], 7)
+           for x in (2, 4) for bs in (1, 16) for dt, c in (("bf16", {}), ("bf16", dict(codes=True)), ("fp8e4", {}))
+           if g == sg["g"] or (dt == "bf16" and not c and bs == 1)],
         # 4-bit key codes of complete blocks (a cheaper second level's keys): every dim and K/V dtype, fp8 included.
         "key_codes": product(d=HEAD_DIMS, dtype=("bf16", "fp16", "fp32") + SERVED_FP8, h_kv=(8,)),
         "gated_attention": [p for p in product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES)
@@ -291,6 +296,11 @@ def served_cases() -> dict[str, list[dict]]:
                 if cls not in seen:
                     seen.add(cls)
                     out["decode_attend"].append(dict(spec, bs=bs, dtype="bf16", k=k, **v))
+                    # two levels at the serve default budget (--sas-exact-rerank 2 and 4): the attend ranks
+                    if k == sg["k"] and not v:
+                        out["decode_attend"] += [dict(spec, bs=bs, dtype="bf16", k=k, x=x) for x in (2, 4)]
+                    if k == sg["k"] and "kv" in v:
+                        out["decode_attend"].append(dict(spec, bs=bs, dtype="bf16", k=k, x=2, **v))
     return out
 
 
@@ -409,8 +419,18 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
             fused.select(ws, torch.empty(bs, h_kv, dg), summaries, table, torch.full((bs,), m, dtype=i64), m,
                          p.get("sink", 0), p.get("local", 0), anchors)
         else:
+            rank = None
+            if p.get("x"):  # two levels, the attend ranking the second level's log-sum-exps (ops.rerank.candidate_lse)
+                from sas_backend.ops.rerank import CandidateLse, RerankWorkspace
+
+                c = k * p["x"]
+                rws = RerankWorkspace(bs, h_kv, g, c, "cpu", ranked_rows=bs)
+                anchors = torch.full((bs + 3, h_kv, SERVED_ANCHORS), -1, dtype=i32)
+                rank = CandidateLse(rws.lse, rws.cp, rws.gp, torch.zeros(bs, h_kv, c, dtype=i32),
+                                    torch.full((bs,), m, dtype=i64), *SERVED_FORCED, anchors,
+                                    torch.zeros(bs, dtype=i64))
             fused.attend(ws, torch.empty(bs, h_kv * g, d, dtype=dt), k_buffer, torch.empty_like(k_buffer),
-                         torch.zeros(bs, h_kv, k, dtype=i32), table, seq_lens, d**-0.5)
+                         torch.zeros(bs, h_kv, k, dtype=i32), table, seq_lens, d**-0.5, rank=rank)
     elif op == "rerank":
         from sas_backend.ops.rerank import RerankWorkspace
         from sas_backend.ops.rerank.triton import rerank_blocks_triton
@@ -422,10 +442,16 @@ def launch(op: str, p: dict, sizes: dict | None = None) -> None:
         anchors = torch.full((bs + 3, h_kv, p["anchors"]), -1, dtype=i32) if p.get("anchors") else None
         codes = (torch.empty(pages, h_kv, BLOCK * d // 2, dtype=torch.uint8),
                  torch.empty(pages, h_kv, 2, d, dtype=torch.float16)) if p.get("codes") else None
-        rerank_blocks_triton(q, k_buffer, torch.zeros(bs, h_kv, c, dtype=i32), table, torch.full((bs,), m, dtype=i64),
-                             k, d**-0.5, BLOCK, *SERVED_FORCED, anchors,
-                             torch.zeros(bs, dtype=i64) if anchors is not None else None, 1.0,
-                             RerankWorkspace(bs, h_kv, g, c, "cpu"), key_codes=codes)
+        first = torch.zeros(bs, h_kv, c, dtype=i32)
+        if p.get("lse_only"):  # the second level whose top-K the attend takes (ops.rerank.candidate_lse)
+            from sas_backend.ops.rerank.triton import candidate_lse_triton
+
+            candidate_lse_triton(q, k_buffer, first, table, d**-0.5, BLOCK, 1.0,
+                                 RerankWorkspace(bs, h_kv, g, c, "cpu", ranked_rows=bs), key_codes=codes)
+        else:
+            rerank_blocks_triton(q, k_buffer, first, table, torch.full((bs,), m, dtype=i64), k, d**-0.5, BLOCK,
+                                 *SERVED_FORCED, anchors, torch.zeros(bs, dtype=i64) if anchors is not None else None,
+                                 1.0, RerankWorkspace(bs, h_kv, g, c, "cpu"), key_codes=codes)
     elif op == "key_codes":
         from sas_backend.ops.key_codes.triton import encode_pages_triton
 

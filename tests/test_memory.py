@@ -337,7 +337,8 @@ def test_decode_step_workspace_figure_matches_the_step_object(on_cuda, sub, chun
 def test_exact_rerank_figure_matches_the_step_object(kernels):
     """`--sas-exact-rerank 2` on a device (`meta` standing in for CUDA): the reservation equals what `DecodeStep`
     allocates for the second level (the fused select's workspace at 2 x K with the fused kernels, the rerank kernel's
-    workspace, the K-wide selection), and the kernel's workspace stays small at a big batch (split batches only)."""
+    workspace, the K-wide selection); the kernel's workspace stays small at a big batch (split batches only) unless the
+    attend ranks the second level, where each fused row keeps its tile of log-sum-exps."""
     from sas_backend.backend.decode_step import DecodeStep
     from sas_backend.backend.memory import decode_step_workspace_bytes
     from sas_backend.backend.step_settings import StepSettings
@@ -353,9 +354,17 @@ def test_exact_rerank_figure_matches_the_step_object(kernels):
                       "meta", torch.bfloat16, torch.bfloat16, 0.1, settings, exact_rerank=2)
     fused = DecodeStep.fused_workspace(settings)
     first = decode_step_workspace_bytes(h, g, d, dg, 2 * k, b, max_reqs, ctx, False) if fused else 0
-    want = DecodeStep.rerank_bytes_for(2, h, g, k, max_reqs + 1, True, fused, first)
+    ranked = DecodeStep.ranks_in_attend(settings)
+    assert ranked == (kernels == "triton")  # the Triton attention ranks the second level itself by default
+    want = DecodeStep.rerank_bytes_for(2, h, g, k, max_reqs + 1, True, fused, first, ranked)
     assert step.rerank_nbytes == want > 0
-    assert step.rerank_ws.nbytes == RerankWorkspace.nbytes_for(max_reqs + 1, h, g, 2 * k) < 2**20
+    if ranked:  # every (row, kv head) of the fused rows keeps its candidates' log-sum-exps: [256 x 8, 64, 16] fp32
+        rows = DecodeStep.fused_rows(max_reqs + 1)
+        assert step.rerank_ws.ranked_rows == rows == 256
+        assert step.rerank_ws.nbytes == RerankWorkspace.nbytes_for(max_reqs + 1, h, g, 2 * k, ranked_rows=rows) \
+            == rows * h * (64 * 16 * 4 + 4)
+    else:  # split batches only
+        assert step.rerank_ws.nbytes == RerankWorkspace.nbytes_for(max_reqs + 1, h, g, 2 * k) < 2**20
     assert (step.first_ws is not step.fused_ws) == fused
     assert DecodeStep.rerank_bytes_for(1, h, g, k, max_reqs + 1, True, fused, first) == 0
 

@@ -270,6 +270,12 @@ for k in ks:
 # An fp8 KV cache at the serve default budget: the attend's fp8 loads at every batch size.
 launched += [("decode_attend", dict(spec, bs=bs, dtype="bf16", k=sg["k"], kv=x))
              for x in ct.SERVED_FP8 for bs in range(1, ct.SERVED_ROWS + 1)]
+# Two levels at the serve default budget (--sas-exact-rerank 2 and 4): the attend ranks the second level, bf16 and
+# fp8 K / V, at every batch size.
+launched += [("decode_attend", dict(spec, bs=bs, dtype="bf16", k=sg["k"], x=x)) for x in (2, 4)
+             for bs in range(1, ct.SERVED_ROWS + 1)]
+launched += [("decode_attend", dict(spec, bs=bs, dtype="bf16", k=sg["k"], x=2, kv=kv)) for kv in ct.SERVED_FP8
+             for bs in range(1, ct.SERVED_ROWS + 1)]
 t0 = time.time()
 got = configs(launched, fused.default_sizes(cuda=True))  # a CUDA workspace's split sizes, whatever the grid uses
 missing = [got[k] for k in got if k not in compiled]

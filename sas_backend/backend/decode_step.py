@@ -40,7 +40,7 @@ from sas_backend.backend.step_settings import StepSettings
 from sas_backend.ops import fused_step
 from sas_backend.ops.key_codes import encode_pages
 from sas_backend.ops.late_blocks import list_late_blocks
-from sas_backend.ops.rerank import RerankWorkspace, rerank_blocks
+from sas_backend.ops.rerank import RerankWorkspace, candidate_lse, rerank_blocks
 from sas_backend.ops.sparse_decode import make_sparse_decode
 from sas_backend.ops.summary import completed_blocks
 
@@ -134,8 +134,9 @@ class DecodeStep:
                     self.device, chunk=settings.select_chunk, target_programs=settings.target_programs,
                     launch=settings.launch)
             if self.rerank_kernel(self.on_device, self.fused_ws is not None):
+                ranked = self.fused_rows(max_rows) if self.ranks_in_attend(settings) else 0
                 self.rerank_ws = RerankWorkspace(max_rows, geometry.num_kv_heads, geometry.group, first_k,
-                                                 self.device)
+                                                 self.device, ranked_rows=ranked)
             self.rerank_out = torch.full((max_rows, geometry.num_kv_heads, self.top_k), -1, dtype=torch.int32,
                                          device=self.device)
         # The per-op attention: every step when attention is not "triton", else batches past the workspace.
@@ -188,16 +189,24 @@ class DecodeStep:
         kernels (Triton's interpreter on CPU). `__init__` and `rerank_bytes_for` decide by this one rule."""
         return on_device or fused
 
+    @staticmethod
+    def ranks_in_attend(settings: StepSettings) -> bool:
+        """Whether the fused attend chooses the second level's K blocks itself (`LaunchOptions.rank_in_attend`, the
+        Triton attention): the rerank kernel then keeps every (row, kv head)'s log-sum-exps for the fused rows."""
+        return settings.attention == "triton" and settings.launch.rank_in_attend
+
     @classmethod
     def rerank_bytes_for(cls, exact_rerank: int, num_kv_heads: int, group: int, top_k: int, max_rows: int,
-                         on_device: bool, fused: bool, first_workspace_bytes: int = 0) -> int:
+                         on_device: bool, fused: bool, first_workspace_bytes: int = 0, ranked: bool = False) -> int:
         """`rerank_nbytes` of a step of these sizes (`backend.memory` reserves it): fused, whether the fused kernels'
         workspace exists (`fused_workspace`); first_workspace_bytes, their select workspace at X x K
-        (`memory.decode_step_workspace_bytes`)."""
+        (`memory.decode_step_workspace_bytes`); ranked, whether the attend ranks (`ranks_in_attend`)."""
         if exact_rerank <= 1:
             return 0
         kernel = cls.rerank_kernel(on_device, fused)
-        ws = RerankWorkspace.nbytes_for(max_rows, num_kv_heads, group, exact_rerank * top_k) if kernel else 0
+        ranked_rows = cls.fused_rows(max_rows) if ranked else 0
+        ws = RerankWorkspace.nbytes_for(max_rows, num_kv_heads, group, exact_rerank * top_k,
+                                        ranked_rows=ranked_rows) if kernel else 0
         return first_workspace_bytes + ws + max_rows * num_kv_heads * top_k * 4
 
     @property
@@ -331,6 +340,10 @@ class DecodeStep:
     def _triton_attention(self, bs: int) -> bool:
         return self.attention == "triton" and bs <= self.fused_ws.max_bs
 
+    def _ranked(self, bs: int) -> bool:
+        """Two levels whose attend ranks the second level (`ranks_in_attend`) at this batch size."""
+        return self.rerank_ws is not None and bs <= self.rerank_ws.ranked_rows and self._triton_attention(bs)
+
     def _plan_attention(self, seq_lens_cpu, bs: int, graph: bool) -> None:
         if not self._triton_attention(bs):  # the per-op attention plans on the host (FlashInfer)
             self.sparse_decode.plan(seq_lens_cpu, self.scaling, graph_bs=bs if graph else None)
@@ -371,6 +384,15 @@ class DecodeStep:
             rows = None if anchors is None else anchors[step.req_pool_indices.long()]
             selected = self.first_selector.select(gate, q, step.model_cos_sin, step.gate_cos_sin, summaries,
                                                   step.block_table, step.num_candidates, plan.max_blocks, rows)
+        if self.exact_rerank > 1 and self._ranked(plan.bs):
+            # the attend keeps the second level's K itself, from the log-sum-exps the rerank launch leaves
+            cands = candidate_lse(q, k_buffer, selected, step.block_table, step.num_candidates, self.scaling,
+                                  self.block_size, rule.sink_blocks, rule.local_blocks, anchors,
+                                  step.req_pool_indices, k_scale, self.rerank_ws, self.settings.launch,
+                                  key_codes=self.key_codes.get(layer_id))
+            self.last_selected = selected = self.rerank_out[:plan.bs]
+            return fused_step.attend(self.fused_ws, q, k_buffer, v_buffer, selected, step.block_table,
+                                     step.seq_lens, self.scaling, k_scale=k_scale, v_scale=v_scale, rank=cands)
         if self.exact_rerank > 1:
             # the fused path launches the kernel on CPU too (Triton's interpreter), as it does its own three
             selected = rerank_blocks(q, k_buffer, selected, step.block_table, step.num_candidates, self.top_k,

@@ -359,7 +359,8 @@ def memory_for_sglang(owner, max_reqs: Optional[int] = None) -> tuple:
         code_head_dim=geo.head_dim if cfg.rerank_keys == "int4" and rerank > 1 else 0,
         rerank_bytes=DecodeStep.rerank_bytes_for(rerank, kv_heads, geo.group_size, cfg.top_k,
                                                  (max_reqs + 1) * rows_per_request, on_cuda,
-                                                 DecodeStep.fused_workspace(settings), first_bytes),
+                                                 DecodeStep.fused_workspace(settings), first_bytes,
+                                                 DecodeStep.ranks_in_attend(settings)),
         anchor_scratch_bytes=anchor_scratch_bytes(kv_heads, geo.group_size, geo.head_dim, kv_elem, cfg.block_size,
                                                   context_len) if cfg.prompt_anchors else 0,
         # DecodeStep's copies of the gate weights for the fused front (--sas-gate-dtype bf16)

@@ -215,7 +215,9 @@ class SASAttnBackend(AttentionBackend):
             "kv heads x %d dims = %.1f MiB",
             cfg.selector, len(gates), cfg.first_sparse_layer, cfg.budget, self.top_k, self.block_size,
             selector.rule.sink_blocks, selector.rule.local_blocks, anchor_count, selector.rule.sub_blocks,
-            self.step.exact_rerank, " over 4-bit key codes" if code_head_dim else "", num_pages,
+            self.step.exact_rerank, (" over 4-bit key codes" if code_head_dim else "") + (
+                ", its top-K in the attend" if self.step.exact_rerank > 1 and self.step.ranks_in_attend(settings)
+                else ""), num_pages,
             num_kv_heads, summary_dim, summaries.nbytes / 2**20,
         )
 

@@ -70,7 +70,9 @@ def test_qwen3_decode_matches_the_oracle(qwen3_dir, qwen3_gates, essay_ids, tmp_
     block's 4 runs and rank by the best run, as the oracle states it, the select picking 2 x K blocks and the rerank
     kernel keeping K by their exact attention mass (--sas-exact-rerank 2). gate_dim 32: a gate a quarter as wide, its
     4 runs a block as wide as one summary of the 128-wide gate. keys "int4": that rerank kernel reads each block's
-    4-bit key codes (`--sas-rerank-keys int4`), the codes of decode-made blocks written beside the fused front."""
+    4-bit key codes (`--sas-rerank-keys int4`), the codes of decode-made blocks written beside the fused front. With
+    the Triton attention the rerank launch only writes its candidates' log-sum-exps and the attend's programs keep
+    the K (`ops.rerank.candidate_lse`), so the oracle checks that path's selections."""
     qwen3_gate = qwen3_gates[gate_dim]
     if kernels == "triton" and ON_GPU:
         pytest.skip("on a GPU the fused kernels are the default path (the auto cases)")
@@ -88,6 +90,8 @@ def test_qwen3_decode_matches_the_oracle(qwen3_dir, qwen3_gates, essay_ids, tmp_
             assert memory["held"]["decode step workspace"] > 0
         if rerank > 1:  # the first level's select workspace at 2 x K and the second level's selection
             assert memory["held"]["exact rerank"] > memory["held"]["decode step workspace"]
+        if rerank > 1 and kernels == "triton":  # the attend keeps the second level's K (LaunchOptions.rank_in_attend)
+            assert "its top-K in the attend" in server.log_text(), server.log_tail()
     records = [json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.open()]
     assert len(records) >= NEW_TOKENS - 1
     for rec in records:

@@ -123,12 +123,16 @@ class LaunchOptions:
     pdl: programmatic dependent launch (sm_90+, CUDA only): each kernel starts before its predecessor ends and
     waits for it in-kernel, so launch latency overlaps the previous launch's tail (`triton.py`'s docstring);
     front_warps / select_warps / attend_warps: num_warps of each launch (None: the launch's own default, 4, or 8
-    for the wide select tiles and fp32 K/V attention)."""
+    for the wide select tiles and fp32 K/V attention); rank_in_attend: with two levels (`--sas-exact-rerank`) and
+    this attend, the second level only writes its candidates' log-sum-exps and the attend's programs choose the K
+    blocks (`ops.rerank.candidate_lse`; False: the second level selects them in its own launch, as the per-op
+    attention needs)."""
 
     pdl: bool = False
     front_warps: Optional[int] = None
     select_warps: Optional[int] = None
     attend_warps: Optional[int] = None
+    rank_in_attend: bool = True
 
     def check(self) -> "LaunchOptions":
         for name in ("front_warps", "select_warps", "attend_warps"):
@@ -389,7 +393,7 @@ def select(ws: DecodeStepWorkspace, gate_q: torch.Tensor, summaries: torch.Tenso
 
 def attend(ws: DecodeStepWorkspace, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
            selected: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-           out: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+           out: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0, rank=None) -> torch.Tensor:
     """One launch: attention of each row's new token over its selected blocks and its current block.
 
     q `[bs, H_q, D]`; k_buffer `[slots, H_kv, D]`, v_buffer `[slots, H_kv, Dv]` (q's dtype, fp32, or fp8
@@ -397,6 +401,9 @@ def attend(ws: DecodeStepWorkspace, q: torch.Tensor, k_buffer: torch.Tensor, v_b
     the softmax scale and v_scale applied to the output, as FlashInfer does); selected `[bs, H_kv, K]` int32
     ascending, -1 padded; block_table `[bs, >= cur + 1]` int (token o of block m at slot block_table[r, m] + o);
     seq_lens `[bs]` (the current block is attended up to the newest token).
+    rank: an `ops.rerank.CandidateLse` (two levels, `ops.rerank.candidate_lse` launched just before on the same
+    q and cache): the attend's programs choose the K blocks themselves, from the first level's X x K candidates'
+    log-sum-exps by the rule of `ops.rerank.rerank_blocks`, and `selected` is written with them (an output).
     Returns `[bs, H_q, Dv]` in q's dtype (out if given): plain `softmax(q K^T * scale) V`.
     """
     from sas_backend.ops.fused_step import triton as kernels
@@ -409,6 +416,9 @@ def attend(ws: DecodeStepWorkspace, q: torch.Tensor, k_buffer: torch.Tensor, v_b
         raise ValueError(f"q {tuple(q.shape)} / selected {tuple(selected.shape)} do not fit the workspace")
     if q.stride(-1) != 1 or k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
         raise ValueError("q, k_buffer and v_buffer need a contiguous last axis")
+    ranked = {}
+    if rank is not None:
+        ranked = _rank_args(rank, bs, h_kv, g, geo.top_k, selected)
     if out is None:
         out = torch.empty(bs, h_q, dv, dtype=q.dtype, device=q.device)
     if bs == 0:
@@ -421,19 +431,41 @@ def attend(ws: DecodeStepWorkspace, q: torch.Tensor, k_buffer: torch.Tensor, v_b
     # (ptxas spilled 4 B at 4 warps, Triton 3.6, sm_90): 8 warps share the tiles.
     e5m2 = k_buffer.dtype == torch.float8_e5m2
     per = -(-(geo.top_k + 1) // splits)
+    r_ = ranked or dict(lse=out, first=selected, ncand=seq_lens, anchors=selected, rows=selected, C=0, sink=0, local=0,
+                        R=0, consts={})
     kernels._attend_kernel[(bs, h_kv, splits)](
         q, k_buffer, v_buffer, selected, block_table, seq_lens, out,
         ws.attend_stats, ws.attend_partials, ws.attend_counters,
+        r_["lse"], r_["first"], r_["ncand"], r_["anchors"], r_["rows"],
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         selected.stride(0), selected.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
+        r_["first"].stride(0), r_["first"].stride(1), r_["anchors"].stride(0), r_["anchors"].stride(1),
         h_kv, g, geo.top_k, splits, per, float(scale) * float(k_scale), float(v_scale),
+        r_["C"], r_["sink"], r_["local"], r_["R"],
         D=d, DV=dv, BLOCK_SIZE=geo.block_size, TOK=tok, TOK_TILE=min(tok, 16) if wide else tok, GP=ws.gp,
         BLOCK_D=max(16, _pow2(d)), BLOCK_DV=ws.block_dv, SPLITS_P=max(2, _pow2(splits)),
         IEEE=q.dtype == torch.float32,
-        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(), ONE_SPLIT=splits == 1,
+        DOT_F32=q.dtype == torch.bfloat16 and _interpreting(), ONE_SPLIT=splits == 1, **r_["consts"],
         **ws.launch.kwargs(ws.launch.attend_warps, 8 if wide or e5m2 else 4),
     )
     return out
+
+
+def _rank_args(rank, bs: int, h_kv: int, g: int, k: int, selected: torch.Tensor) -> dict:
+    """The attend's ranking arguments from an `ops.rerank.CandidateLse` (checked against the step's shapes)."""
+    first = rank.first
+    if first.dim() != 3 or first.shape[:2] != (bs, h_kv) or first.dtype != torch.int32 or first.stride(-1) != 1:
+        raise ValueError(f"rank.first must be [{bs}, {h_kv}, C] int32 with a contiguous last axis, got "
+                         f"{tuple(first.shape)} {first.dtype}")
+    c = first.shape[2]
+    if not k <= c <= rank.cp or rank.gp != max(16, _pow2(g)) or rank.lse.numel() < bs * h_kv * rank.cp * rank.gp:
+        raise ValueError(f"rank: {c} candidates for K = {k} (K <= C <= CP = {rank.cp}), group {g} in GP = {rank.gp}, "
+                         f"and log-sum-exps for {bs} x {h_kv} rows")
+    anchors, r_count, rows = anchor_launch_args(rank.anchors, rank.anchor_rows, h_kv, bs, selected)
+    return dict(lse=rank.lse, first=first, ncand=rank.num_candidates, anchors=anchors, rows=rows, C=c,
+                sink=rank.sink_blocks, local=rank.local_blocks, R=r_count,
+                consts=dict(RANKED=True, CP=rank.cp, RT=16, K_TILE=max(16, _pow2(k)),
+                            ANCHOR_ROWS=rank.anchor_rows is not None))
 
 
 __all__ = ["DecodeStepWorkspace", "LaunchOptions", "StepGeometry", "attend", "default_sizes", "front", "select"]

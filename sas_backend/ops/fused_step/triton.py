@@ -74,6 +74,48 @@ def _arrive(cnt_ptr, expected):
 
 
 @triton.jit
+def candidate_keys(tile, blk, valid, gm, n, sink_blocks, local_blocks, anc_base, R):
+    """The second level's rule (`ops.rerank`) as order-preserving int32 keys `[CP]` of a row's first-level
+    candidates: tile `[CP, GP]` each candidate's per-query-head log-sum-exp; blk `[CP]` its block (valid where >= 0);
+    gm `[GP]` the group's real heads; n the row's candidates; anchors at `anc_base + a`, a < R (+inf). Each head's
+    log-sums normalized over the row's candidates (log attention mass among them), the max over the group, sink /
+    local blocks and anchors forced (`ops.topk.triton.score_keys`). Shared by the rerank's own select and the attend
+    that ranks (`rank_candidates`), so both keep the same blocks."""
+    tile = tl.where(valid[:, None] & gm[None, :], tile, float("-inf"))
+    top = tl.max(tile, axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # a row without blocks: every entry stays -inf
+    mass_sum = tl.sum(tl.exp(tile - top[None, :]), axis=0)
+    total = top + tl.log(tl.where(mass_sum > 0, mass_sum, 1.0))  # padded heads: finite, masked below
+    mass = tl.where(valid[:, None] & gm[None, :], tile - total[None, :], float("-inf"))
+    x = tl.max(mass, axis=1)  # [CP]: the block's log-mass, max over the group
+    for a in range(R):
+        anchor = tl.load(anc_base + a)
+        x = tl.where(valid & (blk == anchor), float("inf"), x)
+    return score_keys(x, blk.to(tl.int32), n, sink_blocks, local_blocks)
+
+
+@triton.jit
+def rank_candidates(key, blk, valid, K, CP: tl.constexpr, RT: tl.constexpr):
+    """(kept `[CP]`, pos `[CP]`): the K valid candidates of highest key, ties to the lower block (the rule of
+    `ops.topk.select_blocks`), found by counting in registers: a candidate's rank is how many valid ones beat it,
+    compared RT at a time (`[RT, CP]` tiles bound the registers); pos its place among the kept ones (blk ascending,
+    so the kept blocks' ascending order)."""
+    c = tl.arange(0, CP)
+    rank = tl.zeros([CP], tl.int32)
+    for c0 in tl.static_range(0, CP, RT):
+        pick = c[None, :] == (c0 + tl.arange(0, RT))[:, None]  # [RT, CP]: row i is candidate c0 + i
+        k_i = tl.sum(tl.where(pick, key[None, :], 0), axis=1)  # one term each: exact
+        b_i = tl.sum(tl.where(pick, blk[None, :], 0), axis=1)
+        v_i = tl.sum(tl.where(pick, valid[None, :].to(tl.int32), 0), axis=1) > 0
+        beats = v_i[:, None] & ((k_i[:, None] > key[None, :]) | ((k_i[:, None] == key[None, :])
+                                                                & (b_i[:, None] < blk[None, :])))
+        rank += tl.sum(beats.to(tl.int32), axis=0)
+    kept = valid & (rank < K)
+    pos = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+    return kept, pos
+
+
+@triton.jit
 def _front_kernel(
     # gate query
     q_ptr, mcs_ptr, gcs_ptr, wq_ptr, qn_ptr, gq_ptr,
@@ -267,13 +309,15 @@ def _select_kernel(
 @triton.jit
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, sel_ptr, bt_ptr, seq_ptr, out_ptr, wsm_ptr, wsa_ptr, cnt_ptr,
+    lse_ptr, first_ptr, ncand_ptr, anc_ptr, arows_ptr,
     stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_selb, stride_selh, stride_bt,
-    stride_on, stride_oh,
-    H_KV, G, K, SPLITS, BPS, scale, v_scale,
+    stride_on, stride_oh, stride_fb, stride_fh, stride_ab, stride_ah,
+    H_KV, G, K, SPLITS, BPS, scale, v_scale, C, sink_blocks, local_blocks, R,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOK: tl.constexpr, TOK_TILE: tl.constexpr,
     GP: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPLITS_P: tl.constexpr, IEEE: tl.constexpr,
-    DOT_F32: tl.constexpr, PDL: tl.constexpr, ONE_SPLIT: tl.constexpr = False,
+    DOT_F32: tl.constexpr, PDL: tl.constexpr, ONE_SPLIT: tl.constexpr = False, RANKED: tl.constexpr = False,
+    CP: tl.constexpr = 16, RT: tl.constexpr = 16, K_TILE: tl.constexpr = 16, ANCHOR_ROWS: tl.constexpr = False,
 ):
     _after_predecessor(PDL)
     r = tl.program_id(0).to(tl.int64)
@@ -294,9 +338,35 @@ def _attend_kernel(
     acc = tl.zeros([GP, BLOCK_DV], tl.float32)
     lo = s * BPS
     hi = tl.minimum(lo + BPS, K + 1)
+    sel_row = sel_ptr + r * stride_selb + h * stride_selh
+    if RANKED:
+        # Two levels with the top-K here (`ops.rerank.candidate_lse`): every split ranks its row's first-level
+        # candidates from their log-sum-exps (the same keys as the rerank's own select), keeps K by counting and
+        # attends its share of the kept blocks in ascending order; split 0 also writes the selection (debug, tests).
+        c = tl.arange(0, CP)
+        first_row = first_ptr + r * stride_fb + h * stride_fh
+        cand = tl.load(first_row + c, mask=c < C, other=-1)
+        valid = cand >= 0
+        tile = tl.load(lse_ptr + (r * H_KV + h) * (CP * GP) + c[:, None] * GP + g[None, :],
+                       mask=valid[:, None] & gm[None, :], other=float("-inf"))
+        arow = r
+        if ANCHOR_ROWS:
+            arow = tl.load(arows_ptr + r).to(tl.int64)
+        n = tl.load(ncand_ptr + r).to(tl.int32)
+        key = candidate_keys(tile, cand, valid, gm, n, sink_blocks, local_blocks,
+                             anc_ptr + arow * stride_ab + h * stride_ah, R)
+        kept, pos = rank_candidates(key, cand, valid, K, CP, RT)
+        if s == 0:
+            tl.store(sel_row + pos, cand, mask=kept)
+            kk = tl.arange(0, K_TILE)
+            tl.store(sel_row + kk, tl.full([K_TILE], -1, tl.int32),
+                     mask=(kk >= tl.sum(kept.to(tl.int32), axis=0)) & (kk < K))
     for e in range(lo, hi):
         # Entries 0..K-1: the selection (ascending, -1 padded); entry K: the current block, always attended.
-        blk = tl.load(sel_ptr + r * stride_selb + h * stride_selh + e, mask=e < K, other=-1).to(tl.int64)
+        if RANKED:
+            blk = tl.max(tl.where(kept & (pos == e), cand, -1), axis=0).to(tl.int64)
+        else:
+            blk = tl.load(sel_row + e, mask=e < K, other=-1).to(tl.int64)
         blk = tl.where(e == K, cur, blk)
         if blk >= 0:
             slot0 = tl.load(bt_ptr + r * stride_bt + blk).to(tl.int64)
@@ -352,4 +422,4 @@ def _attend_kernel(
                          mask=dv < DV)
 
 
-__all__ = ["INT32_MIN", "_attend_kernel", "_front_kernel", "_select_kernel"]
+__all__ = ["INT32_MIN", "_attend_kernel", "_front_kernel", "_select_kernel", "candidate_keys", "rank_candidates"]

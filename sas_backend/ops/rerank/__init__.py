@@ -11,6 +11,8 @@ what the attention will spend (bench/results/2026-12-06-long-ppl: Qwen2.5-Coder 
 - `rerank_blocks(q, k_buffer, first, block_table, num_candidates, k, max_blocks, scale, block_size, ...)`: the K
   blocks `[bs, H_kv, K]` int32; with `key_codes` the keys come from each page's 4-bit codes (`ops.key_codes`,
   0.28 of the bf16 key bytes; not served yet: docs/launch-budget.md's "cheaper second level").
+- `candidate_lse(...)`: the same level without its select, for the fused attend to rank (`CandidateLse`; the
+  Triton launch only): the K chosen inside the attend's programs, so no launch of its own ends in a Top-K.
 - `exact_block_scores(...)`: the torch path's `[bs, H_kv, C]` log-masses (tests, analysis).
 - `RerankWorkspace`: the kernel's buffers, planned once for a server's most rows (plan once, run many).
 
@@ -20,6 +22,7 @@ first CUDA use only).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -33,15 +36,18 @@ class RerankWorkspace:
     first levels of `first_k` blocks. A launch splits each (row, kv head) over about `target_programs` / (bs * H_kv)
     programs, which meet in block log-sum-exps `[rows, CP, GP]` fp32 and an arrival counter (zero, left zero by each
     launch); a batch whose rows alone reach target_programs runs one program a row, in registers. So only the
-    (row, kv head) pairs of the split batches, fewer than target_programs, take room."""
+    (row, kv head) pairs of the split batches, fewer than target_programs, take room. ranked_rows: batch rows whose
+    log-sum-exps the attend ranks (`candidate_lse`: every (row, kv head) of a batch of up to that many rows keeps
+    its `[CP, GP]` tile; 0: none)."""
 
     def __init__(self, max_bs: int, num_kv_heads: int, group: int, first_k: int, device,
-                 target_programs: int = 128):
+                 target_programs: int = 128, ranked_rows: int = 0):
         self.max_bs, self.num_kv_heads, self.group, self.first_k = int(max_bs), int(num_kv_heads), int(group), \
             int(first_k)
         self.target_programs = int(target_programs)
+        self.ranked_rows = min(int(ranked_rows), self.max_bs)
         self.cp, self.gp = max(16, _pow2(first_k)), max(16, _pow2(group))
-        rows = self.split_rows(self.max_bs, self.num_kv_heads, self.target_programs)
+        rows = self.lse_rows(self.max_bs, self.num_kv_heads, self.target_programs, self.ranked_rows)
         self.lse = torch.zeros(rows * self.cp * self.gp, dtype=torch.float32, device=device)
         self.counters = torch.zeros(rows, dtype=torch.int32, device=device)
 
@@ -51,9 +57,16 @@ class RerankWorkspace:
         return max(1, min(max_bs * num_kv_heads, target_programs - 1))
 
     @classmethod
-    def nbytes_for(cls, max_bs: int, num_kv_heads: int, group: int, first_k: int, target_programs: int = 128) -> int:
+    def lse_rows(cls, max_bs: int, num_kv_heads: int, target_programs: int, ranked_rows: int = 0) -> int:
+        """(row, kv head) pairs the log-sum-exps hold: the split launches' and the ranked batches'."""
+        return max(cls.split_rows(max_bs, num_kv_heads, target_programs),
+                   min(int(ranked_rows), int(max_bs)) * num_kv_heads)
+
+    @classmethod
+    def nbytes_for(cls, max_bs: int, num_kv_heads: int, group: int, first_k: int, target_programs: int = 128,
+                   ranked_rows: int = 0) -> int:
         """Device bytes a workspace of these sizes holds (`backend.memory` reserves them)."""
-        rows = cls.split_rows(max_bs, num_kv_heads, target_programs)
+        rows = cls.lse_rows(max_bs, num_kv_heads, target_programs, ranked_rows)
         return rows * max(16, _pow2(first_k)) * max(16, _pow2(group)) * 4 + rows * 4
 
     @property
@@ -66,6 +79,23 @@ class RerankWorkspace:
         want = -(-self.target_programs // max(1, bs * self.num_kv_heads))
         per = -(-self.first_k // max(1, min(self.first_k, want)))
         return -(-self.first_k // per)
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateLse:
+    """What `candidate_lse` leaves for the attend to rank (`ops.fused_step.attend(rank=...)`): lse, the workspace's
+    `[rows, CP, GP]` fp32 log-sum-exps of each (row, kv head) = r * H_kv + h, entry (c, g) candidate c's tokens for
+    query head g of the group (-inf at padding and past G); the first level's blocks and the selection rule."""
+
+    lse: torch.Tensor
+    cp: int
+    gp: int
+    first: torch.Tensor
+    num_candidates: torch.Tensor
+    sink_blocks: int
+    local_blocks: int
+    anchors: Optional[torch.Tensor]
+    anchor_rows: Optional[torch.Tensor]
 
 
 def rerank_blocks(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, block_table: torch.Tensor,
@@ -99,12 +129,7 @@ def rerank_blocks(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, 
                          "disagree on the heads")
     if not 0 < k <= c:
         raise ValueError(f"K = {k} must be in 1..C = {c} (the first level keeps at least K blocks)")
-    if key_codes is not None:
-        packed, scales = key_codes
-        if (packed.dtype != torch.uint8 or tuple(packed.shape[1:]) != (h_kv, block_size * d // 2)
-                or scales.dtype != torch.float16 or tuple(scales.shape[1:]) != (h_kv, 2, d)):
-            raise ValueError(f"key codes {tuple(packed.shape)} {packed.dtype} / {tuple(scales.shape)} {scales.dtype}: "
-                             f"want [pages, {h_kv}, {block_size * d // 2}] uint8 and [pages, {h_kv}, 2, {d}] float16")
+    _check_codes(key_codes, h_kv, block_size, d)
     if q.is_cuda if kernel is None else kernel:
         from sas_backend.ops.rerank.triton import rerank_blocks_triton
 
@@ -117,4 +142,36 @@ def rerank_blocks(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, 
     return res if out is None else out.copy_(res)
 
 
-__all__ = ["RerankWorkspace", "exact_block_scores", "rerank_blocks"]
+def candidate_lse(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, block_table: torch.Tensor,
+                  num_candidates: torch.Tensor, scale: float, block_size: int, sink_blocks: int = 0,
+                  local_blocks: int = 0, anchors: Optional[torch.Tensor] = None,
+                  anchor_rows: Optional[torch.Tensor] = None, k_scale: float = 1.0,
+                  workspace: Optional[RerankWorkspace] = None, launch=None, key_codes=None) -> CandidateLse:
+    """The second level without its select: one Triton launch (CUDA, or Triton's interpreter) writes each first-level
+    block's per-query-head log-sum-exp into `workspace.lse`, and the attend ranks them (`ops.fused_step.attend(...,
+    rank=)`: the same K blocks `rerank_blocks` keeps, chosen inside the attend's programs, so the second level has
+    no last arrival and no select). Arguments as `rerank_blocks`; workspace: a `RerankWorkspace` with ranked_rows >=
+    bs. Returns the `CandidateLse` the attend reads (valid until the workspace's next launch)."""
+    bs, h_q, d = q.shape
+    h_kv = first.shape[1]
+    if h_q % h_kv or k_buffer.shape[1] != h_kv or k_buffer.shape[2] != d:
+        raise ValueError(f"q {tuple(q.shape)}, k_buffer {tuple(k_buffer.shape)} and first {tuple(first.shape)} "
+                         "disagree on the heads")
+    _check_codes(key_codes, h_kv, block_size, d)
+    from sas_backend.ops.rerank.triton import candidate_lse_triton
+
+    candidate_lse_triton(q, k_buffer, first, block_table, scale, block_size, k_scale, workspace, launch, key_codes)
+    return CandidateLse(workspace.lse, workspace.cp, workspace.gp, first, num_candidates, max(int(sink_blocks), 0),
+                        max(int(local_blocks), 0), anchors, anchor_rows)
+
+
+def _check_codes(key_codes, h_kv: int, block_size: int, d: int) -> None:
+    if key_codes is not None:
+        packed, scales = key_codes
+        if (packed.dtype != torch.uint8 or tuple(packed.shape[1:]) != (h_kv, block_size * d // 2)
+                or scales.dtype != torch.float16 or tuple(scales.shape[1:]) != (h_kv, 2, d)):
+            raise ValueError(f"key codes {tuple(packed.shape)} {packed.dtype} / {tuple(scales.shape)} {scales.dtype}: "
+                             f"want [pages, {h_kv}, {block_size * d // 2}] uint8 and [pages, {h_kv}, 2, {d}] float16")
+
+
+__all__ = ["CandidateLse", "RerankWorkspace", "candidate_lse", "exact_block_scores", "rerank_blocks"]

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from sas_backend.ops.fused_step import LaunchOptions, _interpreting, _pow2, anchor_launch_args
-from sas_backend.ops.fused_step.triton import _after_predecessor, _arrive
-from sas_backend.ops.topk.triton import chunk_topk, pad_slots, score_keys
+from sas_backend.ops.fused_step.triton import _after_predecessor, _arrive, candidate_keys
+from sas_backend.ops.topk.triton import chunk_topk, pad_slots
 
 
 @triton.jit
@@ -34,6 +34,7 @@ def _rerank_kernel(
     ANCHOR_ROWS: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOK_TILE: tl.constexpr, GP: tl.constexpr,
     BLOCK_D: tl.constexpr, CP: tl.constexpr, K_TILE: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     PDL: tl.constexpr, ONE_SPLIT: tl.constexpr, PACKED: tl.constexpr, BLOCK_HD: tl.constexpr,
+    LSE_ONLY: tl.constexpr = False,
 ):
     _after_predecessor(PDL)
     r = tl.program_id(0).to(tl.int64)
@@ -108,12 +109,12 @@ def _rerank_kernel(
                     l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(qk - m_new[:, None]), axis=1)
                     m_i = m_new
                 lse = m_i + tl.log(l_i)
-        if ONE_SPLIT:
+        if ONE_SPLIT and not LSE_ONLY:
             tile = tl.where((c == e)[:, None], lse[None, :], tile)
         else:
             tl.store(lse_row + e * GP + g, lse)
-    last = True
-    if not ONE_SPLIT:
+    last = not LSE_ONLY  # LSE_ONLY: the attend ranks the stored log-sum-exps (`ops.fused_step.attend(rank=...)`)
+    if not ONE_SPLIT and not LSE_ONLY:
         last = _arrive(cnt_ptr + row_h, SPLITS)
     if last:
         blk = tl.load(first_row + c, mask=c < C, other=-1)
@@ -121,45 +122,35 @@ def _rerank_kernel(
         if not ONE_SPLIT:
             tile = tl.load(lse_row + c[:, None] * GP + g[None, :], mask=valid[:, None] & gm[None, :],
                            other=float("-inf"), cache_modifier=".cg")  # [CP, GP]
-        tile = tl.where(valid[:, None] & gm[None, :], tile, float("-inf"))
-        top = tl.max(tile, axis=0)
-        top = tl.where(top > float("-inf"), top, 0.0)  # a row without blocks: every entry stays -inf
-        mass_sum = tl.sum(tl.exp(tile - top[None, :]), axis=0)
-        total = top + tl.log(tl.where(mass_sum > 0, mass_sum, 1.0))  # padded heads: finite, masked below
-        mass = tl.where(valid[:, None] & gm[None, :], tile - total[None, :], float("-inf"))
-        x = tl.max(mass, axis=1)  # [CP]: the block's log-mass, max over the group
         n = tl.load(ncand_ptr + r).to(tl.int32)
-        if R > 0:
-            arow = r
-            if ANCHOR_ROWS:
-                arow = tl.load(arows_ptr + r).to(tl.int64)
-            for a in range(R):
-                anchor = tl.load(anc_ptr + arow * stride_ab + h * stride_ah + a)
-                x = tl.where(valid & (blk == anchor), float("inf"), x)
+        arow = r
+        if ANCHOR_ROWS:
+            arow = tl.load(arows_ptr + r).to(tl.int64)
         idx = blk.to(tl.int32)
-        key = score_keys(x, idx, n, sink_blocks, local_blocks)
+        key = candidate_keys(tile, blk, valid, gm, n, sink_blocks, local_blocks,
+                             anc_ptr + arow * stride_ab + h * stride_ah, R)
         n_c = tl.sum(valid.to(tl.int32), axis=0)
         o_row = out_ptr + r * stride_ob + h * stride_oh
         pad_slots(o_row, tl.minimum(n_c, K), K, K_TILE)
         chunk_topk(key, valid, idx, n_c, K, o_row, o_row, WRITE_KEYS=False)
 
 
-def rerank_blocks_triton(q, k_buffer, first, block_table, num_candidates, k: int, scale: float, block_size: int,
-                         sink_blocks: int, local_blocks: int, anchors, anchor_rows, k_scale: float, ws, out=None,
-                         launch=None, key_codes=None):
-    """`ops.rerank.rerank_blocks` as one launch (same arguments; ws: a `RerankWorkspace`, required)."""
+def _launch(q, k_buffer, first, block_table, num_candidates, k: int, scale: float, block_size: int,
+            sink_blocks: int, local_blocks: int, anchors, anchor_rows, k_scale: float, ws, out, launch, key_codes,
+            lse_only: bool):
     bs, h_q, d = q.shape
     h_kv, c = first.shape[1], first.shape[2]
     g = h_q // h_kv
     if ws is None or bs > ws.max_bs or h_kv != ws.num_kv_heads or g != ws.group or c > ws.first_k:
         raise ValueError(f"rerank_blocks on CUDA needs a RerankWorkspace for {bs} rows, {h_kv} kv heads of {g} and "
                          f"{c} first-level blocks")
+    if lse_only and bs > ws.ranked_rows:
+        raise ValueError(f"candidate_lse for {bs} rows needs a RerankWorkspace(ranked_rows >= {bs}), "
+                         f"this one keeps {ws.ranked_rows}")
     if q.stride(-1) != 1 or k_buffer.stride(-1) != 1 or first.stride(-1) != 1:
         raise ValueError("q, k_buffer and first need a contiguous last axis")
-    if out is None:
-        out = torch.empty(bs, h_kv, k, dtype=torch.int32, device=q.device)
     if bs == 0:
-        return out
+        return
     anchors_t, r_count, rows_t = anchor_launch_args(anchors, anchor_rows, h_kv, bs, out)
     splits = ws.splits(bs)
     per = -(-c // splits)
@@ -182,9 +173,28 @@ def rerank_blocks_triton(q, k_buffer, first, block_table, num_candidates, k: int
         TOK_TILE=min(16, block_size) if wide else block_size, GP=ws.gp, BLOCK_D=max(16, _pow2(d)),
         CP=ws.cp, K_TILE=max(16, _pow2(k)), IEEE=q.dtype == torch.float32,
         DOT_F32=q.dtype == torch.bfloat16 and _interpreting(), ONE_SPLIT=splits == 1,
-        PACKED=key_codes is not None, BLOCK_HD=max(16, _pow2(d // 2)), **launch.kwargs(None, 4),
+        PACKED=key_codes is not None, BLOCK_HD=max(16, _pow2(d // 2)), LSE_ONLY=lse_only,
+        **launch.kwargs(None, 4),
     )
+
+
+def rerank_blocks_triton(q, k_buffer, first, block_table, num_candidates, k: int, scale: float, block_size: int,
+                         sink_blocks: int, local_blocks: int, anchors, anchor_rows, k_scale: float, ws, out=None,
+                         launch=None, key_codes=None):
+    """`ops.rerank.rerank_blocks` as one launch (same arguments; ws: a `RerankWorkspace`, required)."""
+    if out is None:
+        bs, h_kv = q.shape[0], first.shape[1]
+        out = torch.empty(bs, h_kv, k, dtype=torch.int32, device=q.device)
+    _launch(q, k_buffer, first, block_table, num_candidates, k, scale, block_size, sink_blocks, local_blocks, anchors,
+            anchor_rows, k_scale, ws, out, launch, key_codes, lse_only=False)
     return out
 
 
-__all__ = ["_rerank_kernel", "rerank_blocks_triton"]
+def candidate_lse_triton(q, k_buffer, first, block_table, scale: float, block_size: int, k_scale: float, ws,
+                         launch=None, key_codes=None) -> None:
+    """`ops.rerank.candidate_lse`'s launch: each first-level block's per-head log-sum-exp into `ws.lse` (no select)."""
+    _launch(q, k_buffer, first, block_table, first, 1, scale, block_size, 0, 0, None, None, k_scale, ws,
+            first, launch, key_codes, lse_only=True)
+
+
+__all__ = ["_rerank_kernel", "candidate_lse_triton", "rerank_blocks_triton"]
