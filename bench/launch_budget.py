@@ -65,11 +65,11 @@ def kernel_rows(ctx: int, bs: int, summary_bytes: int = 4, weight_bytes: int = 4
     rows) and finishes sub_blocks summaries. kv_bytes: bytes of a K / V element (2: bf16; 1: an fp8 KV cache, whose
     attend and block-step front read half the K / V bytes). gate_dim: the gate's Dg (a gate trained narrower reads
     sub_blocks x gate_dim a block). rerank: X of `--sas-exact-rerank` (X > 1: select keeps X x K, and a fifth row, the
-    second level, reads those blocks' keys). Two designs not served (docs/quality.md, "a cheaper second level"):
-    rerank_key_bytes, the bytes a key value costs the second level (default kv_bytes; INT4_KEY_BYTES for a 4-bit copy
-    of each complete block's keys); rank_in_attend, the second level only writes each block's log-sum-exps and every
-    attend program ranks the X x K of its row itself (no merge in the second level; the attend reads G x X x K
-    floats and pays RANK_US)."""
+    second level, reads those blocks' keys). rerank_key_bytes, the bytes a key value costs the second level (default
+    kv_bytes; INT4_KEY_BYTES for `--sas-rerank-keys int4`'s 4-bit copy of each complete block's keys); rank_in_attend
+    (`LaunchOptions.rank_in_attend`, served by default under the Triton attention), the second level only writes each
+    block's log-sum-exps and every attend program ranks the X x K of its row itself (no merge in the second level;
+    the attend reads G x X x K floats and pays RANK_US)."""
     import torch
 
     from sas_backend.ops.fused_step import (GPU_KCHUNK, GPU_QCHUNK, GPU_TARGET_PROGRAMS, DecodeStepWorkspace,
@@ -256,15 +256,17 @@ def _rerank_label(x: int, sub: int) -> str:
 
 
 def rerank_section() -> list:
-    """What `--sas-exact-rerank X` costs on paper: select keeps X x K, and the second level reads the keys of those
-    blocks (X x the attend's K bytes); bf16 summaries, gate weights and K/V (the CUDA default), per context and batch,
-    against one level with one summary a block (the third variant's first level also reads 4 run summaries a block,
-    `--sas-sub-blocks 4`); and the selector's bytes a step (summaries + the second level's keys) against dense's
-    K + V."""
+    """What `--sas-exact-rerank X` costs on paper as served (the attend ranking the second level): select keeps X x
+    K, and the second level reads the keys of those blocks (X x the attend's K bytes); bf16 summaries, gate weights
+    and K/V (the CUDA default), per context and batch, against one level with one summary a block (the third
+    variant's first level also reads 4 run summaries a block, `--sas-sub-blocks 4`); and the selector's bytes a step
+    (summaries + the second level's keys) against dense's K + V."""
     out = ["## Two levels, the second exact (`--sas-exact-rerank X`)", "",
            "Select keeps X x K blocks (its survivors and merge grow X-fold), and one more launch reads their keys "
-           "(X x K blocks of bf16 K: X / 2 of the attend's K + V bytes), sums each block's softmax mass per query "
-           "head and keeps K (`ops.rerank`); the last variant's first level is the gate over 4 run summaries a block "
+           "(X x K blocks of bf16 K: X / 2 of the attend's K + V bytes) and leaves each block's log-sum-exp per "
+           "query head, which the attend's programs rank to keep K (`ops.rerank.candidate_lse`, the served default "
+           "under the Triton attention; the next section has the rerank selecting in its own launch); the last "
+           "variant's first level is the gate over 4 run summaries a block "
            "(`--sas-sub-blocks 4 --sas-exact-rerank 2`). bf16 summaries and gate weights (the CUDA default), "
            "amortized over 64 steps:", "",
            "| context | batch | one level us | " + " | ".join(f"{_rerank_label(x, n)} us | ratio" for x, n in RERANKS)
@@ -277,7 +279,8 @@ def rerank_section() -> list:
             cells, shares = [], []
             cand = (ctx - 1) // B
             for x, n in RERANKS:
-                two = steady_and_amortized(ctx, bs, summary_bytes=2, weight_bytes=2, rerank=x, sub_blocks=n)[1]
+                two = steady_and_amortized(ctx, bs, summary_bytes=2, weight_bytes=2, rerank=x, sub_blocks=n,
+                                           rank_in_attend=True)[1]
                 worst[x, n] = max(worst[x, n], two / one)
                 cells.append(f"{two:.1f} | {two / one:.2f}")
                 selector = cand * n * DG * 2 + min(x * BUDGET // B, cand) * B * D * 2  # a kv head's bytes a step
@@ -295,10 +298,11 @@ def rerank_section() -> list:
     return out
 
 
-# (label, X, bytes a key value costs the second level, whether the attend ranks): the first two as served
-# (`--sas-rerank-keys int4`: the fused front writes the codes), the others designs.
-CHEAPER = (("X = 2, 4-bit keys (served)", 2, INT4_KEY_BYTES, False),
-           ("X = 4, 4-bit keys (served)", 4, INT4_KEY_BYTES, False),
+# (label, X, bytes a key value costs the second level, whether the attend ranks): all served (`--sas-rerank-keys
+# int4`: the fused front writes the codes; the attend ranks by default under the Triton attention,
+# `LaunchOptions.rank_in_attend` False gives the rerank its own select).
+CHEAPER = (("X = 2, 4-bit keys, own select", 2, INT4_KEY_BYTES, False),
+           ("X = 4, 4-bit keys, own select", 4, INT4_KEY_BYTES, False),
            ("X = 2, the attend ranks", 2, None, True),
            ("X = 2, 4-bit keys, the attend ranks", 2, INT4_KEY_BYTES, True),
            ("X = 4, 4-bit keys, the attend ranks", 4, INT4_KEY_BYTES, True))
@@ -307,17 +311,17 @@ CHEAPER = (("X = 2, 4-bit keys (served)", 2, INT4_KEY_BYTES, False),
 def cheaper_rerank_section() -> list:
     """What a cheaper second level costs on paper (docs/quality.md has the quality screens): the keys it reads at 4
     bits (`--sas-rerank-keys int4`, served: a copy of each complete block's keys, per-channel min and step, written
-    by the fused front's block step), and its top-K moved out of its own launch into the attend's programs (a
-    design); against one level, and the worst ratio against issue 63's 1.3x. Also what the second level's own launch
-    costs when it reads nothing."""
-    out = ["## A cheaper second level (4-bit keys served, the rest designs)", "",
+    by the fused front's block step), and its top-K moved out of its own launch into the attend's programs (served,
+    the default under the Triton attention); against one level, and the worst ratio against issue 63's 1.3x. Also
+    what the second level's own launch costs when it reads nothing."""
+    out = ["## A cheaper second level (4-bit keys, the top-K in the attend)", "",
            "What `--sas-exact-rerank X` costs (a) reading a 4-bit copy of each complete block's keys "
            f"(`--sas-rerank-keys int4`, served: {INT4_KEY_BYTES:.4f} bytes a value with the per-channel min and step "
            "of each 64-token block, instead of 2; the fused front's block step writes a decode-made block's codes), "
-           "and (b, a design) with its top-K moved into the attend: the second level only writes each "
-           "candidate's log-sum-exps, every attend program reads its row's G x X x K of them and ranks them itself "
-           f"({RANK_US} us assumed), so the second level has no last arrival and no select. bf16 summaries and gate "
-           "weights, amortized over 64 steps; ratio against one level:", "",
+           "and (b, served: the default under the Triton attention) with its top-K moved into the attend: the second "
+           "level only writes each candidate's log-sum-exps, every attend program reads its row's G x X x K of them "
+           f"and ranks them itself ({RANK_US} us assumed), so the second level has no last arrival and no select. "
+           "bf16 summaries and gate weights, amortized over 64 steps; ratio against one level:", "",
            "| context | batch | one level us | reading nothing, ratio | " + " | ".join(f"{c[0]}, ratio"
                                                                             for c in CHEAPER) + " |",
            "| ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in CHEAPER) + " |"]

@@ -182,10 +182,12 @@ def cases(grid: str = "full") -> dict[str, list[dict]]:
                           + [dict(dg=sg["dg"], k=sg["k"], anchors=4, sink=1, local=1, bs=1, h_kv=8, m=w)
                              for w in SPEC_WIDTHS]) if full else
         [dict(dg=sg["dg"], k=sg["k"], anchors=a, sink=1, local=1, bs=1, h_kv=8, m=m) for a, m in ((0, 65), (4, 4096))],
-        "decode_attend": (product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES, k=(sg["k"],))
+        "decode_attend": ((product(d=HEAD_DIMS, g=GROUPS, dtype=DTYPES, k=(sg["k"],))
                           + [dict(d=sg["d"], g=sg["g"], dtype=sg["dtype"], k=k, **s) for s in spec for k in ks])
         if full else [dict(d=d, g=sg["g"], dtype=dt, k=sg["k"])
-                      for d, dt in ((128, "bf16"), (128, "fp32"), (64, "fp16"))],
+                      for d, dt in ((128, "bf16"), (128, "fp32"), (64, "fp16"))])
+        # the attend ranking two levels' candidates over fp32 K / V (16 warps: `ops.fused_step._attend_warps`)
+        + [dict(d=d, g=sg["g"], dtype="fp32", k=sg["k"], x=x) for d in HEAD_DIMS for x in (2, 4)],
         # The exact second level (--sas-exact-rerank X): first levels of X x K blocks (CP, K_TILE), every group and
         # dim in bf16, the dtypes (fp8 keys with bf16 queries) at the spec geometry; the CI grid: the spec geometry at
         # the serve default K with X = 2 and 4, G 1 and 7, fp32 and fp8 keys, anchors.

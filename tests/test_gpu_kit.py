@@ -707,10 +707,12 @@ def test_the_sub_block_cost_variant_runs_checked_and_never_wins(request):
     assert bds.NEW.name in bds.chosen_settings(record, "cpu", branches={})["source"]
 
 
-def test_the_exact_rerank_cost_variant_runs_checked(request):
+@pytest.mark.parametrize("ranked", [True, False])
+def test_the_exact_rerank_cost_variant_runs_checked(request, ranked):
     """Issue 63's two levels timed for their cost (bench_decode_step.COSTS): the served step with --sas-exact-rerank 2
-    runs the fused select at 2 x K and the rerank kernel, and its attention passes the check against the oracle over
-    the blocks it selected (the selection itself differs from one level's by design)."""
+    runs the fused select at 2 x K and the rerank kernel (its top-K in the attend, the default, or in its own launch),
+    and its attention passes the check against the oracle over the blocks it selected (the selection itself differs
+    from one level's by design)."""
     import argparse
 
     import bench_decode_step as bds
@@ -719,7 +721,9 @@ def test_the_exact_rerank_cost_variant_runs_checked(request):
     request.addfinalizer(functools.partial(torch.set_grad_enabled, torch.is_grad_enabled()))
     torch.set_grad_enabled(False)
     w = bds.World(bds.TINY, 1024, 1, 2, "cpu")
-    two = next(v for v in bds.COSTS if v.exact_rerank == 2)
+    two = next(v for v in bds.COSTS if v.exact_rerank == 2 and v.rerank_keys == "kv"
+               and v.launch_options().rank_in_attend == ranked)
+    assert ("own select" in two.name) != ranked
     res = bds.time_variant(w, 256, two, argparse.Namespace(graphs=False, reps=1))
     assert res["check"]["ok"], res["check"]
     assert not two.name.startswith("new")

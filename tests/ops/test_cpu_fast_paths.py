@@ -50,6 +50,36 @@ def test_topk_cpu_random_rounded_scores_many_ties():
         assert torch.equal(select_blocks_torch(scores, n_cand, k, 1, 1), select_blocks(scores, n_cand, k, 1, 1))
 
 
+
+@pytest.mark.parametrize("k,sink,local", [(1, 0, 0), (3, 1, 0), (8, 1, 2), (8, 0, 3)])
+def test_select_among_candidates_equals_the_whole_row(k, sink, local):
+    """`select_among` (the second level's Top-K over its first level's candidates on CPU) keeps what the reference keeps
+    over the whole row holding those candidates' scores and -inf elsewhere, when the candidates hold every forced
+    block and at least K blocks (or every block), as a first level's pick does; ties, +inf and -0.0 included (a
+    candidate at -inf or NaN would tie with the row's other blocks, which the candidate list does not hold)."""
+    from sas_backend.ops.topk.torch_path import select_among
+
+    g = torch.Generator().manual_seed(7 * k + sink + local)
+    bs, h, m, c = 5, 3, 40, 2 * k + 3
+    scores = torch.randn(bs, h, m, generator=g)
+    scores[0, 0, 3:12] = 0.5
+    scores[2, 0, 4] = float("inf")
+    scores[2, 1, 5], scores[2, 1, 6] = -0.0, 0.0
+    n_cand = torch.tensor([40, 20, k, 0, 9])
+    blocks = torch.full((bs, h, c), -1, dtype=torch.int32)
+    for r, n in enumerate(n_cand.tolist()):
+        forced = [b for b in range(n) if b < sink or b >= n - local]
+        for hh in range(h):
+            rest = [b for b in torch.randperm(n, generator=g).tolist() if b not in forced]
+            pick = sorted(forced + rest[: max(0, min(n, c) - len(forced))])
+            blocks[r, hh, : len(pick)] = torch.tensor(pick, dtype=torch.int32)
+    cand_scores = torch.gather(scores, -1, blocks.clamp_min(0).long())
+    got = select_among(cand_scores, blocks, n_cand, k, m, sink, local)
+    whole = torch.full((bs, h, m + 1), float("-inf"))
+    whole.scatter_(-1, torch.where(blocks >= 0, blocks.long(), m), cand_scores)
+    assert torch.equal(got, select_blocks(whole[..., :m], n_cand, k, sink, local))
+
+
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gate_query_cpu_equals_reference(group, dtype):

@@ -446,9 +446,18 @@ def attend(ws: DecodeStepWorkspace, q: torch.Tensor, k_buffer: torch.Tensor, v_b
         BLOCK_D=max(16, _pow2(d)), BLOCK_DV=ws.block_dv, SPLITS_P=max(2, _pow2(splits)),
         IEEE=q.dtype == torch.float32,
         DOT_F32=q.dtype == torch.bfloat16 and _interpreting(), ONE_SPLIT=splits == 1, **r_["consts"],
-        **ws.launch.kwargs(ws.launch.attend_warps, 8 if wide or e5m2 else 4),
+        **ws.launch.kwargs(ws.launch.attend_warps, _attend_warps(wide, e5m2, ranked)),
     )
     return out
+
+
+def _attend_warps(wide: bool, e5m2: bool, ranked: dict) -> int:
+    """The attend's default num_warps. ptxas (Triton 3.6, sm_90, D = 128) spills at 4 warps where the tiles do not fit:
+    fp32 K/V tiles and e5m2's conversion (8 warps); ranking 128+ candidates (X = 4 at the serve default: ~410 B a
+    thread at 4 warps, none at 8); ranking over fp32 K/V (8 B at 8 warps' 64 registers, none at 16)."""
+    if ranked and wide:
+        return 16
+    return 8 if wide or e5m2 or (ranked and ranked["cp"] >= 128) else 4
 
 
 def _rank_args(rank, bs: int, h_kv: int, g: int, k: int, selected: torch.Tensor) -> dict:
@@ -462,7 +471,7 @@ def _rank_args(rank, bs: int, h_kv: int, g: int, k: int, selected: torch.Tensor)
         raise ValueError(f"rank: {c} candidates for K = {k} (K <= C <= CP = {rank.cp}), group {g} in GP = {rank.gp}, "
                          f"and log-sum-exps for {bs} x {h_kv} rows")
     anchors, r_count, rows = anchor_launch_args(rank.anchors, rank.anchor_rows, h_kv, bs, selected)
-    return dict(lse=rank.lse, first=first, ncand=rank.num_candidates, anchors=anchors, rows=rows, C=c,
+    return dict(cp=rank.cp, lse=rank.lse, first=first, ncand=rank.num_candidates, anchors=anchors, rows=rows, C=c,
                 sink=rank.sink_blocks, local=rank.local_blocks, R=r_count,
                 consts=dict(RANKED=True, CP=rank.cp, RT=16, K_TILE=max(16, _pow2(k)),
                             ANCHOR_ROWS=rank.anchor_rows is not None))

@@ -59,24 +59,42 @@ def select_blocks_torch(
 ) -> torch.Tensor:
     """`ops.topk.select_blocks` off CUDA (its docstring has the shapes and the rule)."""
     bs, h_kv, m = scores.shape
+    blocks = torch.arange(m, device=scores.device).expand(bs, h_kv, m)
+    return select_among(scores, blocks, num_candidates, k, m, sink_blocks, local_blocks)
+
+
+def select_among(
+    scores: torch.Tensor, blocks: torch.Tensor, num_candidates: torch.Tensor, k: int, max_blocks: int,
+    sink_blocks: int = 0, local_blocks: int = 0,
+) -> torch.Tensor:
+    """`select_blocks`' rule over a candidate list instead of a whole row: scores `[bs, H_kv, C]` of the blocks
+    `[bs, H_kv, C]` (ascending, -1 padded; every block < max_blocks); the blocks' forced tiers and tie order are
+    those of their block indices, so the K kept are what `select_blocks` keeps over a row holding these scores at
+    these blocks and nothing elsewhere. Returns `[bs, H_kv, K]` int32 ascending, -1 padded."""
+    bs, h_kv, c = scores.shape
+    m = int(max_blocks)
     if k <= 0:
         return torch.full((bs, h_kv, 0), -1, dtype=torch.int32, device=scores.device)
     if m >= 2**_INDEX_BITS:
         raise ValueError(f"select_blocks_torch supports fewer than {2**_INDEX_BITS} blocks, got {m}")
-    idx = torch.arange(m, device=scores.device)
+    # Tensor-only where / masked_fill: a Python scalar in torch.where costs a host copy per call on CPU (~20 us).
+    idx = blocks.long()
+    n = num_candidates.long().view(-1, 1, 1)
+    valid = (idx >= 0) & (idx < n)
     key = (order_preserving_bits(scores) << _INDEX_BITS) | (m - 1 - idx)
     if sink_blocks or local_blocks:
-        tier = forced_tier(num_candidates, m, sink_blocks, local_blocks)[:, None, :]  # [bs, 1, M]
-        forced_value = torch.where(tier == 1, idx, 0)  # local: nearest first; sink: lowest index first
-        forced_key = (tier << (32 + _INDEX_BITS)) | (forced_value << _INDEX_BITS) | (m - 1 - idx)
-        key = torch.where(tier > 0, forced_key, key)
-    valid = idx[None, :] < num_candidates[:, None]
-    key = key.masked_fill(~valid[:, None, :], -1)  # below every candidate's key
-    take = min(k, m)
+        sink = (idx < sink_blocks) & valid
+        local = (idx >= n - local_blocks) & valid & ~sink
+        # tier 2 sink (lowest index first), 1 local (nearest first), then the score's bits
+        forced_key = ((sink.long() * 2 + local.long()) << (32 + _INDEX_BITS)) | ((idx * local) << _INDEX_BITS) \
+            | (m - 1 - idx)
+        key = torch.where(sink | local, forced_key, key)
+    key = key.masked_fill(~valid, -1)  # below every candidate's key
+    take = min(k, c)
     top = torch.topk(key, take, dim=-1, sorted=False)
-    chosen = torch.where(top.values >= 0, top.indices, m)  # m sorts behind every real block
+    chosen = torch.gather(idx, -1, top.indices).masked_fill(top.values < 0, m)  # m sorts behind every real block
     chosen = torch.sort(chosen, dim=-1).values
-    chosen = torch.where(chosen == m, -1, chosen).to(torch.int32)
+    chosen = chosen.masked_fill(chosen == m, -1).to(torch.int32)
     if take < k:
         pad = torch.full((bs, h_kv, k - take), -1, dtype=torch.int32, device=scores.device)
         chosen = torch.cat([chosen, pad], dim=-1)
