@@ -48,7 +48,7 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def build(budget: int, max_ctx: int, max_reqs: int, backend: str):
+def build(budget: int, max_ctx: int, max_reqs: int, backend: str, exact_rerank: int = 1):
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -72,7 +72,7 @@ def build(budget: int, max_ctx: int, max_reqs: int, backend: str):
         return inner, req_pool, kv_pool, layers, None
     gate_cfg, tensors = load_gate_checkpoint(GATE)
     gates = gates_from_tensors(tensors, range(LAYERS), gate_dim=gate_cfg.gate_dim, device="cpu")
-    cfg = SASConfig(gate_path=str(GATE), budget=budget, block_size=B)
+    cfg = SASConfig(gate_path=str(GATE), budget=budget, block_size=B, exact_rerank=exact_rerank)
     sas = SASAttnBackend(
         runner, inner, cfg, gates,
         FixedRopeTables(rope_cos_sin_table(D, max_ctx, 100000.0),
@@ -84,10 +84,10 @@ def build(budget: int, max_ctx: int, max_reqs: int, backend: str):
     return sas, req_pool, kv_pool, layers, sas
 
 
-def run_point(backend_name: str, ctx: int, bs: int, budget: int, steps: int) -> dict:
+def run_point(backend_name: str, ctx: int, bs: int, budget: int, steps: int, exact_rerank: int = 1) -> dict:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    be, req_pool, kv_pool, layers, sas = build(budget, ctx + 2 * B, bs + 1, backend_name)
+    be, req_pool, kv_pool, layers, sas = build(budget, ctx + 2 * B, bs + 1, backend_name, exact_rerank)
     g = torch.Generator().manual_seed(0)
     for lid in range(LAYERS):
         kv_pool.k_buffer[lid].normal_(generator=g)
@@ -123,6 +123,7 @@ def run_point(backend_name: str, ctx: int, bs: int, budget: int, steps: int) -> 
     total = sum(counter.counts.values())
     return {
         "backend": backend_name, "context": ctx, "batch": bs, "budget": budget if sas else None,
+        "exact_rerank": exact_rerank if sas else None,
         "ms_per_step_all_layers": round(dt * 1e3, 3) if steps else None, "aten_ops_per_layer": round(total / LAYERS, 1),
         "top_ops": dict(counter.counts.most_common(12)),
     }
@@ -134,22 +135,28 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10, help="timed steps; 0 counts ops only (busy machine)")
+    ap.add_argument("--exact-rerank", type=int, nargs="+", default=[1], metavar="X",
+                    help="sas with one level (1) and / or two (--sas-exact-rerank X), side by side")
     ap.add_argument("--label", default="after", help="names the result file (e.g. before / after)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     rows = []
     for ctx in args.contexts:
         for bs in args.batches:
-            pair = [run_point(name, ctx, bs, args.budget, args.steps) for name in ("dense", "sas")]
-            rows.extend(pair)
-            d, s = pair
-            line = (f"ctx {ctx:5d} bs {bs}: ops/layer dense {d['aten_ops_per_layer']:5.1f} "
-                    f"sas {s['aten_ops_per_layer']:5.1f}")
-            if args.steps:
-                dm, sm = d["ms_per_step_all_layers"], s["ms_per_step_all_layers"]
-                line += f" | ms/step dense {dm:8.2f} sas {sm:8.2f} | dense/sas {dm / sm:.2f}x"
-            print(line, flush=True)
+            d = run_point("dense", ctx, bs, args.budget, args.steps)
+            rows.append(d)
+            for x in args.exact_rerank:
+                s = run_point("sas", ctx, bs, args.budget, args.steps, x)
+                rows.append(s)
+                name = "sas" if x == 1 else f"sas X={x}"
+                line = (f"ctx {ctx:5d} bs {bs}: ops/layer dense {d['aten_ops_per_layer']:5.1f} "
+                        f"{name} {s['aten_ops_per_layer']:5.1f}")
+                if args.steps:
+                    dm, sm = d["ms_per_step_all_layers"], s["ms_per_step_all_layers"]
+                    line += f" | ms/step dense {dm:8.2f} {name} {sm:8.2f} | dense/sas {dm / sm:.2f}x"
+                print(line, flush=True)
     from sas_backend.provenance import git_state
 
     commit = git_state()["commit"][:7]

@@ -452,12 +452,13 @@ def attend(ws: DecodeStepWorkspace, q: torch.Tensor, k_buffer: torch.Tensor, v_b
 
 
 def _attend_warps(wide: bool, e5m2: bool, ranked: dict) -> int:
-    """The attend's default num_warps. ptxas (Triton 3.6, sm_90, D = 128) spills at 4 warps where the tiles do not fit:
-    fp32 K/V tiles and e5m2's conversion (8 warps); ranking 128+ candidates (X = 4 at the serve default: ~410 B a
-    thread at 4 warps, none at 8); ranking over fp32 K/V (8 B at 8 warps' 64 registers, none at 16)."""
-    if ranked and wide:
-        return 16
-    return 8 if wide or e5m2 or (ranked and ranked["cp"] >= 128) else 4
+    """The attend's default num_warps. ptxas (Triton 3.6, sm_90) spills at 4 warps where the tiles do not fit: fp32
+    K/V tiles and e5m2's conversion (8 warps); ranking candidates (two levels) beside the attention's tiles, which at 4
+    warps spilled 12 B (X = 2, fp8 K/V) to ~410 B (X = 4) a thread: 8 warps, and 16 over fp32 K/V (8 B at 8
+    warps' 64 registers)."""
+    if ranked:
+        return 16 if wide else 8
+    return 8 if wide or e5m2 else 4
 
 
 def _rank_args(rank, bs: int, h_kv: int, g: int, k: int, selected: torch.Tensor) -> dict:

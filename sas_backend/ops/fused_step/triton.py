@@ -361,10 +361,13 @@ def _attend_kernel(
             kk = tl.arange(0, K_TILE)
             tl.store(sel_row + kk, tl.full([K_TILE], -1, tl.int32),
                      mask=(kk >= tl.sum(kept.to(tl.int32), axis=0)) & (kk < K))
+        # one [CP] vector lives through the loop: each kept block's place above bit 20 and its index below (blocks
+        # < 2**20 a row, 64M tokens), -1 for the rest (fewer live registers: ptxas spilled with three)
+        placed = tl.where(kept, (pos << 20) | cand, -1)
     for e in range(lo, hi):
         # Entries 0..K-1: the selection (ascending, -1 padded); entry K: the current block, always attended.
         if RANKED:
-            blk = tl.max(tl.where(kept & (pos == e), cand, -1), axis=0).to(tl.int64)
+            blk = tl.max(tl.where((placed >> 20) == e, placed & 0xFFFFF, -1), axis=0).to(tl.int64)
         else:
             blk = tl.load(sel_row + e, mask=e < K, other=-1).to(tl.int64)
         blk = tl.where(e == K, cur, blk)
