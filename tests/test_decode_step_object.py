@@ -99,7 +99,7 @@ class World:
         self.geo = StepGeometry(H_KV, G, D, D, DG, budget_blocks, B, sub_blocks)
 
     def step(self, kernels, attention, summaries=None, force_sparse=False, q_dtype=torch.float32,
-             kv_dtype=torch.float32, **settings):
+             kv_dtype=torch.float32, exact_rerank=1, **settings):
         """A `DecodeStep` over this world (summaries: the per-layer pools it reads and updates; default the
         world's own)."""
         return DecodeStep(make_selector("gate", self.rule), self.geo, self.req_to_token, DEVICE, q_dtype, kv_dtype,
@@ -107,7 +107,7 @@ class World:
                           summaries=self.summaries if summaries is None else summaries, gates=self.gates,
                           rope=FixedRopeTables(self.model_table, self.gate_table),
                           anchors=None if self.anchors is None else {lid: self.anchors for lid in range(LAYERS)},
-                          force_sparse=force_sparse)
+                          force_sparse=force_sparse, exact_rerank=exact_rerank)
 
     def batch(self, lens, rows):
         seq = torch.tensor(lens, dtype=torch.int64)
@@ -139,10 +139,12 @@ def test_fused_sparse_layer_is_three_launches(lens):
     assert names == ["_front_kernel", "_select_kernel", "_attend_kernel"] * LAYERS, names
 
 
-def test_fused_step_replays_fixed_grids_over_fixed_buffers():
-    """Captured-batch plans (graph_bs 4) of two unlike steps launch identical grids over identical buffers."""
+@pytest.mark.parametrize("rerank", [1, 2])
+def test_fused_step_replays_fixed_grids_over_fixed_buffers(rerank):
+    """Captured-batch plans (graph_bs 4) of two unlike steps launch identical grids over identical buffers; with two
+    levels (rerank 2) a fourth launch, the rerank's log-sum-exps, which the attend ranks from its fixed workspace."""
     world = World(anchors=2)
-    step = world.step("triton", "triton")
+    step = world.step("triton", "triton", exact_rerank=rerank)
     step.init_graph_state(4, D, DG)
     records = []
     static = None  # the graph runner's static input buffers, refilled in place
@@ -158,13 +160,16 @@ def test_fused_step_replays_fixed_grids_over_fixed_buffers():
         with launches() as seen:
             world.run(step, plan, q)
         records.append(seen)
-    assert len(records[0]) == len(records[1]) == 3 * LAYERS, [n for n, _, _ in records[1]]  # no extra launch
+    launched = ["_front_kernel", "_select_kernel"] + ["_rerank_kernel"] * (rerank > 1) + ["_attend_kernel"]
+    assert [n for n, _, _ in records[0]] == [n for n, _, _ in records[1]] == launched * LAYERS  # no extra launch
     for (n1, g1, p1), (n2, g2, p2) in zip(*records):
         assert n1 == n2 and g1 == g2, (n1, g1, g2)
         moving = {"q_ptr", "out_ptr"}  # the layer's input and its freshly allocated output (graph pool under capture)
         assert {k: v for k, v in p1.items() if k not in moving} == {k: v for k, v in p2.items() if k not in moving}, n1
     ws = step.fused_ws
     assert int(ws.front_counters.abs().sum() + ws.select_counters.abs().sum() + ws.attend_counters.abs().sum()) == 0
+    if rerank > 1:  # the attend ranked: the selection it wrote is the step's persistent buffer
+        assert step.last_selected.data_ptr() == step.rerank_out.data_ptr()
 
 
 @pytest.mark.parametrize("budget,sink,local,anchors,sub", [(3, 1, 1, 0, 1), (4, 0, 0, 2, 1), (40, 0, 0, 0, 1),

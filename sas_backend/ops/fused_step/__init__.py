@@ -431,8 +431,9 @@ def attend(ws: DecodeStepWorkspace, q: torch.Tensor, k_buffer: torch.Tensor, v_b
     # (ptxas spilled 4 B at 4 warps, Triton 3.6, sm_90): 8 warps share the tiles.
     e5m2 = k_buffer.dtype == torch.float8_e5m2
     per = -(-(geo.top_k + 1) // splits)
-    r_ = ranked or dict(lse=out, first=selected, ncand=seq_lens, anchors=selected, rows=selected, C=0, sink=0, local=0,
-                        R=0, consts={})
+    # unranked: never-read placeholders, the step's own fixed buffers (a captured graph replays fixed pointers)
+    r_ = ranked or dict(lse=ws.attend_stats, first=selected, ncand=seq_lens, anchors=selected, rows=selected, C=0,
+                        sink=0, local=0, R=0, consts={})
     kernels._attend_kernel[(bs, h_kv, splits)](
         q, k_buffer, v_buffer, selected, block_table, seq_lens, out,
         ws.attend_stats, ws.attend_partials, ws.attend_counters,
