@@ -10,7 +10,7 @@ what the attention will spend (bench/results/2026-12-06-long-ppl: Qwen2.5-Coder 
 
 - `rerank_blocks(q, k_buffer, first, block_table, num_candidates, k, max_blocks, scale, block_size, ...)`: the K
   blocks `[bs, H_kv, K]` int32; with `key_codes` the keys come from each page's 4-bit codes (`ops.key_codes`,
-  0.28 of the bf16 key bytes; not served yet: docs/launch-budget.md's "cheaper second level").
+  0.28 of the bf16 key bytes; `--sas-rerank-keys int4`).
 - `candidate_lse(...)`: the same level without its select, for the fused attend to rank (`CandidateLse`; the
   Triton launch only): the K chosen inside the attend's programs, so no launch of its own ends in a Top-K.
 - `exact_block_scores(...)`: the torch path's `[bs, H_kv, C]` log-masses (tests, analysis).

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from sas_backend.ops.anchors.torch_path import force_anchors
 from sas_backend.ops.key_codes import decode_pages
 from sas_backend.ops.topk.torch_path import select_among
 
@@ -53,9 +54,9 @@ def rerank_blocks_torch(q, k_buffer, first, block_table, num_candidates, k: int,
     scores of the first level's blocks, anchors among them raised to +inf, `select_blocks`' rule among those blocks
     (`ops.topk.torch_path.select_among`: the row's other blocks hold nothing to rank)."""
     scores = exact_block_scores(q, k_buffer, first, block_table, block_size, scale, k_scale, key_codes)
-    if anchors is not None:  # only the anchors the first level kept (it forced every one in): the candidates' own
-        n = num_candidates.long()[:, None, None, None]
-        hit = (first[..., :, None] == anchors[..., None, :]) & (anchors[..., None, :] >= 0) \
-            & (anchors[..., None, :] < n)
-        scores = scores.masked_fill(hit.any(-1) & (first >= 0), float("inf"))
+    if anchors is not None:  # the anchored candidates (the first level forced every anchor in), by force_anchors' rule
+        bs, h_kv, _ = first.shape
+        raised = force_anchors(torch.zeros(bs, h_kv, max_blocks, device=q.device), anchors, num_candidates)
+        hit = torch.gather(raised, -1, first.clamp_min(0).long()).isinf() & (first >= 0)
+        scores = scores.masked_fill(hit, float("inf"))
     return select_among(scores, first, num_candidates, k, max_blocks, sink_blocks, local_blocks)

@@ -12,6 +12,8 @@ counts as -inf and -0.0 as +0.0, as in the reference. Fixed shapes, no host sync
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -20,26 +22,30 @@ def forced_mask(
 ) -> torch.Tensor:
     """`[bs, max_blocks]` bool: candidate blocks forced in (the first `sink_blocks` blocks and the
     `local_blocks` blocks right before the current one)."""
-    m = torch.arange(max_blocks, device=num_candidates.device)[None, :]
-    n = num_candidates[:, None]
-    sink = m < sink_blocks
-    local = m >= n - local_blocks
-    return (sink | local) & (m < n)
+    return forced_tier(num_candidates, max_blocks, sink_blocks, local_blocks) > 0
 
 
 def forced_tier(
-    num_candidates: torch.Tensor, max_blocks: int, sink_blocks: int, local_blocks: int
+    num_candidates: torch.Tensor, max_blocks: int, sink_blocks: int, local_blocks: int,
+    blocks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """`[bs, max_blocks]` int64 priority tier: 2 = sink, 1 = local, 0 = chosen by score.
+    """`[bs, max_blocks]` int64 priority tier: 2 = sink, 1 = local, 0 = chosen by score (or not a candidate).
 
     A block that is both sink and local is a sink. Tiers matter when more blocks are forced
     than K: sink blocks are kept first (lowest index first), then local blocks nearest the
     current block first, then blocks by score. Forced blocks outrank every score, +inf included.
+    blocks: the tiers of these block indices instead (`[bs, ...]`, -1 = none: tier 0), shaped like them.
+    Tensor arithmetic only (a Python scalar in torch.where costs a host copy per call on CPU, ~20 us).
     """
-    forced = forced_mask(num_candidates, max_blocks, sink_blocks, local_blocks)
-    m = torch.arange(max_blocks, device=num_candidates.device)[None, :]
-    sink = (m < sink_blocks) & forced
-    return torch.where(sink, 2, torch.where(forced, 1, 0)).to(torch.int64)
+    if blocks is None:
+        m = torch.arange(max_blocks, device=num_candidates.device)[None, :]
+    else:
+        m = blocks.long()
+    n = num_candidates.long().view(-1, *([1] * (m.dim() - 1)))
+    candidate = (m >= 0) & (m < n)
+    sink = (m < sink_blocks) & candidate
+    local = (m >= n - local_blocks) & candidate & ~sink
+    return sink.long() * 2 + local.long()
 
 
 _INDEX_BITS = 20  # blocks per request < 2**20 (64M tokens at b = 64)
@@ -83,12 +89,10 @@ def select_among(
     valid = (idx >= 0) & (idx < n)
     key = (order_preserving_bits(scores) << _INDEX_BITS) | (m - 1 - idx)
     if sink_blocks or local_blocks:
-        sink = (idx < sink_blocks) & valid
-        local = (idx >= n - local_blocks) & valid & ~sink
+        tier = forced_tier(num_candidates, m, sink_blocks, local_blocks, blocks=idx)
         # tier 2 sink (lowest index first), 1 local (nearest first), then the score's bits
-        forced_key = ((sink.long() * 2 + local.long()) << (32 + _INDEX_BITS)) | ((idx * local) << _INDEX_BITS) \
-            | (m - 1 - idx)
-        key = torch.where(sink | local, forced_key, key)
+        forced_key = (tier << (32 + _INDEX_BITS)) | ((idx * (tier == 1)) << _INDEX_BITS) | (m - 1 - idx)
+        key = torch.where(tier > 0, forced_key, key)
     key = key.masked_fill(~valid, -1)  # below every candidate's key
     take = min(k, c)
     top = torch.topk(key, take, dim=-1, sorted=False)
