@@ -84,10 +84,13 @@ def build(budget: int, max_ctx: int, max_reqs: int, backend: str, exact_rerank: 
     return sas, req_pool, kv_pool, layers, sas
 
 
-def run_point(backend_name: str, ctx: int, bs: int, budget: int, steps: int, exact_rerank: int = 1) -> dict:
+def run_point(backend_name: str, ctx: int, bs: int, budget: int, steps: int, exact_rerank: int = 1,
+              one_pass: bool = True) -> dict:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     be, req_pool, kv_pool, layers, sas = build(budget, ctx + 2 * B, bs + 1, backend_name, exact_rerank)
+    if sas is not None:  # two levels: rank and attend over one gather (the default off CUDA), or in two passes
+        sas.step.rerank_attends = one_pass
     g = torch.Generator().manual_seed(0)
     for lid in range(LAYERS):
         kv_pool.k_buffer[lid].normal_(generator=g)
@@ -124,6 +127,7 @@ def run_point(backend_name: str, ctx: int, bs: int, budget: int, steps: int, exa
     return {
         "backend": backend_name, "context": ctx, "batch": bs, "budget": budget if sas else None,
         "exact_rerank": exact_rerank if sas else None,
+        "rerank_pass": ("one" if one_pass else "two") if sas is not None and exact_rerank > 1 else None,
         "ms_per_step_all_layers": round(dt * 1e3, 3) if steps else None, "aten_ops_per_layer": round(total / LAYERS, 1),
         "top_ops": dict(counter.counts.most_common(12)),
     }
@@ -137,6 +141,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps; 0 counts ops only (busy machine)")
     ap.add_argument("--exact-rerank", type=int, nargs="+", default=[1], metavar="X",
                     help="sas with one level (1) and / or two (--sas-exact-rerank X), side by side")
+    ap.add_argument("--rerank-passes", nargs="+", default=["one"], choices=["one", "two"],
+                    help="two levels: rank and attend over one gather of the candidates (one, the CPU default) "
+                         "and / or the second level, then the sparse decode (two), side by side")
     ap.add_argument("--label", default="after", help="names the result file (e.g. before / after)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
@@ -147,16 +154,21 @@ def main() -> int:
         for bs in args.batches:
             d = run_point("dense", ctx, bs, args.budget, args.steps)
             rows.append(d)
+            one_level = None
             for x in args.exact_rerank:
-                s = run_point("sas", ctx, bs, args.budget, args.steps, x)
-                rows.append(s)
-                name = "sas" if x == 1 else f"sas X={x}"
-                line = (f"ctx {ctx:5d} bs {bs}: ops/layer dense {d['aten_ops_per_layer']:5.1f} "
-                        f"{name} {s['aten_ops_per_layer']:5.1f}")
-                if args.steps:
-                    dm, sm = d["ms_per_step_all_layers"], s["ms_per_step_all_layers"]
-                    line += f" | ms/step dense {dm:8.2f} {name} {sm:8.2f} | dense/sas {dm / sm:.2f}x"
-                print(line, flush=True)
+                for passes in (args.rerank_passes if x > 1 else ["one"]):
+                    s = run_point("sas", ctx, bs, args.budget, args.steps, x, passes == "one")
+                    rows.append(s)
+                    one_level = s if x == 1 else one_level
+                    name = "sas" if x == 1 else f"sas X={x} ({passes} pass)"
+                    line = (f"ctx {ctx:5d} bs {bs}: ops/layer dense {d['aten_ops_per_layer']:5.1f} "
+                            f"{name} {s['aten_ops_per_layer']:5.1f}")
+                    if args.steps:
+                        dm, sm = d["ms_per_step_all_layers"], s["ms_per_step_all_layers"]
+                        line += f" | ms/step dense {dm:8.2f} {name} {sm:8.2f} | dense/sas {dm / sm:.2f}x"
+                        if x > 1 and one_level is not None:
+                            line += f" | one level / this {one_level['ms_per_step_all_layers'] / sm:.2f}x"
+                    print(line, flush=True)
     from sas_backend.provenance import git_state
 
     commit = git_state()["commit"][:7]

@@ -40,7 +40,7 @@ from sas_backend.backend.step_settings import StepSettings
 from sas_backend.ops import fused_step
 from sas_backend.ops.key_codes import encode_pages
 from sas_backend.ops.late_blocks import list_late_blocks
-from sas_backend.ops.rerank import RerankWorkspace, candidate_lse, rerank_blocks
+from sas_backend.ops.rerank import RerankWorkspace, candidate_lse, rerank_attend, rerank_blocks
 from sas_backend.ops.sparse_decode import make_sparse_decode
 from sas_backend.ops.summary import completed_blocks
 
@@ -139,6 +139,9 @@ class DecodeStep:
                                                  self.device, ranked_rows=ranked)
             self.rerank_out = torch.full((max_rows, geometry.num_kv_heads, self.top_k), -1, dtype=torch.int32,
                                          device=self.device)
+        # Off CUDA the per-op step ranks and attends over one gather of the candidates (`ops.rerank.rerank_attend`);
+        # False: the second level, then the sparse decode over what it kept (what benchmarks compare against).
+        self.rerank_attends = not self.on_device
         # The per-op attention: every step when attention is not "triton", else batches past the workspace.
         self.sparse_decode = make_sparse_decode(
             self.device, geometry.num_kv_heads, geometry.group, geometry.head_dim, self.top_k, self.block_size,
@@ -369,12 +372,13 @@ class DecodeStep:
         summaries = self.summaries[layer_id]
         anchors = None if self.anchors is None else self.anchors[layer_id]
         k_scale, v_scale = self.scales(layer_id)
+        codes = self.key_codes.get(layer_id)
         if plan.fused:
             ws = self.fused_ws
             w_q, q_norm, w_k, k_norm = self.front_weights(gate)
             gq = fused_step.front(ws, q, step.model_cos_sin, step.gate_cos_sin, w_q, q_norm, k_buffer,
                                   self.model_table, self.gate_table, w_k, k_norm, summaries, step.block_table,
-                                  step.seq_lens, k_scale, key_codes=self.key_codes.get(layer_id))
+                                  step.seq_lens, k_scale, key_codes=codes)
             selected = fused_step.select(self.first_ws, gq, summaries, step.block_table, step.num_candidates,
                                          plan.max_blocks, rule.sink_blocks, rule.local_blocks, anchors,
                                          step.req_pool_indices)
@@ -389,17 +393,28 @@ class DecodeStep:
             cands = candidate_lse(q, k_buffer, selected, step.block_table, step.num_candidates, self.scaling,
                                   self.block_size, rule.sink_blocks, rule.local_blocks, anchors,
                                   step.req_pool_indices, k_scale, self.rerank_ws, self.settings.launch,
-                                  key_codes=self.key_codes.get(layer_id))
+                                  key_codes=codes)
             self.last_selected = selected = self.rerank_out[:plan.bs]
             return fused_step.attend(self.fused_ws, q, k_buffer, v_buffer, selected, step.block_table,
                                      step.seq_lens, self.scaling, k_scale=k_scale, v_scale=v_scale, rank=cands)
+        if self.exact_rerank > 1 and self.rerank_attends and not plan.fused and codes is None \
+                and not self._triton_attention(plan.bs):
+            # the torch path: the candidates' keys, gathered once, rank them and are the attention's own
+            if not plan.graph and plan.max_blocks < selected.shape[-1]:  # eager: columns past max_blocks are -1
+                selected = selected[..., : plan.max_blocks]
+            out, kept = rerank_attend(q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,
+                                      step.num_candidates, self.top_k, plan.max_blocks, self.scaling, self.block_size,
+                                      rule.sink_blocks, rule.local_blocks, anchors, step.req_pool_indices, k_scale,
+                                      v_scale)
+            self.last_selected = self.rerank_out[:plan.bs].copy_(kept)
+            return out
         if self.exact_rerank > 1:
             # the fused path launches the kernel on CPU too (Triton's interpreter), as it does its own three
             selected = rerank_blocks(q, k_buffer, selected, step.block_table, step.num_candidates, self.top_k,
                                      plan.max_blocks, self.scaling, self.block_size, rule.sink_blocks,
                                      rule.local_blocks, anchors, step.req_pool_indices, k_scale, self.rerank_ws,
                                      self.rerank_out[:plan.bs], self.settings.launch,
-                                     kernel=True if plan.fused else None, key_codes=self.key_codes.get(layer_id))
+                                     kernel=True if plan.fused else None, key_codes=codes)
         self.last_selected = selected
         if self._triton_attention(plan.bs):
             return fused_step.attend(self.fused_ws, q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,

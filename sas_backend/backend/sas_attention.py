@@ -215,11 +215,21 @@ class SASAttnBackend(AttentionBackend):
             "kv heads x %d dims = %.1f MiB",
             cfg.selector, len(gates), cfg.first_sparse_layer, cfg.budget, self.top_k, self.block_size,
             selector.rule.sink_blocks, selector.rule.local_blocks, anchor_count, selector.rule.sub_blocks,
-            self.step.exact_rerank, (" over 4-bit key codes" if code_head_dim else "") + (
-                ", its top-K in the attend" if self.step.exact_rerank > 1 and self.step.ranks_in_attend(settings)
-                else ""), num_pages,
+            self.step.exact_rerank, (" over 4-bit key codes" if code_head_dim else "") + self._second_level_note(
+                settings, bool(code_head_dim)), num_pages,
             num_kv_heads, summary_dim, summaries.nbytes / 2**20,
         )
+
+    def _second_level_note(self, settings, codes: bool) -> str:
+        """How the second level meets the attention (the launch log): ranked inside the Triton attend, or over the
+        torch path's one gather of the candidates (`ops.rerank.rerank_attend`), or neither (two passes)."""
+        if self.step.exact_rerank == 1:
+            return ""
+        if self.step.ranks_in_attend(settings):
+            return ", its top-K in the attend"
+        if self.step.rerank_attends and not codes and settings.attention != "triton":
+            return ", ranked and attended over one gather"
+        return ""
 
     def _log_memory(self) -> None:
         """What the backend holds beside the KV pool, and (after a launch's reservation) a warning for any

@@ -86,8 +86,9 @@ def test_two_level_decode_matches_the_oracle_under_chunked_prefill_and_radix(rer
 def test_two_levels_are_reported_and_reserved(rerank_run):
     run = rerank_run
     assert run["info"]["config"]["exact_rerank"] == RERANK
-    assert f"exact rerank {RERANK};" in run["log"] and "by their exact attention mass (--sas-exact-rerank 2" in \
-        run["log"], run["log"][-3000:]
+    # on CPU the candidates' keys, gathered once, rank them and are attended (`ops.rerank.rerank_attend`)
+    assert f"exact rerank {RERANK}, ranked and attended over one gather;" in run["log"], run["log"][-3000:]
+    assert "by their exact attention mass (--sas-exact-rerank 2" in run["log"], run["log"][-3000:]
     assert run["memory"]["held"]["exact rerank"] > 0  # the second level's selection buffer, as reserved
 
 

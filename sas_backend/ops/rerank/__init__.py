@@ -11,6 +11,9 @@ what the attention will spend (bench/results/2026-12-06-long-ppl: Qwen2.5-Coder 
 - `rerank_blocks(q, k_buffer, first, block_table, num_candidates, k, max_blocks, scale, block_size, ...)`: the K
   blocks `[bs, H_kv, K]` int32; with `key_codes` the keys come from each page's 4-bit codes (`ops.key_codes`,
   0.28 of the bf16 key bytes; `--sas-rerank-keys int4`).
+- `rerank_attend(q, k_buffer, v_buffer, first, ..., seq_lens, ...)`: the same level and the attention over the K
+  kept in one pass (the torch path off CUDA): the candidates' keys gathered once serve the ranking and the
+  attention's logits; returns the attention `[bs, H_q, Dv]` and the K blocks.
 - `candidate_lse(...)`: the same level without its select, for the fused attend to rank (`CandidateLse`; the
   Triton launch only): the K chosen inside the attend's programs, so no launch of its own ends in a Top-K.
 - `exact_block_scores(...)`: the torch path's `[bs, H_kv, C]` log-masses (tests, analysis).
@@ -28,7 +31,7 @@ from typing import Optional
 import torch
 
 from sas_backend.ops.fused_step import _pow2
-from sas_backend.ops.rerank.torch_path import exact_block_scores, rerank_blocks_torch
+from sas_backend.ops.rerank.torch_path import exact_block_scores, rerank_attend_torch, rerank_blocks_torch
 
 
 class RerankWorkspace:
@@ -142,6 +145,35 @@ def rerank_blocks(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, 
     return res if out is None else out.copy_(res)
 
 
+def rerank_attend(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, first: torch.Tensor,
+                  block_table: torch.Tensor, seq_lens: torch.Tensor, num_candidates: torch.Tensor, k: int,
+                  max_blocks: int, scale: float, block_size: int, sink_blocks: int = 0, local_blocks: int = 0,
+                  anchors: Optional[torch.Tensor] = None, anchor_rows: Optional[torch.Tensor] = None,
+                  k_scale: float = 1.0, v_scale: float = 1.0) -> "tuple[torch.Tensor, torch.Tensor]":
+    """The second level and the decode attention over what it keeps, in one pass (the torch path: off CUDA, where
+    the ranking attend's Triton launch is not the attention).
+
+    The candidates' keys and the current block's are gathered once; their logits rank the candidates by
+    `rerank_blocks`' rule (the same K blocks) and, masked to those K plus the current block, are the attention's
+    (`sparse_decode`: softmax(q K^T * scale * k_scale) V * v_scale over the K blocks' tokens and the current block
+    up to the newest token). So the step reads the candidates' keys once, not again for the attention.
+    Arguments as `rerank_blocks`, plus v_buffer `[slots, H_kv, Dv]` and seq_lens `[bs]`. The first level never
+    holds the current block (`num_candidates` ends before it); C may be below K (a short row's first level cut to
+    its blocks: every candidate kept, the rest -1). Exact keys only: `--sas-rerank-keys int4` ranks by the codes,
+    so its attention reads K anyway. Returns (attention `[bs, H_q, Dv]` in q's dtype, computed in fp32; the K
+    blocks `[bs, H_kv, K]` int32 ascending, -1 padded). Fixed shapes, no host sync."""
+    bs, h_q, d = q.shape
+    h_kv = first.shape[1]
+    if h_q % h_kv or k_buffer.shape[1] != h_kv or k_buffer.shape[2] != d or v_buffer.shape[:2] != k_buffer.shape[:2]:
+        raise ValueError(f"q {tuple(q.shape)}, k_buffer {tuple(k_buffer.shape)}, v_buffer {tuple(v_buffer.shape)} "
+                         f"and first {tuple(first.shape)} disagree on the heads or slots")
+    if k <= 0:
+        raise ValueError(f"K = {k} must be positive")
+    anchors_b = anchors if anchors is None or anchor_rows is None else anchors[anchor_rows.long()]
+    return rerank_attend_torch(q, k_buffer, v_buffer, first, block_table, seq_lens, num_candidates, k, max_blocks,
+                               scale, block_size, sink_blocks, local_blocks, anchors_b, k_scale, v_scale)
+
+
 def candidate_lse(q: torch.Tensor, k_buffer: torch.Tensor, first: torch.Tensor, block_table: torch.Tensor,
                   num_candidates: torch.Tensor, scale: float, block_size: int, sink_blocks: int = 0,
                   local_blocks: int = 0, anchors: Optional[torch.Tensor] = None,
@@ -174,4 +206,5 @@ def _check_codes(key_codes, h_kv: int, block_size: int, d: int) -> None:
                              f"want [pages, {h_kv}, {block_size * d // 2}] uint8 and [pages, {h_kv}, 2, {d}] float16")
 
 
-__all__ = ["CandidateLse", "RerankWorkspace", "candidate_lse", "exact_block_scores", "rerank_blocks"]
+__all__ = ["CandidateLse", "RerankWorkspace", "candidate_lse", "exact_block_scores", "rerank_attend",
+           "rerank_blocks"]

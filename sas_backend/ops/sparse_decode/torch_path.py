@@ -53,8 +53,9 @@ def sparse_decode_padded(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     bs, h_q, d = q.shape
     slots, h_kv, _ = k_buffer.shape
     dv = v_buffer.shape[-1]
-    ks = k_buffer.reshape(slots * h_kv, d)[rows].to(q.dtype)  # [bs, H_kv, L, D]
-    vs = v_buffer.reshape(slots * h_kv, dv)[rows].to(q.dtype)
+    # index_select, not k_buffer[rows]: ~10x faster on CPU for these short rows (2026-12-07-cpu-one-gather)
+    ks = torch.index_select(k_buffer.reshape(slots * h_kv, d), 0, rows.reshape(-1)).view(*rows.shape, d).to(q.dtype)
+    vs = torch.index_select(v_buffer.reshape(slots * h_kv, dv), 0, rows.reshape(-1)).view(*rows.shape, dv).to(q.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.view(bs, h_kv, h_q // h_kv, d), ks, vs, attn_mask=valid[:, :, None, :], scale=scale * k_scale
     )

@@ -77,10 +77,19 @@ def select_among(
     `[bs, H_kv, C]` (ascending, -1 padded; every block < max_blocks); the blocks' forced tiers and tie order are
     those of their block indices, so the K kept are what `select_blocks` keeps over a row holding these scores at
     these blocks and nothing elsewhere. Returns `[bs, H_kv, K]` int32 ascending, -1 padded."""
-    bs, h_kv, c = scores.shape
+    places, kept = select_places(scores, blocks, num_candidates, k, max_blocks, sink_blocks, local_blocks)
+    return blocks_at(blocks, places, kept, k, max_blocks)
+
+
+def select_places(
+    scores: torch.Tensor, blocks: torch.Tensor, num_candidates: torch.Tensor, k: int, max_blocks: int,
+    sink_blocks: int = 0, local_blocks: int = 0,
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """`select_among`'s choice as places in the candidate list: (places `[bs, H_kv, min(K, C)]` int64 indices
+    into the C candidates, in no order; kept `[bs, H_kv, min(K, C)]` bool, False where a row had fewer
+    candidates than K and the place holds none). Arguments as `select_among`."""
+    c = scores.shape[-1]
     m = int(max_blocks)
-    if k <= 0:
-        return torch.full((bs, h_kv, 0), -1, dtype=torch.int32, device=scores.device)
     if m >= 2**_INDEX_BITS:
         raise ValueError(f"select_blocks_torch supports fewer than {2**_INDEX_BITS} blocks, got {m}")
     # Tensor-only where / masked_fill: a Python scalar in torch.where costs a host copy per call on CPU (~20 us).
@@ -94,12 +103,18 @@ def select_among(
         forced_key = (tier << (32 + _INDEX_BITS)) | ((idx * (tier == 1)) << _INDEX_BITS) | (m - 1 - idx)
         key = torch.where(tier > 0, forced_key, key)
     key = key.masked_fill(~valid, -1)  # below every candidate's key
-    take = min(k, c)
-    top = torch.topk(key, take, dim=-1, sorted=False)
-    chosen = torch.gather(idx, -1, top.indices).masked_fill(top.values < 0, m)  # m sorts behind every real block
+    top = torch.topk(key, min(max(k, 0), c), dim=-1, sorted=False)
+    return top.indices, top.values >= 0
+
+
+def blocks_at(blocks: torch.Tensor, places: torch.Tensor, kept: torch.Tensor, k: int, max_blocks: int) -> torch.Tensor:
+    """The blocks `[bs, H_kv, C]` at `select_places`' places: `[bs, H_kv, K]` int32 ascending, -1 padded."""
+    bs, h_kv, take = places.shape
+    m = int(max_blocks)
+    chosen = torch.gather(blocks.long(), -1, places).masked_fill(~kept, m)  # m sorts behind every real block
     chosen = torch.sort(chosen, dim=-1).values
     chosen = chosen.masked_fill(chosen == m, -1).to(torch.int32)
     if take < k:
-        pad = torch.full((bs, h_kv, k - take), -1, dtype=torch.int32, device=scores.device)
+        pad = torch.full((bs, h_kv, k - take), -1, dtype=torch.int32, device=blocks.device)
         chosen = torch.cat([chosen, pad], dim=-1)
     return chosen
