@@ -8,6 +8,7 @@ attention step alone (what the backend adds to a decode step). Beside it, SGLang
 
     .venv/bin/python bench/profile_decode_step.py                    # writes bench/results/
     .venv/bin/python bench/profile_decode_step.py --contexts 1024 7680 --batches 1 8 --budget 512
+    .venv/bin/python bench/profile_decode_step.py --contexts 7680 --exact-rerank 1 2 --rerank-passes one two
 
 It drives only the backend's public hooks (`init_forward_metadata`, `forward_decode`), so the same
 script profiles an older commit of the backend too (`--label before`).
