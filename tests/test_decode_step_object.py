@@ -196,6 +196,36 @@ def test_fused_step_equals_the_per_op_step(budget, sink, local, anchors, sub):
             torch.testing.assert_close(summ[lid], ref_summ[lid], rtol=1e-5, atol=1e-5, msg=str(key))
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the torch path's one pass runs off CUDA")
+@pytest.mark.parametrize("graph_bs", [None, 5], ids=["eager", "graph"])
+def test_two_levels_in_one_pass_equal_two_passes_and_the_fused_step(graph_bs):
+    """`--sas-exact-rerank 2` on the per-op torch path: the one pass (`ops.rerank.rerank_attend`, the CPU default)
+    keeps the blocks the second level then the sparse decode keep (`rerank_attends` False) and the fused Triton
+    step's ranking attend keeps, and attends the same, eager (the first level cut to the plan's widest row) and
+    planned for a captured batch (full width, padded rows); rows with fewer candidates than 2 x K and than K."""
+    world = World(3, 1, 1, 2, seed=21)
+    inp, q = world.batch([64, 257, 9, 130, 200], [0, 1, 2, 3, 4])
+    results = {}
+    for name, kernels, attention, one_pass in (("one pass", "torch", "torch", True),
+                                               ("two passes", "torch", "torch", False),
+                                               ("fused", "triton", "triton", True)):
+        step = world.step(kernels, attention, [s.clone() for s in world.summaries], force_sparse=True,
+                          exact_rerank=2)
+        step.rerank_attends = one_pass
+        if graph_bs:
+            step.init_graph_state(graph_bs, D, DG)
+        captured = graph_bs if kernels == "torch" else None
+        plan = _plan(step, world, inp, graph_bs=captured)
+        if captured:
+            step.fill(plan)
+        results[name] = world.run(step, plan, q)
+    ref = results["two passes"]
+    for name, got in results.items():
+        for lid in range(LAYERS):
+            assert torch.equal(got[lid][1], ref[lid][1]), (name, lid)
+            torch.testing.assert_close(got[lid][0], ref[lid][0], rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="FlashInfer's attention path needs CUDA")
 def test_triton_attention_equals_flashinfer_attention():
