@@ -399,13 +399,13 @@ class DecodeStep:
                                      step.seq_lens, self.scaling, k_scale=k_scale, v_scale=v_scale, rank=cands)
         if self.exact_rerank > 1 and self.rerank_attends and not plan.fused and codes is None \
                 and not self._triton_attention(plan.bs):
-            # the torch path: the candidates' keys, gathered once, rank them and are the attention's own
+            # the torch path: the candidates' keys, gathered once, rank them and are the attention's own (the
+            # anchors: the batch's rows the first level read)
             if not plan.graph and plan.max_blocks < selected.shape[-1]:  # eager: columns past max_blocks are -1
                 selected = selected[..., : plan.max_blocks]
             out, kept = rerank_attend(q, k_buffer, v_buffer, selected, step.block_table, step.seq_lens,
                                       step.num_candidates, self.top_k, plan.max_blocks, self.scaling, self.block_size,
-                                      rule.sink_blocks, rule.local_blocks, anchors, step.req_pool_indices, k_scale,
-                                      v_scale)
+                                      rule.sink_blocks, rule.local_blocks, rows, None, k_scale, v_scale)
             self.last_selected = self.rerank_out[:plan.bs].copy_(kept)
             return out
         if self.exact_rerank > 1:
