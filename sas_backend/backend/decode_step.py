@@ -198,6 +198,12 @@ class DecodeStep:
         Triton attention): the rerank kernel then keeps every (row, kv head)'s log-sum-exps for the fused rows."""
         return settings.attention == "triton" and settings.launch.rank_in_attend
 
+    def attends_in_rerank(self, fused: bool, triton_attention: bool, codes: bool) -> bool:
+        """Whether the second level and the attention run as one torch pass (`ops.rerank.rerank_attend`): two
+        levels, `rerank_attends` (off CUDA), the per-op selection and attention, exact keys (4-bit codes rank from
+        the codes, so their attention reads K anyway). `run` and the launch log decide by this one rule."""
+        return self.exact_rerank > 1 and self.rerank_attends and not fused and not triton_attention and not codes
+
     @classmethod
     def rerank_bytes_for(cls, exact_rerank: int, num_kv_heads: int, group: int, top_k: int, max_rows: int,
                          on_device: bool, fused: bool, first_workspace_bytes: int = 0, ranked: bool = False) -> int:
@@ -397,8 +403,7 @@ class DecodeStep:
             self.last_selected = selected = self.rerank_out[:plan.bs]
             return fused_step.attend(self.fused_ws, q, k_buffer, v_buffer, selected, step.block_table,
                                      step.seq_lens, self.scaling, k_scale=k_scale, v_scale=v_scale, rank=cands)
-        if self.exact_rerank > 1 and self.rerank_attends and not plan.fused and codes is None \
-                and not self._triton_attention(plan.bs):
+        if self.attends_in_rerank(plan.fused, self._triton_attention(plan.bs), codes is not None):
             # the torch path: the candidates' keys, gathered once, rank them and are the attention's own (the
             # anchors: the batch's rows the first level read)
             if not plan.graph and plan.max_blocks < selected.shape[-1]:  # eager: columns past max_blocks are -1

@@ -227,7 +227,7 @@ class SASAttnBackend(AttentionBackend):
             return ""
         if self.step.ranks_in_attend(settings):
             return ", its top-K in the attend"
-        if self.step.rerank_attends and not codes and settings.attention != "triton":
+        if self.step.attends_in_rerank(settings.kernels == "triton", settings.attention == "triton", codes):
             return ", ranked and attended over one gather"
         return ""
 
