@@ -41,6 +41,7 @@ MERGE_PASS_US = 0.75  # 2026-11-27: the merge-select kernel's 5.0 us less a grap
 FENCE_US = 1.0
 RANK_US = 0.3  # an assumption (not calibrated): one program ranking X x K scores against each other in registers
 INT4_KEY_BYTES = 0.5 + 4 / 64  # a key value at 4 bits, plus fp16 min and step per channel and 64-token block
+INT4_SUMMARY_BYTES = 0.5 + 4 / 128  # a summary value at 4 bits, plus fp16 min and step per run summary of Dg = 128
 # Qwen3-4B attention: 36 layers, 32 q / 8 kv heads, d 128, gate dim 128, block 64, bf16 K/V, fp32 gate weights.
 LAYERS, H_KV, G, D, DG, B = 36, 8, 4, 128, 128, 64
 CONTEXTS = (8192, 32768, 65536, 131072, 262144)
@@ -199,8 +200,9 @@ def markdown() -> str:
                 f"{by[c, b][2]:.1f}x ({verdict(by[c, b][2] >= want)})"
                 for c, b, want in speed]
     targets.append("")
-    return "\n".join(out[:9] + ["## Summary", ""] + head + table + targets + sub_block_section() + rerank_section()
-                     + cheaper_rerank_section() + fp8_section() + marks_section() + out[9:]).rstrip() + "\n"
+    sections = (sub_block_section() + rerank_section() + cheaper_rerank_section() + int4_summary_section()
+                + fp8_section() + marks_section())
+    return "\n".join(out[:9] + ["## Summary", ""] + head + table + targets + sections + out[9:]).rstrip() + "\n"
 
 
 SUB_BLOCKS = 4  # the candidate of issue 63 (docs/quality.md, "Long-context retrieval")
@@ -341,6 +343,47 @@ def cheaper_rerank_section() -> list:
         f"{label} {worst[label]:.2f}x ({'expected met' if worst[label] <= 1.3 else 'expected MISSED'})"
         for label, *_ in CHEAPER) + ". A second launch of its own costs its floor and its select of K even when it "
         "reads nothing (the second column, X = 2): at batch 1 that alone is past 1.3x.", ""]
+    return out
+
+
+# (label, kernel_rows keywords) of `int4_summary_section`: bf16 summaries unless named, the attend ranking.
+INT4_SUMMARIES = (
+    ("4 sub-blocks, bf16", dict(sub_blocks=SUB_BLOCKS)),
+    ("4 sub-blocks, 4-bit", dict(sub_blocks=SUB_BLOCKS, summary_bytes=INT4_SUMMARY_BYTES)),
+    ("X = 2 over 4 sub-blocks, bf16 summaries and keys", dict(sub_blocks=SUB_BLOCKS, rerank=2, rank_in_attend=True)),
+    ("X = 2 over 4 sub-blocks, 4-bit summaries and keys", dict(sub_blocks=SUB_BLOCKS, rerank=2, rank_in_attend=True,
+                                                               summary_bytes=INT4_SUMMARY_BYTES,
+                                                               rerank_key_bytes=INT4_KEY_BYTES)),
+)
+
+
+def int4_summary_section() -> list:
+    """What sub-block summaries stored at 4 bits would cost (a screen, not served: docs/quality.md has its quality):
+    each run summary's Dg values as 4-bit codes with its own fp16 min and step, so 4 of them a block read about one
+    bf16 summary's bytes; alone and as the first level of X = 2 over 4-bit keys with the attend ranking; against one
+    level with one bf16 summary a block."""
+    out = ["## 4-bit sub-block summaries (a screen, not served)", "",
+           f"Select reads {SUB_BLOCKS} run summaries a block as 4-bit codes with each summary's fp16 min and step "
+           f"({INT4_SUMMARY_BYTES:.4f} bytes a value instead of 2: {SUB_BLOCKS} of them "
+           f"{SUB_BLOCKS * INT4_SUMMARY_BYTES / 2:.2f}x one bf16 summary's bytes); the codes' unpacking is not "
+           "counted (a few ALU operations a value in a "
+           "bandwidth-bound loop). Gate weights bf16, amortized over 64 steps; ratio against one level, one bf16 "
+           "summary a block:", "",
+           "| context | batch | one level us | " + " | ".join(f"{label}, ratio" for label, _ in INT4_SUMMARIES) + " |",
+           "| ---: | ---: | ---: | " + " | ".join("---:" for _ in INT4_SUMMARIES) + " |"]
+    worst = {label: 0.0 for label, _ in INT4_SUMMARIES}
+    for bs in BATCHES:
+        for ctx in CONTEXTS:
+            one = steady_and_amortized(ctx, bs, summary_bytes=2, weight_bytes=2)[1]
+            cells = []
+            for label, kw in INT4_SUMMARIES:
+                got = steady_and_amortized(ctx, bs, **{"summary_bytes": 2, "weight_bytes": 2, **kw})[1]
+                worst[label] = max(worst[label], got / one)
+                cells.append(f"{got / one:.2f}")
+            out.append(f"| {ctx // 1024}K | {bs} | {one:.1f} | " + " | ".join(cells) + " |")
+    out += ["", "Worst over 8K-256K against issue 63's 1.3x: " + ", ".join(
+        f"{label} {worst[label]:.2f}x ({'expected met' if worst[label] <= 1.3 else 'expected MISSED'})"
+        for label, _ in INT4_SUMMARIES) + ".", ""]
     return out
 
 

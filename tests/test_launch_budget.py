@@ -51,3 +51,19 @@ def test_cheaper_second_level_designs_change_only_what_they_name():
     nothing = {n: t for n, _, _, _, t in launch_budget.kernel_rows(8192, 1, 2, 2, rerank=2, rerank_key_bytes=0,
                                                                  rank_in_attend=True)}
     assert nothing["rerank"] == launch_budget.FLOOR_US
+
+
+def test_four_bit_summaries_scale_only_what_select_reads():
+    """4-bit sub-block summaries (docs/launch-budget.md, a screen): select's bytes scale by INT4_SUMMARY_BYTES / 2
+    and no other kernel's row changes; 4 of them a block read about one bf16 summary's bytes."""
+    def rows(summary_bytes):
+        return {n: (b, t) for n, _, b, _, t in launch_budget.kernel_rows(
+            262144, 8, summary_bytes, 2, sub_blocks=4, rerank=2, rank_in_attend=True)}
+
+    bf16, int4 = rows(2), rows(launch_budget.INT4_SUMMARY_BYTES)
+    cand = (262144 - 1) // launch_budget.B
+    marks = 8 * cand * 8  # the rows' validity / position bytes select reads beside the summaries
+    assert int4["select"][0] - marks == (bf16["select"][0] - marks) * launch_budget.INT4_SUMMARY_BYTES / 2
+    assert int4["select"][1] < bf16["select"][1]
+    assert {n: v for n, v in int4.items() if n != "select"} == {n: v for n, v in bf16.items() if n != "select"}
+    assert 1.0 < 4 * launch_budget.INT4_SUMMARY_BYTES / 2 < 1.1

@@ -60,13 +60,14 @@ CANDIDATE_PATTERN = re.compile(
 # `group` instead of `exact` (a screen, not served): the second level chooses inside fixed groups of X first-level
 # candidates (`grouped_second_level`), a rule an attend launch can apply split by split with no global top-K.
 # `tier` (the same, groups formed without sorting: `tier_groups`).
-GATE_EXACT_PATTERN = re.compile(r"^gate(?:sub(\d+))?c(\d+)(exact|group|tier)(?:q(\d+))?$")
+# `s<bits>` last (a screen, not served): the gate's summaries stored at that many bits (`quantize_summaries`).
+GATE_EXACT_PATTERN = re.compile(r"^gate(?:sub(\d+))?c(\d+)(exact|group|tier)(?:q(\d+))?(?:s(\d+))?$")
 
 
 def is_candidate(name: str) -> bool:
     """Whether `name` names a candidate selector (`exactmax`, `exactmass`, `pairs<R>`, `pca<R>`, `pca<R>mass`,
     `keys<R>`, `keys<R>mass`, `gatesub<S>`, `questsub<S>`, `gatesub<S>c<X>`, `gatec<X>exact`,
-    `gatesub<S>c<X>exact`, `group` for `exact` and `q<bits>` after either)."""
+    `gatesub<S>c<X>exact`, `group` for `exact`, and `q<bits>` then `s<bits>` after either)."""
     return bool(CANDIDATE_PATTERN.match(name) or GATE_EXACT_PATTERN.match(name))
 
 
@@ -89,6 +90,18 @@ def rerank_key_bits(name: str) -> Optional[int]:
     bits = int(match.group(4))
     if not 1 <= bits <= 8:
         raise ValueError(f"{name}: key bits must be 1-8")
+    return bits
+
+
+def summary_bits(name: str) -> Optional[int]:
+    """`bits` of `gate...c<X>exact[q<b>]s<bits>` (the gate scores `quantize_summaries(summaries, bits)`), else
+    None."""
+    match = GATE_EXACT_PATTERN.match(name)
+    if match is None or match.group(5) is None:
+        return None
+    bits = int(match.group(5))
+    if not 1 <= bits <= 8:
+        raise ValueError(f"{name}: summary bits must be 1-8")
     return bits
 
 
@@ -190,6 +203,20 @@ def quantize_keys(keys: torch.Tensor, bits: int, block_size: int) -> torch.Tenso
     step = ((hi - lo) / levels).clamp_min(1e-8)
     q = ((x - lo) / step).round().clamp(0, levels)
     return (q * step + lo).view(-1, *keys.shape[1:])[:t].to(keys.dtype)
+
+
+def quantize_summaries(summaries: torch.Tensor, bits: int, width: int) -> torch.Tensor:
+    """`summaries` `[NB, H_kv, S]` (S = runs x `width`, each run's summary `width` wide) rounded to `bits` bits per
+    value, asymmetric per run summary: each stores its min and step, rounded to fp16 as a pool would keep them, so a
+    summary of Dg values costs Dg x bits / 8 + 4 bytes (4 bits, Dg 128: 0.53 bytes a value against bf16's 2).
+    Returned dequantized, fp32, same shape."""
+    nb, h, s = summaries.shape
+    x = summaries.float().reshape(nb, h, s // width, width)
+    lo = x.amin(dim=-1, keepdim=True).half().float()
+    levels = 2 ** bits - 1
+    step = ((x.amax(dim=-1, keepdim=True) - lo) / levels).half().float()
+    codes = torch.where(step > 0, torch.floor((x - lo) / step.clamp_min(1e-30) + 0.5), torch.zeros_like(x))
+    return (lo + step * codes.clamp(0, levels)).reshape(nb, h, s)
 
 
 def candidate_mask(positions: torch.Tensor, width: int, block_size: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from sas_backend.gate.module import AttnGate
 from sas_backend.hf.causal import causal_sdpa
 from sas_backend.hf.candidates import (
     candidate_scores, gate_exact_factor, grouped_second_level, grouping, is_candidate, is_grouped, keep_first_level,
-    quantize_keys, rerank_key_bits, sub_block_alias, two_level_factor,
+    quantize_keys, quantize_summaries, rerank_key_bits, sub_block_alias, summary_bits, two_level_factor,
 )
 from sas_backend.ops.anchors import block_mass, force_anchors, top_anchors
 from sas_backend.ops.rerank import rerank_blocks
@@ -162,6 +162,8 @@ def _block_scores(spec, layer_idx, q_post, k_post, positions, model_table, gate_
     summaries = selector.summarize(gate, k_post, pages, pages * b, model_table, gate_table)  # [NB, H_kv, S]
     if spec.summary_dtype != torch.float32:  # stored in the pool's dtype, read back as fp32 for the score
         summaries = summaries.to(spec.summary_dtype).float()
+    if summary_bits(spec.selector) is not None:  # the candidate's summaries stored in that many bits
+        summaries = quantize_summaries(summaries, summary_bits(spec.selector), summaries.shape[-1] // sub_blocks)
     block_table = (torch.arange(m + 1, device=q_post.device) * b).expand(positions.numel(), -1)
     gate_rows = gate_table[positions] if gate_table is not None else None
     scores = selector.scores(gate, q_post, model_table[positions], gate_rows, summaries, block_table, n_cand, m)

@@ -245,6 +245,43 @@ def test_quantized_keys_round_each_block_and_channel_to_its_own_range():
     assert (quantize_keys(keys, 4, B) - keys).abs().mean() < (quantize_keys(keys, 2, B) - keys).abs().mean()
 
 
+def test_quantized_summaries_round_each_run_summary_to_its_own_range():
+    """quantize_summaries: each run's summary (width values of one block and kv head) lands on 2^bits - 1 even steps
+    from its own min (fp16-rounded, as a pool keeps it), within half a step of the input plus that rounding; and
+    gate...c<X>exact[q<b>]s<bits> scores the gate over those summaries: the selection of `s8` is the unquantized
+    one's in this world, `s1` changes it."""
+    from sas_backend.hf.candidates import quantize_summaries, summary_bits
+
+    torch.manual_seed(6)
+    runs, width = 4, 16
+    summ = torch.randn(5, 2, runs * width) * torch.linspace(0.1, 4.0, runs * width)
+    for bits in (2, 4, 8):
+        got = quantize_summaries(summ, bits, width)
+        assert got.shape == summ.shape and got.dtype == torch.float32
+        x, out = summ.view(5, 2, runs, width), got.view(5, 2, runs, width)
+        lo = x.amin(-1, keepdim=True).half().float()
+        step = ((x.amax(-1, keepdim=True) - lo) / (2 ** bits - 1)).half().float()
+        assert ((out - x).abs() <= step / 2 + (x.amin(-1, keepdim=True) - lo).abs() + 1e-5).all()
+        levels = (out - lo) / step
+        assert torch.allclose(levels, levels.round(), atol=1e-3) and (levels >= -1e-3).all()
+        assert (levels <= 2 ** bits - 1 + 1e-3).all()
+    assert (quantize_summaries(summ, 4, width) - summ).abs().mean() < \
+        (quantize_summaries(summ, 2, width) - summ).abs().mean()
+    constant = torch.full((1, 1, width), 0.5)
+    assert torch.equal(quantize_summaries(constant, 4, width), constant)  # step 0: the min itself
+    assert summary_bits("gatesub16c2exactq4s4") == 4 and summary_bits("gatec2exacts2") == 2
+    assert summary_bits("gatec2exactq4") is None and is_candidate("gatesub16c2exactq4s4")
+    with pytest.raises(ValueError, match="summary bits"):
+        summary_bits("gatec2exacts9")
+    gate, table, gtable, q, k, positions = _two_level_world(4)
+    spec = lambda name: SparseEvalSpec(top_k=2, block_size=B, selector=name, gates={0: gate},  # noqa: E731
+                                       sub_blocks=4)
+    plain = select_for_queries(spec("gatec2exact"), 0, q, k, positions, table, gtable)
+    assert torch.equal(select_for_queries(spec("gatec2exacts8"), 0, q, k, positions, table, gtable), plain)
+    first = block_scores(spec("gatec2exact"), 0, q, k, positions, table, gtable)
+    assert not torch.equal(block_scores(spec("gatec2exacts1"), 0, q, k, positions, table, gtable), first)
+
+
 @pytest.mark.parametrize("rule", ["group", "tier"])
 def test_grouped_second_level_keeps_the_best_of_each_group(rule):
     """gatec<X>group / gatec<X>tier: the gate keeps each row's X x K blocks (forced ones in); the non-forced ones,
