@@ -563,7 +563,8 @@ def block_smollm2_quality_report(page: pathlib.Path) -> str:
 
 RULER_DIR = "2026-12-03-ruler"
 RULER = (f"{RULER_DIR}/ruler-2026-12-03-smollm2-4k.json", f"{RULER_DIR}/ruler-2026-12-03-smollm2-8k.json",
-         f"{RULER_DIR}/ruler-2026-12-03-qwen-16k.json", "2026-12-06-ruler-sub4/ruler-2026-12-06-qwen-16k-sub4.json")
+         f"{RULER_DIR}/ruler-2026-12-03-qwen-16k.json", "2026-12-06-ruler-sub4/ruler-2026-12-06-qwen-16k-sub4.json",
+         "2026-12-08-ruler-rerank-int4/ruler-2026-12-08-qwen-16k-rerank2-int4.json")
 MODEL_NAMES = {"models/SmolLM2-135M-Instruct": "SmolLM2-135M",
                "models/Qwen2.5-Coder-0.5B-Instruct": "Qwen2.5-Coder-0.5B"}
 
@@ -577,13 +578,16 @@ def block_ruler(page: pathlib.Path) -> str:
         tasks += [t for t in rec["tasks"] if t not in tasks]
     lines = ["| model | length | samples a task | server | " + " | ".join(tasks) + " | mean | tasks != dense |",
              "|---|---:|---:|---|" + "---:|" * (len(tasks) + 2)]
+    shown = set()  # a dense row a later record resumed from an earlier one (same commit) is listed once
     for rel, rec in zip(RULER, recs):
         for length in map(str, rec["lengths"]):
             differ = ruler.tasks_differing(rec["rows"], rec["tasks"], length)
             for row in rec["rows"]:
                 scores = row["scores"].get(length)
-                if scores is None:
+                same = (rec["model"], length, rec["limit"], row["server"], row.get("commit"), str(scores))
+                if scores is None or (row["server"] == "dense" and same in shown):
                     continue
+                shown.add(same)
                 cells = [f"{scores[t]:.2f}" if t in scores else "not run" for t in tasks]
                 mean = ruler.mean_score(scores, rec["tasks"])
                 diff = "" if row["server"] == "dense" else f"{differ[row['server']]} of {len(rec['tasks'])}"
