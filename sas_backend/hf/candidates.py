@@ -82,27 +82,26 @@ def gate_exact_factor(name: str) -> Optional[int]:
     return int(match.group(2))
 
 
+def _bits(name: str, group: int, what: str) -> Optional[int]:
+    """The bit count in GATE_EXACT_PATTERN's `group` of `name` (1-8), else None."""
+    match = GATE_EXACT_PATTERN.match(name)
+    if match is None or match.group(group) is None:
+        return None
+    bits = int(match.group(group))
+    if not 1 <= bits <= 8:
+        raise ValueError(f"{name}: {what} bits must be 1-8")
+    return bits
+
+
 def rerank_key_bits(name: str) -> Optional[int]:
     """`bits` of `gate...c<X>exactq<bits>` (the second level reads `quantize_keys(k, bits)`), else None."""
-    match = GATE_EXACT_PATTERN.match(name)
-    if match is None or match.group(4) is None:
-        return None
-    bits = int(match.group(4))
-    if not 1 <= bits <= 8:
-        raise ValueError(f"{name}: key bits must be 1-8")
-    return bits
+    return _bits(name, 4, "key")
 
 
 def summary_bits(name: str) -> Optional[int]:
     """`bits` of `gate...c<X>exact[q<b>]s<bits>` (the gate scores `quantize_summaries(summaries, bits)`), else
     None."""
-    match = GATE_EXACT_PATTERN.match(name)
-    if match is None or match.group(5) is None:
-        return None
-    bits = int(match.group(5))
-    if not 1 <= bits <= 8:
-        raise ValueError(f"{name}: summary bits must be 1-8")
-    return bits
+    return _bits(name, 5, "summary")
 
 
 def is_grouped(name: str) -> bool:
