@@ -41,9 +41,9 @@ MERGE_PASS_US = 0.75  # 2026-11-27: the merge-select kernel's 5.0 us less a grap
 FENCE_US = 1.0
 RANK_US = 0.3  # an assumption (not calibrated): one program ranking X x K scores against each other in registers
 INT4_KEY_BYTES = 0.5 + 4 / 64  # a key value at 4 bits, plus fp16 min and step per channel and 64-token block
-INT4_SUMMARY_BYTES = 0.5 + 4 / 128  # a summary value at 4 bits, plus fp16 min and step per run summary of Dg = 128
 # Qwen3-4B attention: 36 layers, 32 q / 8 kv heads, d 128, gate dim 128, block 64, bf16 K/V, fp32 gate weights.
 LAYERS, H_KV, G, D, DG, B = 36, 8, 4, 128, 128, 64
+INT4_SUMMARY_BYTES = 0.5 + 4 / DG  # a summary value at 4 bits, plus fp16 min and step per run summary of Dg values
 CONTEXTS = (8192, 32768, 65536, 131072, 262144)
 BATCHES = (1, 8)
 BUDGET = 2048
